@@ -1,0 +1,54 @@
+"""``megatron-hsp`` entry point: dispatches to ``megatron_hsp.commands.<name>``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from megatron_hsp import __version__
+from megatron_hsp.planner.errors import HSPError
+
+# name -> one-line help. Each module defines add_arguments(parser) and run(args) -> int.
+COMMANDS: dict[str, str] = {
+    "plan": "plan one global batch and print the Plan (table or --json)",
+    "bench": "compare hsp with static/adaptive/megatron baselines over many batches",
+    "selftest": "check distributed loss and gradients against one process (gloo, CPU)",
+    "demo": "train a small GPT on CPU ranks with adaptive groups (the main job)",
+}
+
+
+def _module(name: str):
+    return importlib.import_module(f"megatron_hsp.commands.{name.replace('-', '_')}")
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-hsp",
+        description="Heterogeneity-adaptive sequence parallelism for Megatron-LM.",
+    )
+    parser.add_argument("--version", action="version", version=f"megatron-hsp {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    # Only the chosen subcommand's module is imported (torch stays out of plan/bench).
+    chosen = next((a for a in argv if a in COMMANDS), None)
+    for name, help_text in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            _module(name).add_arguments(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    try:
+        return int(_module(args.command).run(args) or 0)
+    except HSPError as exc:
+        print(f"megatron-hsp {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Thin Megatron-LM integration: flags, layer spec, data, launcher and the listed patches."""
