@@ -196,7 +196,9 @@ class Plan:
             if missing:
                 out.append(f"micro-batch {i}: ranks {_short(missing)} are in no group")
             if extra:
-                out.append(f"micro-batch {i}: ranks {_short(extra)} are outside 0..{self.world_size - 1}")
+                out.append(
+                    f"micro-batch {i}: ranks {_short(extra)} are outside 0..{self.world_size - 1}"
+                )
         twice = sorted(s for s, c in seen.items() if c > 1)
         if twice:
             out.append(f"sequences {_short(twice)} are scheduled more than once")
