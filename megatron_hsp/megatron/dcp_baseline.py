@@ -26,6 +26,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
 from megatron_hsp.planner.baselines import plan_from_layout
 from megatron_hsp.planner.costmodel import CostModel
@@ -94,8 +95,6 @@ def megatron_dcp_plan(
     lengths: Sequence[int] | np.ndarray, cost: CostModel, cluster: Cluster
 ) -> Plan:
     """Schedule one global batch with megatron-core's ``BalancedCPScheduler``."""
-    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
-
     lens = np.asarray(lengths, dtype=np.int64)
     if lens.size == 0:
         raise InputError("the global batch is empty; nothing to plan")
