@@ -74,6 +74,8 @@ def table_line(row: dict, result: dict) -> str:
     hsp = total.get("hsp")
 
     def sp(name: str) -> str:
+        if m.get(name, {}).get("infeasible_batches"):
+            return f"OOM on {m[name]['infeasible_batches']}/{row['steps']}"
         if name not in total:
             return "n/a"
         base = f"{total[name]:.1f}s"

@@ -168,3 +168,31 @@ def test_bench_hsp_summary(tmp_path):
     s = json.loads(out.read_text())["summary"]
     assert s["speedup_vs_static_best"] > 0 and s["gap_to_lower_bound"] >= 0
     assert s["solve_ms_p50"] is not None and s["all_plans_valid"] is True
+
+
+def test_bench_reports_infeasible_static_degree(tmp_path, capsys):
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("\n".join(["300"] * 15 + ["20000"]) + "\n")
+    out = tmp_path / "b.json"
+    argv = [
+        "bench",
+        "--lengths",
+        str(lengths),
+        "--gpus",
+        "8",
+        "--global-batch",
+        "8",
+        "--steps",
+        "2",
+        "--methods",
+        "static-1,static-8,static-best",
+        "--json",
+        str(out),
+    ]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["methods"]["static-1"]["infeasible_batches"] == 1
+    assert r["methods"]["static-1"]["step_ms"][1] is None
+    assert "static-1" not in r["summary"]["total_step_s"]
+    assert r["methods"]["static-best"]["degree"] != 1
+    assert "infeasible on 1 of 2 batches" in capsys.readouterr().out

@@ -75,6 +75,12 @@ def format_bench(result: dict) -> str:
     ]
     for name, res in methods.items():
         steps = res["step_ms"]
+        if res.get("infeasible_batches"):
+            lines.append(
+                f"{name:<18} infeasible on {res['infeasible_batches']} of {len(steps)} batches: "
+                f"{res['infeasible_reason']}"
+            )
+            continue
         total = sum(steps) / 1e3
         speed = f"{total / hsp_total:.3f}x" if hsp_total and name != "hsp" else "-"
         solve = sorted(res.get("solve_ms", []))

@@ -21,7 +21,7 @@ import numpy as np
 
 from megatron_hsp.planner.baselines import batchada_plan, static_best_degree, static_plan
 from megatron_hsp.planner.costmodel import CostModel
-from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.lengths import GlobalBatch
 from megatron_hsp.planner.plan import Plan
 from megatron_hsp.planner.topology import Cluster
@@ -84,12 +84,19 @@ def parse_methods(text: str | Sequence[str]) -> list[str]:
 
 @dataclass
 class MethodResult:
-    step_ms: list[float] = field(default_factory=list)
+    # None where the method cannot plan that batch under the memory cap (e.g. static-32 with a
+    # sequence longer than 32 ranks hold); such a method gets no total and no speedup.
+    step_ms: list[float | None] = field(default_factory=list)
     solve_ms: list[float] = field(default_factory=list)
     microbatches: list[int] = field(default_factory=list)
     valid: list[bool] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    infeasible: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return not self.infeasible
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"step_ms": self.step_ms, "solve_ms": self.solve_ms}
@@ -99,6 +106,9 @@ class MethodResult:
             d["valid"] = all(self.valid)
         if self.problems:
             d["problems"] = self.problems[:10]
+        if self.infeasible:
+            d["infeasible_batches"] = len(self.infeasible)
+            d["infeasible_reason"] = self.infeasible[0]
         d.update(self.extra)
         return d
 
@@ -188,9 +198,17 @@ def run_bench(
             raise InputError(f"--methods: {name!r} is not available in this build")
         degrees: list[int] = []
         statuses: list[str] = []
-        for b in lengths:
+        for step, b in enumerate(lengths):
             t0 = time.perf_counter()
-            plan = fn(b)
+            try:
+                plan = fn(b)
+            except InfeasibleError as exc:
+                if name == "hsp":
+                    raise
+                res.step_ms.append(None)
+                res.solve_ms.append((time.perf_counter() - t0) * 1e3)
+                res.infeasible.append(f"batch {batches[step].step}: {exc}")
+                continue
             ms = (time.perf_counter() - t0) * 1e3
             _record(res, plan, b, cost, ms)  # wall clock around the whole call
             statuses.append(plan.status)
@@ -211,7 +229,7 @@ def run_bench(
 
 def summarize(results: Mapping[str, MethodResult], planner_rss_mb: float) -> dict[str, Any]:
     """design.md's summary keys (None where a method did not run) plus extras."""
-    total = {k: float(sum(v.step_ms)) for k, v in results.items()}
+    total = {k: float(sum(v.step_ms)) for k, v in results.items() if v.complete}  # type: ignore[arg-type]
     hsp_total = total.get("hsp")
 
     def speedup(name: str) -> float | None:
