@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_hsp.planner.baselines import (
     _best_fit_decreasing,
@@ -113,3 +115,26 @@ def test_reproduces_flexsp_static64_and_batchada(path):
     assert static == pytest.approx(68.50, rel=0.02)
     assert static == pytest.approx(68.50, abs=0.005)  # in fact exact to the printed digits
     assert ada == pytest.approx(55.38, abs=0.005)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.sampled_from([(1, 8), (2, 2), (4, 8), (8, 8), (16, 8), (32, 8), (12, 4)]),
+    lengths=st.lists(st.integers(1, 60_000), min_size=1, max_size=80),
+    degree_index=st.integers(0, 10),
+)
+def test_static_is_a_valid_plan_or_a_clear_error(shape, lengths, degree_index):
+    gpus, per_node = shape
+    cost = load_cost_model(
+        "flexsp-gpt-7b", world_size=gpus, gpus_per_node=per_node, memory_cap_gb=160
+    )
+    cluster = Cluster(gpus, per_node)
+    sizes = homogeneous_sizes(cost, cluster)
+    degree = sizes[degree_index % len(sizes)]
+    try:
+        plan = static_plan(lengths, cost, cluster, degree)
+    except InfeasibleError as exc:
+        assert max(lengths) > cost.capacity(degree)
+        assert "use a larger degree" in str(exc)
+        return
+    plan.validate(lengths, cost, gpus)
