@@ -41,40 +41,51 @@ def place_groups(
     power-of-two sizes whose sum fits; other mixes may not tile, and then we return None.
     """
     n = inst.world_size
-    free = [True] * n
+    if sum(d for d, _ in groups) > n:
+        return None
+    used = bytearray(n)
     placed: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     order = sorted(range(len(groups)), key=lambda g: (-groups[g][0], g))
     for g in order:
         d, ids = groups[g]
-        block = _first_free_block(cluster, free, d)
-        if block is None:
+        start = _first_free_start(used, n, d)
+        if start < 0:
             return None
-        for r in block:
-            free[r] = False
-        placed.append((block, tuple(sorted(ids))))
+        used[start : start + d] = b"\x01" * d
+        placed.append((tuple(range(start, start + d)), tuple(sorted(ids))))
     # Spare ranks: the smallest allowed size that tiles, else single ranks.
-    for d in [*inst.sizes, 1]:
-        if not cluster.size_fits(d):
-            continue
-        while True:
-            block = _first_free_block(cluster, free, d)
-            if block is None:
+    if placed and len(placed) and sum(used) < n:
+        for d in [*inst.sizes, 1]:
+            if not cluster.size_fits(d):
+                continue
+            while True:
+                start = _first_free_start(used, n, d)
+                if start < 0:
+                    break
+                used[start : start + d] = b"\x01" * d
+                placed.append((tuple(range(start, start + d)), ()))
+            if sum(used) == n:
                 break
-            for r in block:
-                free[r] = False
-            placed.append((block, ()))
-        if not any(free):
-            break
+    elif not placed:
+        for d in [*inst.sizes, 1]:
+            if cluster.size_fits(d) and n % d == 0:
+                placed = [(tuple(range(s, s + d)), ()) for s in range(0, n, d)]
+                break
     placed.sort(key=lambda p: p[0][0])
     return placed
 
 
-def _first_free_block(cluster: Cluster, free: list[bool], d: int) -> tuple[int, ...] | None:
-    for start in range(0, cluster.world_size - d + 1, d):
-        block = cluster.block(d, start // d)
-        if all(free[r] for r in block) and cluster.is_aligned_block(block):
-            return block
-    return None
+def _first_free_start(used: bytearray, n: int, d: int) -> int:
+    """First start (a multiple of ``d``) of ``d`` free ranks; -1 when none.
+
+    Callers only pass sizes that ``Cluster.size_fits``, so a block starting at a multiple of
+    ``d`` is aligned: inside one node for ``d <= gpus_per_node``, whole nodes otherwise.
+    """
+    zero = bytes(d)
+    for start in range(0, n - d + 1, d):
+        if used[start : start + d] == zero:
+            return start
+    return -1
 
 
 # ---------------------------------------------------------------------- group builder
@@ -148,9 +159,13 @@ def schedule_microbatch(
         return 0.0, []
     lo = inst.microbatch_floor(ids)
 
+    # Power-of-two sizes that divide the world size always tile (buddy allocation), so only
+    # other mixes need the placement check inside the bisection.
+    buddy = all(d & (d - 1) == 0 and inst.world_size % d == 0 for d in inst.sizes)
+
     def attempt(target: float) -> list[GroupSpec] | None:
         groups = build_groups(inst, ids, target)
-        if groups is None or place_groups(inst, groups, cluster) is None:
+        if groups is None or (not buddy and place_groups(inst, groups, cluster) is None):
             return None
         return groups
 

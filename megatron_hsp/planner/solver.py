@@ -43,6 +43,7 @@ class SolverConfig:
     extra_microbatches: int = 3  # counts tried above the memory minimum
     use_milp: bool = True  # False: greedy only (status "heuristic")
     max_buckets: int = 16  # length buckets per micro-batch in the MILP
+    milp_slice_s: float = 0.1  # MILP time per micro-batch (the budget caps the total)
 
 
 @dataclass
@@ -100,7 +101,8 @@ def _greedy_candidates(
         for label, chunks in _chunkings(inst, m):
             if best is not None and time.perf_counter() > deadline:
                 return best
-            cand = _schedule_chunks(inst, cluster, chunks, label)
+            cutoff = best.total if best is not None else float("inf")
+            cand = _schedule_chunks(inst, cluster, chunks, label, cutoff)
             tried += 1
             if cand is not None and (best is None or cand.total < best.total - 1e-9):
                 best = cand
@@ -130,14 +132,22 @@ def _chunkings(inst: Instance, m: int) -> list[tuple[str, list[list[int]]]]:
 
 
 def _schedule_chunks(
-    inst: Instance, cluster: Cluster, chunks: list[list[int]], label: str
+    inst: Instance, cluster: Cluster, chunks: list[list[int]], label: str, cutoff: float
 ) -> _Candidate | None:
-    mbs = []
-    for chunk in chunks:
+    """Greedy schedule of each chunk; None if infeasible or provably no better than ``cutoff``."""
+    floors = [inst.microbatch_floor(c) for c in chunks]
+    if sum(floors) >= cutoff:
+        return None
+    mbs: list[tuple[float, list[GroupSpec]]] = []
+    done = 0.0
+    for b, chunk in enumerate(chunks):
         got = schedule_microbatch(inst, chunk, cluster)
         if got is None:
             return None
         mbs.append(got)
+        done += got[0]
+        if done + sum(floors[b + 1 :]) >= cutoff:
+            return None
     return _Candidate(sum(s for s, _ in mbs), mbs, label)
 
 
