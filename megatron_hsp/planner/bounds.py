@@ -8,8 +8,9 @@ Three facts, each true of every valid plan, combined by ``max``:
    ``ceil(tokens / (N * cap))`` micro-batches. Summing: ``W_min / N + m_min * b_min``.
 2. Critical path: the micro-batch holding sequence ``s`` lasts at least ``min_d T(s, d) + b_d``.
 3. Exclusive sequences: two sequences whose smallest fitting groups each need more than half the
-   ranks cannot share a micro-batch, so each pays its own best time; the remaining forced
-   micro-batches pay at least ``b_min``.
+   ranks, and which together overflow the largest group's memory, can share neither a group nor
+   a micro-batch, so each pays its own best time; the remaining forced micro-batches pay at
+   least ``b_min``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ def instance_lower_bound(inst: Instance) -> float:
     work = sum(inst.work_min) / n + m_min * b
     best = [inst.best_time(i) for i in range(len(inst.lengths))]
     critical = max(best) + (m_min - 1) * b
-    exclusive_ids = [i for i in range(len(inst.lengths)) if 2 * inst.sizes[inst.dmin[i]] > n]
+    half_biggest = inst.cap * max(inst.sizes) / 2
+    exclusive_ids = [
+        i
+        for i, ln in enumerate(inst.lengths)
+        if 2 * inst.sizes[inst.dmin[i]] > n and ln > half_biggest
+    ]
     exclusive = sum(best[i] for i in exclusive_ids) + max(0, m_min - len(exclusive_ids)) * b
     return max(work, critical, exclusive)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+
 from megatron_hsp.planner.instance import GroupSpec, Instance
 from megatron_hsp.planner.topology import Cluster
 

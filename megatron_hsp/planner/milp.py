@@ -154,8 +154,8 @@ def solve_microbatch(
     proven = stats.status == pulp.LpSolveStatus.Optimal
     if not stats.has_solution or any(v.varValue is None for v in x.values()):
         return incumbent, None, proven
-    counts = {key: int(round(var.varValue or 0)) for key, var in x.items()}
-    n_groups = {j: int(round(pulp.value(n_expr[j]) or 0)) for j in range(nsz)}
+    counts = {key: round(var.varValue or 0) for key, var in x.items()}
+    n_groups = {j: round(pulp.value(n_expr[j]) or 0) for j in range(nsz)}
     groups = _realise(inst, buckets, counts, n_groups)
     if groups is None or place_groups(inst, groups, cluster) is None:
         return incumbent, None, proven

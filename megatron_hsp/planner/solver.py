@@ -57,7 +57,7 @@ def solve(
     lengths: Sequence[int],
     cost: CostModel,
     cluster: Cluster,
-    config: SolverConfig = SolverConfig(),  # noqa: B008 - frozen, safe default
+    config: SolverConfig = SolverConfig(),
 ) -> Plan:
     """Plan one global batch: micro-batches, group sizes and placement, sequence assignment."""
     start = time.perf_counter()
