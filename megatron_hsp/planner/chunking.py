@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from megatron_hsp.planner.greedy import Instance
 
 
@@ -69,29 +71,38 @@ def chunk_contiguous(inst: Instance, m: int, weight: str = "tokens") -> list[lis
     with a greedy cut is exact for contiguous partitions.
     """
     order = longest_first(inst)
-    w = [float(inst.lengths[i]) if weight == "tokens" else inst.work_min[i] for i in order]
-    lo, hi = max(w), sum(w)
+    w = np.asarray(
+        [float(inst.lengths[i]) if weight == "tokens" else inst.work_min[i] for i in order]
+    )
+    prefix = np.concatenate([[0.0], np.cumsum(w)])
+    n = len(order)
 
-    def runs(limit: float) -> list[list[int]] | None:
-        out: list[list[int]] = [[]]
-        acc = 0.0
-        for i, wi in zip(order, w, strict=True):
-            if acc + wi > limit and out[-1]:
-                out.append([])
-                acc = 0.0
-            out[-1].append(i)
-            acc += wi
-        return out if len(out) <= m else None
+    def cuts(limit: float) -> list[int] | None:
+        """Greedy run ends: each run takes as many as fit under ``limit`` (at least one)."""
+        ends, pos = [], 0
+        while pos < n:
+            end = int(np.searchsorted(prefix, prefix[pos] + limit, side="right")) - 1
+            end = max(end, pos + 1)
+            ends.append(end)
+            pos = end
+            if len(ends) > m:
+                return None
+        return ends
 
-    best = runs(hi)
-    for _ in range(60):
-        if hi - lo <= 1e-9 * hi:
+    lo, hi = float(w.max()), float(prefix[-1])
+    best = cuts(hi)
+    for _ in range(50):
+        if hi - lo <= 1e-6 * hi:
             break
         mid = 0.5 * (lo + hi)
-        got = runs(mid)
+        got = cuts(mid)
         if got is None:
             lo = mid
         else:
             best, hi = got, mid
     assert best is not None
-    return best
+    out, start = [], 0
+    for end in best:
+        out.append(order[start:end])
+        start = end
+    return out

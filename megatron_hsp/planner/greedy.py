@@ -44,6 +44,8 @@ def place_groups(
     n = inst.world_size
     if sum(d for d, _ in groups) > n:
         return None
+    if inst.buddy:
+        return _place_buddy(inst, groups)
     used = bytearray(n)
     placed: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     order = sorted(range(len(groups)), key=lambda g: (-groups[g][0], g))
@@ -73,6 +75,28 @@ def place_groups(
                 placed = [(tuple(range(s, s + d)), ()) for s in range(0, n, d)]
                 break
     placed.sort(key=lambda p: p[0][0])
+    return placed
+
+
+def _place_buddy(
+    inst: Instance, groups: Sequence[GroupSpec]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Power-of-two sizes dividing N, largest first: each block starts where the last ended.
+
+    The running offset is a sum of sizes no smaller than the current one, hence a multiple of
+    it, so every block is aligned; spare ranks at the end become single-rank (or smallest
+    allowed) empty groups.
+    """
+    placed: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    offset = 0
+    for d, ids in sorted(groups, key=lambda g: (-g[0], min(g[1], default=-1))):
+        placed.append((tuple(range(offset, offset + d)), tuple(sorted(ids))))
+        offset += d
+    n = inst.world_size
+    while offset < n:
+        d = next(s for s in [*reversed(inst.sizes), 1] if s <= n - offset and offset % s == 0)
+        placed.append((tuple(range(offset, offset + d)), ()))
+        offset += d
     return placed
 
 
@@ -108,14 +132,15 @@ def build_groups(
     g_tokens: list[int] = []
     g_ids: list[list[int]] = []
     used = 0
+    open_js: list[int] = []  # size indices with at least one open group, ascending
+    dmin = inst.dmin
     for i in seq_ids:
-        row, ln = times[i], lengths[i]
+        row, ln, jmin = times[i], lengths[i], dmin[i]
         best_j, best_g, best_cost = -1, -1, float("inf")
-        for j in range(inst.dmin[i], nsz):
-            h = heaps[j]
-            if not h:
+        for j in open_js:
+            if j < jmin:
                 continue
-            load, g = h[0]
+            load, g = heaps[j][0]
             t = row[j]
             if load + t + fixed[j] <= target and g_tokens[g] + ln <= cap * sizes[j]:
                 # Prefer the size that costs the fewest rank-ms, then the emptier group.
@@ -123,7 +148,7 @@ def build_groups(
                 if c < best_cost:
                     best_j, best_g, best_cost = j, g, c
         if best_g < 0:
-            for j in range(inst.dmin[i], nsz):
+            for j in range(jmin, nsz):
                 if row[j] + fixed[j] <= target and used + sizes[j] <= ranks:
                     best_j = j
                     break
@@ -131,16 +156,19 @@ def build_groups(
                 return None
             best_g = len(g_size)
             g_size.append(sizes[best_j])
-            g_load.append(0.0)
-            g_tokens.append(0)
-            g_ids.append([])
+            g_load.append(row[best_j])
+            g_tokens.append(ln)
+            g_ids.append([i])
             used += sizes[best_j]
+            if not heaps[best_j]:
+                open_js.append(best_j)
+                open_js.sort()
+            heapq.heappush(heaps[best_j], (g_load[best_g], best_g))
         else:
-            heapq.heappop(heaps[best_j])
-        g_load[best_g] += row[best_j]
-        g_tokens[best_g] += ln
-        g_ids[best_g].append(i)
-        heapq.heappush(heaps[best_j], (g_load[best_g], best_g))
+            g_load[best_g] += row[best_j]
+            g_tokens[best_g] += ln
+            g_ids[best_g].append(i)
+            heapq.heapreplace(heaps[best_j], (g_load[best_g], best_g))
     return [(g_size[g], tuple(g_ids[g])) for g in range(len(g_size))]
 
 
@@ -148,55 +176,54 @@ def schedule_microbatch(
     inst: Instance,
     seq_ids: Sequence[int],
     cluster: Cluster,
-    rel_tol: float = 2e-3,
-    upper: float | None = None,
+    rel_tol: float = 3e-3,
+    limit: float | None = None,
 ) -> tuple[float, list[GroupSpec]] | None:
     """Smallest target makespan the builder meets (bisection), with its placeable groups.
 
-    Returns None when no target works: the sequences do not fit the ranks' memory together.
+    Returns None when no target works (the sequences do not fit the ranks' memory together) or,
+    given ``limit``, when the builder cannot finish by ``limit`` (one build call: cheap rejects
+    for local search).
     """
     ids = sorted(seq_ids, key=lambda i: (-inst.lengths[i], i))
     if not ids:
         return 0.0, []
-    lo = inst.microbatch_floor(ids)
-
-    # Power-of-two sizes that divide the world size always tile (buddy allocation), so only
-    # other mixes need the placement check inside the bisection.
-    buddy = all(d & (d - 1) == 0 and inst.world_size % d == 0 for d in inst.sizes)
+    floor = inst.microbatch_floor(ids)
 
     def attempt(target: float) -> list[GroupSpec] | None:
         groups = build_groups(inst, ids, target)
-        if groups is None or (not buddy and place_groups(inst, groups, cluster) is None):
+        # Power-of-two sizes dividing the world size always tile (buddy allocation); other
+        # mixes need the placement check.
+        if groups is None or (not inst.buddy and place_groups(inst, groups, cluster) is None):
             return None
         return groups
 
+    # Bracket upwards from the floor in growing steps (most micro-batches land within a few
+    # percent of it), then bisect between the last failure and the best success.
     best: list[GroupSpec] | None = None
-    if upper is None:
-        hi = lo
-        for _ in range(40):
-            best = attempt(hi)
-            if best is not None:
-                break
-            hi *= 1.5
+    failed = floor
+    if limit is not None:
+        if limit < floor:
+            return None
+        best = attempt(limit)
         if best is None:
             return None
-    else:
-        hi = upper
-        best = attempt(hi)
-        if best is None:
-            return None
+    factors = (1.0, 1.02, 1.06, 1.15, 1.4, *(1.4 * 1.5**k for k in range(1, 40)))
+    for factor in () if best is not None else factors:
+        target = floor * factor
+        best = attempt(target)
+        if best is not None:
+            break
+        failed = target
+    if best is None:
+        return None
     hi = groups_makespan(inst, best)
-    if lo >= hi:
-        return hi, best
-    first = attempt(lo)
-    if first is not None:
-        return groups_makespan(inst, first), first
+    lo = min(failed, hi)
     while hi - lo > rel_tol * hi:
         mid = 0.5 * (lo + hi)
         got = attempt(mid)
         if got is None:
             lo = mid
         else:
-            span = groups_makespan(inst, got)
-            best, hi = got, span
+            best, hi = got, groups_makespan(inst, got)
     return hi, best

@@ -72,6 +72,8 @@ class Instance:
     fixed: list[float]  # fixed ms per group of sizes[j]
     dmin: list[int]  # index into sizes of the smallest group that holds sequence i
     work_min: list[float]  # min over fitting sizes of d * time: rank-ms a sequence must cost
+    best: list[float]  # min over fitting sizes of time + fixed: a sequence's own critical path
+    buddy: bool  # all sizes are powers of two dividing the world size: any mix that fits tiles
 
     @classmethod
     def build(
@@ -84,6 +86,8 @@ class Instance:
         fits = arr[:, None] <= caps[None, :]
         dmin = np.argmax(fits, axis=1)  # caller guarantees every sequence fits the largest size
         work = np.where(fits, table * np.asarray(sizes, dtype=np.float64)[None, :], np.inf)
+        fixed = [float(cost.fixed_ms(d)) for d in sizes]
+        best = np.where(fits, table + np.asarray(fixed)[None, :], np.inf).min(axis=1)
         return cls(
             lengths=[int(x) for x in arr],
             sizes=list(sizes),
@@ -91,9 +95,11 @@ class Instance:
             gpus_per_node=cluster.gpus_per_node,
             cap=int(cost.tokens_per_rank),
             times=table.tolist(),
-            fixed=[float(cost.fixed_ms(d)) for d in sizes],
+            fixed=fixed,
             dmin=[int(x) for x in dmin],
             work_min=work.min(axis=1).tolist(),
+            best=best.tolist(),
+            buddy=all(d & (d - 1) == 0 and cluster.world_size % d == 0 for d in sizes),
         )
 
     @property
@@ -102,13 +108,13 @@ class Instance:
 
     def best_time(self, i: int) -> float:
         """Shortest time sequence ``i`` can take in any fitting group, fixed cost included."""
-        row, fixed = self.times[i], self.fixed
-        return min(row[j] + fixed[j] for j in range(self.dmin[i], len(self.sizes)))
+        return self.best[i]
 
     def microbatch_floor(self, seq_ids: Sequence[int]) -> float:
         """No schedule of these sequences in one micro-batch finishes sooner (see bounds.py)."""
         if not seq_ids:
             return 0.0
         work = sum(self.work_min[i] for i in seq_ids)
-        longest = max(self.best_time(i) for i in seq_ids)
+        best = self.best
+        longest = max(best[i] for i in seq_ids)
         return max(work / self.world_size + self.min_fixed, longest)

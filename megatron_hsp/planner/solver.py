@@ -25,7 +25,9 @@ from megatron_hsp.planner.chunking import candidate_counts, chunk_contiguous, ch
 from megatron_hsp.planner.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.greedy import groups_makespan, place_groups, schedule_microbatch
+from megatron_hsp.planner.improve import improve
 from megatron_hsp.planner.instance import GroupSpec, Instance, check_lengths, resolve_sizes
+from megatron_hsp.planner.milp import refine_microbatches, require_cbc
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 from megatron_hsp.planner.topology import Cluster
 
@@ -43,7 +45,9 @@ class SolverConfig:
     extra_microbatches: int = 3  # counts tried above the memory minimum
     use_milp: bool = True  # False: greedy only (status "heuristic")
     max_buckets: int = 16  # length buckets per micro-batch in the MILP
-    milp_slice_s: float = 0.1  # MILP time per micro-batch (the budget caps the total)
+    improve_evals: int = 120  # local-search moves tried between micro-batches
+    improve_share: float = 0.15  # at most this share of the budget goes to local search
+    milp_slice_s: float = 0.05  # MILP time per micro-batch (the budget caps the total)
 
 
 @dataclass
@@ -60,13 +64,12 @@ def solve(
     config: SolverConfig = SolverConfig(),
 ) -> Plan:
     """Plan one global batch: micro-batches, group sizes and placement, sequence assignment."""
-    start = time.perf_counter()
-    deadline = start + max(0.0, config.time_budget_s)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    budget = max(0.0, config.time_budget_s)
+    deadline = start + budget
     if config.backend not in BACKENDS:
         raise InputError(f"unknown solver backend {config.backend!r}; choose from {BACKENDS}")
     if config.backend == "cbc" and config.use_milp:
-        from megatron_hsp.planner.milp import require_cbc
-
         require_cbc()
     sizes = resolve_sizes(cost, cluster, config.sizes)
     checked = check_lengths(lengths, cost, sizes)
@@ -74,19 +77,24 @@ def solve(
     bound = instance_lower_bound(inst)
 
     best = _greedy_candidates(inst, cluster, config, deadline)
+    if config.improve_evals > 0:
+        improve_until = min(deadline, time.perf_counter() + config.improve_share * budget)
+        best.microbatches, _ = improve(
+            inst, cluster, best.microbatches, improve_until, max_evals=config.improve_evals
+        )
+        best.total = sum(span for span, _ in best.microbatches)
     status = "heuristic"
     if config.use_milp:
         status = "fallback"
-        from megatron_hsp.planner.milp import refine_microbatches
-
         best.microbatches, status = refine_microbatches(
             inst, cluster, best.microbatches, config, deadline
         )
         best.total = sum(span for span, _ in best.microbatches)
     solve_ms = (time.perf_counter() - start) * 1e3
-    return _assemble(inst, cluster, cost, best, bound, solve_ms, config, status).validate(
-        checked, cost, cluster.world_size
-    )
+    cpu_ms = (time.process_time() - cpu_start) * 1e3
+    plan = _assemble(inst, cluster, cost, best, bound, solve_ms, config, status)
+    plan.extra["cpu_ms"] = round(cpu_ms, 3)
+    return plan.validate(checked, cost, cluster.world_size)
 
 
 def _greedy_candidates(
