@@ -110,6 +110,53 @@ def use_cpu_rotary(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def tiny_gpt_model(
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 32,
+    num_attention_heads: int = 4,
+    num_query_groups: int = 2,
+    vocab_size: int = 64,
+    max_sequence_length: int = 512,
+    seed: int = 0,
+    attention_backend: str = "torch",
+) -> torch.nn.Module:
+    """A small fp32 megatron-core ``GPTModel`` (RoPE, GQA, no dropout) with HSP attention, on CPU.
+
+    Identical weights on every rank for the same ``seed`` (CPU initialisation), so distributed
+    runs can be compared with a single-process reference built the same way.
+    """
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hsp.megatron.spec import hsp_gpt_layer_spec
+
+    config = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        ffn_hidden_size=4 * hidden_size,
+        num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups,
+        use_cpu_initialization=True,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+    torch.manual_seed(seed)
+    model = GPTModel(
+        config,
+        hsp_gpt_layer_spec(use_transformer_engine=False, attention_backend=attention_backend),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        position_embedding_type="rope",
+    )
+    return use_cpu_rotary(model)
+
+
 def destroy_cpu_megatron() -> None:
     """Tear down megatron's groups and the default process group (safe to call twice)."""
     from megatron.core import parallel_state
