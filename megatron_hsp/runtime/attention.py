@@ -188,6 +188,35 @@ class HSPPackedSeqParams(PackedSeqParams):
         return out
 
 
+def group_packed_seq_params(
+    cu_seqlens: torch.Tensor, group: dist.ProcessGroup | None
+) -> PackedSeqParams:
+    """The ``PackedSeqParams`` the HSP attention expects for one micro-batch (docs/runtime.md).
+
+    ``cu_seqlens``: int32 boundaries of the group's whole buffer (documents, then the trailing
+    padding segment), ``cu_seqlens[-1]`` a multiple of the group size. ``max_seqlen`` covers the
+    padding segment too, because it sizes megatron's RoPE table.
+    """
+    d = 1 if group is None else group.size()
+    total = int(cu_seqlens[-1])
+    if total % d:
+        raise ValueError(
+            f"packed buffer of {total} tokens is not a multiple of the group size {d}: pad it "
+            f"with one trailing segment of {-total % d} tokens"
+        )
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    cu = cu_seqlens.to(torch.int32)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        cp_group=group,
+        local_cp_size=d,
+    )
+
+
 def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Position of every token inside its own segment: [0..L0-1, 0..L1-1, ...] (int64)."""
     cu = cu_seqlens.to(torch.int64)
@@ -649,6 +678,7 @@ __all__ = [
     "all_to_all_seq_to_head",
     "apply_rope_packed",
     "check_group_sizes",
+    "group_packed_seq_params",
     "heads_per_tp_rank",
     "kv_replication_factor",
     "make_backend",
