@@ -180,3 +180,27 @@ def test_torch_backend_skips_empty_segments_and_handles_gqa() -> None:
     assert torch.allclose(out[0], v[0].repeat_interleave(2, dim=0), atol=1e-6)
     assert torch.allclose(out[2], v[2].repeat_interleave(2, dim=0), atol=1e-6)
     assert out.shape == (5, 4, 8)
+
+
+def test_te_spec_without_te_is_a_clear_error() -> None:
+    from megatron_hsp.megatron.spec import hsp_gpt_layer_spec
+
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        with pytest.raises(ValueError, match="use_transformer_engine=False"):
+            hsp_gpt_layer_spec(use_transformer_engine=True)
+    else:
+        pytest.skip("Transformer Engine is installed: the TE spec builds")
+
+
+def test_empty_group_buffer_returns_empty_output(megatron_cpu) -> None:
+    """A group without sequences in a micro-batch: zero tokens in, zero tokens out, no error."""
+    attn = core_attention(config())
+    q = torch.zeros(0, 4, 8, requires_grad=True)
+    kv = torch.zeros(0, 2, 8, requires_grad=True)
+    params = group_packed_seq_params(torch.tensor([0], dtype=torch.int32), None)
+    out = attn(q, kv, kv, None, packed_seq_params=params)
+    assert out.shape == (0, 32)
+    out.sum().backward()
+    assert q.grad.shape == q.shape

@@ -69,6 +69,14 @@ def hsp_gpt_layer_spec(
     if use_transformer_engine is None:
         use_transformer_engine = te_available()
     if use_transformer_engine:
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+        except Exception as exc:
+            raise ValueError(
+                "hsp_gpt_layer_spec(use_transformer_engine=True) needs Transformer Engine, which "
+                f"does not import here ({type(exc).__name__}: {exc}); use "
+                "use_transformer_engine=False (megatron-core local modules, runs on CPU)"
+            ) from exc
         base = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:
         base = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)

@@ -357,8 +357,8 @@ class TorchAttentionBackend:
                 scale=softmax_scale,
             )
             outs.append(o.transpose(0, 1))
-        if not outs:
-            return q.new_zeros(q.shape)
+        if not outs:  # empty buffer (a group without sequences): keep the autograd graph
+            return q * 0.0
         return torch.cat(outs, dim=0)
 
 
