@@ -117,6 +117,31 @@ def test_hsp_spec_keeps_megatron_parameter_names(megatron_cpu) -> None:
     assert type(layer.self_attention.core_attention) is HSPCoreAttention
 
 
+def test_with_hsp_attention_rewrites_a_megatron_decoder_block_spec(megatron_cpu) -> None:
+    """The pretrain_gpt seam: Megatron-LM's block spec (one spec per layer) gets HSP attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_hsp.megatron.spec import with_hsp_attention
+    from megatron_hsp.runtime.attention import HSPCoreAttention, HSPSelfAttention
+    from megatron_hsp.runtime.testing import use_cpu_rotary
+
+    config = tiny_gpt_model().config
+    block = with_hsp_attention(get_gpt_decoder_block_spec(config, use_transformer_engine=False))
+    torch.manual_seed(0)
+    model = use_cpu_rotary(
+        GPTModel(
+            config, block, vocab_size=VOCAB, max_sequence_length=512, position_embedding_type="rope"
+        )
+    )
+    for layer in model.decoder.layers:
+        assert type(layer.self_attention) is HSPSelfAttention
+        assert type(layer.self_attention.core_attention) is HSPCoreAttention
+    ids, _ = tokens_and_weights(sum(DOCS))
+    out = model(ids, positions(DOCS), None, packed_seq_params=packed_params(cumulative(DOCS)))
+    assert out.shape == (1, sum(DOCS), VOCAB) and torch.isfinite(out).all()
+
+
 # ------------------------------------------------------------------ distributed GPTModel
 
 
