@@ -27,7 +27,9 @@ from megatron_hsp.runtime.dispatch import GlobalBatch, dispatch
 from megatron_hsp.runtime.manual_plan import manual_plan, round_robin_plan
 from megatron_hsp.runtime.schedule import to_model_inputs
 
-DATA = Path(__file__).resolve().parent.parent / ".." / "shared" / "data" / "wikipedia_lengths.txt.gz"
+DATA = (
+    Path(__file__).resolve().parent.parent / ".." / "shared" / "data" / "wikipedia_lengths.txt.gz"
+)
 
 
 def load_lengths(n_total: int, seed: int) -> tuple[np.ndarray, str]:
