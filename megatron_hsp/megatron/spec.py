@@ -1,0 +1,75 @@
+"""GPT layer specs with HSP attention, injected through megatron-core's ModuleSpec seam.
+
+``hsp_gpt_layer_spec`` starts from megatron-core's own GPT layer spec and swaps exactly two
+things in ``self_attention``: the module (``HSPSelfAttention``, which hands RoPE for packed input
+to the core attention) and ``core_attention`` (``HSPCoreAttention``: Ulysses over the micro-batch's
+group + varlen causal attention). Everything else (linears, norms, MLP, bias-dropout-add) is
+megatron's, so parameters and state dicts are those of the stock spec.
+
+Local (pure megatron-core) variant on CPU: without Apex megatron-core's local spec already falls
+back to ``WrappedTorchNorm`` (torch LayerNorm/RMSNorm); linears are megatron's
+Column/RowParallelLinear, which run on CPU with ``use_cpu_initialization=True`` and
+``gradient_accumulation_fusion=False``. The TE variant uses TE's fused layernorm-linear modules and
+needs CUDA; the attention backend then defaults to TE's ``DotProductAttention``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_hsp.runtime.attention import HSPCoreAttention, HSPSelfAttention, te_available
+
+
+def _swap_attention(layer_spec: ModuleSpec, backend: str) -> ModuleSpec:
+    submodules = layer_spec.submodules
+    attn = submodules.self_attention
+    if not (isinstance(attn, ModuleSpec) and attn.module is SelfAttention):
+        raise ValueError(
+            f"expected megatron-core SelfAttention in the base GPT layer spec, got {attn!r} "
+            f"(multi-latent attention and experimental attention variants are not supported by HSP)"
+        )
+    attn_sub: SelfAttentionSubmodules = attn.submodules
+    core = HSPCoreAttention if backend == "auto" else partial(HSPCoreAttention, backend=backend)
+    new_attn = ModuleSpec(
+        module=HSPSelfAttention,
+        params=dict(attn.params),
+        submodules=dataclasses.replace(attn_sub, core_attention=core),
+    )
+    return ModuleSpec(
+        module=layer_spec.module,
+        params=dict(layer_spec.params),
+        submodules=dataclasses.replace(submodules, self_attention=new_attn),
+    )
+
+
+def hsp_gpt_layer_spec(
+    *,
+    use_transformer_engine: bool | None = None,
+    attention_backend: str = "auto",
+    qk_layernorm: bool = False,
+    normalization: str | None = None,
+) -> ModuleSpec:
+    """A dense GPT ``TransformerLayer`` spec whose self-attention is HSP's.
+
+    use_transformer_engine: None picks TE when it imports and CUDA is present (TE layers + TE
+      attention), else megatron-core's local modules (runs on CPU).
+    attention_backend: ``auto`` | ``torch`` | ``te`` for the core attention (see
+      ``megatron_hsp.runtime.attention.make_backend``).
+    normalization: ``"RMSNorm"`` or None/``"LayerNorm"``; for the TE spec the norm type comes
+      from ``TransformerConfig.normalization`` as usual.
+    """
+    if use_transformer_engine is None:
+        use_transformer_engine = te_available()
+    if use_transformer_engine:
+        base = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    else:
+        base = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
+    return _swap_attention(base, attention_backend)

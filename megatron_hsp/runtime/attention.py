@@ -1,0 +1,657 @@
+"""HSP core attention: Ulysses all-to-all over the micro-batch's group, varlen causal attention.
+
+Injected through megatron-core's layer spec (``megatron_hsp.megatron.spec``), never by patching
+``GPTModel``. Per micro-batch the schedule passes a ``PackedSeqParams`` (``qkv_format="thd"``)
+whose ``cp_group`` is that micro-batch's sequence-parallel group and whose ``cu_seqlens_q`` describe
+the group's WHOLE packed buffer (all documents plus a trailing padding segment, total a multiple of
+the group size ``d``); group rank ``i`` holds tokens ``[i*T/d, (i+1)*T/d)`` of it.
+
+Data flow on one rank (``np``/``ng`` = query/KV heads per tensor-parallel rank)::
+
+    q [T/d, np, D], k/v [T/d, ng, D]
+      -> replicate KV heads if ng is not a multiple of d (autograd sums the copies' grads)
+      -> all-to-all: scatter heads, gather sequence -> q [T, np/d, D], k/v [T, ng*r/d, D]
+      -> RoPE at each token's position inside its own document (full buffer is present here)
+      -> backend: causal attention within documents only (varlen)
+      -> all-to-all back: gather heads, scatter sequence -> [T/d, np*D]
+
+Why RoPE here: Megatron's THD RoPE (``_apply_rotary_pos_emb_thd``) assumes its static CP group's
+load-balanced 2*cp chunking and splits the LOCAL tokens by the WHOLE buffer's ``cu_seqlens``; with
+contiguous per-rank slices of a dynamic group it is wrong (or fails to split). ``HSPSelfAttention``
+therefore hands Megatron's rotary table to this module (``HSPPackedSeqParams``) instead of letting
+``SelfAttention`` apply it, and we apply it after the gather with megatron's own unfused RoPE math,
+so the numbers equal a single-device run. See docs/runtime.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+# ---------------------------------------------------------------------------------------------
+# Group-size rules (start-up check and the per-call check share them)
+# ---------------------------------------------------------------------------------------------
+
+
+def heads_per_tp_rank(config: TransformerConfig, tp: int) -> tuple[int, int]:
+    """(query heads, KV heads) on one tensor-parallel rank, as megatron's attention splits them."""
+    heads = config.num_attention_heads
+    kv = config.num_query_groups or heads
+    if heads % tp:
+        raise ValueError(
+            f"num_attention_heads={heads} is not divisible by tensor-model-parallel size {tp}"
+        )
+    # megatron replicates KV heads across TP ranks when there are fewer KV heads than TP ranks.
+    return heads // tp, max(kv, tp) // tp
+
+
+def kv_replication_factor(q_heads: int, kv_heads: int, group_size: int) -> int:
+    """Smallest r such that r*kv_heads splits evenly over the group and r divides q/kv.
+
+    r = 1 when the group divides the KV heads. Otherwise each KV head is copied r times
+    (``repeat_interleave``), which keeps query head j paired with KV head j // (q/kv) after the
+    head scatter. r = q/kv (plain MHA expansion) always works once ``group_size`` divides ``q``.
+    """
+    if q_heads % group_size:
+        raise ValueError(f"group size {group_size} does not divide {q_heads} query heads per rank")
+    per_kv = q_heads // kv_heads
+    for r in range(1, per_kv + 1):
+        if per_kv % r == 0 and (kv_heads * r) % group_size == 0:
+            return r
+    raise AssertionError("unreachable: r = q/kv always works")  # pragma: no cover
+
+
+def usable_group_sizes(config: TransformerConfig, tp: int, max_size: int) -> list[int]:
+    """Sequence-parallel group sizes in [1, max_size] that Ulysses can use for this model."""
+    q, _ = heads_per_tp_rank(config, tp)
+    return [d for d in range(1, max_size + 1) if q % d == 0]
+
+
+def check_group_sizes(config: TransformerConfig, sizes, tp: int = 1) -> None:
+    """Start-up check: every group size a plan may use must divide the query heads per TP rank.
+
+    Raises ``ValueError`` naming the model's heads, the offending sizes and the usable ones. Pure
+    function of its arguments, so every rank raises the same error (no rank is left in a
+    collective). KV heads never restrict the size: they are replicated when the group is larger.
+    """
+    q, _ = heads_per_tp_rank(config, tp)
+    bad = sorted({int(d) for d in sizes if int(d) < 1 or q % int(d)})
+    if bad:
+        ok = usable_group_sizes(config, tp, max(max(int(d) for d in sizes), q))
+        raise ValueError(
+            f"HSP sequence-parallel group size(s) {bad} cannot split the attention heads: "
+            f"the model has num_attention_heads={config.num_attention_heads} "
+            f"(num_query_groups={config.num_query_groups or config.num_attention_heads}), i.e. {q} "
+            f"query heads per tensor-parallel rank at tp={tp}; Ulysses needs the group size to "
+            f"divide that. Usable sizes: {ok}. Restrict the planner's group sizes "
+            f"(e.g. --hsp-group-sizes) or change tp."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd-correct Ulysses all-to-all
+# ---------------------------------------------------------------------------------------------
+
+
+def _seq_to_head(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[T/d, H, D] (my tokens, all heads) -> [T, H/d, D] (all tokens, my heads)."""
+    d = group.size()
+    t, h, dim = x.shape
+    send = x.reshape(t, d, h // d, dim).transpose(0, 1).contiguous()  # chunk j -> rank j
+    recv = torch.empty_like(send)  # recv[j] = rank j's tokens of my head chunk
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.reshape(d * t, h // d, dim)
+
+
+def _head_to_seq(y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[T, H/d, D] (all tokens, my heads) -> [T/d, H, D] (my tokens, all heads)."""
+    d = group.size()
+    total, hd, dim = y.shape
+    send = y.reshape(d, total // d, hd, dim).contiguous()  # token chunk j -> rank j
+    recv = torch.empty_like(send)  # recv[j] = my tokens of rank j's head chunk
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.transpose(0, 1).reshape(total // d, d * hd, dim)
+
+
+class _SeqToHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_head(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _head_to_seq(grad.contiguous(), ctx.group), None
+
+
+class _HeadToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return _head_to_seq(y, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_head(grad.contiguous(), ctx.group), None
+
+
+def all_to_all_seq_to_head(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Scatter heads, gather sequence (backward: the reverse all-to-all). No-op for d <= 1."""
+    if group is None or group.size() == 1:
+        return x
+    return _SeqToHead.apply(x, group)
+
+
+def all_to_all_head_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Gather heads, scatter sequence (backward: the reverse all-to-all). No-op for d <= 1."""
+    if group is None or group.size() == 1:
+        return y
+    return _HeadToSeq.apply(y, group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed-sequence helpers and RoPE
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class HSPPackedSeqParams(PackedSeqParams):
+    """PackedSeqParams plus the rotary table, so RoPE runs inside the HSP core attention.
+
+    Built per layer call by ``HSPSelfAttention`` from the schedule's ``PackedSeqParams``.
+    """
+
+    rotary_q_freqs: torch.Tensor | None = None
+    rotary_k_freqs: torch.Tensor | None = None
+    rotary_mscale: float = 1.0
+
+    @classmethod
+    def wrap(cls, p: PackedSeqParams, q_freqs, k_freqs, mscale: float) -> HSPPackedSeqParams:
+        kwargs = {f.name: getattr(p, f.name) for f in dataclasses.fields(PackedSeqParams)}
+        total_tokens, seq_idx = kwargs.pop("total_tokens"), kwargs.pop("seq_idx")
+        out = cls(**kwargs, rotary_q_freqs=q_freqs, rotary_k_freqs=k_freqs, rotary_mscale=mscale)
+        out.total_tokens, out.seq_idx = total_tokens, seq_idx  # skip __post_init__'s recompute
+        return out
+
+
+def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Position of every token inside its own segment: [0..L0-1, 0..L1-1, ...] (int64)."""
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    starts = torch.repeat_interleave(cu[:-1], lengths, output_size=total)
+    return torch.arange(total, device=cu.device) - starts
+
+
+def apply_rope_packed(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    positions: torch.Tensor,
+    config: TransformerConfig,
+    mscale: float = 1.0,
+) -> torch.Tensor:
+    """RoPE on packed ``t`` [T, h, D] with per-token positions, using megatron's unfused math.
+
+    ``freqs`` is megatron's rotary table [S, 1, 1, rot_dim] for positions 0..S-1 (what
+    ``GPTModel`` computes for THD input with S = max_seqlen). Same elementwise operations as
+    megatron's single-sequence (bshd) path, hence the same numbers as a single-device run.
+    """
+    if positions.numel() and int(positions.max()) >= freqs.size(0):
+        raise ValueError(
+            f"RoPE table covers {freqs.size(0)} positions but a packed segment reaches position "
+            f"{int(positions.max())}: PackedSeqParams.max_seqlen_q/kv must be the longest segment "
+            f"in cu_seqlens (trailing padding segment included)"
+        )
+    per_token = freqs.index_select(0, positions.to(freqs.device)).reshape(
+        positions.numel(), 1, freqs.size(-1)
+    )
+    return _apply_rotary_pos_emb_bshd(
+        t, per_token, rotary_interleaved=config.rotary_interleaved, mscale=mscale
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends: causal attention inside documents of a packed buffer
+# ---------------------------------------------------------------------------------------------
+
+
+class AttentionBackend(Protocol):
+    """Varlen causal attention over a packed buffer; one call per layer per micro-batch.
+
+    q: [T, hq, D]; k, v: [T, hk, D] with hq % hk == 0 (query head j uses KV head j // (hq/hk));
+    cu_seqlens: int32 [n+1] segment boundaries, cu_seqlens[-1] == T; returns [T, hq, D].
+    Tokens attend only to earlier-or-equal tokens of their own segment.
+    """
+
+    name: str
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        *,
+        softmax_scale: float,
+        dropout_p: float,
+    ) -> torch.Tensor: ...
+
+
+def _torch_varlen_available(q: torch.Tensor) -> bool:
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class TorchAttentionBackend:
+    """torch backend: flash varlen kernel on CUDA (fp16/bf16), per-document SDPA elsewhere.
+
+    The per-document path is exact fp32 math on the CPU (tests) and any dtype on CUDA; it loops
+    over documents in Python, which is fine for tests and short batches, not for production.
+    ``force_sdpa`` pins the per-document path (used to compare the two on a GPU).
+    """
+
+    name = "torch"
+
+    def __init__(self, force_sdpa: bool = False) -> None:
+        self.force_sdpa = force_sdpa
+
+    def __call__(self, q, k, v, cu_seqlens, max_seqlen, *, softmax_scale, dropout_p):
+        if not self.force_sdpa and dropout_p == 0.0 and _torch_varlen_available(q):
+            from torch.nn.attention.varlen import varlen_attn
+
+            cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+            return varlen_attn(
+                q,
+                k,
+                v,
+                cu,
+                cu,
+                max_seqlen,
+                max_seqlen,
+                scale=softmax_scale,
+                window_size=(-1, 0),  # causal
+                enable_gqa=k.size(1) != q.size(1),
+            )
+        return self._per_document(q, k, v, cu_seqlens, softmax_scale, dropout_p)
+
+    @staticmethod
+    def _per_document(q, k, v, cu_seqlens, softmax_scale, dropout_p):
+        rep = q.size(1) // k.size(1)
+        if rep > 1:  # GQA: query head j uses KV head j // rep (autograd sums the copies)
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        bounds = cu_seqlens.tolist()
+        outs = []
+        for s, e in itertools.pairwise(bounds):
+            if e == s:
+                continue
+            o = F.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1),
+                k[s:e].transpose(0, 1),
+                v[s:e].transpose(0, 1),
+                dropout_p=dropout_p,
+                is_causal=True,
+                scale=softmax_scale,
+            )
+            outs.append(o.transpose(0, 1))
+        if not outs:
+            return q.new_zeros(q.shape)
+        return torch.cat(outs, dim=0)
+
+
+class TEAttentionBackend:
+    """Transformer Engine ``DotProductAttention`` in THD format (``padding_causal`` mask).
+
+    NOT exercised on this project's CPU CI: written against TE's documented API
+    (transformer_engine.pytorch.DotProductAttention, qkv_format="thd", cu_seqlens_q/kv int32 on
+    CUDA, output [T, hq*D]). One TE module is built lazily per (hq, hk) head layout, because the
+    per-rank head count changes with the group size (TE fixes head counts at construction; the
+    modules hold no parameters). TE sees no TP or CP: heads are already the group-local ones.
+    """
+
+    name = "te"
+
+    def __init__(self, config: TransformerConfig, layer_number: int, dropout: float) -> None:
+        import transformer_engine.pytorch as te  # noqa: F401  (fails loudly if TE is absent)
+
+        self._config = config
+        self._layer_number = layer_number
+        self._dropout = dropout
+        self._modules: dict[tuple[int, int, int, float], torch.nn.Module] = {}
+
+    def _module(self, hq: int, hk: int, dim: int, scale: float) -> torch.nn.Module:
+        key = (hq, hk, dim, scale)
+        if key not in self._modules:
+            import transformer_engine.pytorch as te
+
+            self._modules[key] = te.DotProductAttention(
+                num_attention_heads=hq,
+                kv_channels=dim,
+                num_gqa_groups=hk,
+                attention_dropout=self._dropout,
+                qkv_format="thd",
+                attn_mask_type="padding_causal",
+                tp_size=1,
+                get_rng_state_tracker=(
+                    tensor_parallel.get_cuda_rng_tracker if self._dropout > 0 else None
+                ),
+                layer_number=self._layer_number,
+                softmax_scale=scale,
+            )
+        return self._modules[key]
+
+    def __call__(self, q, k, v, cu_seqlens, max_seqlen, *, softmax_scale, dropout_p):
+        if not q.is_cuda:
+            raise RuntimeError("the Transformer Engine attention backend needs CUDA tensors")
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        mod = self._module(q.size(1), k.size(1), q.size(2), softmax_scale)
+        out = mod(
+            q,
+            k,
+            v,
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=max_seqlen,
+            max_seqlen_kv=max_seqlen,
+            attn_mask_type="padding_causal",
+        )
+        return out.reshape(q.size(0), q.size(1), q.size(2))
+
+
+def te_available() -> bool:
+    """True when Transformer Engine imports and CUDA is usable."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def make_backend(
+    name: str, config: TransformerConfig, layer_number: int, dropout: float
+) -> AttentionBackend:
+    """``auto`` -> TE where TE and CUDA are present, torch otherwise; or ``te`` / ``torch``."""
+    if name == "auto":
+        name = "te" if te_available() else "torch"
+    if name == "te":
+        return TEAttentionBackend(config, layer_number, dropout)
+    if name == "torch":
+        return TorchAttentionBackend()
+    raise ValueError(f"unknown HSP attention backend {name!r}; use 'auto', 'te' or 'torch'")
+
+
+# ---------------------------------------------------------------------------------------------
+# The core-attention module
+# ---------------------------------------------------------------------------------------------
+
+
+class HSPCoreAttention(MegatronModule):
+    """Drop-in ``core_attention`` for megatron-core's ``SelfAttention`` (same ctor/forward).
+
+    THD input (``packed_seq_params.qkv_format == "thd"``): Ulysses over ``packed_seq_params.
+    cp_group`` (None or size 1: no communication), varlen causal attention within the segments
+    of ``cu_seqlens_q``, RoPE from ``HSPPackedSeqParams`` if present. BSHD input (no
+    packed_seq_params): plain causal attention per batch row, no communication (RoPE was
+    applied by megatron as usual).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        backend: str | AttentionBackend = "auto",
+    ) -> None:
+        super().__init__(config=config)
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise NotImplementedError(
+                f"HSP attention is causal-within-documents only; got attn_mask_type="
+                f"{attn_mask_type.name}"
+            )
+        if attention_type != "self":
+            raise NotImplementedError("HSP attention supports self-attention only")
+        if config.window_size is not None:
+            raise NotImplementedError("HSP attention does not support sliding-window attention")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise NotImplementedError("HSP attention supports softmax_type='vanilla' only")
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                "HSP replaces megatron's static context parallelism: set "
+                f"--context-parallel-size 1 (got {config.context_parallel_size})"
+            )
+        self.layer_number = max(1, layer_number)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp = pg_collection.tp.size() if pg_collection.tp is not None else 1
+        self.num_heads, self.num_kv_heads = heads_per_tp_rank(config, tp)
+        self.head_dim = config.kv_channels
+        # apply_query_key_layer_scaling divides and multiplies back by layer_number in megatron
+        # (net effect 1/sqrt(d) in exact arithmetic), so the plain scale is the same math.
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        )
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+        self.backend: AttentionBackend = (
+            make_backend(backend, config, self.layer_number, self.dropout_p)
+            if isinstance(backend, str)
+            else backend
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        """Returns [T/d, np*D] for THD input, [s, b, np*D] for BSHD input."""
+        if attention_bias is not None:
+            raise NotImplementedError("HSP attention does not support attention_bias")
+        if attn_mask_type not in (None, AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise NotImplementedError(f"HSP attention is causal only; got {attn_mask_type}")
+        # attention_mask is ignored like in TE's causal path: causality within documents is
+        # defined by cu_seqlens (THD) or by the sequence itself (BSHD).
+        dropout_p = self.dropout_p if self.training else 0.0
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            return self._forward_bshd(query, key, value, dropout_p)
+        return self._forward_thd(query, key, value, packed_seq_params, dropout_p)
+
+    def _attend(self, q, k, v, cu_seqlens, max_seqlen, dropout_p):
+        if dropout_p > 0 and q.is_cuda and not self.config.sequence_parallel:
+            # Same RNG stream choice as megatron's DotProductAttention (heads differ per TP rank).
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return self.backend(
+                    q,
+                    k,
+                    v,
+                    cu_seqlens,
+                    max_seqlen,
+                    softmax_scale=self.softmax_scale,
+                    dropout_p=dropout_p,
+                )
+        return self.backend(
+            q, k, v, cu_seqlens, max_seqlen, softmax_scale=self.softmax_scale, dropout_p=dropout_p
+        )
+
+    def _forward_bshd(self, query, key, value, dropout_p):
+        s, b = query.shape[:2]
+        q = query.transpose(0, 1).reshape(b * s, *query.shape[2:])
+        k = key.transpose(0, 1).reshape(b * s, *key.shape[2:])
+        v = value.transpose(0, 1).reshape(b * s, *value.shape[2:])
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
+        out = self._attend(q, k, v, cu, s, dropout_p)
+        return out.reshape(b, s, -1).transpose(0, 1).contiguous()
+
+    def _forward_thd(self, query, key, value, p: PackedSeqParams, dropout_p):
+        group = p.cp_group
+        d = 1 if group is None else group.size()
+        local = query.size(0)
+        total = local * d
+        cu = _checked_cu_seqlens(p, total, d)
+
+        nq, nkv = query.size(1), key.size(1)
+        if nq % d:
+            raise ValueError(
+                f"HSP group of size {d} cannot split the {nq} query heads per tensor-parallel "
+                f"rank (num_attention_heads={self.config.num_attention_heads}); run "
+                f"check_group_sizes() at start-up and keep the planner to usable sizes"
+            )
+        r = kv_replication_factor(nq, nkv, d)
+        if r > 1:
+            key = key.repeat_interleave(r, dim=1)
+            value = value.repeat_interleave(r, dim=1)
+
+        q = all_to_all_seq_to_head(query, group)
+        k = all_to_all_seq_to_head(key, group)
+        v = all_to_all_seq_to_head(value, group)
+
+        if isinstance(p, HSPPackedSeqParams) and (
+            p.rotary_q_freqs is not None or p.rotary_k_freqs is not None
+        ):
+            pos = positions_in_documents(cu, total)
+            if p.rotary_q_freqs is not None:
+                q = apply_rope_packed(q, p.rotary_q_freqs, pos, self.config, p.rotary_mscale)
+            if p.rotary_k_freqs is not None:
+                k = apply_rope_packed(k, p.rotary_k_freqs, pos, self.config, p.rotary_mscale)
+
+        max_seqlen = int(p.max_seqlen_q) if p.max_seqlen_q is not None else total
+        out = self._attend(q, k, v, cu, max_seqlen, dropout_p)
+        out = all_to_all_head_to_seq(out, group)
+        return out.reshape(local, nq * self.head_dim)
+
+
+class HSPSelfAttention(SelfAttention):
+    """megatron-core ``SelfAttention`` that lets ``HSPCoreAttention`` apply RoPE for THD input.
+
+    For packed (THD) input the rotary table is moved from ``SelfAttention``'s own RoPE step (which
+    would use megatron's static-CP THD logic, wrong for HSP's contiguous per-rank slices) into
+    ``HSPPackedSeqParams``; everything else is megatron's code path unchanged. BSHD input is
+    passed through untouched.
+    """
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        *,
+        inference_params=None,
+    ):
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            if inference_context is not None or inference_params is not None:
+                raise NotImplementedError("HSP attention does not support inference contexts")
+            no_rope = (
+                self.config.no_rope_freq[self.layer_number - 1]
+                if self.config.no_rope_freq
+                else False
+            )
+            if rotary_pos_emb is not None and not no_rope:
+                q_freqs, k_freqs = (
+                    rotary_pos_emb
+                    if isinstance(rotary_pos_emb, tuple)
+                    else (rotary_pos_emb, rotary_pos_emb)
+                )
+                packed_seq_params = HSPPackedSeqParams.wrap(
+                    packed_seq_params, q_freqs, k_freqs, self._yarn_concentration_factor
+                )
+            rotary_pos_emb = None
+        return super().forward(
+            hidden_states,
+            attention_mask,
+            key_value_states=key_value_states,
+            inference_context=inference_context,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            rotary_pos_cos_sin=rotary_pos_cos_sin,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+            inference_params=inference_params,
+        )
+
+
+def _checked_cu_seqlens(p: PackedSeqParams, total: int, d: int) -> torch.Tensor:
+    """The group buffer's segment boundaries; errors name the violated part of the contract."""
+    cu = p.cu_seqlens_q
+    if cu is None:
+        raise ValueError("THD PackedSeqParams needs cu_seqlens_q for HSP attention")
+    if (
+        p.cu_seqlens_kv is not None
+        and p.cu_seqlens_kv is not cu
+        and not torch.equal(p.cu_seqlens_kv.cpu(), cu.cpu())
+    ):
+        raise ValueError("HSP self-attention needs cu_seqlens_kv == cu_seqlens_q")
+    for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        padded = getattr(p, name)
+        if padded is not None and padded is not cu and not torch.equal(padded.cpu(), cu.cpu()):
+            raise ValueError(
+                f"HSP attention does not support per-document padding ({name} differs from "
+                f"cu_seqlens_q): put the group's padding in one trailing segment instead"
+            )
+    end = int(cu[-1])
+    if end != total:
+        raise ValueError(
+            f"cu_seqlens_q must describe the group's whole packed buffer: it ends at {end} but "
+            f"{d} rank(s) x {total // d} local tokens = {total}"
+        )
+    return cu
+
+
+__all__ = [
+    "AttentionBackend",
+    "HSPCoreAttention",
+    "HSPPackedSeqParams",
+    "HSPSelfAttention",
+    "TEAttentionBackend",
+    "TorchAttentionBackend",
+    "all_to_all_head_to_seq",
+    "all_to_all_seq_to_head",
+    "apply_rope_packed",
+    "check_group_sizes",
+    "heads_per_tp_rank",
+    "kv_replication_factor",
+    "make_backend",
+    "positions_in_documents",
+    "usable_group_sizes",
+]

@@ -1,0 +1,239 @@
+"""CPU harness for multi-process tests: gloo + megatron ``parallel_state`` without CUDA.
+
+Megatron-core assumes CUDA in two places a CPU test hits: ``model_parallel_cuda_manual_seed``
+(seeds ``torch.cuda``) and the RNG tracker it fills. On CPU we initialise megatron's tracker with
+its public ``inference_rng_tracker=True`` variant, whose ``fork()`` is a no-op and ``add()`` does
+nothing: code that forks "the model-parallel RNG" then simply draws from torch's CPU generator.
+That is only a difference for dropout inside tensor-parallel regions, which the exactness tests
+switch off (dropout 0) anyway. Models must be built with ``use_cpu_initialization=True``.
+
+``run_distributed`` spawns N processes with a file rendezvous (no ports to collide between test
+workers) and returns each rank's result or exception, so a test can assert that *every* rank
+raised (no hang) instead of only seeing the first failure.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass(frozen=True)
+class RankError:
+    """An exception raised on one rank, carried back to the parent process as text."""
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+
+
+def init_cpu_megatron(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    *,
+    tensor_model_parallel_size: int = 1,
+    seed: int = 1234,
+) -> None:
+    """Initialise gloo torch.distributed and megatron ``parallel_state`` on the CPU.
+
+    ``init_method`` is a ``file://`` or ``tcp://`` URL shared by all ranks. Idempotent for the
+    process: a second call with the process group already up only (re)initialises megatron.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mpu_random
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        create_gloo_process_groups=False,
+    )
+    # CPU-safe replacement for model_parallel_cuda_manual_seed (see module docstring).
+    mpu_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    torch.manual_seed(seed)
+
+
+def init_single_process_megatron(seed: int = 1234) -> None:
+    """One-process gloo world with megatron initialised: for GPTModel tests on the CPU."""
+    fd, path = tempfile.mkstemp(prefix="hsp_rdzv_")
+    os.close(fd)
+    os.unlink(path)
+    init_cpu_megatron(0, 1, f"file://{path}", seed=seed)
+
+
+def cpu_rotary_embedding_class() -> type:
+    """A megatron ``RotaryEmbedding`` whose table stays on the CPU.
+
+    megatron-core 0.19.2's ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to
+    ``torch.cuda.current_device()`` unconditionally on first use, so a CPU ``GPTModel`` with RoPE
+    cannot run forward. This subclass computes the identical table without that move.
+    """
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    class CpuRotaryEmbedding(RotaryEmbedding):
+        def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+            freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+            if not self.rotary_interleaved:
+                emb = torch.cat((freqs, freqs), dim=-1)
+            else:
+                emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(
+                    freqs.shape[0], -1
+                )
+            return emb[:, None, None, :]
+
+    return CpuRotaryEmbedding
+
+
+def use_cpu_rotary(model: torch.nn.Module) -> torch.nn.Module:
+    """Make a CPU-built ``GPTModel``'s RoPE usable without CUDA (instance-level, no global patch).
+
+    Only for CPU runs (tests, selftest, demo); on CUDA megatron's own class is kept.
+    """
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    for module in model.modules():
+        if type(module) is RotaryEmbedding:
+            module.__class__ = cpu_rotary_embedding_class()
+    return model
+
+
+def tiny_gpt_model(
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 32,
+    num_attention_heads: int = 4,
+    num_query_groups: int = 2,
+    vocab_size: int = 64,
+    max_sequence_length: int = 512,
+    seed: int = 0,
+    attention_backend: str = "torch",
+) -> torch.nn.Module:
+    """A small fp32 megatron-core ``GPTModel`` (RoPE, GQA, no dropout) with HSP attention, on CPU.
+
+    Identical weights on every rank for the same ``seed`` (CPU initialisation), so distributed
+    runs can be compared with a single-process reference built the same way.
+    """
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hsp.megatron.spec import hsp_gpt_layer_spec
+
+    config = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        ffn_hidden_size=4 * hidden_size,
+        num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups,
+        use_cpu_initialization=True,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+    torch.manual_seed(seed)
+    model = GPTModel(
+        config,
+        hsp_gpt_layer_spec(use_transformer_engine=False, attention_backend=attention_backend),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        position_embedding_type="rope",
+    )
+    return use_cpu_rotary(model)
+
+
+def destroy_cpu_megatron() -> None:
+    """Tear down megatron's groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    tmpdir: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    tensor_model_parallel_size: int,
+) -> None:
+    torch.set_num_threads(1)
+    result: Any
+    try:
+        init_cpu_megatron(
+            rank,
+            world_size,
+            f"file://{os.path.join(tmpdir, 'rdzv')}",
+            tensor_model_parallel_size=tensor_model_parallel_size,
+        )
+        result = fn(rank, world_size, *args)
+    except BaseException as exc:  # carried back to the parent, never swallowed
+        result = RankError(rank, type(exc).__name__, str(exc), traceback.format_exc())
+    finally:
+        with open(os.path.join(tmpdir, f"result_{rank}.pkl"), "wb") as fh:
+            pickle.dump(result, fh)
+        destroy_cpu_megatron()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    tensor_model_parallel_size: int = 1,
+    timeout_s: float = 120.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo CPU processes.
+
+    Returns one entry per rank: ``fn``'s (picklable) return value or a ``RankError``. ``fn`` must
+    be importable (module level). A rank that never reports (hang) fails with TimeoutError.
+    """
+    with tempfile.TemporaryDirectory(prefix="hsp_dist_") as tmpdir:
+        ctx = mp.start_processes(
+            _worker,
+            args=(world_size, tmpdir, fn, args, tensor_model_parallel_size),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.terminate()
+                raise TimeoutError(
+                    f"distributed test did not finish within {timeout_s:.0f}s (likely a hang)"
+                )
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(tmpdir, f"result_{rank}.pkl"), "rb") as fh:
+                results.append(pickle.load(fh))
+        return results
+
+
+def raise_rank_errors(results: list[Any]) -> list[Any]:
+    """Re-raise the first ``RankError`` with its remote traceback; otherwise return ``results``."""
+    for r in results:
+        if isinstance(r, RankError):
+            raise RuntimeError(f"rank {r.rank} raised {r.type_name}: {r.message}\n{r.traceback}")
+    return results
