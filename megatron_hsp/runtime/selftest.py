@@ -222,6 +222,7 @@ def build_model(shape: ModelShape):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_hsp.megatron.spec import hsp_gpt_layer_spec
+    from megatron_hsp.runtime.testing import use_cpu_rotary
 
     config = TransformerConfig(
         num_layers=shape.num_layers,
@@ -242,14 +243,17 @@ def build_model(shape: ModelShape):
         calculate_per_token_loss=True,
     )
     torch.manual_seed(shape.seed)
-    return GPTModel(
+    model = GPTModel(
         config=config,
-        transformer_layer_spec=hsp_gpt_layer_spec(),
+        transformer_layer_spec=hsp_gpt_layer_spec(
+            use_transformer_engine=False, attention_backend="torch"
+        ),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_sequence_length,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
     )
+    return use_cpu_rotary(model)
 
 
 def _tp_size() -> int:
