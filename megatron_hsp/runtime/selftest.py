@@ -314,30 +314,39 @@ def _step(model, case: Case, plan: Plan, shape: ModelShape, registry, grad_group
     return run_step(model, plan, batch, registry, grad_group=grad_group, device=torch.device("cpu"))
 
 
-def reference_worker(rank: int, world_size: int, cases: list[Case], shape: ModelShape):
-    """On ONE process: initial weights, and per case the loss and gradients of the whole batch
-    trained as one packed stream on one device (a single group of one slot)."""
-    import torch.distributed as dist
+def compute_reference(cases: list[Case], shape: ModelShape) -> dict[str, Any]:
+    """Initial weights, and per case the loss and gradients of the whole batch trained as ONE
+    packed stream on one device: tensor parallel 1, a single group of one slot (``cp_group``
+    None), no collective at all -- what single-device training computes. Runs inside each
+    process (identical on all: CPU init from one seed), which saves spawning a separate one."""
+    import torch
 
-    from megatron_hsp.runtime.groups import create_groups
+    from megatron_hsp.runtime.dispatch import GlobalBatch, dispatch
+    from megatron_hsp.runtime.loss import masked_loss_sum
+    from megatron_hsp.runtime.schedule import gpt_forward, to_model_inputs
 
-    assert world_size == 1
+    if _tp_size() != 1:
+        raise RuntimeError("the reference is computed with tensor parallel size 1")
     model = build_model(shape)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    registry = create_groups(1, sizes=[1])
     out: dict[str, Any] = {"weights": weights, "cases": {}}
     for case in cases:
-        ids = list(range(len(case.lengths)))
-        plan = manual_plan(1, case.lengths, [[(1, ids)]])
-        res = _step(model, case, plan, shape, registry, dist.group.WORLD)
-        out["cases"][case.name] = {"loss": res.loss, "grads": full_gradients(model)}
+        batch = GlobalBatch.from_documents(case.documents(shape.vocab_size))
+        plan = manual_plan(1, case.lengths, [[(1, list(range(len(case.lengths))))]])
+        (pack,) = dispatch(batch, plan, 0)
+        inputs = to_model_inputs(pack, None, torch.device("cpu"))
+        model.zero_grad(set_to_none=True)
+        loss_sum = masked_loss_sum(gpt_forward(model, inputs), inputs.loss_mask)
+        (loss_sum / batch.num_loss_tokens).backward()
+        out["cases"][case.name] = {
+            "loss": float(loss_sum.detach()) / batch.num_loss_tokens,
+            "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+        }
     return out
 
 
-def distributed_worker(
-    rank: int, world_size: int, cases: list[Case], shape: ModelShape, reference: dict[str, Any]
-):
-    """On every rank: run each case's plan and compare with the reference."""
+def distributed_worker(rank: int, world_size: int, cases: list[Case], shape: ModelShape):
+    """On every rank: the single-device reference, then each case's plan, compared."""
     import torch
     from megatron.core import parallel_state as ps
 
@@ -345,6 +354,9 @@ def distributed_worker(
     from megatron_hsp.runtime.groups import create_groups_from_megatron
     from megatron_hsp.runtime.testing import init_cpu_megatron
 
+    t_ref = time.perf_counter()
+    reference = compute_reference(cases, shape)
+    t_ref = time.perf_counter() - t_ref
     results = []
     model = registry = None
     for case in cases:
@@ -391,6 +403,7 @@ def distributed_worker(
                 "loss": res.loss,
                 "ref_loss": ref["loss"],
                 "nonzero_grads": sum(int(torch.count_nonzero(g)) > 0 for g in grads.values()),
+                "reference_s": t_ref,
             }
         )
     return results
@@ -408,19 +421,17 @@ def run_selftest(nproc: int, shape: ModelShape | None = None, timeout_s: float =
     for c in cases:  # fail fast, before spawning anything, on a broken case table
         c.plan()
     t0 = time.perf_counter()
-    (reference,) = raise_rank_errors(run_distributed(reference_worker, 1, cases, shape))
-    t_ref = time.perf_counter() - t0
     per_rank = raise_rank_errors(
         run_distributed(
             distributed_worker,
             nproc,
             cases,
             shape,
-            reference,
-            tensor_model_parallel_size=cases[0].tp,
+            tensor_model_parallel_size=1,
             timeout_s=timeout_s,
         )
     )
+    t_ref = max(r[0]["reference_s"] for r in per_rank)
     out_cases = []
     for i, case in enumerate(cases):
         rows = [r[i] for r in per_rank]
