@@ -115,25 +115,27 @@ def check_executable(
 def head_problems(
     sizes: Sequence[int], num_attention_heads: int, num_query_groups: int, tensor_parallel: int
 ) -> list[str]:
-    """Ulysses splits each tensor-parallel rank's heads over the group: query heads per TP rank
-    must be divisible by the group size; KV heads per TP rank must be divisible by it or divide it
-    (then they are replicated)."""
+    """Ulysses scatters each tensor-parallel rank's query heads over the group, so the group size
+    must divide them. KV heads never restrict the size: the attention replicates them when the
+    group is larger (``attention.kv_replication_factor``), the same rule as
+    ``attention.check_group_sizes``, restated on plain integers so the plan check needs no
+    ``TransformerConfig``."""
+    del num_query_groups  # replicated as needed; kept in the signature for the error context
     out = []
+    if num_attention_heads % tensor_parallel:
+        return [
+            f"--num-attention-heads {num_attention_heads} is not divisible by tensor parallel "
+            f"size {tensor_parallel}"
+        ]
     q = num_attention_heads // tensor_parallel
-    kv = num_query_groups // tensor_parallel
-    for d in sizes:
-        if q % d:
-            out.append(
-                f"group size {d} does not divide the {q} attention heads per tensor-parallel rank "
-                f"(--num-attention-heads {num_attention_heads} / tp {tensor_parallel}); use group "
-                f"sizes dividing {q}"
-            )
-        elif kv % d and d % kv:
-            out.append(
-                f"group size {d} neither divides nor is a multiple of the {kv} KV heads per "
-                f"tensor-parallel rank (--num-query-groups {num_query_groups} / tp "
-                f"{tensor_parallel})"
-            )
+    bad = [d for d in sizes if q % d]
+    if bad:
+        usable = [d for d in range(1, q + 1) if q % d == 0]
+        out.append(
+            f"group sizes {bad} do not divide the {q} attention heads per tensor-parallel rank "
+            f"(--num-attention-heads {num_attention_heads} / tp {tensor_parallel}); Ulysses "
+            f"needs group sizes among {usable}: restrict the planner's sizes (--hsp-group-sizes)"
+        )
     return out
 
 
