@@ -84,7 +84,7 @@ def main() -> None:
         "mixed-8/4/2/1": lambda L: mixed_plan(args.gpus, L),
     }
     for name, make in shapes.items():
-        times, tokens = [], []
+        times, tokens, parts = [], [], []
         for step in range(args.steps):
             lo = step * args.global_batch % max(1, all_lengths.size - args.global_batch)
             lengths = all_lengths[lo : lo + args.global_batch].tolist()
@@ -97,15 +97,25 @@ def main() -> None:
             slot = int(per_slot.argmax())
             t0 = time.perf_counter()
             batch = GlobalBatch.from_documents(docs)
+            t1 = time.perf_counter()
             packs = dispatch(batch, plan, slot)
+            t2 = time.perf_counter()
             inputs = [to_model_inputs(p, group, torch.device("cpu")) for p in packs if not p.empty]
-            times.append((time.perf_counter() - t0) * 1e3)
+            t3 = time.perf_counter()
+            times.append((t3 - t0) * 1e3)
+            parts.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
             tokens.append(sum(int(i.input_ids.numel()) for i in inputs))
         t = np.asarray(times[1:] if len(times) > 1 else times)
+        p50 = np.median(np.asarray(parts[1:] if len(parts) > 1 else parts), axis=0)
         results[name] = {
             "ms_p50": round(float(np.median(t)), 3),
             "ms_p90": round(float(np.percentile(t, 90)), 3),
             "ms_max": round(float(t.max()), 3),
+            "p50_split_ms": {
+                "global_batch": round(float(p50[0]), 3),
+                "dispatch": round(float(p50[1]), 3),
+                "to_torch": round(float(p50[2]), 3),
+            },
             "local_tokens_mean": round(float(np.mean(tokens)), 1),
         }
     out = {

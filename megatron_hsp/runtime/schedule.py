@@ -113,6 +113,11 @@ def run_step(
     ``get_data_parallel_group(with_context_parallel=True)``). Gradients are zeroed first; after
     the call they equal the single-device gradients of the per-token loss of ``batch``.
     """
+    if registry.layout.pipeline_parallel != 1:
+        raise NotImplementedError(
+            "run_step executes plans with pipeline parallel size 1 only; the group registry "
+            "supports pp > 1 but the micro-batch loop does not interleave pipeline stages"
+        )
     n_global = batch.num_loss_tokens
     scale = 1.0 / max(n_global, 1)
     t0 = time.perf_counter()
