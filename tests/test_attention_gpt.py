@@ -26,18 +26,9 @@ VOCAB = 64
 
 
 def packed_params(cu: list[int], group=None):
-    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron_hsp.runtime.attention import group_packed_seq_params
 
-    cu_t = torch.tensor(cu, dtype=torch.int32)
-    longest = max(b - a for a, b in itertools.pairwise(cu))
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu_t,
-        cu_seqlens_kv=cu_t,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
-        cp_group=group,
-    )
+    return group_packed_seq_params(torch.tensor(cu, dtype=torch.int32), group)
 
 
 def cumulative(lengths: list[int]) -> list[int]:
@@ -126,12 +117,44 @@ def test_hsp_spec_keeps_megatron_parameter_names(megatron_cpu) -> None:
     assert type(layer.self_attention.core_attention) is HSPCoreAttention
 
 
+def test_with_hsp_attention_rewrites_a_megatron_decoder_block_spec(megatron_cpu) -> None:
+    """The pretrain_gpt seam: Megatron-LM's block spec (one spec per layer) gets HSP attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_hsp.megatron.spec import with_hsp_attention
+    from megatron_hsp.runtime.attention import HSPCoreAttention, HSPSelfAttention
+    from megatron_hsp.runtime.testing import use_cpu_rotary
+
+    config = tiny_gpt_model().config
+    block = with_hsp_attention(get_gpt_decoder_block_spec(config, use_transformer_engine=False))
+    torch.manual_seed(0)
+    model = use_cpu_rotary(
+        GPTModel(
+            config, block, vocab_size=VOCAB, max_sequence_length=512, position_embedding_type="rope"
+        )
+    )
+    for layer in model.decoder.layers:
+        assert type(layer.self_attention) is HSPSelfAttention
+        assert type(layer.self_attention.core_attention) is HSPCoreAttention
+    ids, _ = tokens_and_weights(sum(DOCS))
+    out = model(ids, positions(DOCS), None, packed_seq_params=packed_params(cumulative(DOCS)))
+    assert out.shape == (1, sum(DOCS), VOCAB) and torch.isfinite(out).all()
+
+
 # ------------------------------------------------------------------ distributed GPTModel
 
 
-def _gpt_ulysses_worker(rank: int, world: int) -> dict:
-    """Group of all ranks; every rank also computes the single-process reference itself."""
-    group = dist.new_group(list(range(world)))
+def _gpt_ulysses_worker(rank: int, world: int, tp: int) -> dict:
+    """Ulysses over the ranks sharing this rank's TP position; each rank also computes the
+    no-communication reference (its TP group alone on the whole buffer) itself."""
+    from megatron.core import parallel_state
+
+    # megatron orders TP fastest: the sequence-parallel peers of rank r are r % tp + k*tp.
+    groups = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
+    group = groups[parallel_state.get_tensor_model_parallel_rank()]
+    world = group.size()
+    rank = group.rank()
     model = tiny_gpt_model(seed=3)
     docs = [6, 1, 9, 3]  # 19 tokens + 1 padding token for d=2; slices cross documents
     cu = cumulative(docs)
@@ -140,6 +163,9 @@ def _gpt_ulysses_worker(rank: int, world: int) -> dict:
         cu.append(cu[-1] + pad)
     total = cu[-1]
     ids, w = tokens_and_weights(total, seed=11)
+    shard = VOCAB // tp  # logits are vocab-parallel under TP
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    w = w[..., tp_rank * shard : (tp_rank + 1) * shard]
     seg_lengths = [b - a for a, b in itertools.pairwise(cu)]
     pos = positions(seg_lengths)
 
@@ -162,10 +188,23 @@ def _gpt_ulysses_worker(rank: int, world: int) -> dict:
     }
 
 
+def _gpt_cases_worker(rank: int, world: int) -> dict:
+    """4 ranks: tp=2 x Ulysses d=2 (KV heads replicated: 1 per TP rank), then tp=1 x d=4."""
+    from megatron_hsp.runtime.testing import init_cpu_megatron
+
+    results = {"tp2-d2": _gpt_ulysses_worker(rank, world, tp=2)}
+    init_cpu_megatron(rank, world, "unused://", tensor_model_parallel_size=1)  # re-init megatron
+    results["tp1-d4"] = _gpt_ulysses_worker(rank, world, tp=1)
+    return results
+
+
 @pytest.mark.dist
 @pytest.mark.slow
-def test_gpt_model_ulysses_two_ranks_matches_single_process() -> None:
-    results = raise_rank_errors(run_distributed(_gpt_ulysses_worker, 2))
-    for r in results:
-        assert r["logits"] <= 1e-6, r["logits"]
-        assert r["grads"] and max(r["grads"].values()) <= 1e-5, r["grads"]
+def test_gpt_model_ulysses_matches_single_process_with_and_without_tp() -> None:
+    results = raise_rank_errors(
+        run_distributed(_gpt_cases_worker, 4, tensor_model_parallel_size=2, timeout_s=400)
+    )
+    for per_rank in results:
+        for case, r in per_rank.items():
+            assert r["logits"] <= 1e-6, (case, r["logits"])
+            assert r["grads"] and max(r["grads"].values()) <= 1e-5, (case, r["grads"])

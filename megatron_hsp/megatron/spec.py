@@ -1,5 +1,6 @@
 """GPT layer specs with HSP attention, injected through megatron-core's ModuleSpec seam.
 
+``with_hsp_attention(spec)`` rewrites any GPT layer/block spec Megatron-LM built from its flags;
 ``hsp_gpt_layer_spec`` starts from megatron-core's own GPT layer spec and swaps exactly two
 things in ``self_attention``: the module (``HSPSelfAttention``, which hands RoPE for packed input
 to the core attention) and ``core_attention`` (``HSPCoreAttention``: Ulysses over the micro-batch's
@@ -24,8 +25,33 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_hsp.runtime.attention import HSPCoreAttention, HSPSelfAttention, te_available
+
+
+def with_hsp_attention(spec, attention_backend: str = "auto"):
+    """Swap HSP attention into ANY megatron-core GPT spec Megatron-LM built from its own args.
+
+    Accepts a layer ``ModuleSpec`` (``TransformerLayer``), a ``TransformerBlockSubmodules`` (what
+    ``get_gpt_decoder_block_spec`` returns: one spec per layer) or a ``ModuleSpec`` wrapping one.
+    This is the seam for ``pretrain_gpt.py``: build the spec exactly as Megatron-LM does, then pass
+    it through here, so every other flag (norms, MoE, qk-layernorm, TE) keeps Megatron's meaning.
+    """
+    if isinstance(spec, TransformerBlockSubmodules):
+        return dataclasses.replace(
+            spec,
+            layer_specs=[with_hsp_attention(s, attention_backend) for s in spec.layer_specs],
+        )
+    if isinstance(spec, ModuleSpec) and isinstance(spec.submodules, TransformerBlockSubmodules):
+        return ModuleSpec(
+            module=spec.module,
+            params=dict(spec.params),
+            submodules=with_hsp_attention(spec.submodules, attention_backend),
+        )
+    if isinstance(spec, ModuleSpec):
+        return _swap_attention(spec, attention_backend)
+    raise TypeError(f"expected a megatron-core GPT layer or block spec, got {type(spec).__name__}")
 
 
 def _swap_attention(layer_spec: ModuleSpec, backend: str) -> ModuleSpec:
@@ -69,7 +95,15 @@ def hsp_gpt_layer_spec(
     if use_transformer_engine is None:
         use_transformer_engine = te_available()
     if use_transformer_engine:
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+        except Exception as exc:
+            raise ValueError(
+                "hsp_gpt_layer_spec(use_transformer_engine=True) needs Transformer Engine, which "
+                f"does not import here ({type(exc).__name__}: {exc}); use "
+                "use_transformer_engine=False (megatron-core local modules, runs on CPU)"
+            ) from exc
         base = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:
         base = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
-    return _swap_attention(base, attention_backend)
+    return with_hsp_attention(base, attention_backend)

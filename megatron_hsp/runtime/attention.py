@@ -185,7 +185,50 @@ class HSPPackedSeqParams(PackedSeqParams):
         total_tokens, seq_idx = kwargs.pop("total_tokens"), kwargs.pop("seq_idx")
         out = cls(**kwargs, rotary_q_freqs=q_freqs, rotary_k_freqs=k_freqs, rotary_mscale=mscale)
         out.total_tokens, out.seq_idx = total_tokens, seq_idx  # skip __post_init__'s recompute
+        out._hsp_cache = _micro_batch_cache(p)  # shared by every layer of the micro-batch
         return out
+
+
+def group_packed_seq_params(
+    cu_seqlens: torch.Tensor, group: dist.ProcessGroup | None
+) -> PackedSeqParams:
+    """The ``PackedSeqParams`` the HSP attention expects for one micro-batch (docs/runtime.md).
+
+    ``cu_seqlens``: int32 boundaries of the group's whole buffer (documents, then the trailing
+    padding segment), ``cu_seqlens[-1]`` a multiple of the group size. ``max_seqlen`` covers the
+    padding segment too, because it sizes megatron's RoPE table.
+    """
+    d = 1 if group is None else group.size()
+    total = int(cu_seqlens[-1])
+    if total % d:
+        raise ValueError(
+            f"packed buffer of {total} tokens is not a multiple of the group size {d}: pad it "
+            f"with one trailing segment of {-total % d} tokens"
+        )
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    cu = cu_seqlens.to(torch.int32)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        cp_group=group,
+        local_cp_size=d,
+    )
+
+
+def _micro_batch_cache(p: PackedSeqParams) -> dict:
+    """Per-micro-batch memo stored on the schedule's PackedSeqParams object.
+
+    The same object reaches every layer, so the contract check (a device->host sync on GPU) and
+    the per-token positions are computed once per micro-batch instead of once per layer.
+    """
+    cache = getattr(p, "_hsp_cache", None)
+    if cache is None:
+        cache = {}
+        p._hsp_cache = cache
+    return cache
 
 
 def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -202,6 +245,7 @@ def apply_rope_packed(
     positions: torch.Tensor,
     config: TransformerConfig,
     mscale: float = 1.0,
+    check_range: bool = True,
 ) -> torch.Tensor:
     """RoPE on packed ``t`` [T, h, D] with per-token positions, using megatron's unfused math.
 
@@ -209,7 +253,7 @@ def apply_rope_packed(
     ``GPTModel`` computes for THD input with S = max_seqlen). Same elementwise operations as
     megatron's single-sequence (bshd) path, hence the same numbers as a single-device run.
     """
-    if positions.numel() and int(positions.max()) >= freqs.size(0):
+    if check_range and positions.numel() and int(positions.max()) >= freqs.size(0):
         raise ValueError(
             f"RoPE table covers {freqs.size(0)} positions but a packed segment reaches position "
             f"{int(positions.max())}: PackedSeqParams.max_seqlen_q/kv must be the longest segment "
@@ -313,8 +357,8 @@ class TorchAttentionBackend:
                 scale=softmax_scale,
             )
             outs.append(o.transpose(0, 1))
-        if not outs:
-            return q.new_zeros(q.shape)
+        if not outs:  # empty buffer (a group without sequences): keep the autograd graph
+            return q * 0.0
         return torch.cat(outs, dim=0)
 
 
@@ -519,7 +563,17 @@ class HSPCoreAttention(MegatronModule):
         d = 1 if group is None else group.size()
         local = query.size(0)
         total = local * d
-        cu = _checked_cu_seqlens(p, total, d)
+        cu = p.cu_seqlens_q
+        cache = _micro_batch_cache(p)
+        key_now = (cu, total)  # keyed by the tensor object: a re-used params object re-checks
+        if (
+            cache.get("checked") is None
+            or cache["checked"][0] is not cu
+            or (cache["checked"][1] != total)
+        ):
+            _checked_cu_seqlens(p, total, d)
+            cache["checked"] = key_now
+            cache.pop("positions", None)
 
         nq, nkv = query.size(1), key.size(1)
         if nq % d:
@@ -540,11 +594,18 @@ class HSPCoreAttention(MegatronModule):
         if isinstance(p, HSPPackedSeqParams) and (
             p.rotary_q_freqs is not None or p.rotary_k_freqs is not None
         ):
-            pos = positions_in_documents(cu, total)
+            first = "positions" not in cache  # range-check the table once per micro-batch
+            if first:
+                cache["positions"] = positions_in_documents(cu, total)
+            pos = cache["positions"]
             if p.rotary_q_freqs is not None:
-                q = apply_rope_packed(q, p.rotary_q_freqs, pos, self.config, p.rotary_mscale)
+                q = apply_rope_packed(
+                    q, p.rotary_q_freqs, pos, self.config, p.rotary_mscale, check_range=first
+                )
             if p.rotary_k_freqs is not None:
-                k = apply_rope_packed(k, p.rotary_k_freqs, pos, self.config, p.rotary_mscale)
+                k = apply_rope_packed(
+                    k, p.rotary_k_freqs, pos, self.config, p.rotary_mscale, check_range=first
+                )
 
         max_seqlen = int(p.max_seqlen_q) if p.max_seqlen_q is not None else total
         out = self._attend(q, k, v, cu, max_seqlen, dropout_p)
@@ -649,6 +710,7 @@ __all__ = [
     "all_to_all_seq_to_head",
     "apply_rope_packed",
     "check_group_sizes",
+    "group_packed_seq_params",
     "heads_per_tp_rank",
     "kv_replication_factor",
     "make_backend",

@@ -174,7 +174,12 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple,
     tensor_model_parallel_size: int,
+    stack_dump_after_s: float,
 ) -> None:
+    import faulthandler
+
+    # A stuck rank prints every thread's stack to stderr shortly before the parent gives up.
+    faulthandler.dump_traceback_later(stack_dump_after_s, exit=False)
     torch.set_num_threads(1)
     result: Any
     try:
@@ -185,6 +190,7 @@ def _worker(
             tensor_model_parallel_size=tensor_model_parallel_size,
         )
         result = fn(rank, world_size, *args)
+        faulthandler.cancel_dump_traceback_later()
     except BaseException as exc:  # carried back to the parent, never swallowed
         result = RankError(rank, type(exc).__name__, str(exc), traceback.format_exc())
     finally:
@@ -198,7 +204,7 @@ def run_distributed(
     world_size: int,
     *args: Any,
     tensor_model_parallel_size: int = 1,
-    timeout_s: float = 120.0,
+    timeout_s: float = 300.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo CPU processes.
 
@@ -208,7 +214,14 @@ def run_distributed(
     with tempfile.TemporaryDirectory(prefix="hsp_dist_") as tmpdir:
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, tmpdir, fn, args, tensor_model_parallel_size),
+            args=(
+                world_size,
+                tmpdir,
+                fn,
+                args,
+                tensor_model_parallel_size,
+                max(1.0, timeout_s - 20.0),
+            ),
             nprocs=world_size,
             join=False,
             start_method="spawn",
@@ -221,8 +234,17 @@ def run_distributed(
                 for p in ctx.processes:
                     if p.is_alive():
                         p.terminate()
+                reported = []
+                for rank in range(world_size):
+                    path = os.path.join(tmpdir, f"result_{rank}.pkl")
+                    if os.path.exists(path):
+                        with open(path, "rb") as fh:
+                            reported.append(f"rank {rank}: {pickle.load(fh)!r}"[:2000])
+                    else:
+                        reported.append(f"rank {rank}: no result (stuck)")
                 raise TimeoutError(
-                    f"distributed test did not finish within {timeout_s:.0f}s (likely a hang)"
+                    f"distributed test did not finish within {timeout_s:.0f}s (likely a hang); "
+                    + "; ".join(reported)
                 )
         results = []
         for rank in range(world_size):
