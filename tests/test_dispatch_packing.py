@@ -132,3 +132,27 @@ def test_accounting_property(lengths, size, mbs, local_multiple):
             assert p.num_local_tokens * p.group_size == p.padded_tokens
             assert p.num_local_tokens % local_multiple == 0
             assert p.padded_tokens - p.group_tokens < p.group_size * local_multiple
+
+
+def test_packed_seq_params_match_the_attention_contract():
+    """schedule.packed_seq_params (host-side numbers, no device sync) builds what
+    attention.group_packed_seq_params would from the same cu_seqlens."""
+    import torch
+
+    from megatron_hsp.runtime.attention import group_packed_seq_params
+    from megatron_hsp.runtime.schedule import packed_seq_params
+
+    class FakeGroup:
+        def size(self):
+            return 4
+
+    b = _batch([5, 1, 7])
+    pack = pack_group_slice(b, Group(ranks=(0, 1, 2, 3), seq_ids=(2, 0, 1), lengths=(7, 5, 1)), 1)
+    ours = packed_seq_params(pack, FakeGroup(), torch.device("cpu"))
+    theirs = group_packed_seq_params(torch.from_numpy(pack.cu_seqlens), FakeGroup())
+    assert torch.equal(ours.cu_seqlens_q, theirs.cu_seqlens_q)
+    assert ours.cu_seqlens_q.dtype == torch.int32
+    assert (ours.max_seqlen_q, ours.max_seqlen_kv) == (theirs.max_seqlen_q, theirs.max_seqlen_kv)
+    assert ours.qkv_format == theirs.qkv_format == "thd"
+    assert ours.local_cp_size == theirs.local_cp_size == 4
+    assert torch.equal(ours.cu_seqlens_q_padded, ours.cu_seqlens_q)  # "None or equal"
