@@ -26,6 +26,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"ok": result["ok"], "cases": result["cases"]}, indent=2))
     else:
         print(case_table(result["_results"]))
+        c = result["_control"]
+        print(
+            f"negative control (attention across documents): grad rel diff "
+            f"{c['max_rel_grad_diff']:.2e}, loss rel diff {c['loss_rel_diff']:.2e} (must be large)"
+        )
         t = result["_timing"]
         print(
             f"{'ok' if result['ok'] else 'FAILED'}: {len(result['cases'])} cases on "

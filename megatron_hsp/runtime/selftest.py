@@ -304,14 +304,52 @@ def full_gradients(model) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- workers
 
 
-def _step(model, case: Case, plan: Plan, shape: ModelShape, registry, grad_group):
+def _step(model, case: Case, plan: Plan, shape: ModelShape, registry, grad_group, **kwargs):
     import torch
 
     from megatron_hsp.runtime.dispatch import GlobalBatch
     from megatron_hsp.runtime.schedule import run_step
 
     batch = GlobalBatch.from_documents(case.documents(shape.vocab_size))
-    return run_step(model, plan, batch, registry, grad_group=grad_group, device=torch.device("cpu"))
+    return run_step(
+        model, plan, batch, registry, grad_group=grad_group, device=torch.device("cpu"), **kwargs
+    )
+
+
+def _compare(grads: dict[str, Any], ref_grads: dict[str, Any]) -> tuple[float, float, str]:
+    """(max abs difference, max over parameters of ||g - g_ref|| / ||g_ref||, worst parameter)."""
+    max_abs, max_rel, worst = 0.0, 0.0, ""
+    for name, g_ref in ref_grads.items():
+        diff = grads[name] - g_ref
+        rel = float(diff.norm() / g_ref.norm().clamp_min(1e-30))
+        max_abs = max(max_abs, float(diff.abs().max()))
+        if rel > max_rel:
+            max_rel, worst = rel, name
+    return max_abs, max_rel, worst
+
+
+def _leaky_forward(model, inputs):
+    """Negative control: the same step with document boundaries dropped (one segment per group
+    buffer), i.e. attention leaking across documents. The comparison must flag it."""
+    import dataclasses
+
+    import torch
+
+    from megatron_hsp.runtime.schedule import gpt_forward
+
+    p = inputs.packed_seq_params
+    total = int(p.cu_seqlens_q[-1])
+    cu = torch.tensor([0, total], dtype=torch.int32)
+    leaky = dataclasses.replace(
+        p,
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=total,
+        max_seqlen_kv=total,
+    )
+    return gpt_forward(model, dataclasses.replace(inputs, packed_seq_params=leaky))
 
 
 def compute_reference(cases: list[Case], shape: ModelShape) -> dict[str, Any]:
@@ -380,13 +418,7 @@ def distributed_worker(rank: int, world_size: int, cases: list[Case], shape: Mod
         res = _step(model, case, plan, shape, registry, grad_group)
         grads = full_gradients(model)
         ref = reference["cases"][case.name]
-        max_abs, max_rel, worst = 0.0, 0.0, ""
-        for name, g_ref in ref["grads"].items():
-            diff = grads[name] - g_ref
-            rel = float(diff.norm() / g_ref.norm().clamp_min(1e-30))
-            max_abs = max(max_abs, float(diff.abs().max()))
-            if rel > max_rel:
-                max_rel, worst = rel, name
+        max_abs, max_rel, worst = _compare(grads, ref["grads"])
         loss_abs = abs(res.loss - ref["loss"])
         results.append(
             {
@@ -406,7 +438,23 @@ def distributed_worker(rank: int, world_size: int, cases: list[Case], shape: Mod
                 "reference_s": t_ref,
             }
         )
-    return results
+    # Negative control (not a case): the mixed-size plan with attention leaking across documents
+    # must miss the tolerance by far, or the comparison above proves nothing.
+    control = next(c for c in cases if c.name == "mixed-sizes-in-one-microbatch")
+    if ps.get_tensor_model_parallel_world_size() != control.tp:
+        init_cpu_megatron(rank, world_size, "", tensor_model_parallel_size=control.tp)
+        model = build_model(shape)
+        load_full_weights(model, reference["weights"])
+        registry = create_groups_from_megatron(world_size, timeout=GROUP_TIMEOUT)
+    grad_group = ps.get_data_parallel_group(with_context_parallel=True)
+    res = _step(model, control, control.plan(), shape, registry, grad_group, forward=_leaky_forward)
+    ref = reference["cases"][control.name]
+    _, leak_rel, _ = _compare(full_gradients(model), ref["grads"])
+    leak_loss = abs(res.loss - ref["loss"]) / abs(ref["loss"])
+    return {
+        "cases": results,
+        "control": {"max_rel_grad_diff": leak_rel, "loss_rel_diff": leak_loss},
+    }
 
 
 # ---------------------------------------------------------------------------------- driver
@@ -431,6 +479,10 @@ def run_selftest(nproc: int, shape: ModelShape | None = None, timeout_s: float =
             timeout_s=timeout_s,
         )
     )
+    control = {
+        k: min(r["control"][k] for r in per_rank) for k in ("max_rel_grad_diff", "loss_rel_diff")
+    }
+    per_rank = [r["cases"] for r in per_rank]
     t_ref = max(r[0]["reference_s"] for r in per_rank)
     out_cases = []
     for i, case in enumerate(cases):
@@ -451,6 +503,7 @@ def run_selftest(nproc: int, shape: ModelShape | None = None, timeout_s: float =
         "ok": all(c.ok for c in out_cases),
         "cases": [c.to_json() for c in out_cases],
         "_results": out_cases,
+        "_control": control,
         "_timing": {"reference_s": t_ref, "total_s": time.perf_counter() - t0},
     }
 
