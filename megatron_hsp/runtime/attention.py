@@ -163,6 +163,24 @@ def all_to_all_head_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None) -> 
     return _HeadToSeq.apply(y, group)
 
 
+def _qkv_seq_to_head(q, k, v, group):
+    """One all-to-all for q, k and v together (one collective per layer instead of three).
+
+    Each destination rank's chunk is [its q heads | its k heads | its v heads], so the combined
+    tensor goes through the same scatter-heads/gather-sequence exchange and is split afterwards.
+    """
+    d = 1 if group is None else group.size()
+    if d == 1:
+        return q, k, v
+    t, dim = q.size(0), q.size(2)
+    cq, ck = q.size(1) // d, k.size(1) // d
+    combined = torch.cat(
+        [q.reshape(t, d, cq, dim), k.reshape(t, d, ck, dim), v.reshape(t, d, ck, dim)], dim=2
+    ).reshape(t, d * (cq + 2 * ck), dim)
+    out = all_to_all_seq_to_head(combined, group)
+    return out.split([cq, ck, ck], dim=1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Packed-sequence helpers and RoPE
 # ---------------------------------------------------------------------------------------------
@@ -324,9 +342,9 @@ class TorchAttentionBackend:
 
             cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
             return varlen_attn(
-                q,
-                k,
-                v,
+                q.contiguous(),
+                k.contiguous(),
+                v.contiguous(),
                 cu,
                 cu,
                 max_seqlen,
@@ -409,9 +427,9 @@ class TEAttentionBackend:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         mod = self._module(q.size(1), k.size(1), q.size(2), softmax_scale)
         out = mod(
-            q,
-            k,
-            v,
+            q.contiguous(),  # the fused all-to-all hands out strided views
+            k.contiguous(),
+            v.contiguous(),
             qkv_format="thd",
             cu_seqlens_q=cu,
             cu_seqlens_kv=cu,
@@ -587,9 +605,7 @@ class HSPCoreAttention(MegatronModule):
             key = key.repeat_interleave(r, dim=1)
             value = value.repeat_interleave(r, dim=1)
 
-        q = all_to_all_seq_to_head(query, group)
-        k = all_to_all_seq_to_head(key, group)
-        v = all_to_all_seq_to_head(value, group)
+        q, k, v = _qkv_seq_to_head(query, key, value, group)
 
         if isinstance(p, HSPPackedSeqParams) and (
             p.rotary_q_freqs is not None or p.rotary_k_freqs is not None

@@ -120,6 +120,7 @@ def tiny_gpt_model(
     max_sequence_length: int = 512,
     seed: int = 0,
     attention_backend: str = "torch",
+    **config_overrides: Any,
 ) -> torch.nn.Module:
     """A small fp32 megatron-core ``GPTModel`` (RoPE, GQA, no dropout) with HSP attention, on CPU.
 
@@ -145,6 +146,7 @@ def tiny_gpt_model(
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        **config_overrides,
     )
     torch.manual_seed(seed)
     model = GPTModel(
