@@ -1,0 +1,144 @@
+"""Plan agreement: every rank must execute the same plan, or fail loudly -- never hang.
+
+Two ranks running different plans issue unmatched collectives and hang until a NCCL timeout with
+no hint of why. Before a step the ranks therefore either receive the plan from one rank
+(``mode="broadcast"``) or compare ``Plan.fingerprint()`` with one all-gather (``mode="verify"``,
+for planners that run deterministically on every rank). Both are a single collective every rank
+calls unconditionally, after which every rank holds the same information and therefore raises the
+same error on a mismatch or an unexecutable plan.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from megatron_hsp.planner.errors import HSPError, PlanError
+from megatron_hsp.planner.plan import Plan
+from megatron_hsp.runtime.groups import GroupRegistry
+
+
+class PlanMismatchError(HSPError):
+    """Ranks hold different plans for the same step."""
+
+
+def agree_on_plan(
+    plan: Plan | None,
+    *,
+    mode: str = "verify",
+    src: int = 0,
+    group: dist.ProcessGroup | None = None,
+) -> Plan:
+    """Return the plan all ranks of ``group`` (default: world) will execute.
+
+    ``broadcast``: ``plan`` matters only on global rank ``src`` (others may pass None) and is sent
+    to all. ``verify``: every rank passes its own plan; fingerprints are all-gathered and compared;
+    on a mismatch every rank raises ``PlanMismatchError`` naming the ranks that disagree.
+    """
+    if mode == "broadcast":
+        box = [plan.to_dict() if dist.get_rank() == src and plan is not None else None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        if box[0] is None:
+            raise PlanMismatchError(f"rank {src} had no plan to broadcast")
+        return Plan.from_dict(box[0])
+    if mode != "verify":
+        raise ValueError(f"plan agreement mode {mode!r}: use 'broadcast' or 'verify'")
+    mine = plan.fingerprint() if plan is not None else "<no plan>"
+    everyone: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    by_print: dict[str, list[int]] = defaultdict(list)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(everyone))
+    for r, fp in zip(ranks, everyone, strict=True):
+        by_print[str(fp)].append(r)
+    if len(by_print) > 1:
+        ordered = sorted(by_print.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+        parts = [f"ranks {_ranks(rs)} hold plan {fp[:12]}" for fp, rs in ordered]
+        raise PlanMismatchError(
+            "ranks disagree on the plan of this step: "
+            + "; ".join(parts)
+            + ". Plan on one rank and broadcast it (mode='broadcast'), or make the planner "
+            "deterministic (same lengths, seed, solver and time limit on every rank)"
+        )
+    assert plan is not None
+    return plan
+
+
+def check_executable(
+    plan: Plan,
+    registry: GroupRegistry,
+    *,
+    num_attention_heads: int | None = None,
+    num_query_groups: int | None = None,
+    lengths: Sequence[int] | None = None,
+) -> None:
+    """Raise ``PlanError`` (on every rank alike: it depends only on the agreed plan and the
+    static setup) unless this runtime can execute ``plan``.
+
+    Checks the plan's own invariants, its world size against the running sequence-parallel world
+    (data x context slots), that every group size has a pre-created process group, and -- given the
+    model's heads -- that Ulysses can split the heads of every group size.
+    """
+    n_slots = registry.layout.num_slots
+    problems = plan.problems(lengths=lengths, world_size=n_slots)
+    missing = [d for d in plan.group_sizes_used if not registry.has_size(d)]
+    if missing:
+        problems.append(
+            f"group sizes {missing} have no pre-created process group (pre-created: "
+            f"{list(registry.sizes)}); add them to --hsp-group-sizes or re-plan without them"
+        )
+    if plan.world_size == n_slots and plan.gpus_per_node != registry.cluster.gpus_per_node:
+        # Different node size means different legal blocks; the plan's blocks may straddle nodes.
+        bad = [
+            g.ranks[0]
+            for mb in plan.microbatches
+            for g in mb.groups
+            if not registry.cluster.is_aligned_block(g.ranks)
+        ]
+        if bad:
+            problems.append(
+                f"plan made for {plan.gpus_per_node} slots per node but the job has "
+                f"{registry.cluster.gpus_per_node}; groups at slots {bad[:6]} straddle nodes"
+            )
+    if num_attention_heads is not None:
+        problems += head_problems(
+            plan.group_sizes_used,
+            num_attention_heads,
+            num_query_groups or num_attention_heads,
+            registry.layout.tensor_parallel,
+        )
+    if problems:
+        raise PlanError(problems)
+
+
+def head_problems(
+    sizes: Sequence[int], num_attention_heads: int, num_query_groups: int, tensor_parallel: int
+) -> list[str]:
+    """Ulysses scatters each tensor-parallel rank's query heads over the group, so the group size
+    must divide them. KV heads never restrict the size: the attention replicates them when the
+    group is larger (``attention.kv_replication_factor``), the same rule as
+    ``attention.check_group_sizes``, restated on plain integers so the plan check needs no
+    ``TransformerConfig``."""
+    del num_query_groups  # replicated as needed; kept in the signature for the error context
+    out = []
+    if num_attention_heads % tensor_parallel:
+        return [
+            f"--num-attention-heads {num_attention_heads} is not divisible by tensor parallel "
+            f"size {tensor_parallel}"
+        ]
+    q = num_attention_heads // tensor_parallel
+    bad = [d for d in sizes if q % d]
+    if bad:
+        usable = [d for d in range(1, q + 1) if q % d == 0]
+        out.append(
+            f"group sizes {bad} do not divide the {q} attention heads per tensor-parallel rank "
+            f"(--num-attention-heads {num_attention_heads} / tp {tensor_parallel}); Ulysses "
+            f"needs group sizes among {usable}: restrict the planner's sizes (--hsp-group-sizes)"
+        )
+    return out
+
+
+def _ranks(rs: list[int]) -> str:
+    shown = ", ".join(str(r) for r in rs[:8])
+    return f"[{shown}{', ...' if len(rs) > 8 else ''}]"

@@ -1,0 +1,228 @@
+"""Pre-created sequence-parallel process groups: every group a plan may use, made once, up front.
+
+Creating process groups lazily in the middle of training stalls or deadlocks (``new_group`` is a
+collective over the whole world, and NCCL communicators are set up on first use), so the runtime
+creates every aligned block (``Cluster.aligned_blocks``) of every configured size at start-up, on
+every rank, in one fixed order, and warms each group once with a tiny all-reduce.
+
+Plan "ranks" are sequence-parallel *slots*: data-parallel x context-parallel positions. Tensor and
+pipeline parallel groups stay static. megatron-core orders global ranks ``tp-cp-ep-dp-pp`` (tensor
+parallel fastest), so with ``tp`` tensor-parallel ranks and ``S`` slots per pipeline stage::
+
+    global_rank(slot, tp_rank, pp_rank) = pp_rank * S * tp + slot * tp + tp_rank
+
+and the group a plan calls "slots [b*d, (b+1)*d)" is, on a rank with tensor-parallel rank ``t``, the
+``d`` global ranks with that same ``t`` (and pipeline stage) -- exactly how megatron builds its
+data-parallel-with-context-parallel group. ``GroupRegistry`` maps ``(size, block)`` to this rank's
+``ProcessGroup`` for that block.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.topology import Cluster
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RankLayout:
+    """How sequence-parallel slots map to global ranks (megatron order ``tp-cp-ep-dp-pp``)."""
+
+    world_size: int
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        per_stage = self.tensor_parallel * self.pipeline_parallel
+        if self.tensor_parallel < 1 or self.pipeline_parallel < 1 or self.world_size % per_stage:
+            raise InputError(
+                f"world size {self.world_size} is not a multiple of tensor-parallel "
+                f"{self.tensor_parallel} x pipeline-parallel {self.pipeline_parallel}"
+            )
+
+    @property
+    def num_slots(self) -> int:
+        """Sequence-parallel slots (data-parallel x context-parallel size)."""
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
+
+    def global_rank(self, slot: int, tp_rank: int = 0, pp_rank: int = 0) -> int:
+        tp = self.tensor_parallel
+        return pp_rank * self.num_slots * tp + slot * tp + tp_rank
+
+    def coords(self, global_rank: int) -> tuple[int, int, int]:
+        """``(slot, tp_rank, pp_rank)`` of a global rank."""
+        tp = self.tensor_parallel
+        per_stage = self.num_slots * tp
+        pp_rank, rest = divmod(global_rank, per_stage)
+        slot, tp_rank = divmod(rest, tp)
+        return slot, tp_rank, pp_rank
+
+    def slot_ranks(self, slots: Sequence[int], tp_rank: int, pp_rank: int) -> list[int]:
+        return [self.global_rank(s, tp_rank, pp_rank) for s in slots]
+
+
+@dataclass
+class GroupRegistry:
+    """This rank's pre-created process group for every ``(size, block index)`` of the plan space."""
+
+    cluster: Cluster
+    layout: RankLayout
+    rank: int
+    sizes: tuple[int, ...]
+    groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
+    created: int = 0
+    create_s: float = 0.0
+    warm_s: float = 0.0
+
+    @property
+    def slot(self) -> int:
+        """This rank's sequence-parallel slot (the "rank" plans talk about)."""
+        return self.layout.coords(self.rank)[0]
+
+    def has_size(self, size: int) -> bool:
+        return size in self.sizes
+
+    def group(self, size: int, block: int) -> dist.ProcessGroup:
+        """The process group of block ``block`` of ``size`` slots; this rank must belong to it."""
+        try:
+            return self.groups[(size, block)]
+        except KeyError:
+            if size not in self.sizes:
+                raise InputError(
+                    f"no process group of size {size} was pre-created (sizes: {list(self.sizes)}); "
+                    "add it to the group sizes (--hsp-group-sizes) or re-plan without it"
+                ) from None
+            raise InputError(
+                f"slot {self.slot} is not in block {block} of size {size} "
+                f"(slots {block * size}..{(block + 1) * size - 1})"
+            ) from None
+
+    def group_for(self, slots: Sequence[int]) -> dist.ProcessGroup:
+        """The group for a plan group's slots (an aligned block containing this rank's slot)."""
+        size = len(slots)
+        if not self.cluster.is_aligned_block(slots):
+            raise InputError(f"slots {list(slots)[:8]} are not an aligned block")
+        return self.group(size, slots[0] // size)
+
+    def summary(self) -> str:
+        return (
+            f"{self.created} process groups for sizes {list(self.sizes)} over "
+            f"{self.layout.num_slots} slots x tp {self.layout.tensor_parallel} x pp "
+            f"{self.layout.pipeline_parallel}: created in {self.create_s * 1e3:.1f} ms, "
+            f"warmed in {self.warm_s * 1e3:.1f} ms"
+        )
+
+
+def default_sizes(cluster: Cluster) -> tuple[int, ...]:
+    """Every size that tiles the cluster as aligned blocks (the planner may use any of them)."""
+    return tuple(cluster.legal_sizes())
+
+
+def create_groups(
+    gpus_per_node: int,
+    *,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    sizes: Iterable[int] | None = None,
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+    warm: bool = True,
+) -> GroupRegistry:
+    """Create (collectively, on every rank) and warm every aligned sequence-parallel group.
+
+    ``gpus_per_node`` counts sequence-parallel slots per node (GPUs per node / tp when tensor
+    parallelism stays inside a node). ``sizes`` defaults to every legal size. Must be called by all
+    ranks with the same arguments: ``new_group`` is collective and order-sensitive.
+    """
+    if not dist.is_initialized():
+        raise InputError("torch.distributed is not initialised; call init_process_group first")
+    world = dist.get_world_size()
+    layout = RankLayout(world, tensor_parallel, pipeline_parallel)
+    cluster = Cluster(layout.num_slots, min(gpus_per_node, layout.num_slots))
+    chosen = default_sizes(cluster) if sizes is None else tuple(sorted(set(int(s) for s in sizes)))
+    bad = [s for s in chosen if not cluster.size_fits(s)]
+    if bad:
+        raise InputError(
+            f"group sizes {bad} do not tile {cluster.world_size} sequence-parallel slots in nodes "
+            f"of {cluster.gpus_per_node}; legal sizes: {cluster.legal_sizes()}"
+        )
+    rank = dist.get_rank()
+    my_slot, my_tp, my_pp = layout.coords(rank)
+    reg = GroupRegistry(cluster=cluster, layout=layout, rank=rank, sizes=chosen)
+    kwargs = {}
+    if backend is not None:
+        kwargs["backend"] = backend
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    t0 = time.perf_counter()
+    # Same nested order on every rank: size, block, pipeline stage, tensor-parallel rank.
+    for size in chosen:
+        for block, slots in enumerate(cluster.aligned_blocks(size)):
+            for pp in range(pipeline_parallel):
+                for tp in range(tensor_parallel):
+                    ranks = layout.slot_ranks(slots, tp, pp)
+                    pg = dist.new_group(ranks, **kwargs)
+                    reg.created += 1
+                    if tp == my_tp and pp == my_pp and my_slot in slots:
+                        reg.groups[(size, block)] = pg
+    reg.create_s = time.perf_counter() - t0
+    if warm:
+        t1 = time.perf_counter()
+        for key in sorted(reg.groups):
+            _warm(reg.groups[key])
+        reg.warm_s = time.perf_counter() - t1
+    log.info("megatron-hsp: %s", reg.summary())
+    return reg
+
+
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Device collectives on ``group`` need: CUDA for NCCL, CPU otherwise."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _warm(group: dist.ProcessGroup) -> None:
+    # One tiny collective sets up the communicator now rather than inside the first micro-batch.
+    t = torch.ones(1, device=group_device(group))
+    dist.all_reduce(t, group=group)
+    expected = dist.get_world_size(group)
+    if int(t.item()) != expected:
+        raise RuntimeError(f"warm-up all-reduce on a group of {expected} returned {t.item()}")
+
+
+def create_groups_from_megatron(
+    gpus_per_node: int, sizes: Iterable[int] | None = None, **kwargs
+) -> GroupRegistry:
+    """``create_groups`` with tp/pp read from megatron ``parallel_state``, checked against it.
+
+    Our slot layout must equal megatron's data-parallel-with-context-parallel group (the ranks the
+    step's gradient all-reduce spans); a different rank order would put a plan's group on the wrong
+    ranks, so a mismatch is an error rather than a silent mis-mapping.
+    """
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    reg = create_groups(
+        gpus_per_node, tensor_parallel=tp, pipeline_parallel=pp, sizes=sizes, **kwargs
+    )
+    ours = reg.layout.slot_ranks(range(reg.layout.num_slots), *reg.layout.coords(reg.rank)[1:])
+    theirs = dist.get_process_group_ranks(ps.get_data_parallel_group(with_context_parallel=True))
+    if list(theirs) != ours:
+        raise InputError(
+            f"megatron's data x context parallel group on rank {reg.rank} is {theirs[:8]} but the "
+            f"HSP slot layout (order tp-cp-ep-dp-pp) expects {ours[:8]}; HSP needs megatron's "
+            "default rank order and expert parallel size 1"
+        )
+    return reg

@@ -1,0 +1,75 @@
+"""Per-token loss and the step's single gradient all-reduce.
+
+Why the plain sum is right. Groups train different numbers of tokens, so averaging per group or
+per micro-batch would weigh tokens unequally; the step loss is Megatron's
+``calculate_per_token_loss`` form, ``sum of token losses / number of loss tokens of the whole
+global batch`` (``N``, known on every rank from the batch before the step starts). Each rank
+back-propagates ``(its slice's loss sum) / N``. Inside a sequence-parallel group every rank holds
+the same parameters but only its slice of the activations; the Ulysses all-to-all is
+differentiable, so the gradient a rank accumulates is exactly the part of ``dL/dtheta`` that flows
+through the operations it executed (its slice of the linear layers, its heads of the attention).
+Those parts are disjoint across the ranks of the group and across groups, so the *sum* of all
+data x context ranks' gradients is the single-device gradient -- no division by the number of
+ranks, which is what Megatron's DDP does under ``calculate_per_token_loss`` as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class LossAccumulator:
+    """Running (loss sum, loss-token count) over this rank's micro-batches of one step."""
+
+    loss_sum: float = 0.0
+    num_tokens: int = 0
+
+    def add(self, loss_sum: torch.Tensor, num_tokens: int) -> None:
+        self.loss_sum += float(loss_sum.detach())
+        self.num_tokens += int(num_tokens)
+
+
+def masked_loss_sum(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Sum of the losses of tokens with a target (``loss_mask`` 1); padding and documents' last
+    tokens contribute 0."""
+    return (per_token_loss.reshape(-1).float() * loss_mask.reshape(-1).float()).sum()
+
+
+def reduce_step_loss(
+    acc: LossAccumulator, group: dist.ProcessGroup | None, device: torch.device
+) -> tuple[float, int]:
+    """Global (loss sum, loss-token count) over ``group`` (the data x context ranks of one tensor
+    parallel rank): one all-reduce of two numbers."""
+    t = torch.tensor([acc.loss_sum, float(acc.num_tokens)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return float(t[0]), round(float(t[1]))
+
+
+def allreduce_gradients(
+    params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None
+) -> int:
+    """Sum every parameter's gradient over ``group`` in ONE flat all-reduce; returns its numel.
+
+    Parameters without a gradient on this rank (e.g. it trained nothing this step) join with
+    zeros, so every rank issues the identical collective.
+    """
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        return 0
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
+        offset += n
+    return int(flat.numel())

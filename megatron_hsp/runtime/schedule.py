@@ -1,0 +1,147 @@
+"""One training step of a plan: micro-batches in plan order, the group switched per micro-batch.
+
+Why no barrier is needed between micro-batches: every rank belongs to exactly one group in every
+micro-batch and walks the micro-batches in the same (plan) order, so the collectives a group
+issues in micro-batch ``m`` are matched by exactly its own members, whatever the group sizes in
+``m - 1`` or ``m + 1`` were. A group with no sequences in a micro-batch skips it -- all its members
+see the same plan, so they skip consistently and no partner waits on them; they still join the
+step's single gradient all-reduce (with zero gradients if they trained nothing).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_hsp.planner.plan import Plan
+from megatron_hsp.runtime.dispatch import GlobalBatch, PackedMicroBatch, dispatch
+from megatron_hsp.runtime.groups import GroupRegistry
+from megatron_hsp.runtime.loss import (
+    LossAccumulator,
+    allreduce_gradients,
+    masked_loss_sum,
+    reduce_step_loss,
+)
+
+
+@dataclass
+class ModelInputs:
+    """Tensors for one ``GPTModel`` call (batch dimension 1, THD packing)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    packed_seq_params: PackedSeqParams
+
+
+def packed_seq_params(
+    pack: PackedMicroBatch, group: dist.ProcessGroup, device: torch.device
+) -> PackedSeqParams:
+    """megatron-core's per-call seam: THD ``cu_seqlens`` of the whole group buffer + its group."""
+    cu = torch.from_numpy(pack.cu_seqlens).to(device)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=pack.max_seqlen,
+        max_seqlen_kv=pack.max_seqlen,
+        cp_group=group,
+        local_cp_size=pack.group_size,
+    )
+
+
+def to_model_inputs(
+    pack: PackedMicroBatch, group: dist.ProcessGroup, device: torch.device
+) -> ModelInputs:
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device).unsqueeze(0)
+
+    return ModelInputs(
+        input_ids=t(pack.input_ids),
+        position_ids=t(pack.position_ids),
+        labels=t(pack.labels),
+        loss_mask=t(pack.loss_mask),
+        packed_seq_params=packed_seq_params(pack, group, device),
+    )
+
+
+def gpt_forward(model: torch.nn.Module, inputs: ModelInputs) -> torch.Tensor:
+    """Per-token loss ``[1, T_local]`` from a megatron-core ``GPTModel`` given labels."""
+    return model(
+        input_ids=inputs.input_ids,
+        position_ids=inputs.position_ids,
+        attention_mask=None,
+        labels=inputs.labels,
+        packed_seq_params=inputs.packed_seq_params,
+    )
+
+
+@dataclass
+class StepResult:
+    loss: float
+    num_loss_tokens: int
+    forward_calls: int
+    skipped_microbatches: list[int] = field(default_factory=list)
+    dispatch_ms: float = 0.0
+    grad_numel: int = 0
+
+
+def run_step(
+    model: torch.nn.Module,
+    plan: Plan,
+    batch: GlobalBatch,
+    registry: GroupRegistry,
+    *,
+    grad_group: dist.ProcessGroup | None,
+    device: torch.device,
+    forward: Callable[[torch.nn.Module, ModelInputs], torch.Tensor] = gpt_forward,
+    local_multiple: int = 1,
+) -> StepResult:
+    """Forward/backward every micro-batch of ``plan`` on this rank, then one gradient all-reduce.
+
+    ``plan`` must already be agreed (``agreement.agree_on_plan``). ``grad_group`` is the data x
+    context parallel group of this rank's tensor-parallel rank (megatron's
+    ``get_data_parallel_group(with_context_parallel=True)``). Gradients are zeroed first; after
+    the call they equal the single-device gradients of the per-token loss of ``batch``.
+    """
+    if registry.layout.pipeline_parallel != 1:
+        raise NotImplementedError(
+            "run_step executes plans with pipeline parallel size 1 only; the group registry "
+            "supports pp > 1 but the micro-batch loop does not interleave pipeline stages"
+        )
+    n_global = batch.num_loss_tokens
+    scale = 1.0 / max(n_global, 1)
+    t0 = time.perf_counter()
+    packs = dispatch(batch, plan, registry.slot, local_multiple=local_multiple)
+    dispatch_ms = (time.perf_counter() - t0) * 1e3
+    model.zero_grad(set_to_none=True)
+    acc = LossAccumulator()
+    result = StepResult(loss=0.0, num_loss_tokens=0, forward_calls=0, dispatch_ms=dispatch_ms)
+    for pack in packs:
+        if pack.empty:
+            result.skipped_microbatches.append(pack.microbatch)
+            continue
+        group = registry.group(pack.group_size, pack.block)
+        inputs = to_model_inputs(pack, group, device)
+        loss_sum = masked_loss_sum(forward(model, inputs), inputs.loss_mask)
+        (loss_sum * scale).backward()
+        acc.add(loss_sum, pack.num_loss_tokens)
+        result.forward_calls += 1
+    result.grad_numel = allreduce_gradients(model.parameters(), grad_group)
+    total, count = reduce_step_loss(acc, grad_group, device)
+    if count != n_global:
+        raise RuntimeError(
+            f"token accounting: the ranks trained {count} loss tokens but the batch has {n_global}"
+        )
+    result.loss = total / max(n_global, 1)
+    result.num_loss_tokens = count
+    return result

@@ -1,0 +1,158 @@
+"""Dispatch: THD packing contract, padding rule and token accounting (no processes needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_hsp.planner.errors import InputError, PlanError
+from megatron_hsp.planner.plan import Group, MicroBatch, Plan
+from megatron_hsp.runtime.dispatch import (
+    GlobalBatch,
+    check_token_accounting,
+    dispatch,
+    dispatch_all,
+    pack_group_slice,
+    padding_for,
+)
+from megatron_hsp.runtime.manual_plan import manual_plan, round_robin_plan
+
+
+def _batch(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return GlobalBatch.from_documents([rng.integers(1, 1000, n) for n in lengths])
+
+
+def test_padding_rule():
+    assert padding_for(12, 4) == 0
+    assert padding_for(13, 4) == 3
+    assert padding_for(5, 1) == 0
+    assert padding_for(10, 2, local_multiple=4) == 6
+
+
+def test_group_buffer_layout_and_slices():
+    lengths = [5, 1, 7]
+    b = _batch(lengths)
+    g = Group(ranks=(0, 1, 2, 3), seq_ids=(2, 0, 1), lengths=(7, 5, 1))
+    packs = [pack_group_slice(b, g, s) for s in range(4)]
+    # 13 real tokens -> one padding segment of 3; cu_seqlens covers the whole group buffer.
+    for p in packs:
+        np.testing.assert_array_equal(p.cu_seqlens, [0, 7, 12, 13, 16])
+        assert p.cu_seqlens.dtype == np.int32
+        assert p.num_local_tokens == 4
+        assert p.max_seqlen == 7
+        assert (p.group_tokens, p.padded_tokens) == (13, 16)
+    ids = np.concatenate([p.input_ids for p in packs])
+    expect = np.concatenate([b.document(2), b.document(0), b.document(1), [0, 0, 0]])
+    np.testing.assert_array_equal(ids, expect)
+    pos = np.concatenate([p.position_ids for p in packs])
+    np.testing.assert_array_equal(pos, [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 0, 0, 1, 2])
+    mask = np.concatenate([p.loss_mask for p in packs])
+    # last token of each document and the padding carry no loss; a 1-token doc trains nothing
+    np.testing.assert_array_equal(mask, [1] * 6 + [0] + [1] * 4 + [0] + [0] + [0, 0, 0])
+    labels = np.concatenate([p.labels for p in packs])
+    np.testing.assert_array_equal(labels[:6], b.document(2)[1:])
+    np.testing.assert_array_equal(labels[7:11], b.document(0)[1:])
+
+
+def test_no_padding_when_divisible_and_size_one():
+    b = _batch([3, 5])
+    p = pack_group_slice(b, Group(ranks=(0,), seq_ids=(0, 1), lengths=(3, 5)), 0)
+    np.testing.assert_array_equal(p.cu_seqlens, [0, 3, 8])
+    assert p.padded_tokens == 8 and p.num_local_tokens == 8
+
+
+def test_empty_group_packs_nothing():
+    b = _batch([4])
+    p = pack_group_slice(b, Group(ranks=(2, 3)), 3)
+    assert p.empty and p.num_local_tokens == 0 and p.num_loss_tokens == 0
+    np.testing.assert_array_equal(p.cu_seqlens, [0])
+
+
+def test_mixed_sizes_accounting_and_loss_tokens():
+    lengths = [5, 1, 7, 3, 9, 2, 4, 6, 1]
+    b = _batch(lengths)
+    plan = manual_plan(
+        8,
+        lengths,
+        [[(4, [0, 2]), (2, [1, 3]), (1, [4]), (1, [])], [(8, [5, 6, 7, 8])]],
+    )
+    packs = dispatch_all(b, plan)
+    check_token_accounting(b, plan, packs)
+    assert sum(p.num_loss_tokens for ps in packs.values() for p in ps) == b.num_loss_tokens
+    assert b.num_loss_tokens == sum(lengths) - len(lengths)
+
+
+def test_accounting_catches_a_lost_slot_and_a_duplicate():
+    lengths = [6, 6]
+    b = _batch(lengths)
+    plan = manual_plan(2, lengths, [[(2, [0, 1])]])
+    packs = dispatch_all(b, plan)
+    with pytest.raises(PlanError, match="not held exactly once"):
+        check_token_accounting(b, plan, {0: packs[0], 1: packs[0]})
+    with pytest.raises(InputError, match="missing"):
+        check_token_accounting(b, plan, {0: packs[0]})
+
+
+def test_plan_length_mismatch_and_bad_slot():
+    b = _batch([4, 4])
+    bad = Plan(
+        world_size=1,
+        gpus_per_node=1,
+        microbatches=(MicroBatch(groups=(Group(ranks=(0,), seq_ids=(0, 1), lengths=(4, 5)),)),),
+    )
+    with pytest.raises(PlanError, match="length 5 in the plan but 4"):
+        dispatch(b, bad, 0)
+    with pytest.raises(InputError, match="outside"):
+        dispatch(b, bad, 3)
+
+
+def test_empty_document_rejected():
+    with pytest.raises(InputError, match="empty"):
+        GlobalBatch.from_documents([[1, 2], []])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=24),
+    size=st.sampled_from([1, 2, 4, 8]),
+    mbs=st.integers(1, 3),
+    local_multiple=st.sampled_from([1, 2]),
+)
+def test_accounting_property(lengths, size, mbs, local_multiple):
+    b = _batch(lengths, seed=len(lengths))
+    plan = round_robin_plan(8, lengths, size, mbs)
+    packs = dispatch_all(b, plan, local_multiple=local_multiple)
+    check_token_accounting(b, plan, packs)
+    for ps in packs.values():
+        for p in ps:
+            # every rank of a group holds the same share, divisible by local_multiple
+            assert p.num_local_tokens * p.group_size == p.padded_tokens
+            assert p.num_local_tokens % local_multiple == 0
+            assert p.padded_tokens - p.group_tokens < p.group_size * local_multiple
+
+
+def test_packed_seq_params_match_the_attention_contract():
+    """schedule.packed_seq_params (host-side numbers, no device sync) builds what
+    attention.group_packed_seq_params would from the same cu_seqlens."""
+    import torch
+
+    from megatron_hsp.runtime.attention import group_packed_seq_params
+    from megatron_hsp.runtime.schedule import packed_seq_params
+
+    class FakeGroup:
+        def size(self):
+            return 4
+
+    b = _batch([5, 1, 7])
+    pack = pack_group_slice(b, Group(ranks=(0, 1, 2, 3), seq_ids=(2, 0, 1), lengths=(7, 5, 1)), 1)
+    ours = packed_seq_params(pack, FakeGroup(), torch.device("cpu"))
+    theirs = group_packed_seq_params(torch.from_numpy(pack.cu_seqlens), FakeGroup())
+    assert torch.equal(ours.cu_seqlens_q, theirs.cu_seqlens_q)
+    assert ours.cu_seqlens_q.dtype == torch.int32
+    assert (ours.max_seqlen_q, ours.max_seqlen_kv) == (theirs.max_seqlen_q, theirs.max_seqlen_kv)
+    assert ours.qkv_format == theirs.qkv_format == "thd"
+    assert ours.local_cp_size == theirs.local_cp_size == 4
+    assert torch.equal(ours.cu_seqlens_q_padded, ours.cu_seqlens_q)  # "None or equal"

@@ -1,0 +1,65 @@
+"""``megatron-hsp selftest``: every case (all size 1, one group of all, {4,2,1,1}, changing
+layouts with empty groups, tp=2 x dynamic groups, 1-token documents, a document exactly at the
+memory limit) matches the single-device reference on 4 and 8 gloo processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_hsp import cli
+from megatron_hsp.runtime.selftest import GRAD_REL_TOL, LOSS_REL_TOL, build_cases
+
+CASE_KEYS = {
+    "name",
+    "nproc",
+    "group_sizes",
+    "loss_abs_diff",
+    "max_abs_grad_diff",
+    "max_rel_grad_diff",
+}
+
+
+def test_cases_cover_the_required_layouts():
+    cases = {c.name: c for c in build_cases(8)}
+    mixed = cases["mixed-sizes-in-one-microbatch"].plan()
+    assert mixed.microbatches[0].group_sizes == [4, 2, 1, 1]
+    layouts = cases["changing-layouts-and-empty-groups"].plan()
+    assert [mb.group_sizes for mb in layouts.microbatches] == [[8], [4, 4], [1] * 8]
+    assert any(not g.seq_ids for g in layouts.microbatches[-1].groups)
+    assert cases["tp2-with-dynamic-groups"].tp == 2
+    assert 1 in cases["one-token-documents"].lengths
+    at_limit = cases["document-at-memory-limit"]
+    plan = at_limit.plan()
+    group = plan.microbatches[0].groups[0]
+    from megatron_hsp.runtime.selftest import memory_limit_model
+
+    cm = memory_limit_model(at_limit.tokens_per_rank, at_limit.slots)
+    assert group.lengths == (cm.capacity(group.size),)  # exactly at the limit
+    assert not cm.fits([group.lengths[0] + 1], group.size)
+
+
+def test_bad_nproc_is_a_clear_error(capsys):
+    assert cli.main(["selftest", "--nproc", "3"]) == 2
+    assert "--nproc 3" in capsys.readouterr().err
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [4, 8])
+def test_selftest_matches_single_device(nproc):
+    from megatron_hsp.runtime.selftest import run_selftest
+
+    result = run_selftest(nproc, timeout_s=840)
+    by_name = {c.name: c for c in result["_results"]}
+    assert set(by_name) == {c.name for c in build_cases(nproc)}
+    for c in result["_results"]:
+        assert c.loss_rel_diff <= LOSS_REL_TOL, (c.name, c.loss_rel_diff)
+        assert c.max_rel_grad_diff <= GRAD_REL_TOL, (c.name, c.detail)
+    assert result["ok"] is True
+    # the comparison can fail: attention leaking across documents is caught by far
+    assert result["_control"]["max_rel_grad_diff"] > 1e3 * GRAD_REL_TOL
+    doc = json.loads(json.dumps({"ok": result["ok"], "cases": result["cases"]}))
+    assert all(set(c) == CASE_KEYS and c["nproc"] == nproc for c in doc["cases"])
+    print(f"selftest nproc={nproc}: {result['_timing']}")
