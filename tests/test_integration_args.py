@@ -136,7 +136,7 @@ def test_auto_sizes_leave_out_non_dividing_and_say_so():
 
 def test_illegal_size_for_topology():
     args = parse([*BASE, "--hsp", "--hsp-group-sizes", "3", "--hsp-gpus-per-node", "4"])
-    with pytest.raises(HSPArgsError, match="--hsp-group-sizes 3.*legal sizes: 1,2,4,8"):
+    with pytest.raises(HSPArgsError, match=r"--hsp-group-sizes 3.*legal sizes: 1,2,4,8"):
         validate_hsp_args(args, env={})
 
 

@@ -1,9 +1,9 @@
-"""``--hsp`` and ``--hsp-*`` flags for Megatron-LM, added through its ``extra_args_provider`` seam.
+"""``--hsp`` and ``--hsp-*`` flags for Megatron-LM, added through its ``extra_args_provider``.
 
-Megatron parses and validates its own flags first (``parse_and_validate_args``); ``validate_hsp_args``
-then runs on the resulting namespace, because it needs values Megatron derives there
-(``data_parallel_size``). Every error names the flag at fault and what would work; every setting
-we change on the user's behalf (``--calculate-per-token-loss``) is returned as a note and printed.
+Megatron parses and validates its own flags first (``parse_and_validate_args``);
+``validate_hsp_args`` then runs on the resulting namespace, since it needs values Megatron derives
+there (world size). Every error names the flag at fault and what would work; every setting we
+change on the user's behalf (``--calculate-per-token-loss``) is returned as a note and printed.
 
 This module imports neither torch nor Megatron: the flags can be parsed and checked anywhere.
 """
@@ -30,7 +30,7 @@ class HSPArgsError(InputError):
 
 
 def parse_tokens(text: str) -> int:
-    """``192k`` -> 196608, ``1m`` -> 1048576, ``4096`` -> 4096 (binary k/m, as FlexSP writes them)."""
+    """``192k`` -> 196608, ``1m`` -> 1048576, ``4096`` -> 4096 (binary k/m, as FlexSP)."""
     m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 4096, 192k, 1m)")
