@@ -39,7 +39,7 @@ def test_index_reads_document_lengths(corpus):
     prefix, _ = corpus
     ix = DocumentIndex(prefix)
     assert ix.lengths.tolist() == LENGTHS
-    with pytest.raises(InputError, match="nowhere.idx not found"):
+    with pytest.raises(InputError, match=r"nowhere\.idx not found"):
         DocumentIndex(prefix.parent / "nowhere")
 
 
