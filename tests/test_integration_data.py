@@ -73,20 +73,33 @@ def test_token_budget_keeps_documents_whole():
 
 
 def test_overlong_policies_are_counted():
-    with pytest.raises(InputError, match=r"document 4 has 300 tokens.*--hsp-overlong split"):
-        s = GlobalBatchSampler(LENGTHS, cfg(overlong="error", global_batch_docs=14))
-        s.next_batch()
+    with pytest.raises(InputError, match=r"2 documents .*first: document 4, 300 tokens"):
+        GlobalBatchSampler(LENGTHS, cfg(overlong="error"))
     s = GlobalBatchSampler(LENGTHS, cfg(overlong="drop", global_batch_docs=12, shuffle=False))
     b = s.next_batch()
-    assert set(b.dropped) == {4, 9} and all(p.length <= 100 for p in b.pieces)
-    assert s.state.dropped_docs == 2 and s.state.dropped_tokens == 430
-    s = GlobalBatchSampler(LENGTHS, cfg(overlong="split", global_batch_docs=14))
+    assert {p.doc for p in b.pieces} == {0, 2, 3, 5, 6, 7, 8, 10, 11, 12, 13, 15}
+    assert s.overlong_docs == 2 and s.dropped_tokens == 430 + 1  # + the 1-token document
+    assert "2 dropped" in s.report()
+    s = GlobalBatchSampler(LENGTHS, cfg(overlong="split", global_batch_docs=17, shuffle=False))
     b = s.next_batch()
-    assert set(b.split) == {4, 9}
-    pieces_of_4 = [(p.offset, p.length) for p in b.pieces if p.doc == 4]
-    assert pieces_of_4 == [(0, 100), (100, 100), (200, 100)]
-    assert s.state.extra_pieces == 3 and s.state.consumed_tokens == sum(LENGTHS) - 1
-    assert "2 split" in s.report()
+    assert [(p.offset, p.length) for p in b.pieces if p.doc == 4] == [
+        (0, 100),
+        (100, 100),
+        (200, 100),
+    ]
+    assert [(p.offset, p.length) for p in b.pieces if p.doc == 9] == [(0, 100), (100, 30)]
+    assert s.num_sequences == 14 - 2 + 5 and b.tokens == sum(LENGTHS) - 1
+    assert "2 split into 100-token pieces" in s.report()
+
+
+def test_split_pieces_are_sampled_independently_under_a_token_budget():
+    s = GlobalBatchSampler(LENGTHS, cfg(global_batch_docs=None, token_budget=120))
+    seen = []
+    for _ in range(12):
+        b = s.next_batch()
+        assert b.tokens <= 120
+        seen += [(p.doc, p.offset) for p in b.pieces]
+    assert len(set(seen[: s.num_sequences])) == s.num_sequences  # one epoch, each piece once
 
 
 def test_resume_from_state_dict_and_by_replay_is_exact():
@@ -139,8 +152,9 @@ def test_reader_reads_only_this_ranks_documents(corpus):
 def test_split_piece_reads_the_right_slice(corpus):
     prefix, docs = corpus
     reader = DocumentReader(DocumentIndex(prefix))
-    s = GlobalBatchSampler(LENGTHS, cfg(global_batch_docs=14, shuffle=False))
+    s = GlobalBatchSampler(LENGTHS, cfg(global_batch_docs=17, shuffle=False))
     b = s.next_batch()
+    assert any(p.offset > 0 for p in b.pieces)
     for p in b.pieces:
         assert np.array_equal(reader.read(p), docs[p.doc][p.offset : p.offset + p.length])
 

@@ -74,12 +74,10 @@ class Piece:
 
 @dataclass(frozen=True)
 class DocumentBatch:
-    """One step's documents; sequence id ``i`` (what a ``Plan`` refers to) is ``pieces[i]``."""
+    """One step's sequences; sequence id ``i`` (what a ``Plan`` refers to) is ``pieces[i]``."""
 
     step: int
     pieces: tuple[Piece, ...]
-    dropped: tuple[int, ...] = ()  # overlong documents skipped in this batch (drop policy)
-    split: tuple[int, ...] = ()  # overlong documents cut into pieces in this batch
 
     @property
     def lengths(self) -> list[int]:
@@ -98,12 +96,8 @@ class SamplerState:
     epoch: int = 0
     position: int = 0
     step: int = 0
-    consumed_docs: int = 0
+    consumed_sequences: int = 0
     consumed_tokens: int = 0
-    dropped_docs: int = 0
-    dropped_tokens: int = 0
-    split_docs: int = 0
-    extra_pieces: int = 0
     fingerprint: str = ""
 
 
@@ -111,17 +105,19 @@ class SamplerState:
 class SamplerConfig:
     """How global batches are drawn; exactly one of ``global_batch_docs`` / ``token_budget``.
 
-    By token budget, documents are added whole until the next one would exceed the budget; a
-    batch always holds at least one document, so a document longer than the budget is a batch.
+    A training sequence is a whole document, or one piece of an overlong document under the
+    ``split`` policy (pieces are then sampled independently, like documents). By count, a batch
+    holds ``global_batch_docs`` sequences; by token budget, sequences are added whole until the
+    next one would exceed the budget (a batch always holds at least one).
     """
 
     seed: int
-    max_length: int  # longest trainable document (the cost model's, for the allowed sizes)
+    max_length: int  # longest trainable sequence (the cost model's, for the allowed sizes)
     global_batch_docs: int | None = None
     token_budget: int | None = None
     overlong: str = "error"
     shuffle: bool = True
-    min_length: int = 2  # a document needs >= 2 tokens to give one next-token target
+    min_length: int = 2  # a sequence needs >= 2 tokens to give one next-token target
 
     def __post_init__(self) -> None:
         if (self.global_batch_docs is None) == (self.token_budget is None):
@@ -142,19 +138,63 @@ class SamplerConfig:
 
 
 class GlobalBatchSampler:
-    """Seeded global batches of whole documents; deterministic given (lengths, config, state)."""
+    """Seeded global batches of whole documents; deterministic given (lengths, config, state).
+
+    The overlong policy is applied once, to the whole corpus, at construction: ``error`` fails at
+    start-up naming the first overlong document (not hours into training), ``drop`` and
+    ``split`` are counted (``report()``). Units are numpy arrays, so 10^8 documents are fine.
+    """
 
     def __init__(self, lengths: Sequence[int] | np.ndarray, config: SamplerConfig) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.config = config
+        cap, lo = config.max_length, config.min_length
         # Documents too short to train anything (empty files, a lone token) are not sequences.
-        self.usable = np.flatnonzero(self.lengths >= config.min_length)
-        if len(self.usable) == 0:
-            raise InputError(f"no document has at least {config.min_length} tokens")
-        self.skipped_short = len(self.lengths) - len(self.usable)
+        short = self.lengths < lo
+        over = self.lengths > cap
+        self.skipped_short = int(short.sum())
+        self.overlong_docs = int(over.sum())
+        self.dropped_tokens = int(self.lengths[short].sum())
+        if self.overlong_docs and config.overlong == "error":
+            first = int(np.flatnonzero(over)[0])
+            raise InputError(
+                f"{self.overlong_docs} documents are longer than the longest trainable length "
+                f"{cap} under this cost model and memory cap (first: document {first}, "
+                f"{int(self.lengths[first])} tokens); pass --hsp-overlong split (cut them into "
+                "trainable pieces) or drop, raise --hsp-memory-cap-gb, or allow larger "
+                "--hsp-group-sizes"
+            )
+        whole = np.flatnonzero(~short & ~over)
+        if config.overlong == "drop" or not self.overlong_docs:
+            self.dropped_tokens += int(self.lengths[over].sum())
+            doc, off, ln = whole, np.zeros_like(whole), self.lengths[whole]
+        else:  # split into pieces of ``cap``; a tail under ``min_length`` has no target
+            odocs = np.flatnonzero(over)
+            counts = -(-self.lengths[odocs] // cap)
+            pdoc = np.repeat(odocs, counts)
+            first = np.repeat(np.cumsum(counts) - counts, counts)
+            poff = (np.arange(len(pdoc)) - first) * cap
+            plen = np.minimum(cap, self.lengths[pdoc] - poff)
+            keep = plen >= lo
+            self.dropped_tokens += int(plen[~keep].sum())
+            doc = np.concatenate([whole, pdoc[keep]])
+            off = np.concatenate([np.zeros_like(whole), poff[keep]])
+            ln = np.concatenate([self.lengths[whole], plen[keep]])
+            order = np.lexsort((off, doc))  # units in corpus order: (document, offset)
+            doc, off, ln = doc[order], off[order], ln[order]
+        self.unit_doc, self.unit_offset, self.unit_length = doc, off, ln
+        if len(doc) == 0:
+            raise InputError(
+                f"no trainable sequence: every document is under {lo} tokens or dropped as "
+                f"longer than {cap}"
+            )
         self.state = SamplerState(seed=config.seed, fingerprint=self._fingerprint())
         self._perm_epoch = -1
-        self._perm = self.usable
+        self._perm = np.arange(len(doc))
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.unit_doc)
 
     def _fingerprint(self) -> str:
         h = hashlib.sha256(self.lengths.tobytes())
@@ -167,76 +207,36 @@ class GlobalBatchSampler:
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
+            n = self.num_sequences
             if self.config.shuffle:
-                rng = np.random.default_rng([self.config.seed, epoch])
-                self._perm = self.usable[rng.permutation(len(self.usable))]
+                self._perm = np.random.default_rng([self.config.seed, epoch]).permutation(n)
             else:
-                self._perm = self.usable
+                self._perm = np.arange(n)
             self._perm_epoch = epoch
         return self._perm
-
-    def _pieces(self, doc: int) -> list[Piece] | None:
-        """The document as trainable pieces, or None when the policy drops it."""
-        n, cap = int(self.lengths[doc]), self.config.max_length
-        if n <= cap:
-            return [Piece(doc, 0, n)]
-        if self.config.overlong == "error":
-            raise InputError(
-                f"document {doc} has {n} tokens, longer than the longest trainable length "
-                f"{cap} under this cost model and memory cap; pass --hsp-overlong split (cut it "
-                "into trainable pieces) or drop, raise --hsp-memory-cap-gb, or allow larger "
-                "--hsp-group-sizes"
-            )
-        if self.config.overlong == "drop":
-            return None
-        pieces = [Piece(doc, off, min(cap, n - off)) for off in range(0, n, cap)]
-        # A 1-token tail has no target; fold it into the previous piece's budget by dropping it
-        # explicitly (counted as dropped tokens) rather than training an empty sequence.
-        if pieces[-1].length < self.config.min_length:
-            pieces.pop()
-        return pieces
 
     def next_batch(self) -> DocumentBatch:
         c, st = self.config, self.state
         pieces: list[Piece] = []
-        dropped: list[int] = []
-        split: list[int] = []
-        docs = tokens = 0
+        tokens = 0
         while True:
             order = self._order(st.epoch)
             if st.position >= len(order):
                 st.epoch += 1
                 st.position = 0
                 continue
-            doc = int(order[st.position])
-            n = int(self.lengths[doc])
-            if c.token_budget is not None and pieces:
-                # Whole documents only: one that does not fit starts the next batch. (A split
-                # document keeps its pieces together, so only a batch made of a single split
-                # document can exceed the budget.)
-                size = 0 if (n > c.max_length and c.overlong == "drop") else n
-                if tokens + size > c.token_budget:
-                    break
+            u = int(order[st.position])
+            n = int(self.unit_length[u])
+            if c.token_budget is not None and pieces and tokens + n > c.token_budget:
+                break  # whole sequences only: this one starts the next batch
             st.position += 1
-            got = self._pieces(doc)
-            if got is None:
-                dropped.append(doc)
-                st.dropped_docs += 1
-                st.dropped_tokens += n
-                continue
-            if len(got) > 1 or got[0].length < n:
-                split.append(doc)
-                st.split_docs += 1
-                st.extra_pieces += len(got) - 1
-                st.dropped_tokens += n - sum(p.length for p in got)
-            pieces.extend(got)
-            docs += 1
-            tokens += sum(p.length for p in got)
-            if c.global_batch_docs is not None and docs >= c.global_batch_docs:
+            pieces.append(Piece(int(self.unit_doc[u]), int(self.unit_offset[u]), n))
+            tokens += n
+            if c.global_batch_docs is not None and len(pieces) >= c.global_batch_docs:
                 break
-        batch = DocumentBatch(st.step, tuple(pieces), tuple(dropped), tuple(split))
+        batch = DocumentBatch(st.step, tuple(pieces))
         st.step += 1
-        st.consumed_docs += docs
+        st.consumed_sequences += len(pieces)
         st.consumed_tokens += tokens
         return batch
 
@@ -263,12 +263,17 @@ class GlobalBatchSampler:
         self.state = SamplerState(**state)
 
     def report(self) -> str:
-        s = self.state
+        s, c = self.state, self.config
+        policy = {
+            "error": "none",
+            "drop": f"{self.overlong_docs} dropped",
+            "split": f"{self.overlong_docs} split into {c.max_length}-token pieces",
+        }[c.overlong if self.overlong_docs else "error"]
         return (
-            f"{s.consumed_docs} documents / {s.consumed_tokens} tokens consumed in {s.step} "
-            f"steps; overlong: {s.dropped_docs} dropped, {s.split_docs} split (+{s.extra_pieces} "
-            f"pieces), {s.dropped_tokens} tokens not trained; {self.skipped_short} documents "
-            f"under {self.config.min_length} tokens never sampled"
+            f"{s.consumed_sequences} sequences / {s.consumed_tokens} tokens in {s.step} steps "
+            f"(epoch {s.epoch}); corpus: {self.num_sequences} sequences, overlong documents: "
+            f"{policy}, {self.skipped_short} documents under {c.min_length} tokens skipped, "
+            f"{self.dropped_tokens} tokens never trained"
         )
 
 

@@ -78,10 +78,15 @@ class StepPipeline:
             raise RuntimeError("load the pipeline state before the first step")
         self.sampler.load_state_dict(state)
 
-    def next_step(self) -> PreparedStep:
-        t0 = time.perf_counter()
+    def prime(self) -> None:
+        """Submit the first plan(s) now, e.g. before building the model, so that the planner
+        process starts and solves step 0 while the model is built."""
         while len(self._queue) < self.lookahead:
             self._draw()
+
+    def next_step(self) -> PreparedStep:
+        t0 = time.perf_counter()
+        self.prime()
         batch, _ = self._queue.popleft()
         self._draw()  # step t+1 is planned while step t trains
         solve_s = wait_s = 0.0

@@ -35,7 +35,7 @@ DEFAULT_PLANNER = "megatron_hsp.megatron.planner_service:solve_with_planner"
 class PlannerSpec:
     """Everything the child needs to build its planner; picklable, no torch objects."""
 
-    cost_model: str
+    cost_model: str | dict[str, Any]  # preset name, YAML/JSON path, or a spec mapping
     world_size: int
     gpus_per_node: int
     max_seq: int
@@ -68,8 +68,13 @@ def solve_with_planner(spec: PlannerSpec) -> Callable[[Sequence[int]], Plan]:
         memory_cap_gb=spec.memory_cap_gb,
     )
     cluster = Cluster(spec.world_size, spec.gpus_per_node)
+    # "greedy" is the solver's MILP-free mode (fast, status "heuristic").
     config = SolverConfig(
-        backend=spec.solver, time_budget_s=spec.time_budget_s, sizes=spec.sizes, seed=spec.seed
+        backend="highs" if spec.solver == "greedy" else spec.solver,
+        time_budget_s=spec.time_budget_s,
+        sizes=spec.sizes,
+        seed=spec.seed,
+        use_milp=spec.solver != "greedy",
     )
     return lambda lengths: solve(list(lengths), cost, cluster, config)
 
