@@ -15,7 +15,9 @@ exactly the length heterogeneity HSP exploits. Here a global batch is a set of w
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import itertools
 import os
 import sys
 import sysconfig
@@ -356,23 +358,47 @@ class Corpus:
     built: bool = field(default=False)
 
 
+def split_top_level(source: bytes) -> list[bytes]:
+    """A module's source cut at its top-level ``def`` / ``class`` statements (decorators
+    included), plus the module header: the natural documents of a code corpus, heavy-tailed in
+    length from one-line helpers to thousand-line classes. Unparsable files stay whole."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return [source]
+    lines = source.splitlines(keepends=True)
+    starts = [
+        min([n.lineno, *(d.lineno for d in n.decorator_list)]) - 1
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    ]
+    bounds = sorted({0, *starts, len(lines)})
+    chunks = [b"".join(lines[a:b]) for a, b in itertools.pairwise(bounds)]
+    return [c for c in chunks if c.strip()]
+
+
 def build_stdlib_corpus(cache_dir: str | os.PathLike[str] | None = None) -> Corpus:
-    """Byte-level tokens of the standard library's sources, built once per Python version."""
+    """Byte-level tokens of the standard library's top-level definitions (one document each),
+    built once per Python version; ``num_docs`` is -1 when the cached copy is reused."""
     files = stdlib_sources()
     sizes = sum(p.stat().st_size for p in files)
-    key = hashlib.sha256(f"{sys.version}|{len(files)}|{sizes}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"v2|{sys.version}|{len(files)}|{sizes}".encode()).hexdigest()[:12]
     out = Path(cache_dir) if cache_dir else default_cache_dir()
     prefix = out / f"stdlib-bytes-{key}"
-    source = f"{len(files)} .py files of Python {sys.version.split()[0]} stdlib"
+    source = (
+        f"top-level definitions of the {len(files)} .py files of Python "
+        f"{sys.version.split()[0]}'s standard library, byte tokens"
+    )
     if Path(str(prefix) + ".idx").is_file() and Path(str(prefix) + ".bin").is_file():
-        return Corpus(prefix, len(files), source)
+        return Corpus(prefix, -1, source)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".tmp-{os.getpid()}-{prefix.name}"
 
     def docs() -> Iterator[np.ndarray]:
         for p in files:
-            data = np.frombuffer(p.read_bytes(), dtype=np.uint8).astype(np.int64)
-            yield np.append(data, EOD_TOKEN)
+            for chunk in split_top_level(p.read_bytes()):
+                data = np.frombuffer(chunk, dtype=np.uint8).astype(np.int64)
+                yield np.append(data, EOD_TOKEN)
 
     n = write_indexed_dataset(tmp, docs())
     # Atomic publish: concurrent builders (several ranks, two demos) never see half a file.
