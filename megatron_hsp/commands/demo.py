@@ -350,7 +350,9 @@ def run(args: argparse.Namespace) -> int:
     torchrun = _under_torchrun()
     rank = int(os.environ.get("RANK", "0")) if torchrun else 0
     quiet = args.json == "-"
-    corpus = build_stdlib_corpus(args.cache_dir)
+    # Under torchrun one process per node builds the corpus; the others wait for it (cached).
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if torchrun else 0
+    corpus = build_stdlib_corpus(args.cache_dir, wait=local_rank != 0)
     if rank == 0 and not quiet:
         what = "built" if corpus.built else "cached"
         print(f"corpus: {corpus.source} ({what} at {corpus.prefix})", file=sys.stderr)

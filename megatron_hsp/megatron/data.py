@@ -21,6 +21,7 @@ import itertools
 import os
 import sys
 import sysconfig
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -377,7 +378,9 @@ def split_top_level(source: bytes) -> list[bytes]:
     return [c for c in chunks if c.strip()]
 
 
-def build_stdlib_corpus(cache_dir: str | os.PathLike[str] | None = None) -> Corpus:
+def build_stdlib_corpus(
+    cache_dir: str | os.PathLike[str] | None = None, *, wait: bool = False, timeout_s: float = 900
+) -> Corpus:
     """Byte-level tokens of the standard library's top-level definitions (one document each),
     built once per Python version; ``num_docs`` is -1 when the cached copy is reused."""
     files = stdlib_sources()
@@ -389,7 +392,14 @@ def build_stdlib_corpus(cache_dir: str | os.PathLike[str] | None = None) -> Corp
         f"top-level definitions of the {len(files)} .py files of Python "
         f"{sys.version.split()[0]}'s standard library, byte tokens"
     )
-    if Path(str(prefix) + ".idx").is_file() and Path(str(prefix) + ".bin").is_file():
+    ready = lambda: Path(str(prefix) + ".idx").is_file() and Path(str(prefix) + ".bin").is_file()  # noqa: E731
+    if wait:  # another process (local rank 0) builds it
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if time.monotonic() > deadline:
+                raise InputError(f"corpus {prefix} was not built within {timeout_s:.0f} s")
+            time.sleep(0.5)
+    if ready():
         return Corpus(prefix, -1, source)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".tmp-{os.getpid()}-{prefix.name}"
