@@ -15,9 +15,12 @@ rank after model states, under the memory cap.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -96,8 +99,29 @@ class CostModel:
         fitting = [d for d in sorted(sizes) if d >= need]
         return fitting[0] if fitting else None
 
-    def max_trainable_length(self, sizes: Sequence[int]) -> int:
-        return self.capacity(max(sizes))
+    def max_trainable_length(self, sizes: Sequence[int] | None = None) -> int:
+        """Longest single sequence any group of ``sizes`` (default: all known sizes) can hold."""
+        return self.capacity(max(sizes if sizes else self.sizes))
+
+    # ------------------------------------------------------------------ serialisation
+    def to_spec(self) -> dict[str, Any]:
+        """The explicit-coefficients spec (see ``load_cost_model``) that rebuilds this model.
+
+        Round trip: ``load_cost_model(m.to_spec(), ...) == m`` for any cluster arguments, because
+        the coefficients are already resolved for one cluster.
+        """
+        return {
+            "name": self.name,
+            "coefficients": {
+                "attn_ms_per_token2": self.attn_ms_per_token2,
+                "linear_ms_per_token": self.linear_ms_per_token,
+                "group_fixed_ms": {int(k): float(v) for k, v in self.group_fixed_ms.items()},
+                "a2a_ms_per_token": {int(k): float(v) for k, v in self.a2a_ms_per_token.items()},
+                "tokens_per_rank": int(self.tokens_per_rank),
+            },
+            "source": self.source,
+            "details": {k: float(v) for k, v in self.details.items()},
+        }
 
 
 # ---------------------------------------------------------------------- FlexSP fitted presets
@@ -105,7 +129,7 @@ class CostModel:
 # (``optimizer_param_dict`` and ``flexSPCostModel``), as quoted in shared/design.md section 4.
 # a1 in ms/token^2, a2 in ms/token, b1 in ms, activations in MiB/token, params in billions keyed by
 # max-seq in K (FlexSP interpolates linearly between 192 and 384 for other lengths).
-FLEXSP_FITS: dict[str, dict[str, float | int | dict[int, float]]] = {
+FLEXSP_FITS: dict[str, dict[str, Any]] = {
     "flexsp-gpt-7b": {
         "layers": 32,
         "hidden": 4096,
@@ -136,49 +160,84 @@ FLEXSP_FITS: dict[str, dict[str, float | int | dict[int, float]]] = {
 }
 # All-to-all bandwidth by group size, "4k seq, 2 IB" figures FlexSP uses (8 GPUs per node).
 FLEXSP_A2A_GBS: dict[int, float] = {2: 119.54, 4: 104.07, 8: 96.5, 16: 10.33, 32: 5.94, 64: 4.87}
+# FlexSP's solver.py defaults --memory_limit_gb to 28, but its published runs
+# (scripts/solver_all.sh) pass 30, and only 30 reproduces its static-64 (68.50 s) and batchada
+# (55.38 s) totals on Wikipedia / gpt-7b / 192k / 64 GPUs / GBS 512 / batches 0-9 (28 GB gives
+# 69.13 s and 55.62 s). See docs/costmodel.md.
+FLEXSP_DEFAULT_MEMORY_CAP_GB = 30.0
 
 
-def flexsp_params_b(fit: Mapping[str, object], max_seq_k: float) -> float:
-    """Parameter count (billions) at ``max_seq_k`` (positional embeddings grow with max-seq)."""
-    table = fit["params_b"]
-    assert isinstance(table, dict)
-    if max_seq_k in table:
-        return float(table[max_seq_k])
-    lo, hi = table[192], table[384]
+def flexsp_params_b(fit: Mapping[str, Any], max_seq_k: float) -> float:
+    """Parameter count (billions) at ``max_seq_k`` (positional embeddings grow with max-seq).
+
+    FlexSP's ``__main__``: exact table entry if present, else the line through 192K and 384K.
+    """
+    table = {float(k): float(v) for k, v in fit["params_b"].items()}
+    if float(max_seq_k) in table:
+        return table[float(max_seq_k)]
+    lo, hi = table[192.0], table[384.0]
     return (hi - lo) / 192 * (max_seq_k - 192) + lo
+
+
+def flexsp_bandwidth(bw: Mapping[int, float], d: int) -> float:
+    """All-to-all bandwidth (GB/s) FlexSP's table gives a group of ``d``.
+
+    FlexSP measured powers of two only. A size it did not measure (24, 40, 48, 56, ... with 8
+    GPUs per node, or anything above its largest entry) takes the bandwidth of the smallest
+    measured size at least as large, else of the largest measured one: per-GPU all-to-all
+    bandwidth falls as a group grows, so this never makes an unmeasured size look cheaper than
+    its measured neighbours.
+    """
+    if d in bw:
+        return float(bw[d])
+    larger = [k for k in bw if k >= d]
+    return float(bw[min(larger)] if larger else bw[max(bw)])
 
 
 def flexsp_cost_model(
     name: str,
     world_size: int,
     max_seq_k: float = 192,
-    memory_cap_gb: float = 30.0,
+    memory_cap_gb: float | None = None,
     a2a_gbs: Mapping[int, float] | None = None,
+    gpus_per_node: int = 8,
+    fit: Mapping[str, Any] | None = None,
 ) -> CostModel:
     """FlexSP's fitted model, reproduced term for term (ZeRO-3, mixed precision).
 
-    FlexSP measures all-to-all time as ``bytes / 2**20 / d / BW_d`` and calls it ms; we keep that
-    exact arithmetic so estimates match its published numbers. Sizes above the largest measured
-    one reuse its bandwidth (the per-GPU inter-node link is the bottleneck at that point).
+    Formulas (``flexSPCostModel`` in FlexSP's solver.py):
+
+    - compute: ``(a1*s^2 + a2*s)/d`` ms per sequence plus ``b1`` once per group per micro-batch;
+    - all-to-all: ``4*2*layers*hidden*s*2 / 2**20 / d / BW_d`` ms (bytes / MiB / ms arithmetic
+      exactly as FlexSP writes it), zero for ``d = 1``;
+    - memory: ZeRO-3 states ``params_b * 16 * 1024 / N`` MiB plus ``act_mib_per_token * s/d``;
+      ``tokens_per_rank = int((cap_gb*1024 - states_mib) / act_mib_per_token)`` (its
+      ``token_capacity``).
+
+    Sizes: every legal size of ``Cluster(world_size, gpus_per_node)``; unmeasured sizes get
+    bandwidths as ``flexsp_bandwidth`` explains. ``fit`` costs a user's own FlexSP-style fit.
     """
-    if name not in FLEXSP_FITS:
-        raise InputError(f"unknown FlexSP preset {name!r}; choose from {sorted(FLEXSP_FITS)}")
-    fit = FLEXSP_FITS[name]
-    layers, hidden = int(fit["layers"]), int(fit["hidden"])  # type: ignore[arg-type]
-    bw = dict(a2a_gbs or FLEXSP_A2A_GBS)
-    sizes = [1 << k for k in range(1, max(1, world_size).bit_length()) if (1 << k) <= world_size]
-    biggest = max(bw)
+    from megatron_hsp.planner.topology import Cluster
+
+    if fit is None:
+        if name not in FLEXSP_FITS:
+            raise InputError(f"unknown FlexSP preset {name!r}; choose from {sorted(FLEXSP_FITS)}")
+        fit = FLEXSP_FITS[name]
+    cap = FLEXSP_DEFAULT_MEMORY_CAP_GB if memory_cap_gb is None else float(memory_cap_gb)
+    layers, hidden = int(fit["layers"]), int(fit["hidden"])
+    bw = {int(k): float(v) for k, v in (a2a_gbs or fit.get("a2a_gbs") or FLEXSP_A2A_GBS).items()}
+    sizes = [d for d in Cluster(world_size, gpus_per_node).legal_sizes() if d > 1]
     a2a_bytes_per_token = 4 * 2 * layers * hidden * 2
-    a2a = {d: a2a_bytes_per_token / 2**20 / d / bw.get(d, bw[biggest]) for d in sizes}
+    a2a = {d: a2a_bytes_per_token / 2**20 / d / flexsp_bandwidth(bw, d) for d in sizes}
     params_b = flexsp_params_b(fit, max_seq_k)
     model_states_mib = params_b * 16 * 1024 / world_size
-    act = float(fit["act_mib_per_token"])  # type: ignore[arg-type]
-    tokens_per_rank = int((memory_cap_gb * 1024 - model_states_mib) / act)
+    act = float(fit["act_mib_per_token"])
+    tokens_per_rank = int((cap * 1024 - model_states_mib) / act)
     return CostModel(
         name=name,
-        attn_ms_per_token2=float(fit["a1"]),  # type: ignore[arg-type]
-        linear_ms_per_token=float(fit["a2"]),  # type: ignore[arg-type]
-        group_fixed_ms={0: float(fit["b1"])},  # type: ignore[arg-type]
+        attn_ms_per_token2=float(fit["a1"]),
+        linear_ms_per_token=float(fit["a2"]),
+        group_fixed_ms={0: float(fit["b1"])},
         a2a_ms_per_token=a2a,
         tokens_per_rank=tokens_per_rank,
         source="FlexSP fitted model (Hetu-Galvatron flexsp branch, solver.py)",
@@ -186,6 +245,555 @@ def flexsp_cost_model(
             "params_b": params_b,
             "model_states_mib": model_states_mib,
             "act_mib_per_token": act,
-            "memory_cap_gb": memory_cap_gb,
+            "memory_cap_gb": cap,
         },
+    )
+
+
+# ---------------------------------------------------------------------- first principles
+@dataclass(frozen=True)
+class ModelConfig:
+    """A dense decoder-only transformer (GPT / Llama family)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    gated: bool = True  # SwiGLU: three FFN matrices instead of two
+    tied_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
+            if int(getattr(self, key)) <= 0:
+                raise InputError(
+                    f"model.{key} must be a positive integer, got {getattr(self, key)}"
+                )
+        if self.hidden % self.heads:
+            raise InputError(f"model.hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.heads % self.kv_heads:
+            raise InputError(
+                f"model.heads {self.heads} is not a multiple of kv_heads {self.kv_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Weights: QKV, O, FFN and two RMSNorms per layer, final norm, embeddings (+ output)."""
+        h, f = self.hidden, self.ffn_hidden
+        per_layer = h * (h + 2 * self.kv_dim) + h * h + (3 if self.gated else 2) * h * f + 2 * h
+        emb = self.vocab * h * (1 if self.tied_embeddings else 2)
+        return self.layers * per_layer + h + emb
+
+    def linear_flops_per_token(self) -> float:
+        """Training FLOPs (fwd + bwd) of every token-linear matmul, per token.
+
+        Megatron-LM ``num_floating_point_operations`` (megatron/training/training.py): 2 FLOPs
+        per multiply-add, backward = 2x forward, so 6 * (weights touched per token): QKV and
+        output projections, FFN (3 matrices with SwiGLU), and the logit layer.
+        """
+        h, f = self.hidden, self.ffn_hidden
+        attn = h * (self.hidden + 2 * self.kv_dim) + self.hidden * h
+        ffn = (3 if self.gated else 2) * h * f
+        return 6.0 * (self.layers * (attn + ffn) + h * self.vocab)
+
+    def attn_flops_per_token2(self) -> float:
+        """Training FLOPs of causal core attention per token^2 of one sequence.
+
+        Same Megatron-LM source: per layer ``3 (fwd+bwd) * 2 (FMA) * heads*head_dim / 2 (causal)
+        * 2 (QK^T and PV)`` = ``6 * hidden`` per s^2. K/V heads do not enter: every query head
+        attends over the full sequence whether or not its KV head is shared (GQA).
+        """
+        return 6.0 * self.layers * self.heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class HardwareConfig:
+    """One GPU type in nodes of ``gpus_per_node`` joined by an inter-node fabric."""
+
+    name: str
+    peak_tflops: float  # dense bf16 peak per GPU
+    achievable_fraction: float = 0.5  # of peak, for token-linear matmuls
+    attention_fraction: float | None = None  # of peak, for core attention (None: as above)
+    hbm_gb: float = 80.0
+    nvlink_gbs: float = 450.0  # one direction, per GPU, inside a node
+    inter_node_gbs: float = 50.0  # one direction, per GPU, across nodes
+    latency_us: float = 10.0  # per collective call inside a node
+    inter_node_latency_us: float = 25.0  # per collective call spanning nodes
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        for key in ("peak_tflops", "hbm_gb", "nvlink_gbs", "inter_node_gbs"):
+            if float(getattr(self, key)) <= 0:
+                raise InputError(f"hardware.{key} must be > 0, got {getattr(self, key)}")
+        if not 0 < self.achievable_fraction <= 1:
+            raise InputError(
+                f"hardware.achievable_fraction must be in (0, 1], got {self.achievable_fraction}"
+            )
+
+    def bandwidth_gbs(self, crosses_node: bool) -> float:
+        return self.inter_node_gbs if crosses_node else self.nvlink_gbs
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """How the model is trained: memory layout and what recomputation costs."""
+
+    zero_stage: int = 3
+    recompute: bool = False  # full activation recomputation (Megatron --recompute-granularity full)
+    bytes_per_param: float = 2.0  # bf16 weights
+    bytes_per_grad: float = 4.0  # fp32 main grads (Megatron's default accumulation)
+    bytes_per_optimizer_state: float = 12.0  # fp32 master weights + Adam m and v
+    activation_bytes: float = 2.0  # bf16 activations
+    microbatch_overhead_ms: float = 0.0  # launches etc. per group per micro-batch
+    # Share of ZeRO-3's per-micro-batch all-gathers / reduce-scatter not hidden behind compute
+    # (1.0: none hidden, as FlexSP's large fitted b1 suggests).
+    zero3_exposed_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise InputError(f"training.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+
+    def model_state_bytes(self, params: float, shards: int) -> float:
+        """Model-state bytes per rank, ZeRO (Rajbhandari et al. 2020, sec. 5, mixed-precision Adam).
+
+        Stage 0 replicates weights, grads and optimizer states; 1 shards the optimizer states;
+        2 also the grads; 3 also the weights, each over ``shards`` data-parallel ranks.
+        """
+        p, g, o = self.bytes_per_param, self.bytes_per_grad, self.bytes_per_optimizer_state
+        n = max(1, shards)
+        per_param = {
+            0: p + g + o,
+            1: p + g + o / n,
+            2: p + (g + o) / n,
+            3: (p + g + o) / n,
+        }[self.zero_stage]
+        return params * per_param
+
+
+def activation_bytes_per_token(model: ModelConfig, training: TrainingConfig) -> float:
+    """Activation bytes one token keeps alive until its backward pass, on the rank holding it.
+
+    Per layer (no recompute), following Korthikanti et al. 2022 ("Reducing Activation
+    Recomputation in Large Transformer Models", sec. 4) with flash attention (no s^2 scores),
+    no dropout (Llama) and GQA/SwiGLU shapes: norm-1 input h, QKV input h, Q/K/V
+    (h + 2*kv_dim), attention output h, softmax log-sum-exp (fp32, one per head), norm-2 input h,
+    FC1 input h, FC1 output (2F gated / F), activation output F. With full recompute a layer
+    keeps only its input h, plus one layer's full set while it is recomputed. Once per token: the
+    logits in bf16 and the fp32 softmax that Megatron's cross-entropy keeps (6 * vocab bytes).
+    Ulysses splits every one of these over the group's ranks, so the group holds s/d per rank.
+    """
+    e = training.activation_bytes
+    h, f = model.hidden, model.ffn_hidden
+    per_layer = (
+        e * (h + h + (h + 2 * model.kv_dim) + h + h + h + f * (2 if model.gated else 1) + f)
+        + 4.0 * model.heads
+    )
+    logits = 6.0 * model.vocab + e * h
+    if training.recompute:
+        return model.layers * e * h + per_layer + logits
+    return model.layers * per_layer + logits
+
+
+def a2a_bytes_per_token(model: ModelConfig, training: TrainingConfig, d: int) -> float:
+    """Bytes of one token that Ulysses all-to-alls move in a group of ``d`` (whole sequence view).
+
+    Per layer and pass, four all-to-alls (Jacobs et al. 2023, DeepSpeed-Ulysses): Q (heads),
+    K and V (kv heads only, GQA) before attention and the output (heads) after it. Forward and
+    backward each run them once, a recomputed forward a third time. When ``d`` exceeds the KV
+    heads, KV heads are replicated up to ``d`` (design.md sec. 5), so K/V traffic grows.
+    """
+    kv_heads = (
+        model.kv_heads if d <= model.kv_heads else model.kv_heads * math.ceil(d / model.kv_heads)
+    )
+    elems = (2 * model.heads + 2 * kv_heads) * model.head_dim
+    passes = 3 if training.recompute else 2
+    return model.layers * passes * elems * training.activation_bytes
+
+
+def ulysses_sizes(model: ModelConfig, legal: Sequence[int]) -> list[int]:
+    """Group sizes Ulysses can run: query heads must split evenly over the group."""
+    return [d for d in legal if model.heads % d == 0]
+
+
+def first_principles_cost_model(
+    model: ModelConfig,
+    hardware: HardwareConfig,
+    training: TrainingConfig,
+    *,
+    world_size: int,
+    gpus_per_node: int | None = None,
+    memory_cap_gb: float | None = None,
+    name: str | None = None,
+) -> CostModel:
+    """Analytic cost model: FLOPs over achievable throughput, bytes over link bandwidth.
+
+    - a1 (ms/token^2) = attention FLOPs per s^2 / (peak * attention fraction); a2 (ms/token) =
+      linear FLOPs per token / (peak * achievable fraction). Full recompute adds one forward,
+      i.e. multiplies both by 4/3. Ulysses divides both by d (heads resp. tokens split d ways).
+    - c_d (ms/token): each rank holds s/d tokens and sends 1/d of each to every peer, so a peer
+      link carries ``bytes_per_token / d^2`` per token; intra-node peers (``min(d,G)-1``) share
+      NVLink, inter-node peers (``d - min(d,G)``) the per-GPU NIC, the two running concurrently:
+      ``max(intra * x / nvlink, inter * x / nic)``.
+    - b_d (ms): per-call latency of the ``4 * layers * passes`` all-to-alls (inter-node latency
+      when the group spans nodes), plus, under ZeRO-3, the per-micro-batch parameter all-gathers
+      (forward and backward) and gradient reduce-scatter over all ``world_size`` ranks (ring:
+      ``bytes * (N-1)/N`` per rank at the slowest tier), plus ``microbatch_overhead_ms``.
+    - tokens_per_rank = (memory cap - model states by ZeRO stage) / activation bytes per token.
+      The memory cap defaults to 90% of HBM (CUDA context, NCCL buffers, fragmentation).
+
+    Sizes: every legal size of the cluster on which Ulysses can split the query heads.
+    """
+    from megatron_hsp.planner.topology import Cluster
+
+    g = gpus_per_node or hardware.gpus_per_node
+    cluster = Cluster(world_size, g)
+    cap_gb = hardware.hbm_gb * 0.9 if memory_cap_gb is None else float(memory_cap_gb)
+    recompute = 4.0 / 3.0 if training.recompute else 1.0
+    lin_flops = hardware.peak_tflops * 1e12 * hardware.achievable_fraction
+    attn_frac = hardware.attention_fraction or hardware.achievable_fraction
+    attn_flops = hardware.peak_tflops * 1e12 * attn_frac
+    a1 = model.attn_flops_per_token2() * recompute / attn_flops * 1e3
+    a2 = model.linear_flops_per_token() * recompute / lin_flops * 1e3
+
+    sizes = ulysses_sizes(model, cluster.legal_sizes())
+    passes = 3 if training.recompute else 2
+    calls = 4 * model.layers * passes
+    a2a: dict[int, float] = {}
+    fixed: dict[int, float] = {}
+    params = float(model.num_params())
+    zero3_ms = 0.0
+    if training.zero_stage == 3 and world_size > 1:
+        ring = (world_size - 1) / world_size
+        gather = params * training.bytes_per_param * ring
+        scatter = params * training.bytes_per_grad * ring
+        bw = hardware.bandwidth_gbs(cluster.crosses_node(world_size)) * 1e9
+        zero3_ms = (2 * gather + scatter) / bw * 1e3 * training.zero3_exposed_fraction
+    for d in sizes:
+        crosses = cluster.crosses_node(d)
+        lat_us = hardware.inter_node_latency_us if crosses else hardware.latency_us
+        fixed[d] = (
+            training.microbatch_overhead_ms + zero3_ms + (calls * lat_us * 1e-3 if d > 1 else 0.0)
+        )
+        if d == 1:
+            continue
+        per_peer = a2a_bytes_per_token(model, training, d) / (d * d)
+        intra = min(d, g) - 1
+        inter = d - min(d, g)
+        t = max(
+            intra * per_peer / (hardware.nvlink_gbs * 1e9),
+            inter * per_peer / (hardware.inter_node_gbs * 1e9),
+        )
+        a2a[d] = t * 1e3
+    states = training.model_state_bytes(params, world_size)
+    act = activation_bytes_per_token(model, training)
+    cap_bytes = cap_gb * 2**30
+    tokens_per_rank = int((cap_bytes - states) / act)
+    label = name or f"{model.name}-{hardware.name}"
+    if tokens_per_rank <= 0:
+        raise InputError(
+            f"cost model {label!r}: model states take {states / 2**30:.1f} GiB per rank "
+            f"(ZeRO-{training.zero_stage}, {params / 1e9:.2f}B params over {world_size} ranks), "
+            f"at or above the memory cap of {cap_gb:g} GB; raise --memory-cap-gb, use more GPUs, "
+            "a higher ZeRO stage or a smaller model"
+        )
+    return CostModel(
+        name=label,
+        attn_ms_per_token2=a1,
+        linear_ms_per_token=a2,
+        group_fixed_ms=fixed,
+        a2a_ms_per_token=a2a,
+        tokens_per_rank=tokens_per_rank,
+        source="first principles (megatron_hsp.planner.costmodel.first_principles_cost_model)",
+        details={
+            "params_b": params / 1e9,
+            "model_states_mib": states / 2**20,
+            "act_mib_per_token": act / 2**20,
+            "memory_cap_gb": cap_gb,
+            "zero3_ms_per_microbatch": zero3_ms,
+        },
+    )
+
+
+H100_SXM = HardwareConfig(
+    # design.md sec. 4: bf16 dense peak 989 TFLOP/s; NVLink 4 900 GB/s bidirectional per GPU
+    # (450 each way); NDR InfiniBand 400 Gb/s = 50 GB/s per GPU; 80 GB HBM3.
+    name="h100",
+    peak_tflops=989.0,
+    achievable_fraction=0.5,
+    attention_fraction=0.4,
+    hbm_gb=80.0,
+    nvlink_gbs=450.0,
+    inter_node_gbs=50.0,
+    latency_us=10.0,
+    inter_node_latency_us=25.0,
+    gpus_per_node=8,
+)
+# Llama 3 shapes from Meta's released configs (config.json of Meta-Llama-3-8B / -70B).
+LLAMA3_8B = ModelConfig("llama3-8b", 32, 4096, 32, 8, 14336, 128256, gated=True)
+LLAMA3_70B = ModelConfig("llama3-70b", 80, 8192, 64, 8, 28672, 128256, gated=True)
+
+FIRST_PRINCIPLES_PRESETS: dict[str, tuple[ModelConfig, HardwareConfig, TrainingConfig]] = {
+    "llama3-8b-h100": (LLAMA3_8B, H100_SXM, TrainingConfig(zero_stage=3, recompute=False)),
+    # 70B activations are ~24 MiB/token without recompute: full recompute is how it is trained.
+    "llama3-70b-h100": (LLAMA3_70B, H100_SXM, TrainingConfig(zero_stage=3, recompute=True)),
+}
+
+
+# ---------------------------------------------------------------------- one spec, one loader
+def preset_names() -> list[str]:
+    return sorted([*FLEXSP_FITS, *FIRST_PRINCIPLES_PRESETS])
+
+
+_TOP_KEYS = {
+    "preset",
+    "name",
+    "memory_cap_gb",
+    "max_seq_k",
+    "flexsp",
+    "coefficients",
+    "model",
+    "hardware",
+    "training",
+    "source",
+    "details",
+}
+
+
+def _read_spec_file(path: Path) -> Mapping[str, Any]:
+    if not path.is_file():
+        raise InputError(f"--cost-model file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".json":
+            import json
+
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:  # parser errors: name the file
+        raise InputError(f"--cost-model file {str(path)!r} is not valid YAML/JSON: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise InputError(f"--cost-model file {str(path)!r} must hold a mapping at top level")
+    return data
+
+
+def _dataclass_from(cls: type, section: str, data: Mapping[str, Any], **defaults: Any) -> Any:
+    allowed = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise InputError(
+            f"cost model spec: unknown {section} keys {unknown}; allowed: {sorted(allowed)}"
+        )
+    try:
+        return cls(**{**defaults, **dict(data)})
+    except TypeError as exc:
+        raise InputError(f"cost model spec: {section} section: {exc}") from None
+
+
+def _size_map(value: Any, key: str) -> dict[int, float]:
+    if isinstance(value, int | float):
+        return {0: float(value)}
+    if not isinstance(value, Mapping):
+        raise InputError(f"cost model spec: coefficients.{key} must be a number or {{size: ms}}")
+    return {int(k): float(v) for k, v in value.items()}
+
+
+def _from_coefficients(name: str, co: Mapping[str, Any], cap_gb: float | None) -> CostModel:
+    allowed = {
+        "attn_ms_per_token2",
+        "linear_ms_per_token",
+        "group_fixed_ms",
+        "a2a_ms_per_token",
+        "a2a_bytes_per_token",
+        "a2a_gbs",
+        "tokens_per_rank",
+        "model_states_gb",
+        "act_mib_per_token",
+    }
+    unknown = sorted(set(co) - allowed)
+    if unknown:
+        raise InputError(
+            f"cost model spec: unknown coefficients keys {unknown}; allowed: {sorted(allowed)}"
+        )
+    for key in ("attn_ms_per_token2", "linear_ms_per_token"):
+        if key not in co:
+            raise InputError(f"cost model spec: coefficients.{key} is required")
+    if "a2a_ms_per_token" in co:
+        a2a = {
+            k: v for k, v in _size_map(co["a2a_ms_per_token"], "a2a_ms_per_token").items() if k > 1
+        }
+    elif "a2a_bytes_per_token" in co and "a2a_gbs" in co:
+        # FlexSP-style: bytes / d at the measured bandwidth of d (GB/s = bytes/ns -> ms).
+        nbytes = float(co["a2a_bytes_per_token"])
+        bw = {int(k): float(v) for k, v in co["a2a_gbs"].items()}
+        a2a = {d: nbytes / d / (b * 1e9) * 1e3 for d, b in bw.items() if d > 1}
+    else:
+        raise InputError(
+            "cost model spec: coefficients need a2a_ms_per_token ({size: ms per token}) or "
+            "a2a_bytes_per_token plus a2a_gbs ({size: GB/s})"
+        )
+    if "tokens_per_rank" in co:
+        tokens = int(co["tokens_per_rank"])
+    elif "model_states_gb" in co and "act_mib_per_token" in co:
+        if cap_gb is None:
+            raise InputError("cost model spec: memory_cap_gb is needed with model_states_gb")
+        tokens = int(
+            (cap_gb * 1024 - float(co["model_states_gb"]) * 1024) / float(co["act_mib_per_token"])
+        )
+    else:
+        raise InputError(
+            "cost model spec: coefficients need tokens_per_rank, or model_states_gb plus "
+            "act_mib_per_token (with memory_cap_gb)"
+        )
+    return CostModel(
+        name=name,
+        attn_ms_per_token2=float(co["attn_ms_per_token2"]),
+        linear_ms_per_token=float(co["linear_ms_per_token"]),
+        group_fixed_ms=_size_map(co.get("group_fixed_ms", 0.0), "group_fixed_ms"),
+        a2a_ms_per_token=a2a,
+        tokens_per_rank=tokens,
+        source="explicit coefficients",
+    )
+
+
+def load_cost_model(
+    spec: str | Path | Mapping[str, Any],
+    *,
+    world_size: int,
+    gpus_per_node: int = 8,
+    max_seq_k: float = 192,
+    memory_cap_gb: float | None = None,
+) -> CostModel:
+    """The one way to get a ``CostModel``: preset name, YAML/JSON file, or a mapping.
+
+    A spec is a mapping with exactly one of these shapes (YAML or JSON on disk)::
+
+        preset: flexsp-gpt-7b        # a name from preset_names(), optional overrides:
+        memory_cap_gb: 30            #   memory cap; model/hardware/training keys for
+        training: {recompute: true}  #   first-principles presets
+
+        name: my-fit                 # explicit (fitted) coefficients
+        coefficients: {attn_ms_per_token2, linear_ms_per_token, group_fixed_ms,
+                       a2a_ms_per_token | a2a_bytes_per_token + a2a_gbs,
+                       tokens_per_rank | model_states_gb + act_mib_per_token}
+
+        name: my-gpt                 # FlexSP-style fit, scaled with the cluster like the presets
+        flexsp: {layers, hidden, a1, a2, b1, act_mib_per_token, params_b: {192: .., 384: ..}}
+
+        name: my-llama               # first principles
+        model: {name, layers, hidden, heads, kv_heads, ffn_hidden, vocab, gated}
+        hardware: {name, peak_tflops, achievable_fraction, hbm_gb, nvlink_gbs, ...}
+        training: {zero_stage, recompute, bytes_per_param, ...}
+
+    ``memory_cap_gb`` given here (the ``--memory-cap-gb`` flag) overrides the spec's, which
+    overrides the preset default (30 GB for FlexSP presets, 90% of HBM for first principles).
+    """
+    if isinstance(spec, Path | str):
+        text = str(spec)
+        if text in FLEXSP_FITS or text in FIRST_PRINCIPLES_PRESETS:
+            data: Mapping[str, Any] = {"preset": text}
+        elif text.endswith((".yaml", ".yml", ".json")) or Path(text).is_file():
+            data = _read_spec_file(Path(text))
+        else:
+            raise InputError(
+                f"--cost-model {text!r} is neither a preset nor a YAML/JSON file; presets: "
+                f"{preset_names()}"
+            )
+    elif isinstance(spec, Mapping):
+        data = spec
+    else:
+        raise InputError(
+            f"cost model spec must be a name, a path or a mapping, got {type(spec).__name__}"
+        )
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise InputError(f"cost model spec: unknown keys {unknown}; allowed: {sorted(_TOP_KEYS)}")
+    cap = memory_cap_gb if memory_cap_gb is not None else data.get("memory_cap_gb")
+    max_seq_k = float(data.get("max_seq_k", max_seq_k))
+    shapes = [k for k in ("preset", "coefficients", "flexsp", "model") if k in data]
+    if len(shapes) != 1:
+        raise InputError(
+            "cost model spec needs exactly one of 'preset', 'coefficients', 'flexsp' or "
+            f"'model' (+ 'hardware'); got {shapes or 'none'}"
+        )
+    shape = shapes[0]
+    if shape == "preset":
+        preset = str(data["preset"])
+        if preset in FLEXSP_FITS:
+            extra = sorted(set(data) - {"preset", "name", "memory_cap_gb", "max_seq_k"})
+            if extra:
+                raise InputError(
+                    f"FlexSP preset {preset!r} takes only memory_cap_gb and max_seq_k "
+                    f"overrides, not {extra}"
+                )
+            return flexsp_cost_model(
+                str(data.get("name", preset)),
+                world_size,
+                max_seq_k=max_seq_k,
+                memory_cap_gb=cap,
+                gpus_per_node=gpus_per_node,
+                fit=FLEXSP_FITS[preset],
+            )
+        if preset not in FIRST_PRINCIPLES_PRESETS:
+            raise InputError(f"unknown cost-model preset {preset!r}; presets: {preset_names()}")
+        model, hw, tr = FIRST_PRINCIPLES_PRESETS[preset]
+        model = dataclasses.replace(model, **dict(data.get("model", {})))
+        hw = dataclasses.replace(hw, **dict(data.get("hardware", {})))
+        tr = dataclasses.replace(tr, **dict(data.get("training", {})))
+        return first_principles_cost_model(
+            model,
+            hw,
+            tr,
+            world_size=world_size,
+            gpus_per_node=gpus_per_node,
+            memory_cap_gb=cap,
+            name=str(data.get("name", preset)),
+        )
+    name = str(data.get("name", "custom"))
+    if shape == "coefficients":
+        model_ = _from_coefficients(name, data["coefficients"], cap)
+        return dataclasses.replace(
+            model_,
+            source=str(data.get("source", model_.source)),
+            details={str(k): float(v) for k, v in dict(data.get("details", {})).items()},
+        )
+    if shape == "flexsp":
+        fit = dict(data["flexsp"])
+        missing = sorted(
+            {"layers", "hidden", "a1", "a2", "b1", "act_mib_per_token", "params_b"} - set(fit)
+        )
+        if missing:
+            raise InputError(f"cost model spec: flexsp section lacks {missing}")
+        return flexsp_cost_model(
+            name,
+            world_size,
+            max_seq_k=max_seq_k,
+            memory_cap_gb=cap,
+            gpus_per_node=gpus_per_node,
+            fit=fit,
+        )
+    if "hardware" not in data:
+        raise InputError("cost model spec: a 'model' section needs a 'hardware' section too")
+    model = _dataclass_from(ModelConfig, "model", data["model"], name=name)
+    hw = _dataclass_from(HardwareConfig, "hardware", data["hardware"], name="hardware")
+    tr = _dataclass_from(TrainingConfig, "training", data.get("training", {}))
+    return first_principles_cost_model(
+        model,
+        hw,
+        tr,
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        memory_cap_gb=cap,
+        name=name,
     )

@@ -1,0 +1,110 @@
+"""``megatron-hsp bench``: hsp against static, adaptive and Megatron baselines over many batches."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from megatron_hsp.commands.common import add_common_arguments, build_setup, config_dict
+from megatron_hsp.planner.bench import DEFAULT_METHODS, HspOptions, PlanFn, parse_methods, run_bench
+from megatron_hsp.planner.errors import InputError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+    parser.add_argument("--steps", type=int, default=20, help="global batches to plan")
+    parser.add_argument("--start-step", type=int, default=0, help="first global batch (0-based)")
+    parser.add_argument(
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help="comma-separated: hsp, static-best, static-N, batchada, megatron-dcp, lower-bound "
+        "(lower-bound is added whenever hsp runs)",
+    )
+    parser.add_argument("--json", metavar="OUT.json", default=None, help="write results as JSON")
+
+
+def _megatron_dcp(setup) -> PlanFn:
+    # Imported only here: megatron-core pulls in torch.
+    from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
+
+    return lambda lengths: megatron_dcp_plan(lengths, setup.cost, setup.cluster)
+
+
+def run_from_args(args: argparse.Namespace) -> dict:
+    if args.steps < 1:
+        raise InputError(f"--steps must be >= 1, got {args.steps}")
+    methods = parse_methods(args.methods)
+    if "hsp" in methods and "lower-bound" not in methods:
+        methods.append("lower-bound")
+    setup = build_setup(args)
+    batches = [setup.sampler.batch(args.start_step + i) for i in range(args.steps)]
+    out = run_bench(
+        batches,
+        setup.cost,
+        setup.cluster,
+        methods,
+        hsp=HspOptions(args.solver, args.time_budget, setup.sizes, args.seed),
+        sizes=setup.sizes,
+        extra_methods={"megatron-dcp": lambda: _megatron_dcp(setup)},
+        progress=(lambda m: print(f"bench: running {m} ...", file=sys.stderr))
+        if not args.json
+        else None,
+    )
+    out["summary"]["batches"] = {
+        "sequences": [len(b.lengths) for b in batches],
+        "tokens": [int(b.lengths.sum()) for b in batches],
+        "overlong_dropped": sum(b.dropped for b in batches),
+        "overlong_split": sum(b.split for b in batches),
+        "harness_dropped": setup.sampler.harness_dropped,
+        "tokens_per_rank": setup.cost.tokens_per_rank,
+    }
+    return {"config": config_dict(args), **out}
+
+
+def format_bench(result: dict) -> str:
+    cfg, summ, methods = result["config"], result["summary"], result["methods"]
+    hsp_total = summ["total_step_s"].get("hsp")
+    lines = [
+        f"bench: {cfg['cost_model']} on {cfg['gpus']} GPUs ({cfg['gpus_per_node']}/node), "
+        f"max-seq {cfg['max_seq']}, GBS {cfg['global_batch']}, {cfg['sampling']} batches "
+        f"{cfg['start_step']}..{cfg['start_step'] + cfg['steps'] - 1}",
+        f"{'method':<18} {'total_s':>9} {'mean_step_s':>11} {'hsp_speedup':>11} "
+        f"{'solve_p50_ms':>12} {'solve_p99_ms':>12} {'valid':>5}",
+    ]
+    for name, res in methods.items():
+        steps = res["step_ms"]
+        if res.get("infeasible_batches"):
+            lines.append(
+                f"{name:<18} infeasible on {res['infeasible_batches']} of {len(steps)} batches: "
+                f"{res['infeasible_reason']}"
+            )
+            continue
+        total = sum(steps) / 1e3
+        speed = f"{total / hsp_total:.3f}x" if hsp_total and name != "hsp" else "-"
+        solve = sorted(res.get("solve_ms", []))
+        p50 = f"{solve[len(solve) // 2]:.1f}" if solve else "-"
+        p99 = f"{solve[min(len(solve) - 1, int(0.99 * len(solve)))]:.1f}" if solve else "-"
+        valid = "-" if name == "lower-bound" else str(res.get("valid", True)).lower()
+        label = name + (f" ({res['degree']})" if "degree" in res else "")
+        lines.append(
+            f"{label:<18} {total:>9.2f} {total / len(steps):>11.3f} {speed:>11} {p50:>12} "
+            f"{p99:>12} {valid:>5}"
+        )
+    gap = summ.get("gap_to_lower_bound")
+    lines.append(
+        f"all plans valid: {str(summ['all_plans_valid']).lower()}"
+        + (f"; hsp gap to lower bound {gap * 100:.1f}%" if gap is not None else "")
+        + f"; planner peak RSS {summ['planner_peak_rss_mb']:.0f} MB"
+    )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = run_from_args(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"bench: wrote {args.json}", file=sys.stderr)
+    print(format_bench(result))
+    return 0 if result["summary"]["all_plans_valid"] else 1

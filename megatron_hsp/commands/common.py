@@ -1,0 +1,112 @@
+"""Flags and setup shared by ``plan`` and ``bench`` (torch-free; see shared/design.md sec. 3)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from megatron_hsp.planner.costmodel import CostModel, load_cost_model, preset_names
+from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.lengths import (
+    OVERLONG_POLICIES,
+    SAMPLING_MODES,
+    BatchSampler,
+    parse_max_seq,
+    read_lengths,
+)
+from megatron_hsp.planner.topology import Cluster
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lengths",
+        default=None,
+        help="text file (one length per line, .gz ok) or Megatron indexed dataset prefix; "
+        "default: the embedded Wikipedia 100k subset",
+    )
+    parser.add_argument("--gpus", type=int, default=64, help="sequence-parallel ranks (default 64)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="default 8")
+    parser.add_argument(
+        "--cost-model",
+        default="flexsp-gpt-7b",
+        help=f"preset ({', '.join(preset_names())}) or a YAML/JSON spec file",
+    )
+    parser.add_argument("--max-seq", default="192k", help="max sequence length (192k = 192000)")
+    parser.add_argument("--global-batch", type=int, default=512, help="sequences per step")
+    parser.add_argument("--seed", type=int, default=0, help="random sampling and solver seed")
+    parser.add_argument(
+        "--memory-cap-gb",
+        type=float,
+        default=None,
+        help="per-GPU memory cap (default: the cost model's, 30 for flexsp-*)",
+    )
+    parser.add_argument("--solver", choices=("highs", "cbc"), default="highs", help="MILP backend")
+    parser.add_argument(
+        "--time-budget", type=float, default=1.0, help="hsp wall-clock budget per batch (s)"
+    )
+    parser.add_argument(
+        "--sizes",
+        default=None,
+        help="allowed group sizes, comma-separated (e.g. 1,2,4,8,16,32,64) or 'pow2'; "
+        "default: every size the cluster and cost model allow",
+    )
+    parser.add_argument("--overlong", choices=OVERLONG_POLICIES, default="error")
+    parser.add_argument("--sampling", choices=SAMPLING_MODES, default="sequential")
+
+
+@dataclass
+class Setup:
+    cluster: Cluster
+    cost: CostModel
+    sampler: BatchSampler
+    sizes: tuple[int, ...] | None
+    max_seq: int
+
+
+def parse_sizes(text: str | None, cluster: Cluster) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    if text.strip() == "pow2":
+        return tuple(cluster.power_of_two_sizes())
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise InputError(f"--sizes {text!r}: give comma-separated integers or 'pow2'") from None
+    bad = [d for d in sizes if not cluster.size_fits(d)]
+    if not sizes or bad:
+        raise InputError(
+            f"--sizes {text!r}: {bad or 'no sizes'} cannot tile {cluster.world_size} GPUs in "
+            f"nodes of {cluster.gpus_per_node}; legal sizes: {cluster.legal_sizes()}"
+        )
+    return sizes
+
+
+def build_setup(args: argparse.Namespace) -> Setup:
+    cluster = Cluster(args.gpus, args.gpus_per_node)
+    max_seq = parse_max_seq(args.max_seq)
+    cost = load_cost_model(
+        args.cost_model,
+        world_size=cluster.world_size,
+        gpus_per_node=cluster.gpus_per_node,
+        max_seq_k=max_seq / 1000,
+        memory_cap_gb=args.memory_cap_gb,
+    )
+    sizes = parse_sizes(args.sizes, cluster)
+    usable = [d for d in (sizes or cost.sizes) if cluster.size_fits(d) and d in cost.sizes]
+    if not usable:
+        raise InputError(f"--sizes: none of {sizes} is costed by {cost.name}: {cost.sizes}")
+    sampler = BatchSampler(
+        read_lengths(args.lengths),
+        global_batch=args.global_batch,
+        sampling=args.sampling,
+        max_seq=max_seq,
+        seed=args.seed,
+        overlong=args.overlong,
+        max_trainable=cost.max_trainable_length(usable),
+    )
+    return Setup(cluster, cost, sampler, sizes, max_seq)
+
+
+def config_dict(args: argparse.Namespace) -> dict:
+    """Every flag, for the JSON ``config`` block."""
+    return {k: v for k, v in sorted(vars(args).items()) if k != "command"}

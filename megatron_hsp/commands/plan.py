@@ -1,0 +1,104 @@
+"""``megatron-hsp plan``: plan one global batch and print the Plan (table, or ``--json``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+from megatron_hsp.commands.common import add_common_arguments, build_setup
+from megatron_hsp.planner.bench import HspOptions, hsp_plan_fn, lower_bound_fn, parse_methods
+from megatron_hsp.planner.plan import Plan
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+    parser.add_argument("--batch-index", type=int, default=0, help="which global batch (0-based)")
+    parser.add_argument(
+        "--method",
+        default="hsp",
+        help="hsp (default), static-N, batchada or megatron-dcp",
+    )
+    parser.add_argument("--json", action="store_true", help="print the Plan as JSON")
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    setup = build_setup(args)
+    batch = setup.sampler.batch(args.batch_index)
+    lengths = batch.lengths
+    (method,) = parse_methods(args.method)
+    cost, cluster = setup.cost, setup.cluster
+    t0 = time.perf_counter()
+    if method == "hsp":
+        opts = HspOptions(args.solver, args.time_budget, setup.sizes, args.seed)
+        plan = hsp_plan_fn(cost, cluster, opts)(lengths)
+    elif method == "megatron-dcp":
+        from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
+
+        plan = megatron_dcp_plan(lengths, cost, cluster)
+    elif method == "batchada":
+        from megatron_hsp.planner.baselines import batchada_plan
+
+        plan = batchada_plan(lengths, cost, cluster, setup.sizes)
+    elif method.startswith("static-") and method != "static-best":
+        from megatron_hsp.planner.baselines import static_plan
+
+        plan = static_plan(lengths, cost, cluster, int(method.split("-")[1]))
+    else:
+        raise SystemExit(f"megatron-hsp plan: --method {method} needs several batches; use bench")
+    elapsed = (time.perf_counter() - t0) * 1e3
+    plan.validate(lengths.tolist(), cost, cluster.world_size)
+    lb = plan.lower_bound_ms
+    if not lb:
+        fn = lower_bound_fn(cost, cluster, setup.sizes)
+        lb = fn(lengths) if fn else 0.0
+    extra = {
+        **plan.extra,
+        "batch_index": args.batch_index,
+        "sequences": len(lengths),
+        "overlong_dropped": batch.dropped,
+        "overlong_split": batch.split,
+        "split_pieces": batch.pieces,
+        "harness_dropped": setup.sampler.harness_dropped,
+    }
+    return dataclasses.replace(
+        plan, lower_bound_ms=float(lb), solve_ms=plan.solve_ms or elapsed, extra=extra
+    )
+
+
+def format_plan(plan: Plan) -> str:
+    lines = [
+        f"plan: {plan.cost_model} on {plan.world_size} GPUs ({plan.gpus_per_node}/node), "
+        f"solver {plan.solver}, status {plan.status}",
+        f"estimated step {plan.est_step_ms / 1e3:.3f} s  lower bound "
+        f"{plan.lower_bound_ms / 1e3:.3f} s  solve {plan.solve_ms:.0f} ms  "
+        f"{len(plan.microbatches)} micro-batches, {plan.num_sequences} sequences",
+    ]
+    x = plan.extra
+    if x.get("overlong_dropped") or x.get("overlong_split"):
+        lines.append(
+            f"overlong: dropped {x.get('overlong_dropped', 0)}, split {x.get('overlong_split', 0)}"
+            f" into {x.get('split_pieces', 0)} pieces"
+        )
+    lines.append(
+        f"{'mb':>3} {'est_ms':>10}  {'groups (size x count)':<34} {'seqs':>5} {'tokens':>9}"
+    )
+    for i, mb in enumerate(plan.microbatches):
+        counts: dict[int, int] = {}
+        for g in mb.groups:
+            counts[g.size] = counts.get(g.size, 0) + 1
+        shape = " ".join(f"{s}x{c}" for s, c in sorted(counts.items(), reverse=True))
+        seqs = sum(len(g.seq_ids) for g in mb.groups)
+        tokens = sum(g.tokens for g in mb.groups)
+        lines.append(f"{i:>3} {mb.est_ms:>10.1f}  {shape:<34} {seqs:>5} {tokens:>9}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = make_plan(args)
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+    else:
+        print(format_plan(plan))
+    return 0

@@ -1,0 +1,258 @@
+"""Benchmark harness: the same batches, cost model and validator for every method (torch-free).
+
+Methods: ``hsp`` (our solver), ``static-N``, ``static-best`` (hindsight), ``batchada`` and
+``lower-bound``; callers may add more (``megatron-hsp bench`` adds ``megatron-dcp``, which needs
+torch and therefore is injected from outside ``planner/``). Every plan is checked with
+``Plan.validate(lengths, cost, world_size)``; speedups are ratios of summed estimated step
+times over the same batches (baseline / hsp), as shared/design.md section 3 defines.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from megatron_hsp.planner.baselines import batchada_plan, static_best_degree, static_plan
+from megatron_hsp.planner.costmodel import CostModel
+from megatron_hsp.planner.errors import InfeasibleError, InputError
+from megatron_hsp.planner.lengths import GlobalBatch
+from megatron_hsp.planner.plan import Plan
+from megatron_hsp.planner.topology import Cluster
+
+PlanFn = Callable[[np.ndarray], Plan]
+DEFAULT_METHODS = ("hsp", "static-best", "batchada", "megatron-dcp")
+_STATIC = re.compile(r"^static-(\d+)$")
+
+
+@dataclass(frozen=True)
+class HspOptions:
+    """What ``hsp`` passes to the solver (``megatron_hsp.planner.solver.SolverConfig``)."""
+
+    backend: str = "highs"
+    time_budget_s: float = 1.0
+    sizes: tuple[int, ...] | None = None
+    seed: int = 0
+
+
+def hsp_plan_fn(cost: CostModel, cluster: Cluster, options: HspOptions) -> PlanFn:
+    """``hsp``: the MILP planner, imported only when asked for."""
+    try:
+        from megatron_hsp.planner.solver import SolverConfig, solve
+    except ImportError as exc:
+        raise InputError(
+            f"method hsp needs megatron_hsp.planner.solver, which this build lacks ({exc}); "
+            "choose another method: static-N, static-best, batchada or megatron-dcp"
+        ) from None
+    config = SolverConfig(
+        backend=options.backend,
+        time_budget_s=options.time_budget_s,
+        sizes=options.sizes,
+        seed=options.seed,
+    )
+    return lambda lengths: solve([int(x) for x in lengths], cost, cluster, config)
+
+
+def lower_bound_fn(
+    cost: CostModel, cluster: Cluster, sizes: Sequence[int] | None
+) -> Callable[[np.ndarray], float] | None:
+    """``lower-bound`` from ``megatron_hsp.planner.bounds``, or None when that module is absent."""
+    try:
+        from megatron_hsp.planner.bounds import lower_bound_ms
+    except ImportError:
+        return None
+    return lambda lengths: float(lower_bound_ms([int(x) for x in lengths], cost, cluster, sizes))
+
+
+def parse_methods(text: str | Sequence[str]) -> list[str]:
+    names = [m.strip() for m in (text.split(",") if isinstance(text, str) else text) if m.strip()]
+    known = {"hsp", "static-best", "batchada", "megatron-dcp", "lower-bound"}
+    bad = [m for m in names if m not in known and not _STATIC.match(m)]
+    if bad or not names:
+        raise InputError(
+            f"--methods: unknown {bad or 'empty list'}; choose from hsp, static-best, static-N "
+            "(e.g. static-64), batchada, megatron-dcp, lower-bound"
+        )
+    return list(dict.fromkeys(names))
+
+
+@dataclass
+class MethodResult:
+    # None where the method cannot plan that batch under the memory cap (e.g. static-32 with a
+    # sequence longer than 32 ranks hold); such a method gets no total and no speedup.
+    step_ms: list[float | None] = field(default_factory=list)
+    solve_ms: list[float] = field(default_factory=list)
+    microbatches: list[int] = field(default_factory=list)
+    valid: list[bool] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    infeasible: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return not self.infeasible
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"step_ms": self.step_ms, "solve_ms": self.solve_ms}
+        if self.microbatches:
+            d["microbatches"] = self.microbatches
+        if self.valid:
+            d["valid"] = all(self.valid)
+        if self.problems:
+            d["problems"] = self.problems[:10]
+        if self.infeasible:
+            d["infeasible_batches"] = len(self.infeasible)
+            d["infeasible_reason"] = self.infeasible[0]
+        d.update(self.extra)
+        return d
+
+
+def _record(res: MethodResult, plan: Plan, lengths: np.ndarray, cost: CostModel, ms: float) -> None:
+    problems = plan.problems(lengths.tolist(), cost, plan.world_size)
+    res.step_ms.append(float(plan.est_step_ms))
+    res.solve_ms.append(float(ms))
+    res.microbatches.append(len(plan.microbatches))
+    res.valid.append(not problems)
+    res.problems.extend(problems)
+
+
+def _pct(xs: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if xs else None
+
+
+def _peak_rss_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB else
+
+
+def run_bench(
+    batches: Sequence[GlobalBatch],
+    cost: CostModel,
+    cluster: Cluster,
+    methods: Sequence[str],
+    *,
+    hsp: HspOptions | None = None,
+    sizes: Sequence[int] | None = None,
+    extra_methods: Mapping[str, Callable[[], PlanFn]] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``methods`` on ``batches``; return design.md's ``methods`` and ``summary`` blocks.
+
+    ``extra_methods`` maps a name to a factory of its plan function (built only if requested),
+    which is how torch-based baselines join without ``planner/`` importing torch. They run after
+    the torch-free methods, so ``planner_peak_rss_mb`` is measured before torch is loaded.
+    """
+    hsp = hsp or HspOptions()
+    extra_methods = dict(extra_methods or {})
+    lengths = [np.asarray(b.lengths, dtype=np.int64) for b in batches]
+    if not lengths:
+        raise InputError("--steps must be >= 1")
+    results: dict[str, MethodResult] = {}
+    ordered = sorted(methods, key=lambda m: m in extra_methods)  # torch-based ones last
+    planner_rss: float | None = None
+    for name in ordered:
+        if name in extra_methods and planner_rss is None:
+            planner_rss = _peak_rss_mb()
+        if progress:
+            progress(name)
+        res = MethodResult()
+        if name == "lower-bound":
+            lb = lower_bound_fn(cost, cluster, sizes)
+            if lb is None:
+                continue
+            for b in lengths:
+                t0 = time.perf_counter()
+                res.step_ms.append(lb(b))
+                res.solve_ms.append((time.perf_counter() - t0) * 1e3)
+            results[name] = res
+            continue
+        if name == "static-best":
+            t0 = time.perf_counter()
+            best, per_degree = static_best_degree(lengths, cost, cluster, sizes)
+            elapsed = (time.perf_counter() - t0) * 1e3 / len(lengths)
+            for plan, b in zip(per_degree[best], lengths, strict=True):
+                _record(res, plan, b, cost, elapsed)
+            res.extra["degree"] = best
+            res.extra["total_s_by_degree"] = {
+                str(d): sum(p.est_step_ms for p in ps) / 1e3 for d, ps in sorted(per_degree.items())
+            }
+            results[name] = res
+            continue
+        fn: PlanFn
+        if name == "hsp":
+            fn = hsp_plan_fn(cost, cluster, hsp)
+        elif name == "batchada":
+            fn = lambda b: batchada_plan(b, cost, cluster, sizes)  # noqa: E731
+        elif m := _STATIC.match(name):
+            degree = int(m.group(1))
+            fn = lambda b, d=degree: static_plan(b, cost, cluster, d)  # noqa: E731
+        elif name in extra_methods:
+            fn = extra_methods[name]()
+        else:
+            raise InputError(f"--methods: {name!r} is not available in this build")
+        degrees: list[int] = []
+        statuses: list[str] = []
+        for step, b in enumerate(lengths):
+            t0 = time.perf_counter()
+            try:
+                plan = fn(b)
+            except InfeasibleError as exc:
+                if name == "hsp":
+                    raise
+                res.step_ms.append(None)
+                res.solve_ms.append((time.perf_counter() - t0) * 1e3)
+                res.infeasible.append(f"batch {batches[step].step}: {exc}")
+                continue
+            ms = (time.perf_counter() - t0) * 1e3
+            _record(res, plan, b, cost, ms)  # wall clock around the whole call
+            statuses.append(plan.status)
+            if "degree" in plan.extra:
+                degrees.append(int(plan.extra["degree"]))
+        if name == "batchada":
+            res.extra["degrees"] = degrees
+        if name == "hsp":
+            res.extra["status"] = statuses
+        results[name] = res
+    if planner_rss is None:
+        planner_rss = _peak_rss_mb()
+    return {
+        "methods": {k: v.to_dict() for k, v in results.items()},
+        "summary": summarize(results, planner_rss),
+    }
+
+
+def summarize(results: Mapping[str, MethodResult], planner_rss_mb: float) -> dict[str, Any]:
+    """design.md's summary keys (None where a method did not run) plus extras."""
+    total = {k: float(sum(v.step_ms)) for k, v in results.items() if v.complete}  # type: ignore[arg-type]
+    hsp_total = total.get("hsp")
+
+    def speedup(name: str) -> float | None:
+        if hsp_total is None or name not in total or hsp_total <= 0:
+            return None
+        return total[name] / hsp_total
+
+    out: dict[str, Any] = {
+        "speedup_vs_static_best": speedup("static-best"),
+        "speedup_vs_batchada": speedup("batchada"),
+        "speedup_vs_megatron_dcp": speedup("megatron-dcp"),
+        "gap_to_lower_bound": (
+            hsp_total / total["lower-bound"] - 1.0
+            if hsp_total is not None and total.get("lower-bound")
+            else None
+        ),
+        "solve_ms_p50": _pct(results["hsp"].solve_ms, 50) if "hsp" in results else None,
+        "solve_ms_p99": _pct(results["hsp"].solve_ms, 99) if "hsp" in results else None,
+        "all_plans_valid": all(all(v.valid) for k, v in results.items() if k != "lower-bound"),
+    }
+    for name in results:
+        if _STATIC.match(name):
+            out[f"speedup_vs_{name.replace('-', '_')}"] = speedup(name)
+    out["total_step_s"] = {k: v / 1e3 for k, v in total.items()}
+    out["planner_peak_rss_mb"] = planner_rss_mb
+    return out

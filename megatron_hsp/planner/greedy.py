@@ -1,0 +1,229 @@
+"""Fast heuristics: the per-micro-batch group builder used as warm start, fallback and filter.
+
+A micro-batch is scheduled by *target makespan*: for a target ``M`` the builder walks the
+sequences longest first and puts each into an open group that still finishes by ``M`` (and has
+memory left), or opens the smallest group that can finish it by ``M``. Bisection on ``M`` finds the
+smallest target the builder can meet with the cluster's ranks. Longest-first with the least-loaded
+group of each size is LPT, which is within 4/3 of optimal for identical machines; the sizes make it
+a heuristic, which the MILP (``milp.py``) then tries to beat.
+
+Everything works on plain Python lists built once per batch (``Instance``): numpy scalar access in
+the inner loop would cost more than the arithmetic.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from megatron_hsp.planner.instance import GroupSpec, Instance
+from megatron_hsp.planner.topology import Cluster
+
+
+# ---------------------------------------------------------------------- evaluation
+def groups_makespan(inst: Instance, groups: Sequence[GroupSpec]) -> float:
+    """Estimated time of a micro-batch: its slowest non-empty group."""
+    index = {d: j for j, d in enumerate(inst.sizes)}
+    worst = 0.0
+    for d, ids in groups:
+        if ids:
+            j = index[d]
+            worst = max(worst, sum(inst.times[i][j] for i in ids) + inst.fixed[j])
+    return worst
+
+
+# ---------------------------------------------------------------------- rank placement
+def place_groups(
+    inst: Instance, groups: Sequence[GroupSpec], cluster: Cluster
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """Give each group an aligned rank block; fill spare ranks with empty groups.
+
+    Largest first into the first free aligned block (buddy allocation): always succeeds for
+    power-of-two sizes whose sum fits; other mixes may not tile, and then we return None.
+    """
+    n = inst.world_size
+    if sum(d for d, _ in groups) > n:
+        return None
+    if inst.buddy:
+        return _place_buddy(inst, groups)
+    used = bytearray(n)
+    placed: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    order = sorted(range(len(groups)), key=lambda g: (-groups[g][0], g))
+    for g in order:
+        d, ids = groups[g]
+        start = _first_free_start(used, n, d)
+        if start < 0:
+            return None
+        used[start : start + d] = b"\x01" * d
+        placed.append((tuple(range(start, start + d)), tuple(sorted(ids))))
+    # Spare ranks: the smallest allowed size that tiles, else single ranks.
+    if placed and len(placed) and sum(used) < n:
+        for d in [*inst.sizes, 1]:
+            if not cluster.size_fits(d):
+                continue
+            while True:
+                start = _first_free_start(used, n, d)
+                if start < 0:
+                    break
+                used[start : start + d] = b"\x01" * d
+                placed.append((tuple(range(start, start + d)), ()))
+            if sum(used) == n:
+                break
+    elif not placed:
+        for d in [*inst.sizes, 1]:
+            if cluster.size_fits(d) and n % d == 0:
+                placed = [(tuple(range(s, s + d)), ()) for s in range(0, n, d)]
+                break
+    placed.sort(key=lambda p: p[0][0])
+    return placed
+
+
+def _place_buddy(
+    inst: Instance, groups: Sequence[GroupSpec]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Power-of-two sizes dividing N, largest first: each block starts where the last ended.
+
+    The running offset is a sum of sizes no smaller than the current one, hence a multiple of
+    it, so every block is aligned; spare ranks at the end become single-rank (or smallest
+    allowed) empty groups.
+    """
+    placed: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    offset = 0
+    for d, ids in sorted(groups, key=lambda g: (-g[0], min(g[1], default=-1))):
+        placed.append((tuple(range(offset, offset + d)), tuple(sorted(ids))))
+        offset += d
+    n = inst.world_size
+    while offset < n:
+        d = next(s for s in [*reversed(inst.sizes), 1] if s <= n - offset and offset % s == 0)
+        placed.append((tuple(range(offset, offset + d)), ()))
+        offset += d
+    return placed
+
+
+def _first_free_start(used: bytearray, n: int, d: int) -> int:
+    """First start (a multiple of ``d``) of ``d`` free ranks; -1 when none.
+
+    Callers only pass sizes that ``Cluster.size_fits``, so a block starting at a multiple of
+    ``d`` is aligned: inside one node for ``d <= gpus_per_node``, whole nodes otherwise.
+    """
+    zero = bytes(d)
+    for start in range(0, n - d + 1, d):
+        if used[start : start + d] == zero:
+            return start
+    return -1
+
+
+# ---------------------------------------------------------------------- group builder
+def build_groups(
+    inst: Instance, seq_ids: Sequence[int], target: float, ranks: int | None = None
+) -> list[GroupSpec] | None:
+    """Groups finishing every sequence by ``target`` ms with at most ``ranks`` ranks, or None.
+
+    ``seq_ids`` must be sorted longest first. Sizes that are not powers of two are only used when
+    the cluster lets them tile (``place_groups`` has the final word).
+    """
+    ranks = inst.world_size if ranks is None else ranks
+    sizes, times, fixed, lengths, cap = inst.sizes, inst.times, inst.fixed, inst.lengths, inst.cap
+    nsz = len(sizes)
+    # Per size: heap of (load_ms, group index); group state in parallel lists.
+    heaps: list[list[tuple[float, int]]] = [[] for _ in range(nsz)]
+    g_size: list[int] = []
+    g_load: list[float] = []
+    g_tokens: list[int] = []
+    g_ids: list[list[int]] = []
+    used = 0
+    open_js: list[int] = []  # size indices with at least one open group, ascending
+    dmin = inst.dmin
+    for i in seq_ids:
+        row, ln, jmin = times[i], lengths[i], dmin[i]
+        best_j, best_g, best_cost = -1, -1, float("inf")
+        for j in open_js:
+            if j < jmin:
+                continue
+            load, g = heaps[j][0]
+            t = row[j]
+            if load + t + fixed[j] <= target and g_tokens[g] + ln <= cap * sizes[j]:
+                # Prefer the size that costs the fewest rank-ms, then the emptier group.
+                c = t * sizes[j]
+                if c < best_cost:
+                    best_j, best_g, best_cost = j, g, c
+        if best_g < 0:
+            for j in range(jmin, nsz):
+                if row[j] + fixed[j] <= target and used + sizes[j] <= ranks:
+                    best_j = j
+                    break
+            if best_j < 0:
+                return None
+            best_g = len(g_size)
+            g_size.append(sizes[best_j])
+            g_load.append(row[best_j])
+            g_tokens.append(ln)
+            g_ids.append([i])
+            used += sizes[best_j]
+            if not heaps[best_j]:
+                open_js.append(best_j)
+                open_js.sort()
+            heapq.heappush(heaps[best_j], (g_load[best_g], best_g))
+        else:
+            g_load[best_g] += row[best_j]
+            g_tokens[best_g] += ln
+            g_ids[best_g].append(i)
+            heapq.heapreplace(heaps[best_j], (g_load[best_g], best_g))
+    return [(g_size[g], tuple(g_ids[g])) for g in range(len(g_size))]
+
+
+def schedule_microbatch(
+    inst: Instance,
+    seq_ids: Sequence[int],
+    cluster: Cluster,
+    rel_tol: float = 3e-3,
+    limit: float | None = None,
+) -> tuple[float, list[GroupSpec]] | None:
+    """Smallest target makespan the builder meets (bisection), with its placeable groups.
+
+    Returns None when no target works (the sequences do not fit the ranks' memory together) or,
+    given ``limit``, when the builder cannot finish by ``limit`` (one build call: cheap rejects
+    for local search).
+    """
+    ids = sorted(seq_ids, key=lambda i: (-inst.lengths[i], i))
+    if not ids:
+        return 0.0, []
+    floor = inst.microbatch_floor(ids)
+
+    def attempt(target: float) -> list[GroupSpec] | None:
+        groups = build_groups(inst, ids, target)
+        # Power-of-two sizes dividing the world size always tile (buddy allocation); other
+        # mixes need the placement check.
+        if groups is None or (not inst.buddy and place_groups(inst, groups, cluster) is None):
+            return None
+        return groups
+
+    # Bracket upwards from the floor in growing steps (most micro-batches land within a few
+    # percent of it), then bisect between the last failure and the best success.
+    best: list[GroupSpec] | None = None
+    failed = floor
+    if limit is not None:
+        if limit < floor:
+            return None
+        best = attempt(limit)
+        if best is None:
+            return None
+    factors = (1.0, 1.02, 1.06, 1.15, 1.4, *(1.4 * 1.5**k for k in range(1, 40)))
+    for factor in () if best is not None else factors:
+        target = floor * factor
+        best = attempt(target)
+        if best is not None:
+            break
+        failed = target
+    if best is None:
+        return None
+    hi = groups_makespan(inst, best)
+    lo = min(failed, hi)
+    while hi - lo > rel_tol * hi:
+        mid = 0.5 * (lo + hi)
+        got = attempt(mid)
+        if got is None:
+            lo = mid
+        else:
+            best, hi = got, groups_makespan(inst, got)
+    return hi, best

@@ -1,0 +1,83 @@
+"""Local improvement between micro-batches: move or swap long sequences, keep what helps.
+
+Chunking decides micro-batches from per-sequence estimates; only scheduling reveals where a
+micro-batch is stuck (a long sequence's group sets the makespan while memory-bound single-rank
+groups idle, say). Moving one of the longest sequences to another micro-batch, or swapping two,
+and re-scheduling both with the greedy builder finds those trades. A move is first checked
+against both micro-batches' floors, then the greedy builder is asked for the one target that
+would improve (one build, not a bisection), so most rejections are cheap. Deterministic:
+candidates come in a fixed order and the first improving move is taken.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from megatron_hsp.planner.greedy import schedule_microbatch
+from megatron_hsp.planner.instance import GroupSpec, Instance
+from megatron_hsp.planner.topology import Cluster
+
+Scheduled = tuple[float, list[GroupSpec]]
+
+
+def _ids(mb: Scheduled) -> list[int]:
+    return [i for _, g in mb[1] for i in g]
+
+
+def _moves(inst: Instance, members: list[list[int]], spans: list[float], top: int) -> Iterator:
+    """(a, b, out_of_a, into_a_or_None): worst micro-batch first, longest sequences first."""
+    gaps = [spans[b] - inst.microbatch_floor(members[b]) for b in range(len(members))]
+    longest = [sorted(ids, key=lambda i: (-inst.lengths[i], i))[:top] for ids in members]
+    for a in sorted(range(len(members)), key=lambda b: (-gaps[b], b)):
+        for b in range(len(members)):
+            if b == a:
+                continue
+            for i in longest[a]:
+                yield a, b, i, None
+                for k in longest[b]:
+                    yield a, b, i, k
+
+
+def improve(
+    inst: Instance,
+    cluster: Cluster,
+    microbatches: list[Scheduled],
+    deadline: float,
+    max_evals: int = 120,
+    top: int = 6,
+) -> tuple[list[Scheduled], int]:
+    """First-improvement descent; returns the micro-batches and the schedules evaluated."""
+    mbs = list(microbatches)
+    evals = 0
+    room = inst.world_size * inst.cap
+    improved = len(mbs) > 1
+    while improved:
+        improved = False
+        members = [_ids(mb) for mb in mbs]
+        tokens = [sum(inst.lengths[i] for i in ids) for ids in members]
+        for a, b, out_i, in_k in _moves(inst, members, [s for s, _ in mbs], top):
+            if evals >= max_evals or time.perf_counter() >= deadline:
+                return mbs, evals
+            delta = inst.lengths[out_i] - (0 if in_k is None else inst.lengths[in_k])
+            if tokens[b] + delta > room or (in_k is None and len(members[a]) == 1):
+                continue
+            new_a = [x for x in members[a] if x != out_i]
+            new_b = [x for x in members[b] if x != in_k] + [out_i]
+            if in_k is not None:
+                new_a.append(in_k)
+            need = (mbs[a][0] + mbs[b][0]) * (1 - 1e-6)
+            floor_b = inst.microbatch_floor(new_b)
+            if inst.microbatch_floor(new_a) + floor_b >= need:
+                continue
+            evals += 1
+            got_a = schedule_microbatch(inst, new_a, cluster, limit=need - floor_b)
+            if got_a is None:
+                continue
+            got_b = schedule_microbatch(inst, new_b, cluster, limit=need - got_a[0])
+            if got_b is None:
+                continue
+            mbs[a], mbs[b] = got_a, got_b
+            improved = True
+            break
+    return mbs, evals

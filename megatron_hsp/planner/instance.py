@@ -1,0 +1,120 @@
+"""The planning problem in the form the heuristics and the MILP read: checked, tabulated.
+
+Input checks live here so that ``solve`` and ``lower_bound_ms`` reject the same inputs with the
+same messages. ``Instance`` holds per-(sequence, size) times as plain lists built once per batch:
+numpy scalar access in the heuristics' inner loops would cost more than their arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_hsp.planner.costmodel import CostModel
+from megatron_hsp.planner.errors import InfeasibleError, InputError
+from megatron_hsp.planner.topology import Cluster
+
+# A scheduled micro-batch before rank placement: (group size, sequence indices) pairs.
+GroupSpec = tuple[int, tuple[int, ...]]
+
+
+def resolve_sizes(cost: CostModel, cluster: Cluster, sizes: Sequence[int] | None) -> list[int]:
+    """Allowed group sizes: those that tile the cluster and that the cost model can cost."""
+    costed = [d for d in cost.sizes if cluster.size_fits(d)]
+    if sizes is None:
+        if not costed:
+            raise InputError(
+                f"cost model {cost.name!r} has no group size that tiles {cluster.world_size} "
+                f"ranks in nodes of {cluster.gpus_per_node}; its sizes: {cost.sizes}"
+            )
+        return costed
+    wanted = sorted({int(d) for d in sizes})
+    bad = [d for d in wanted if d not in costed]
+    if not wanted or bad:
+        raise InputError(
+            f"group sizes {bad or wanted} cannot be used on {cluster.world_size} ranks in nodes "
+            f"of {cluster.gpus_per_node} with cost model {cost.name!r}; legal sizes: {costed}"
+        )
+    return wanted
+
+
+def check_lengths(lengths: Sequence[int], cost: CostModel, sizes: Sequence[int]) -> list[int]:
+    """Lengths as ints; empty batches, non-positive and untrainable lengths raise."""
+    out = [int(x) for x in lengths]
+    if not out:
+        raise InputError("the global batch is empty; pass at least one sequence length")
+    for i, x in enumerate(out):
+        if x <= 0:
+            raise InputError(f"sequence {i} has length {x}; lengths must be positive integers")
+    longest = cost.max_trainable_length(sizes)
+    for i, x in enumerate(out):
+        if x > longest:
+            raise InfeasibleError(
+                f"sequence {i} has length {x}, longer than the longest trainable length "
+                f"{longest} (a group of {max(sizes)} ranks under this memory cap); split or drop "
+                "it, raise the memory cap, or allow larger groups"
+            )
+    return out
+
+
+@dataclass
+class Instance:
+    """One global batch with every per-(sequence, size) number the heuristics need."""
+
+    lengths: list[int]
+    sizes: list[int]  # allowed group sizes, ascending
+    world_size: int
+    gpus_per_node: int
+    cap: int  # tokens per rank
+    times: list[list[float]]  # times[i][j]: ms of sequence i in a group of sizes[j], no fixed cost
+    fixed: list[float]  # fixed ms per group of sizes[j]
+    dmin: list[int]  # index into sizes of the smallest group that holds sequence i
+    work_min: list[float]  # min over fitting sizes of d * time: rank-ms a sequence must cost
+    best: list[float]  # min over fitting sizes of time + fixed: a sequence's own critical path
+    buddy: bool  # all sizes are powers of two dividing the world size: any mix that fits tiles
+
+    @classmethod
+    def build(
+        cls, lengths: Sequence[int], cost: CostModel, cluster: Cluster, sizes: Sequence[int]
+    ) -> Instance:
+        sizes = sorted(sizes)
+        arr = np.asarray(lengths, dtype=np.int64)
+        table = np.stack([cost.seq_ms(arr, d) for d in sizes], axis=1)  # n x |sizes|
+        caps = np.asarray([cost.capacity(d) for d in sizes], dtype=np.int64)
+        fits = arr[:, None] <= caps[None, :]
+        dmin = np.argmax(fits, axis=1)  # caller guarantees every sequence fits the largest size
+        work = np.where(fits, table * np.asarray(sizes, dtype=np.float64)[None, :], np.inf)
+        fixed = [float(cost.fixed_ms(d)) for d in sizes]
+        best = np.where(fits, table + np.asarray(fixed)[None, :], np.inf).min(axis=1)
+        return cls(
+            lengths=[int(x) for x in arr],
+            sizes=list(sizes),
+            world_size=cluster.world_size,
+            gpus_per_node=cluster.gpus_per_node,
+            cap=int(cost.tokens_per_rank),
+            times=table.tolist(),
+            fixed=fixed,
+            dmin=[int(x) for x in dmin],
+            work_min=work.min(axis=1).tolist(),
+            best=best.tolist(),
+            buddy=all(d & (d - 1) == 0 and cluster.world_size % d == 0 for d in sizes),
+        )
+
+    @property
+    def min_fixed(self) -> float:
+        return min(self.fixed)
+
+    def best_time(self, i: int) -> float:
+        """Shortest time sequence ``i`` can take in any fitting group, fixed cost included."""
+        return self.best[i]
+
+    def microbatch_floor(self, seq_ids: Sequence[int]) -> float:
+        """No schedule of these sequences in one micro-batch finishes sooner (see bounds.py)."""
+        if not seq_ids:
+            return 0.0
+        work = sum(self.work_min[i] for i in seq_ids)
+        best = self.best
+        longest = max(best[i] for i in seq_ids)
+        return max(work / self.world_size + self.min_fixed, longest)

@@ -1,0 +1,215 @@
+"""``solve``: one global batch's lengths -> a validated ``Plan``, within a wall-clock budget.
+
+Pipeline (each stage keeps the best plan so far, so the budget can cut in anywhere):
+
+1. Candidates: micro-batch counts from the memory minimum up (``chunking``), each chunked two
+   ways (time-balanced LPT, and FlexSP-style contiguous tokens), scheduled per micro-batch by the
+   greedy builder (``greedy``). The best total is the warm start and the fallback.
+2. Exact-ish refinement: each micro-batch of the best candidate, biggest gap to its own floor
+   first, goes to the aggregated MILP (``milp``) over (length bucket x group size) with the greedy
+   schedule as incumbent; a MILP schedule replaces the greedy one only when it is faster.
+3. Plan assembly: aligned rank blocks, estimates, the lower bound (``bounds``), status:
+   ``optimal`` when every micro-batch was proven optimal for its bucketed model (or meets its
+   floor), ``time_limit`` when the budget stopped refinement, ``fallback`` when the budget ran
+   out before any MILP improved or proved anything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_hsp.planner.bounds import instance_lower_bound
+from megatron_hsp.planner.chunking import candidate_counts, chunk_contiguous, chunk_time_balanced
+from megatron_hsp.planner.costmodel import CostModel
+from megatron_hsp.planner.errors import InfeasibleError, InputError
+from megatron_hsp.planner.greedy import groups_makespan, place_groups, schedule_microbatch
+from megatron_hsp.planner.improve import improve
+from megatron_hsp.planner.instance import GroupSpec, Instance, check_lengths, resolve_sizes
+from megatron_hsp.planner.milp import refine_microbatches, require_cbc
+from megatron_hsp.planner.plan import Group, MicroBatch, Plan
+from megatron_hsp.planner.topology import Cluster
+
+BACKENDS = ("highs", "cbc")
+
+
+@dataclass(frozen=True)
+class SolverConfig:
+    """How hard and with what to search. Defaults suit per-step planning during training."""
+
+    backend: str = "highs"  # MILP solver: "highs" (highspy) or "cbc" (COIN-OR CBC binary)
+    time_budget_s: float = 1.0  # hard wall-clock budget for the whole solve
+    sizes: tuple[int, ...] | None = None  # allowed group sizes; None: all that tile and are costed
+    seed: int = 0  # MILP solver random seed
+    extra_microbatches: int = 3  # counts tried above the memory minimum
+    use_milp: bool = True  # False: greedy only (status "heuristic")
+    max_buckets: int = 16  # length buckets per micro-batch in the MILP
+    improve_evals: int = 120  # local-search moves tried between micro-batches
+    improve_share: float = 0.15  # at most this share of the budget goes to local search
+    milp_slice_s: float = 0.05  # MILP time per micro-batch (the budget caps the total)
+
+
+@dataclass
+class _Candidate:
+    total: float
+    microbatches: list[tuple[float, list[GroupSpec]]]
+    label: str
+
+
+def solve(
+    lengths: Sequence[int],
+    cost: CostModel,
+    cluster: Cluster,
+    config: SolverConfig = SolverConfig(),
+) -> Plan:
+    """Plan one global batch: micro-batches, group sizes and placement, sequence assignment."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    budget = max(0.0, config.time_budget_s)
+    deadline = start + budget
+    if config.backend not in BACKENDS:
+        raise InputError(f"unknown solver backend {config.backend!r}; choose from {BACKENDS}")
+    if config.backend == "cbc" and config.use_milp:
+        require_cbc()
+    sizes = resolve_sizes(cost, cluster, config.sizes)
+    checked = check_lengths(lengths, cost, sizes)
+    inst = Instance.build(checked, cost, cluster, sizes)
+    bound = instance_lower_bound(inst)
+
+    best = _greedy_candidates(inst, cluster, config, deadline)
+    if config.improve_evals > 0:
+        improve_until = min(deadline, time.perf_counter() + config.improve_share * budget)
+        best.microbatches, _ = improve(
+            inst, cluster, best.microbatches, improve_until, max_evals=config.improve_evals
+        )
+        best.total = sum(span for span, _ in best.microbatches)
+    status = "heuristic"
+    if config.use_milp:
+        status = "fallback"
+        best.microbatches, status = refine_microbatches(
+            inst, cluster, best.microbatches, config, deadline
+        )
+        best.total = sum(span for span, _ in best.microbatches)
+    solve_ms = (time.perf_counter() - start) * 1e3
+    cpu_ms = (time.process_time() - cpu_start) * 1e3
+    plan = _assemble(inst, cluster, cost, best, bound, solve_ms, config, status)
+    plan.extra["cpu_ms"] = round(cpu_ms, 3)
+    return plan.validate(checked, cost, cluster.world_size)
+
+
+def _greedy_candidates(
+    inst: Instance, cluster: Cluster, config: SolverConfig, deadline: float
+) -> _Candidate:
+    """Try every (count, chunking) candidate; the first always completes, others while in time."""
+    best: _Candidate | None = None
+    counts = candidate_counts(inst, config.extra_microbatches)
+    m = counts[0]
+    tried = 0
+    while True:
+        for label, chunks in _chunkings(inst, m):
+            if best is not None and time.perf_counter() > deadline:
+                return best
+            cutoff = best.total if best is not None else float("inf")
+            cand = _schedule_chunks(inst, cluster, chunks, label, cutoff)
+            tried += 1
+            if cand is not None and (best is None or cand.total < best.total - 1e-9):
+                best = cand
+        if best is not None and m >= counts[-1]:
+            return best
+        m += 1
+        if m > len(inst.lengths):
+            break
+    if best is None:  # one sequence per micro-batch always fits: check_lengths guaranteed it
+        raise InfeasibleError("no schedule found even with one sequence per micro-batch")
+    return best
+
+
+def _chunkings(inst: Instance, m: int) -> list[tuple[str, list[list[int]]]]:
+    out = [
+        (f"time-lpt/{m}", chunk_time_balanced(inst, m)),
+        (f"contiguous-tokens/{m}", chunk_contiguous(inst, m, "tokens")),
+    ]
+    seen: set[tuple[tuple[int, ...], ...]] = set()
+    unique = []
+    for label, chunks in out:
+        key = tuple(sorted(tuple(sorted(c)) for c in chunks))
+        if key not in seen:
+            seen.add(key)
+            unique.append((label, chunks))
+    return unique
+
+
+def _schedule_chunks(
+    inst: Instance, cluster: Cluster, chunks: list[list[int]], label: str, cutoff: float
+) -> _Candidate | None:
+    """Greedy schedule of each chunk; None if infeasible or provably no better than ``cutoff``."""
+    floors = [inst.microbatch_floor(c) for c in chunks]
+    if sum(floors) >= cutoff:
+        return None
+    mbs: list[tuple[float, list[GroupSpec]]] = []
+    done = 0.0
+    for b, chunk in enumerate(chunks):
+        got = schedule_microbatch(inst, chunk, cluster)
+        if got is None:
+            return None
+        mbs.append(got)
+        done += got[0]
+        if done + sum(floors[b + 1 :]) >= cutoff:
+            return None
+    return _Candidate(sum(s for s, _ in mbs), mbs, label)
+
+
+def _assemble(
+    inst: Instance,
+    cluster: Cluster,
+    cost: CostModel,
+    cand: _Candidate,
+    bound: float,
+    solve_ms: float,
+    config: SolverConfig,
+    status: str,
+) -> Plan:
+    index = {d: j for j, d in enumerate(inst.sizes)}
+    # Longest micro-batch first: deterministic, and the runtime sees the heavy pass early.
+    ordered = sorted(cand.microbatches, key=lambda mb: (-mb[0], _first_id(mb[1])))
+    microbatches = []
+    for _, groups in ordered:
+        placed = place_groups(inst, groups, cluster)
+        assert placed is not None, "scheduler returned groups that do not tile"
+        out_groups = []
+        for ranks, ids in placed:
+            d = len(ranks)
+            est = 0.0
+            if ids:
+                j = index[d]
+                est = sum(inst.times[i][j] for i in ids) + inst.fixed[j]
+            out_groups.append(
+                Group(
+                    ranks=ranks,
+                    seq_ids=ids,
+                    lengths=tuple(inst.lengths[i] for i in ids),
+                    est_ms=est,
+                )
+            )
+        span = max(g.est_ms for g in out_groups)
+        microbatches.append(MicroBatch(groups=tuple(out_groups), est_ms=span))
+    total = sum(mb.est_ms for mb in microbatches)
+    return Plan(
+        world_size=cluster.world_size,
+        gpus_per_node=cluster.gpus_per_node,
+        microbatches=tuple(microbatches),
+        cost_model=cost.name,
+        est_step_ms=total,
+        lower_bound_ms=bound,
+        solve_ms=solve_ms,
+        solver=config.backend if config.use_milp else "greedy",
+        status=status,
+        extra={"chunking": cand.label, "sizes": list(inst.sizes)},
+    )
+
+
+def _first_id(groups: list[GroupSpec]) -> int:
+    return min((i for _, ids in groups for i in ids), default=-1)
+
+
+__all__ = ["SolverConfig", "groups_makespan", "solve"]

@@ -1,0 +1,106 @@
+"""First-principles cost model: shapes of the formulas, not fitted numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_hsp.planner.costmodel import (
+    H100_SXM,
+    LLAMA3_8B,
+    LLAMA3_70B,
+    TrainingConfig,
+    a2a_bytes_per_token,
+    activation_bytes_per_token,
+    first_principles_cost_model,
+    load_cost_model,
+)
+
+
+def _model(**kw):
+    tr = kw.pop("training", TrainingConfig())
+    hw = kw.pop("hardware", H100_SXM)
+    model = dataclasses.replace(LLAMA3_8B, **kw)
+    return first_principles_cost_model(model, hw, tr, world_size=64, gpus_per_node=8)
+
+
+def test_llama3_parameter_counts():
+    assert LLAMA3_8B.num_params() == pytest.approx(8.03e9, rel=0.002)
+    assert LLAMA3_70B.num_params() == pytest.approx(70.55e9, rel=0.002)
+
+
+def test_flops_match_megatron_formula():
+    # 6 * (weights per token): 6 * (L * (h*(h+2kv) + h*h + 3*h*F) + h*V)
+    h, f, kv, v, layers = 4096, 14336, 1024, 128256, 32
+    expect = 6 * (layers * (h * (h + 2 * kv) + h * h + 3 * h * f) + h * v)
+    assert LLAMA3_8B.linear_flops_per_token() == expect
+    assert LLAMA3_8B.attn_flops_per_token2() == 6 * layers * h
+    m = _model()
+    assert m.linear_ms_per_token == pytest.approx(expect / (989e12 * 0.5) * 1e3)
+
+
+def test_attention_is_quadratic_and_linear_part_linear():
+    m = _model()
+    s = 8192
+    t1 = m.seq_ms([s], 1)[0] - m.linear_ms_per_token * s
+    t2 = m.seq_ms([2 * s], 1)[0] - m.linear_ms_per_token * 2 * s
+    assert t2 == pytest.approx(4 * t1)
+    assert m.seq_ms([2 * s], 1)[0] > 2 * m.seq_ms([s], 1)[0]
+
+
+def test_gqa_shrinks_all_to_all():
+    mha = _model(kv_heads=32)
+    gqa = _model(kv_heads=8)
+    for d in (2, 4, 8, 16):
+        assert gqa.a2a_ms_per_token[d] < mha.a2a_ms_per_token[d]
+    # Q and O full heads (32), K and V 8 heads: (2*32 + 2*8) * 128 elems * 2 bytes * 2 passes
+    assert a2a_bytes_per_token(LLAMA3_8B, TrainingConfig(), 8) == 32 * 2 * 2 * (80 * 128)
+    # more ranks than KV heads: KV replicated up to the group size
+    assert a2a_bytes_per_token(LLAMA3_8B, TrainingConfig(), 16) == 32 * 2 * 2 * (96 * 128)
+
+
+def test_crossing_a_node_costs_more():
+    m = _model()
+    assert m.a2a_ms_per_token[16] > m.a2a_ms_per_token[8]
+    flat = _model(hardware=dataclasses.replace(H100_SXM, inter_node_gbs=H100_SXM.nvlink_gbs))
+    assert m.a2a_ms_per_token[16] > flat.a2a_ms_per_token[16]
+    assert m.fixed_ms(16) > m.fixed_ms(8)  # inter-node latency per call
+    assert 1 not in m.a2a_ms_per_token and m.seq_ms([100], 1)[0] > 0
+
+
+def test_recompute_trades_time_for_memory():
+    plain = _model()
+    rec = _model(training=TrainingConfig(recompute=True))
+    assert rec.tokens_per_rank > 2 * plain.tokens_per_rank
+    assert rec.linear_ms_per_token == pytest.approx(plain.linear_ms_per_token * 4 / 3)
+    assert rec.attn_ms_per_token2 == pytest.approx(plain.attn_ms_per_token2 * 4 / 3)
+    assert activation_bytes_per_token(LLAMA3_8B, TrainingConfig(recompute=True)) < (
+        activation_bytes_per_token(LLAMA3_8B, TrainingConfig())
+    )
+
+
+def test_zero_stages_shard_more_states():
+    tr = TrainingConfig()
+    p = 1e9
+    states = [dataclasses.replace(tr, zero_stage=z).model_state_bytes(p, 64) for z in range(4)]
+    assert states[0] == p * 18
+    assert states[3] == pytest.approx(p * 18 / 64)
+    assert states == sorted(states, reverse=True)
+    tokens = [
+        _model(training=TrainingConfig(zero_stage=z, recompute=True)).tokens_per_rank
+        for z in (1, 2, 3)
+    ]
+    assert tokens == sorted(tokens)
+
+
+def test_ulysses_sizes_respect_heads():
+    m8 = load_cost_model("llama3-8b-h100", world_size=64)
+    assert m8.sizes == [1, 2, 4, 8, 16, 32]  # 32 query heads: no Ulysses group of 64
+    m70 = load_cost_model("llama3-70b-h100", world_size=64)
+    assert m70.sizes == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_states_above_cap_is_an_error_naming_the_flag():
+    with pytest.raises(ValueError, match="--memory-cap-gb"):
+        load_cost_model("llama3-70b-h100", world_size=8)

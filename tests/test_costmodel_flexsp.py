@@ -1,0 +1,81 @@
+"""FlexSP presets against values computed by hand from FlexSP's solver.py formulas."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_hsp.planner.costmodel import (
+    FLEXSP_DEFAULT_MEMORY_CAP_GB,
+    flexsp_cost_model,
+    load_cost_model,
+)
+
+
+def test_default_memory_cap_is_the_one_that_reproduces_flexsp():
+    assert FLEXSP_DEFAULT_MEMORY_CAP_GB == 30.0
+    assert load_cost_model("flexsp-gpt-7b", world_size=64).details["memory_cap_gb"] == 30.0
+
+
+def test_gpt7b_memory_by_hand():
+    m = load_cost_model("flexsp-gpt-7b", world_size=64, gpus_per_node=8, max_seq_k=192)
+    # ZeRO-3 states: 7.1174468994140625 B params * 16 bytes / 64 ranks, in MiB.
+    assert m.details["model_states_mib"] == pytest.approx(1822.06640625)
+    # token_capacity: int((30*1024 - 1822.06640625) / 4.480441895) = int(6449.77...)
+    assert m.tokens_per_rank == 6449
+    assert m.capacity(8) == 6449 * 8
+    assert m.fits([6449 * 4], 4) and not m.fits([6449 * 4 + 1], 4)
+
+
+def test_gpt7b_time_by_hand():
+    m = load_cost_model("flexsp-gpt-7b", world_size=64)
+    # compute (a1 s^2 + a2 s) / d with a1 = 5.128e-6, a2 = 0.1839576; s = 4096, d = 8:
+    # (86.0336... + 753.4903...) / 8 = 104.94049
+    compute = (5.128e-6 * 4096**2 + 0.1839576 * 4096) / 8
+    assert compute == pytest.approx(104.940487, abs=1e-6)
+    assert m.seq_ms([4096], 1)[0] == pytest.approx(104.940487 * 8, abs=1e-5)
+    # a2a: 4*2*32*4096*2 bytes = 2 MiB per token; / d / BW_8 = 2 / 8 / 96.5 ms per token
+    assert m.a2a_ms_per_token[8] == pytest.approx(2 / 8 / 96.5)
+    assert m.a2a_ms_per_token[64] == pytest.approx(2 / 64 / 4.87)
+    assert m.seq_ms([4096], 8)[0] == pytest.approx(compute + 4096 * 2 / 8 / 96.5)
+    # b1 once per group per micro-batch, and no a2a for d = 1
+    assert m.group_ms([4096, 4096], 8) == pytest.approx(
+        2 * (compute + 4096 * 2 / 8 / 96.5) + 629.3563
+    )
+    assert m.group_ms([1000], 1) == pytest.approx(5.128e-6 * 1e6 + 183.9576 + 629.3563)
+
+
+def test_gpt13b_and_30b_by_hand():
+    m13 = load_cost_model("flexsp-gpt-13b", world_size=64, max_seq_k=384)
+    states = 14.03158187866211 * 16 * 1024 / 64
+    assert m13.details["model_states_mib"] == pytest.approx(states)
+    assert m13.tokens_per_rank == int((30 * 1024 - states) / 4.220439453)
+    # 4*2*40*5120*2 bytes per token = 3.125 MiB
+    assert m13.a2a_ms_per_token[16] == pytest.approx(3.125 / 16 / 10.33)
+    m30 = load_cost_model("flexsp-gpt-30b", world_size=64, max_seq_k=192)
+    assert m30.tokens_per_rank == int(
+        (30 * 1024 - 31.52513885498047 * 16 * 1024 / 64) / 3.417381836
+    )
+    assert m30.group_ms([], 2) == pytest.approx(2789.3644)
+    assert m30.seq_ms([10000], 2)[0] == pytest.approx(
+        (15.4262e-6 * 1e8 + 0.8035742 * 1e4) / 2
+        + 1e4 * (4 * 2 * 60 * 6656 * 2 / 2**20) / 2 / 119.54
+    )
+
+
+def test_param_interpolation_between_192k_and_384k():
+    m = flexsp_cost_model("flexsp-gpt-7b", 64, max_seq_k=256)
+    assert m.details["params_b"] == pytest.approx(7.1174468994140625 + 0.732421875 / 3)
+
+
+def test_unmeasured_sizes_take_the_next_larger_measured_bandwidth():
+    m = load_cost_model("flexsp-gpt-7b", world_size=64, gpus_per_node=8)
+    assert m.sizes == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert m.a2a_ms_per_token[24] == pytest.approx(2 / 24 / 5.94)  # BW_32
+    assert m.a2a_ms_per_token[40] == pytest.approx(2 / 40 / 4.87)  # BW_64
+    big = load_cost_model("flexsp-gpt-7b", world_size=256, gpus_per_node=8)
+    assert big.a2a_ms_per_token[128] == pytest.approx(2 / 128 / 4.87)  # above the table: BW_64
+
+
+def test_memory_cap_below_model_states_is_an_error():
+    with pytest.raises(ValueError, match="--memory-cap-gb"):
+        load_cost_model("flexsp-gpt-30b", world_size=8, memory_cap_gb=30)

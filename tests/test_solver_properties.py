@@ -1,0 +1,59 @@
+"""solve(): a valid plan or a clear HSPError, for random batches and cluster shapes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from solver_helpers import toy_cost
+
+from megatron_hsp.planner.errors import HSPError
+from megatron_hsp.planner.solver import SolverConfig, solve
+from megatron_hsp.planner.topology import Cluster
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    world=st.integers(1, 64),
+    gpn=st.integers(1, 8),
+    cap=st.integers(64, 5000),
+    lengths=st.lists(st.integers(-5, 60_000), min_size=0, max_size=120),
+    use_milp=st.booleans(),
+    pow2_only=st.booleans(),
+)
+def test_valid_plan_or_clear_error(world, gpn, cap, lengths, use_milp, pow2_only):
+    try:
+        cluster = Cluster(world, gpn)
+        cost = toy_cost(world, cap)
+        sizes = None
+        if pow2_only:
+            sizes = tuple(d for d in cluster.power_of_two_sizes())
+        plan = solve(
+            lengths,
+            cost,
+            cluster,
+            SolverConfig(time_budget_s=0.3, use_milp=use_milp, sizes=sizes, milp_slice_s=0.05),
+        )
+    except HSPError as exc:
+        assert str(exc)  # every error says something
+        return
+    assert plan.problems(lengths, cost, world) == []
+    assert plan.status in ("optimal", "time_limit", "fallback", "heuristic")
+    assert plan.lower_bound_ms <= plan.est_step_ms * (1 + 1e-9)
+    total = sum(mb.est_ms for mb in plan.microbatches)
+    assert abs(total - plan.est_step_ms) <= 1e-6 * max(1.0, total)
+    for mb in plan.microbatches:
+        assert mb.est_ms == max(g.est_ms for g in mb.groups)
+        for g in mb.groups:
+            if g.seq_ids:
+                assert abs(g.est_ms - cost.group_ms(g.lengths, g.size)) <= 1e-6 * g.est_ms
+
+
+def test_planner_never_imports_torch():
+    code = (
+        "import sys, megatron_hsp.planner.solver, megatron_hsp.planner.milp; "
+        "assert 'torch' not in sys.modules, 'planner imported torch'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
