@@ -74,3 +74,23 @@ def test_synchronous_mode_reports_its_wait():
     svc.submit(0, [1, 2, 3])
     res = svc.result(0)
     assert res.wait_s >= 0.05 and res.plan.num_sequences == 3
+
+
+def test_production_planner_in_the_background_process():
+    """The real cost model + MILP solver, planned in the spawned process and validated here."""
+    from megatron_hsp.planner.costmodel import load_cost_model
+
+    spec = PlannerSpec(
+        cost_model="flexsp-gpt-7b",
+        world_size=8,
+        gpus_per_node=8,
+        max_seq=192 * 1024,
+        time_budget_s=0.5,
+    )
+    lengths = [28_000, 16_000, 9_000, 6_000, 3_000, 2_000, 1_000, 500] * 2
+    cost = load_cost_model("flexsp-gpt-7b", world_size=8, gpus_per_node=8, max_seq_k=192)
+    with PlannerService(spec) as svc:
+        svc.submit(0, lengths)
+        res = svc.result(0)
+    res.plan.validate(lengths, cost, 8)
+    assert res.plan.solver == "highs" and res.plan.est_step_ms >= res.plan.lower_bound_ms > 0
