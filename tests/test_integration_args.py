@@ -149,6 +149,11 @@ def test_bad_values_are_argparse_errors(capsys):
     assert "--hsp-overlong" in capsys.readouterr().err
 
 
+def test_provider_is_idempotent():
+    parser = add_hsp_args(add_hsp_args(argparse.ArgumentParser()))
+    assert parser.parse_args(["--hsp"]).hsp
+
+
 def test_parsers():
     assert parse_tokens("192k") == 196608 and parse_tokens("2m") == 2097152
     assert parse_sizes("auto") is None and parse_sizes("4,1,2,2") == (1, 2, 4)

@@ -78,3 +78,31 @@ def test_patched_script_parses_hsp_flags(patch, tmp_path):
     )
     assert run.returncode == 2, run.stderr[-2000:]
     assert "argument --hsp-solver: invalid choice: 'nope'" in run.stderr
+
+
+@pytest.mark.parametrize("ref", sorted(CHECKOUTS))
+def test_launcher_runs_the_unchanged_script(ref, tmp_path):
+    """``python -m megatron_hsp.launch pretrain_gpt.py ...`` adds the flags to the unchanged
+    upstream script (same argparse check as above)."""
+    checkout = os.environ.get(CHECKOUTS[ref])
+    if not checkout:
+        pytest.skip(f"set {CHECKOUTS[ref]} to a Megatron-LM checkout")
+    env = dict(os.environ, PYTHONPATH=f"{checkout}{os.pathsep}{ROOT}", RANK="0", WORLD_SIZE="1")
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_hsp.launch",
+            str(Path(checkout) / "pretrain_gpt.py"),
+            "--hsp",
+            "--hsp-solver",
+            "nope",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "argument --hsp-solver: invalid choice: 'nope'" in run.stderr

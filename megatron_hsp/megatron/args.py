@@ -57,7 +57,11 @@ def parse_sizes(text: str) -> tuple[int, ...] | None:
 
 
 def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron ``extra_args_provider``: adds the HSP flag group and returns the parser."""
+    """Megatron ``extra_args_provider``: adds the HSP flag group and returns the parser.
+
+    Idempotent, so the launcher can run an already patched script."""
+    if any("--hsp" in a.option_strings for a in parser._actions):
+        return parser
     g = parser.add_argument_group(
         "hsp", "heterogeneity-adaptive sequence parallelism (megatron-hsp)"
     )

@@ -40,7 +40,7 @@ def install(
     Returns the dataset provider and forward step ``pretrain()`` should get: HSP's when ``--hsp``
     is on, the given ones otherwise. ``args=None`` only swaps providers for an earlier install.
     """
-    if args is not None:
+    if args is not None and not getattr(args, "_hsp_installed", False):
         config = validate_hsp_args(args)
         if config is None:
             return datasets_provider, forward_step
@@ -61,6 +61,7 @@ def install(
         )
         hooks.set_run(hooks.HSPRun(config=config))
         patches.apply_training_patches()
+        args._hsp_installed = True  # the launcher on a patched script installs once
     if hooks.active_run() is None:
         return datasets_provider, forward_step
     return hooks.hsp_datasets_provider, hooks.hsp_forward_step
