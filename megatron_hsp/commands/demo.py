@@ -42,7 +42,8 @@ DEMO_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query
 class DemoConfig:
     steps: int = 8
     nproc: int = 4
-    token_budget: int = 8192
+    token_budget: int | None = 8192
+    global_batch: int | None = None
     seed: int = 0
     lr: float = 3e-3
     compare_steps: int = 3
@@ -57,11 +58,18 @@ class DemoConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
     parser.add_argument("--nproc", type=int, default=4, help="gloo CPU ranks (default 4)")
-    parser.add_argument(
+    batch = parser.add_mutually_exclusive_group()
+    batch.add_argument(
         "--token-budget",
         type=int,
-        default=8192,
-        help="tokens per global batch (whole documents; default 8192)",
+        default=None,
+        help="tokens per global batch, whole documents (default 8192)",
+    )
+    batch.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sample a fixed number of documents (or pieces of split ones) per batch instead",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -133,7 +141,11 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     max_len = cost.max_trainable_length(list(sizes))
     index = DocumentIndex(cfg.corpus_prefix)
     sampler_cfg = SamplerConfig(
-        seed=cfg.seed, max_length=max_len, token_budget=cfg.token_budget, overlong="split"
+        seed=cfg.seed,
+        max_length=max_len,
+        global_batch_docs=cfg.global_batch,
+        token_budget=cfg.token_budget,
+        overlong="split",
     )
     planner = None
     if rank == 0:
@@ -359,7 +371,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = DemoConfig(
         steps=args.steps,
         nproc=int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc,
-        token_budget=args.token_budget,
+        token_budget=None if args.global_batch else (args.token_budget or 8192),
+        global_batch=args.global_batch,
         seed=args.seed,
         compare_steps=min(args.compare_steps, args.steps),
         solver=args.solver,
