@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -385,10 +386,7 @@ def run(args: argparse.Namespace) -> int:
         if rank != 0:
             return 0
     else:
-        from megatron_hsp.runtime.testing import raise_rank_errors, run_distributed
-
-        results = raise_rank_errors(run_distributed(demo_worker, cfg.nproc, cfg, timeout_s=900))
-        result = results[0]
+        result = _run_forked(cfg)
     elapsed = time.perf_counter() - t0
     result["elapsed_s"] = elapsed
     if args.json is not None:
@@ -401,6 +399,72 @@ def run(args: argparse.Namespace) -> int:
     if args.json != "-":
         print(render(result, elapsed))
     return 0
+
+
+def _forked_rank(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:
+    import pickle
+    import traceback
+
+    import torch
+
+    from megatron_hsp.runtime.testing import destroy_cpu_megatron, init_cpu_megatron
+
+    torch.set_num_threads(1)
+    try:
+        init_cpu_megatron(rank, cfg.nproc, f"file://{rdzv}")
+        result: Any = demo_worker(rank, cfg.nproc, cfg)
+    except BaseException as exc:  # reported by the parent, never swallowed
+        result = RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    finally:
+        destroy_cpu_megatron()
+    with open(out, "wb") as fh:
+        pickle.dump(result, fh)
+
+
+def _run_forked(cfg: DemoConfig, timeout_s: float = 900) -> dict[str, Any]:
+    """Run the ranks as forked children of this process.
+
+    The parent imports torch, megatron-core and the runtime once and the ranks inherit them:
+    on a small CPU machine, four processes each importing them again (spawn) cost more than the
+    eight training steps. Safe here because the demo never touches CUDA; the planner process is
+    still spawned (it must not inherit the ranks' process groups).
+    """
+    import multiprocessing as mp
+    import pickle
+
+    import megatron.core.models.gpt.gpt_model  # noqa: F401 - inherited by the forked ranks
+    import torch  # noqa: F401
+
+    import megatron_hsp.runtime.schedule
+    import megatron_hsp.runtime.testing  # noqa: F401
+
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="hsp_demo_") as tmp:
+        outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(cfg.nproc)]
+        procs = [
+            ctx.Process(target=_forked_rank, args=(r, cfg, os.path.join(tmp, "rdzv"), outs[r]))
+            for r in range(cfg.nproc)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        if any(p.is_alive() for p in procs):
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            raise RuntimeError(f"demo ranks did not finish within {timeout_s:.0f} s")
+        results = []
+        for r, path in enumerate(outs):
+            if not os.path.exists(path):
+                raise RuntimeError(f"demo rank {r} exited with code {procs[r].exitcode}")
+            with open(path, "rb") as fh:
+                results.append(pickle.load(fh))
+    for res in results:
+        if isinstance(res, BaseException):
+            raise res
+    return results[0]
 
 
 def _run_torchrun(cfg: DemoConfig) -> dict[str, Any] | None:
