@@ -421,6 +421,15 @@ def _forked_rank(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:
         pickle.dump(result, fh)
 
 
+def _is_error(path: str) -> bool:
+    import pickle
+
+    if not os.path.exists(path):
+        return False
+    with open(path, "rb") as fh:
+        return isinstance(pickle.load(fh), BaseException)
+
+
 def _run_forked(cfg: DemoConfig, timeout_s: float = 900) -> dict[str, Any]:
     """Run the ranks as forked children of this process.
 
@@ -448,13 +457,27 @@ def _run_forked(cfg: DemoConfig, timeout_s: float = 900) -> dict[str, Any]:
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
+        failed = None
+        while any(p.is_alive() for p in procs) and failed is None:
+            time.sleep(0.2)
+            for r, p in enumerate(procs):
+                # A rank that died or raised leaves the others blocked in a collective: stop
+                # them at once instead of waiting for gloo's timeout.
+                if not p.is_alive() and (p.exitcode != 0 or _is_error(outs[r])):
+                    failed = r
+            if time.monotonic() > deadline:
+                failed = -1
         for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-        if any(p.is_alive() for p in procs):
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        if failed == -1:
             raise RuntimeError(f"demo ranks did not finish within {timeout_s:.0f} s")
+        if failed is not None:
+            if _is_error(outs[failed]):
+                with open(outs[failed], "rb") as fh:
+                    raise pickle.load(fh)
+            raise RuntimeError(f"demo rank {failed} exited with code {procs[failed].exitcode}")
         results = []
         for r, path in enumerate(outs):
             if not os.path.exists(path):
