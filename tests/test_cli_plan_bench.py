@@ -123,6 +123,7 @@ def test_bench_json_contract(tmp_path, capsys):
             "longest trainable length",
         ),
         (["plan", "--method", "static-3"], "must divide --gpus"),
+        (["plan", "--method", "static-best"], "use `megatron-hsp bench`"),
         (["bench", "--methods", "magic"], "--methods"),
         (["bench", "--steps", "0", "--methods", "batchada"], "--steps"),
     ],

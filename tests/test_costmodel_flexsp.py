@@ -79,3 +79,10 @@ def test_unmeasured_sizes_take_the_next_larger_measured_bandwidth():
 def test_memory_cap_below_model_states_is_an_error():
     with pytest.raises(ValueError, match="--memory-cap-gb"):
         load_cost_model("flexsp-gpt-30b", world_size=8, memory_cap_gb=30)
+
+
+def test_exact_table_entries_are_used_before_interpolating():
+    assert flexsp_cost_model("flexsp-gpt-30b", 64, max_seq_k=4).details["params_b"] == 30.538
+    assert flexsp_cost_model("flexsp-gpt-13b", 64, max_seq_k=384).details["params_b"] == (
+        14.03158187866211
+    )

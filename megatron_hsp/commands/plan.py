@@ -9,6 +9,7 @@ import time
 
 from megatron_hsp.commands.common import add_common_arguments, build_setup
 from megatron_hsp.planner.bench import HspOptions, hsp_plan_fn, lower_bound_fn, parse_methods
+from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.plan import Plan
 
 
@@ -46,7 +47,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
         plan = static_plan(lengths, cost, cluster, int(method.split("-")[1]))
     else:
-        raise SystemExit(f"megatron-hsp plan: --method {method} needs several batches; use bench")
+        raise InputError(
+            f"--method {method} is chosen over several batches; use `megatron-hsp bench`"
+        )
     elapsed = (time.perf_counter() - t0) * 1e3
     plan.validate(lengths.tolist(), cost, cluster.world_size)
     lb = plan.lower_bound_ms

@@ -137,7 +137,7 @@ FLEXSP_FITS: dict[str, dict[str, Any]] = {
         "a2": 183.9576e-3,
         "b1": 629.3563,
         "act_mib_per_token": 4.480441895,
-        "params_b": {192: 7.1174468994140625, 384: 7.8498687744140625},
+        "params_b": {4: 6.51, 192: 7.1174468994140625, 384: 7.8498687744140625},
     },
     "flexsp-gpt-13b": {
         "layers": 40,
@@ -146,7 +146,7 @@ FLEXSP_FITS: dict[str, dict[str, Any]] = {
         "a2": 306.0189e-3,
         "b1": 1132.5632,
         "act_mib_per_token": 4.220439453,
-        "params_b": {192: 13.11605453491211, 384: 14.03158187866211},
+        "params_b": {4: 12.3568, 192: 13.11605453491211, 384: 14.03158187866211},
     },
     "flexsp-gpt-30b": {
         "layers": 60,
@@ -155,7 +155,7 @@ FLEXSP_FITS: dict[str, dict[str, Any]] = {
         "a2": 803.5742e-3,
         "b1": 2789.3644,
         "act_mib_per_token": 3.417381836,
-        "params_b": {192: 31.52513885498047, 384: 32.71532440185547},
+        "params_b": {4: 30.538, 192: 31.52513885498047, 384: 32.71532440185547},
     },
 }
 # All-to-all bandwidth by group size, "4k seq, 2 IB" figures FlexSP uses (8 GPUs per node).
