@@ -166,10 +166,15 @@ def hsp_datasets_provider(train_val_test_num_samples: Any, vp_stage: Any = None)
     run = active_run()
     if run is None:
         raise RuntimeError("megatron-hsp: install() was not called before pretrain()")
+    import torch.distributed as dist
+
     run.pipeline = build_pipeline(run, get_args())
-    run.observer = StepObserver.from_megatron(
-        log_interval=run.config.log_interval, plan_log=run.config.plan_log
-    )
+    # Megatron logs and keeps its TensorBoard/W&B writers on the last rank; so do we. (Planner
+    # waits are logged on rank 0, where the planner process runs.)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        run.observer = StepObserver.from_megatron(
+            log_interval=run.config.log_interval, plan_log=run.config.plan_log
+        )
     return _MicroBatchIterator(run), None, None
 
 
