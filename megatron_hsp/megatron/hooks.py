@@ -40,6 +40,7 @@ class HSPRun:
     inputs: list[Any] = field(default_factory=list)
     step_started: float = 0.0
     in_step: bool = False
+    local_multiple: int = 1  # per-rank token count multiple (TP size under --sequence-parallel)
     device: Any = None
 
 
@@ -129,6 +130,9 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
             background=cfg.background_planner,
         )
     run.device = torch.device("cuda", torch.cuda.current_device())
+    # Megatron's sequence parallelism splits each rank's tokens over the TP group again.
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    run.local_multiple = tp if getattr(args, "sequence_parallel", False) else 1
     return StepPipeline(
         sampler,
         DocumentReader(index),
@@ -189,7 +193,7 @@ def begin_step(run: HSPRun) -> None:
     assert run.pipeline is not None
     prepared = run.pipeline.next_step()
     batch = GlobalBatch.from_documents(prepared.documents)
-    packs = dispatch(batch, prepared.plan, run.registry.slot)
+    packs = dispatch(batch, prepared.plan, run.registry.slot, local_multiple=run.local_multiple)
     run.inputs = [
         None
         if p.empty
