@@ -1,1 +1,19 @@
-"""Thin Megatron-LM integration: flags, layer spec, data, launcher and the listed patches."""
+"""Thin Megatron-LM integration: flags, layer spec, data, launcher and the listed patches.
+
+Importing this package imports neither torch nor Megatron-LM; ``install`` does, when called.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_hsp.megatron.args import add_hsp_args, hsp_extra_args_provider, validate_hsp_args
+
+__all__ = ["add_hsp_args", "hsp_extra_args_provider", "install", "validate_hsp_args"]
+
+
+def install(*args: Any, **kwargs: Any):
+    """See ``megatron_hsp.megatron.install.install``."""
+    from megatron_hsp.megatron.install import install as _install
+
+    return _install(*args, **kwargs)

@@ -1,0 +1,504 @@
+"""``megatron-hsp demo``: train a small megatron-core GPT on CPU ranks with adaptive groups.
+
+The whole product in one command, on a laptop-class CPU: the standard library's own ``.py``
+sources become a Megatron indexed dataset (byte-level tokens, cached), a seeded sampler draws
+global batches of whole documents, the planner process plans step t+1 while step t trains, every
+rank executes the plan with Ulysses groups of different sizes (gloo), and the run ends with the
+loss curve and adaptive versus static groups on the same batches.
+
+Under ``torchrun`` (e.g. ``scripts/slurm/hsp_pretrain.sbatch demo``) the demo uses the launched
+processes instead of spawning its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# A cost model for the demo's tiny GPT on CPU ranks. The memory cap (tokens_per_rank) is what
+# makes plans heterogeneous: a document over 512 tokens needs a group of 2, over 1024 a group of
+# 4, and longer ones are split into 2048-token pieces. Time coefficients were fitted on a 2-core
+# CPU for DEMO_MODEL (fwd+bwd per rank; see docs/integration.md); predicted step times are
+# therefore of the right order here, not on other machines.
+DEMO_COST_MODEL: dict[str, Any] = {
+    "name": "demo-cpu-tiny-gpt",
+    "coefficients": {
+        "attn_ms_per_token2": 5.0e-5,
+        "linear_ms_per_token": 0.12,
+        "group_fixed_ms": 30.0,
+        "a2a_ms_per_token": {2: 0.03, 4: 0.04},
+        "tokens_per_rank": 512,
+    },
+}
+DEMO_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2)
+
+
+@dataclass
+class DemoConfig:
+    steps: int = 8
+    nproc: int = 4
+    token_budget: int | None = 8192
+    global_batch: int | None = None
+    seed: int = 0
+    lr: float = 3e-3
+    compare_steps: int = 3
+    time_budget_s: float = 0.5
+    solver: str = "highs"
+    cache_dir: str | None = None
+    corpus_prefix: str = ""
+    quiet: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
+    parser.add_argument("--nproc", type=int, default=4, help="gloo CPU ranks (default 4)")
+    batch = parser.add_mutually_exclusive_group()
+    batch.add_argument(
+        "--token-budget",
+        type=int,
+        default=None,
+        help="tokens per global batch, whole documents (default 8192)",
+    )
+    batch.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sample a fixed number of documents (or pieces of split ones) per batch instead",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compare-steps",
+        type=int,
+        default=3,
+        help="batches re-run with static groups for the side-by-side (default 3; 0: skip)",
+    )
+    parser.add_argument("--solver", choices=("highs", "cbc", "greedy"), default="highs")
+    parser.add_argument("--cache-dir", default=None, help="where the corpus is built (cached)")
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="FILE",
+        help="print the result as JSON (design.md contract) instead of tables; FILE: write it",
+    )
+
+
+# --------------------------------------------------------------------------------- the worker
+def _max_over_ranks(x: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def _progress(done: int, total: int, line: str, quiet: bool) -> None:
+    if quiet:
+        return
+    width = 24
+    filled = width * done // max(total, 1)
+    bar = "#" * filled + "-" * (width - filled)
+    print(f"[{bar}] {done}/{total}  {line}", file=sys.stderr, flush=True)
+
+
+def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] | None:
+    """One rank of the demo; torch.distributed and megatron parallel_state are initialised."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hsp.megatron.data import (
+        DEMO_VOCAB_SIZE,
+        DocumentIndex,
+        DocumentReader,
+        GlobalBatchSampler,
+        SamplerConfig,
+    )
+    from megatron_hsp.megatron.observe import StepRecord, layout_summary
+    from megatron_hsp.megatron.pipeline import StepPipeline
+    from megatron_hsp.megatron.planner_service import PlannerService, PlannerSpec
+    from megatron_hsp.planner.baselines import static_plan
+    from megatron_hsp.planner.costmodel import load_cost_model
+    from megatron_hsp.planner.errors import HSPError
+    from megatron_hsp.runtime.agreement import agree_on_plan
+    from megatron_hsp.runtime.dispatch import GlobalBatch
+    from megatron_hsp.runtime.groups import create_groups
+    from megatron_hsp.runtime.schedule import run_step
+    from megatron_hsp.runtime.testing import tiny_gpt_model
+
+    device = torch.device("cpu")
+    gpus_per_node = world_size
+    cost = load_cost_model(DEMO_COST_MODEL, world_size=world_size, gpus_per_node=gpus_per_node)
+    registry = create_groups(gpus_per_node)
+    sizes = registry.sizes
+    max_len = cost.max_trainable_length(list(sizes))
+    index = DocumentIndex(cfg.corpus_prefix)
+    sampler_cfg = SamplerConfig(
+        seed=cfg.seed,
+        max_length=max_len,
+        global_batch_docs=cfg.global_batch,
+        token_budget=cfg.token_budget,
+        overlong="split",
+    )
+    planner = None
+    if rank == 0:
+        planner = PlannerService(
+            PlannerSpec(
+                cost_model=DEMO_COST_MODEL,
+                world_size=world_size,
+                gpus_per_node=gpus_per_node,
+                max_seq=max_len,
+                solver=cfg.solver,
+                time_budget_s=cfg.time_budget_s,
+                sizes=tuple(sizes),
+                seed=cfg.seed,
+            )
+        )
+    pipeline = StepPipeline(
+        GlobalBatchSampler(index.lengths, sampler_cfg),
+        DocumentReader(index),
+        slot=registry.slot,
+        world_size=world_size,
+        planner=planner,
+        is_planning_rank=rank == 0,
+        agree=lambda plan: agree_on_plan(plan, mode="broadcast"),
+    )
+    pipeline.prime()  # step 0 is planned while the model is built
+    model = tiny_gpt_model(
+        **DEMO_MODEL,
+        vocab_size=DEMO_VOCAB_SIZE,
+        max_sequence_length=max_len,
+        seed=cfg.seed,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+
+    steps: list[dict[str, Any]] = []
+    kept: list[tuple[Any, Any]] = []  # (DocumentBatch, adaptive plan) for the side-by-side
+    try:
+        for i in range(cfg.steps):
+            prepared = pipeline.next_step()
+            dist.barrier()
+            t0 = time.perf_counter()
+            result = run_step(
+                model,
+                prepared.plan,
+                GlobalBatch.from_documents(prepared.documents),
+                registry,
+                grad_group=None,
+                device=device,
+            )
+            optimizer.step()
+            step_s = _max_over_ranks(time.perf_counter() - t0)
+            if len(kept) < cfg.compare_steps:
+                kept.append((prepared.batch, prepared.plan))
+            if rank == 0:
+                rec = StepRecord.from_plan(
+                    prepared.step,
+                    prepared.plan,
+                    loss=result.loss,
+                    measured_s=step_s,
+                    solve_s=prepared.solve_s,
+                    wait_s=prepared.wait_s,
+                )
+                steps.append(
+                    {
+                        "step": prepared.step,
+                        "loss": result.loss,
+                        "group_sizes": rec.group_sizes,
+                        "microbatches": rec.microbatches,
+                        "step_s": step_s,
+                        "predicted_ms": rec.predicted_ms,
+                        "solve_ms": rec.solve_ms,
+                        "planner_wait_ms": rec.planner_wait_ms,
+                        "imbalance": rec.imbalance,
+                        "sequences": rec.num_sequences,
+                        "tokens": rec.tokens,
+                        "status": rec.status,
+                    }
+                )
+                _progress(
+                    i + 1,
+                    cfg.steps,
+                    f"loss {result.loss:.4f}  {rec.num_sequences} docs {rec.tokens} tok  "
+                    f"{layout_summary(prepared.plan)}  {step_s * 1e3:.0f} ms "
+                    f"(pred {rec.predicted_ms:.0f})  solve {rec.solve_ms:.0f} ms"
+                    + (
+                        f"  waited {rec.planner_wait_ms:.0f} ms" if rec.planner_wait_ms >= 1 else ""
+                    ),
+                    cfg.quiet,
+                )
+        sampler_report = pipeline.sampler.report()
+    finally:
+        if planner is not None:
+            planner.close()
+
+    # Side-by-side on the same batches and the same weights: no optimizer step, so both layouts
+    # see identical parameters (the model is warm from training).
+    comparison: dict[str, Any] = {}
+    if kept:
+        reader = DocumentReader(index)
+        degree = None
+        for d in sorted(sizes):
+            try:
+                for batch, _ in kept:
+                    static_plan(batch.lengths, cost, registry.cluster, d)
+                degree = d
+                break
+            except HSPError:
+                continue
+        rows = []
+        for batch, adaptive in kept:
+            row: dict[str, Any] = {"step": batch.step, "tokens": batch.tokens}
+            plans = {"adaptive": adaptive}
+            if degree is not None:
+                plans[f"static-{degree}"] = static_plan(
+                    batch.lengths, cost, registry.cluster, degree
+                )
+            for name, plan in plans.items():
+                docs = GlobalBatch.from_documents(reader.documents_for_rank(batch, plan, rank))
+                dist.barrier()
+                t0 = time.perf_counter()
+                run_step(model, plan, docs, registry, grad_group=None, device=device)
+                row[name] = {
+                    "measured_s": _max_over_ranks(time.perf_counter() - t0),
+                    "predicted_ms": plan.est_step_ms,
+                    "microbatches": len(plan.microbatches),
+                    "group_sizes": [mb.group_sizes for mb in plan.microbatches],
+                }
+            rows.append(row)
+        comparison = {"static_degree": degree, "batches": rows}
+        if degree is not None:
+            s = f"static-{degree}"
+            tot = {
+                k: (sum(r[k]["measured_s"] for r in rows), sum(r[k]["predicted_ms"] for r in rows))
+                for k in ("adaptive", s)
+            }
+            comparison["speedup_measured"] = tot[s][0] / tot["adaptive"][0]
+            comparison["speedup_predicted"] = tot[s][1] / max(tot["adaptive"][1], 1e-9)
+    model.zero_grad(set_to_none=True)
+    if rank != 0:
+        return None
+    return {
+        "steps": steps,
+        "comparison": comparison,
+        "sampler": sampler_report,
+        "config": {
+            **{k: v for k, v in asdict(cfg).items() if k not in ("extra", "quiet")},
+            "group_sizes": list(sizes),
+            "max_trainable_length": max_len,
+            "cost_model": DEMO_COST_MODEL,
+            "model": {**DEMO_MODEL, "vocab_size": DEMO_VOCAB_SIZE},
+        },
+    }
+
+
+# ----------------------------------------------------------------------------------- reporting
+def _sparkline(values: list[float]) -> str:
+    ticks = "▁▂▃▄▅▆▇█"
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    return "".join(ticks[min(7, int((v - lo) / span * 7.999))] for v in values)
+
+
+def render(result: dict[str, Any], elapsed_s: float) -> str:
+    steps = result["steps"]
+    lines = []
+    losses = [s["loss"] for s in steps]
+    lines.append("")
+    lines.append(f"loss curve  {_sparkline(losses)}  {losses[0]:.4f} -> {losses[-1]:.4f}")
+    for s in steps:
+        lines.append(f"  step {s['step']:>3}  loss {s['loss']:.4f}")
+    comp = result.get("comparison") or {}
+    if comp.get("batches"):
+        s_name = f"static-{comp['static_degree']}" if comp.get("static_degree") else None
+        lines.append("")
+        lines.append("adaptive vs static groups on the same batches (measured / predicted):")
+        head = f"  {'step':>4} {'tokens':>7}  {'adaptive':>22}"
+        if s_name:
+            head += f"  {s_name:>22}"
+        lines.append(head)
+        for r in comp["batches"]:
+            a = r["adaptive"]
+            row = (
+                f"  {r['step']:>4} {r['tokens']:>7}  "
+                f"{a['measured_s'] * 1e3:>8.0f} ms / {a['predicted_ms']:>6.0f} ms"
+            )
+            if s_name:
+                b = r[s_name]
+                row += f"  {b['measured_s'] * 1e3:>8.0f} ms / {b['predicted_ms']:>6.0f} ms"
+            lines.append(row)
+        if s_name:
+            lines.append(
+                f"  speedup of adaptive over {s_name}: measured "
+                f"{comp['speedup_measured']:.2f}x, predicted {comp['speedup_predicted']:.2f}x"
+            )
+    lines.append("")
+    lines.append(f"data: {result['sampler']}")
+    lines.append(f"done in {elapsed_s:.1f} s")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------- entry point
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_hsp.megatron.data import build_stdlib_corpus
+    from megatron_hsp.planner.errors import InputError
+
+    if args.steps < 1:
+        raise InputError(f"--steps must be >= 1 (got {args.steps})")
+    if args.nproc < 1 or args.nproc & (args.nproc - 1):
+        raise InputError(f"--nproc must be a power of two (1, 2, 4, 8), got {args.nproc}")
+    t0 = time.perf_counter()
+    torchrun = _under_torchrun()
+    rank = int(os.environ.get("RANK", "0")) if torchrun else 0
+    quiet = args.json == "-"
+    # Under torchrun one process per node builds the corpus; the others wait for it (cached).
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if torchrun else 0
+    corpus = build_stdlib_corpus(args.cache_dir, wait=local_rank != 0)
+    if rank == 0 and not quiet:
+        what = "built" if corpus.built else "cached"
+        print(f"corpus: {corpus.source} ({what} at {corpus.prefix})", file=sys.stderr)
+    cfg = DemoConfig(
+        steps=args.steps,
+        nproc=int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc,
+        token_budget=None if args.global_batch else (args.token_budget or 8192),
+        global_batch=args.global_batch,
+        seed=args.seed,
+        compare_steps=min(args.compare_steps, args.steps),
+        solver=args.solver,
+        cache_dir=args.cache_dir,
+        corpus_prefix=str(corpus.prefix),
+        quiet=quiet,
+    )
+    if torchrun:
+        result = _run_torchrun(cfg)
+        if rank != 0:
+            return 0
+    else:
+        result = _run_forked(cfg)
+    elapsed = time.perf_counter() - t0
+    result["elapsed_s"] = elapsed
+    if args.json is not None:
+        text = json.dumps(result, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as fh:
+                fh.write(text + "\n")
+    if args.json != "-":
+        print(render(result, elapsed))
+    return 0
+
+
+def _forked_rank(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:
+    import pickle
+    import traceback
+
+    import torch
+
+    from megatron_hsp.runtime.testing import destroy_cpu_megatron, init_cpu_megatron
+
+    torch.set_num_threads(1)
+    try:
+        init_cpu_megatron(rank, cfg.nproc, f"file://{rdzv}")
+        result: Any = demo_worker(rank, cfg.nproc, cfg)
+    except BaseException as exc:  # reported by the parent, never swallowed
+        result = RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    finally:
+        destroy_cpu_megatron()
+    with open(out, "wb") as fh:
+        pickle.dump(result, fh)
+
+
+def _is_error(path: str) -> bool:
+    import pickle
+
+    if not os.path.exists(path):
+        return False
+    with open(path, "rb") as fh:
+        return isinstance(pickle.load(fh), BaseException)
+
+
+def _run_forked(cfg: DemoConfig, timeout_s: float = 900) -> dict[str, Any]:
+    """Run the ranks as forked children of this process.
+
+    The parent imports torch, megatron-core and the runtime once and the ranks inherit them:
+    on a small CPU machine, four processes each importing them again (spawn) cost more than the
+    eight training steps. Safe here because the demo never touches CUDA; the planner process is
+    still spawned (it must not inherit the ranks' process groups).
+    """
+    import multiprocessing as mp
+    import pickle
+
+    import megatron.core.models.gpt.gpt_model  # noqa: F401 - inherited by the forked ranks
+    import torch  # noqa: F401
+
+    import megatron_hsp.runtime.schedule
+    import megatron_hsp.runtime.testing  # noqa: F401
+
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="hsp_demo_") as tmp:
+        outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(cfg.nproc)]
+        procs = [
+            ctx.Process(target=_forked_rank, args=(r, cfg, os.path.join(tmp, "rdzv"), outs[r]))
+            for r in range(cfg.nproc)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        failed = None
+        while any(p.is_alive() for p in procs) and failed is None:
+            time.sleep(0.2)
+            for r, p in enumerate(procs):
+                # A rank that died or raised leaves the others blocked in a collective: stop
+                # them at once instead of waiting for gloo's timeout.
+                if not p.is_alive() and (p.exitcode != 0 or _is_error(outs[r])):
+                    failed = r
+            if time.monotonic() > deadline:
+                failed = -1
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        if failed == -1:
+            raise RuntimeError(f"demo ranks did not finish within {timeout_s:.0f} s")
+        if failed is not None:
+            if _is_error(outs[failed]):
+                with open(outs[failed], "rb") as fh:
+                    raise pickle.load(fh)
+            raise RuntimeError(f"demo rank {failed} exited with code {procs[failed].exitcode}")
+        results = []
+        for r, path in enumerate(outs):
+            if not os.path.exists(path):
+                raise RuntimeError(f"demo rank {r} exited with code {procs[r].exitcode}")
+            with open(path, "rb") as fh:
+                results.append(pickle.load(fh))
+    for res in results:
+        if isinstance(res, BaseException):
+            raise res
+    return results[0]
+
+
+def _run_torchrun(cfg: DemoConfig) -> dict[str, Any] | None:
+    """One process of a torchrun / Slurm launch (env:// rendezvous, gloo, CPU)."""
+    import torch
+
+    from megatron_hsp.runtime.testing import destroy_cpu_megatron, init_cpu_megatron
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    init_cpu_megatron(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://")
+    try:
+        return demo_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg)
+    finally:
+        destroy_cpu_megatron()

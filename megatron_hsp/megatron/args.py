@@ -1,0 +1,380 @@
+"""``--hsp`` and ``--hsp-*`` flags for Megatron-LM, added through its ``extra_args_provider``.
+
+Megatron parses and validates its own flags first (``parse_and_validate_args``);
+``validate_hsp_args`` then runs on the resulting namespace, since it needs values Megatron derives
+there (world size). Every error names the flag at fault and what would work; every setting we
+change on the user's behalf (``--calculate-per-token-loss``) is returned as a note and printed.
+
+This module imports neither torch nor Megatron: the flags can be parsed and checked anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from megatron_hsp.planner.errors import InputError
+
+ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+SOLVERS = ("highs", "cbc", "greedy")
+OVERLONG_POLICIES = ("error", "drop", "split")
+DEFAULT_COST_MODEL = "flexsp-gpt-7b"
+
+
+class HSPArgsError(InputError):
+    """A ``--hsp*`` flag (or a Megatron flag it conflicts with) that cannot be used as given."""
+
+
+def parse_tokens(text: str) -> int:
+    """``192k`` -> 196608, ``1m`` -> 1048576, ``4096`` -> 4096 (binary k/m, as FlexSP)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 4096, 192k, 1m)")
+    scale = {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
+    value = int(m.group(1)) * scale
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def parse_sizes(text: str) -> tuple[int, ...] | None:
+    """``auto`` -> None (every legal size); ``1,2,4,8`` -> (1, 2, 4, 8)."""
+    if str(text).strip().lower() == "auto":
+        return None
+    try:
+        sizes = tuple(sorted({int(s) for s in str(text).split(",") if s.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of group sizes (e.g. 1,2,4,8) or 'auto'"
+        ) from None
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: group sizes must be integers >= 1")
+    return sizes
+
+
+def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: adds the HSP flag group and returns the parser.
+
+    Idempotent, so the launcher can run an already patched script."""
+    if any("--hsp" in a.option_strings for a in parser._actions):
+        return parser
+    g = parser.add_argument_group(
+        "hsp", "heterogeneity-adaptive sequence parallelism (megatron-hsp)"
+    )
+    g.add_argument(
+        "--hsp",
+        action="store_true",
+        help="Plan every global batch: variable micro-batches and Ulysses groups of different "
+        "sizes over the data-parallel x context-parallel ranks, whole documents per group.",
+    )
+    g.add_argument(
+        "--hsp-cost-model",
+        default=DEFAULT_COST_MODEL,
+        metavar="PRESET|FILE",
+        help="Cost model preset name (e.g. flexsp-gpt-7b) or a YAML/JSON file with fitted "
+        f"coefficients (default {DEFAULT_COST_MODEL}).",
+    )
+    g.add_argument(
+        "--hsp-gpus-per-node",
+        type=int,
+        default=None,
+        help="GPUs per node, which sets the network tier of each group. Default: "
+        "LOCAL_WORLD_SIZE (torchrun), else SLURM_GPUS_ON_NODE / SLURM_NTASKS_PER_NODE.",
+    )
+    g.add_argument(
+        "--hsp-memory-cap-gb",
+        type=float,
+        default=None,
+        help="Per-GPU memory the planner may fill (GB); default: the cost model's own cap.",
+    )
+    g.add_argument(
+        "--hsp-max-seq",
+        type=parse_tokens,
+        default=None,
+        help="Longest document the cost model is sized for (e.g. 192k); default --seq-length.",
+    )
+    g.add_argument("--hsp-solver", choices=SOLVERS, default="highs", help="Planner backend.")
+    g.add_argument(
+        "--hsp-time-budget-s",
+        type=float,
+        default=1.0,
+        help="Wall-clock budget per plan; the best plan found by then is used (default 1.0).",
+    )
+    g.add_argument(
+        "--hsp-group-sizes",
+        type=parse_sizes,
+        default=None,
+        metavar="auto|1,2,4,...",
+        help="Allowed group sizes; 'auto' (default) = every size the topology and the "
+        "attention heads allow.",
+    )
+    g.add_argument(
+        "--hsp-overlong",
+        choices=OVERLONG_POLICIES,
+        default="error",
+        help="Documents longer than the largest group can train: stop with an error "
+        "(default), drop them, or split them into trainable pieces. Drops and splits are "
+        "counted and logged.",
+    )
+    g.add_argument(
+        "--hsp-token-budget",
+        type=parse_tokens,
+        default=None,
+        help="Sample global batches by tokens (whole documents until the budget is reached) "
+        "instead of --global-batch-size documents.",
+    )
+    g.add_argument(
+        "--hsp-plan-log",
+        default=None,
+        metavar="FILE.jsonl",
+        help="Append every step's plan (design.md JSON) with predicted and measured time.",
+    )
+    g.add_argument(
+        "--hsp-log-interval",
+        type=int,
+        default=1,
+        help="Print the one-line plan summary every N steps (0: never).",
+    )
+    g.add_argument(
+        "--hsp-sync-planner",
+        action="store_true",
+        help="Plan in the training process instead of a background process (debugging).",
+    )
+    g.add_argument(
+        "--hsp-seed",
+        type=int,
+        default=None,
+        help="Seed of the document sampler and the planner; default --seed.",
+    )
+    return parser
+
+
+def hsp_extra_args_provider(user_provider: ExtraArgsProvider | None = None) -> ExtraArgsProvider:
+    """Compose the HSP flags with a script's own ``extra_args_provider`` (which may be None)."""
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if user_provider is not None:
+            parser = user_provider(parser) or parser
+        return add_hsp_args(parser)
+
+    return provider
+
+
+@dataclass(frozen=True)
+class HSPConfig:
+    """Validated HSP settings; what the data, planner and runtime layers read."""
+
+    cost_model: str
+    world_size: int  # sequence-parallel slots = data-parallel x context-parallel ranks
+    gpus_per_node: int  # slots per node (GPUs per node / tensor-parallel size)
+    memory_cap_gb: float | None
+    max_seq: int
+    solver: str
+    time_budget_s: float
+    group_sizes: tuple[int, ...]
+    overlong: str
+    global_batch_docs: int | None
+    token_budget: int | None
+    seed: int
+    plan_log: str | None = None
+    log_interval: int = 1
+    background_planner: bool = True
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+
+def _gpus_per_node_from_env(env: Mapping[str, str]) -> int | None:
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_GPUS_ON_NODE", "SLURM_NTASKS_PER_NODE"):
+        raw = env.get(key, "")
+        m = re.match(r"\d+", raw)  # SLURM_NTASKS_PER_NODE may read "8(x2)"
+        if m and int(m.group()) > 0:
+            return int(m.group())
+    return None
+
+
+def _get(args: argparse.Namespace, name: str, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def legal_group_sizes(world_size: int, slots_per_node: int) -> list[int]:
+    """Sizes that tile the ranks as aligned blocks: divisors of the node inside a node,
+    whole-node multiples that divide the world across nodes."""
+    inside = [d for d in range(1, slots_per_node + 1) if slots_per_node % d == 0]
+    nodes = world_size // slots_per_node
+    across = [slots_per_node * k for k in range(2, nodes + 1) if nodes % k == 0]
+    return [d for d in inside + across if d <= world_size]
+
+
+def validate_hsp_args(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> HSPConfig | None:
+    """Check ``--hsp*`` against Megatron's validated args; returns None when ``--hsp`` is off.
+
+    Mutates ``args`` only where HSP needs a Megatron setting (per-token loss, external data
+    loader) and reports each change in ``HSPConfig.notes``.
+    """
+    if not getattr(args, "hsp", False):
+        return None
+    env = os.environ if env is None else env
+    notes: list[str] = []
+
+    pp = _get(args, "pipeline_model_parallel_size", 1)
+    if pp > 1:
+        raise HSPArgsError(
+            f"--hsp does not support pipeline parallelism (--pipeline-model-parallel-size {pp}): "
+            "micro-batch counts and group layouts change every step, which the pipeline "
+            "schedules cannot follow. Use --pipeline-model-parallel-size 1 and scale with "
+            "data/sequence parallel ranks, or drop --hsp."
+        )
+    if getattr(args, "hybrid_context_parallel", False):
+        raise HSPArgsError(
+            "--hsp and --hybrid-context-parallel both schedule dynamic context-parallel groups; "
+            "use one of them."
+        )
+    mbs = _get(args, "micro_batch_size", 1)
+    if mbs != 1:
+        raise HSPArgsError(
+            f"--hsp packs whole documents into one THD micro-batch per group, so "
+            f"--micro-batch-size must be 1 (got {mbs}); the planner chooses how many documents "
+            "go into each micro-batch."
+        )
+
+    tp = _get(args, "tensor_model_parallel_size", 1)
+    cp = _get(args, "context_parallel_size", 1)
+    world = _get(args, "world_size", int(env.get("WORLD_SIZE", "1")))
+    if world % (tp * pp) != 0:
+        raise HSPArgsError(
+            f"world size {world} is not a multiple of --tensor-model-parallel-size {tp}"
+        )
+    # HSP groups are built over the data-parallel x context-parallel ranks; Megatron's static
+    # CP group is not used for attention, its ranks simply become sequence-parallel slots.
+    sp_world = world // (tp * pp)
+    if cp > 1:
+        notes.append(
+            f"--context-parallel-size {cp}: HSP plans over all {sp_world} data x context "
+            "parallel ranks; the static context-parallel group is not used for attention"
+        )
+
+    gpn = args.hsp_gpus_per_node or _gpus_per_node_from_env(env) or world
+    if gpn < 1 or gpn % tp != 0:
+        raise HSPArgsError(
+            f"--hsp-gpus-per-node {gpn} must be a positive multiple of "
+            f"--tensor-model-parallel-size {tp} (tensor-parallel groups stay inside a node)"
+        )
+    slots_per_node = min(gpn // tp, sp_world)
+    if sp_world % slots_per_node != 0:
+        raise HSPArgsError(
+            f"{sp_world} sequence-parallel ranks do not fill whole nodes of {slots_per_node} "
+            f"(--hsp-gpus-per-node {gpn} / --tensor-model-parallel-size {tp}); launch a whole "
+            "number of nodes or fix --hsp-gpus-per-node"
+        )
+
+    heads = _get(args, "num_attention_heads", None)
+    kv_heads = (
+        _get(args, "num_query_groups", heads)
+        if getattr(args, "group_query_attention", False)
+        else heads
+    )
+    legal = legal_group_sizes(sp_world, slots_per_node)
+    requested = args.hsp_group_sizes
+    if requested is None:
+        sizes = legal
+        if heads is not None:
+            heads_per_tp = heads // tp
+            sizes = [d for d in legal if heads_per_tp % d == 0]
+            if len(sizes) < len(legal):
+                notes.append(
+                    f"group sizes {sorted(set(legal) - set(sizes))} left out: "
+                    f"{heads_per_tp} attention heads per tensor-parallel rank "
+                    f"(--num-attention-heads {heads} / --tensor-model-parallel-size {tp}) "
+                    "are not divisible by them"
+                )
+    else:
+        bad = [d for d in requested if d not in legal]
+        if bad:
+            raise HSPArgsError(
+                f"--hsp-group-sizes {','.join(map(str, requested))}: {bad} cannot tile "
+                f"{sp_world} ranks in nodes of {slots_per_node} as aligned blocks; legal "
+                f"sizes: {','.join(map(str, legal))}"
+            )
+        sizes = list(requested)
+        if heads is not None:
+            not_div = [d for d in sizes if (heads // tp) % d != 0]
+            if not_div:
+                raise HSPArgsError(
+                    f"--hsp-group-sizes {','.join(map(str, requested))}: Ulysses splits "
+                    f"attention heads across a group, and {heads // tp} heads per "
+                    f"tensor-parallel rank (--num-attention-heads {heads}, "
+                    f"--tensor-model-parallel-size {tp}) are not divisible by {not_div}; "
+                    f"use sizes dividing {heads // tp}"
+                )
+    if not sizes:
+        raise HSPArgsError(
+            "no usable group size: none of the legal sizes "
+            f"{legal} divides the attention heads per tensor-parallel rank; change "
+            "--num-attention-heads or --tensor-model-parallel-size"
+        )
+    if kv_heads is not None and heads is not None and (kv_heads // tp) < max(sizes):
+        notes.append(
+            f"{kv_heads // tp} KV heads per tensor-parallel rank are fewer than the largest "
+            f"group ({max(sizes)}); KV heads are replicated inside such groups"
+        )
+
+    if not getattr(args, "calculate_per_token_loss", False):
+        args.calculate_per_token_loss = True
+        notes.append(
+            "--calculate-per-token-loss forced on: groups train different numbers of tokens, "
+            "so the loss is normalised by the global token count, as on one device"
+        )
+    if getattr(args, "dataloader_type", None) not in (None, "external"):
+        notes.append(
+            f"--dataloader-type {args.dataloader_type} replaced by 'external': HSP's "
+            "document sampler feeds the planned micro-batches"
+        )
+    if hasattr(args, "dataloader_type"):
+        args.dataloader_type = "external"
+
+    if args.hsp_time_budget_s <= 0:
+        raise HSPArgsError(f"--hsp-time-budget-s must be > 0 (got {args.hsp_time_budget_s})")
+    if args.hsp_memory_cap_gb is not None and args.hsp_memory_cap_gb <= 0:
+        raise HSPArgsError(f"--hsp-memory-cap-gb must be > 0 (got {args.hsp_memory_cap_gb})")
+    gbs = getattr(args, "global_batch_size", None)
+    if args.hsp_token_budget is None and not gbs:
+        raise HSPArgsError(
+            "--hsp needs a global batch: give --global-batch-size (documents per step) or "
+            "--hsp-token-budget (tokens per step)"
+        )
+    if args.hsp_token_budget is not None and gbs:
+        notes.append(
+            f"--hsp-token-budget {args.hsp_token_budget} sets the batch; --global-batch-size "
+            f"{gbs} is ignored by the sampler"
+        )
+    seq = _get(args, "seq_length", None) or _get(args, "max_position_embeddings", None)
+    max_seq = args.hsp_max_seq or seq
+    if not max_seq:
+        raise HSPArgsError("--hsp needs --hsp-max-seq or --seq-length to size the cost model")
+    if args.hsp_log_interval < 0:
+        raise HSPArgsError(f"--hsp-log-interval must be >= 0 (got {args.hsp_log_interval})")
+
+    return HSPConfig(
+        cost_model=args.hsp_cost_model,
+        world_size=sp_world,
+        gpus_per_node=slots_per_node,
+        memory_cap_gb=args.hsp_memory_cap_gb,
+        max_seq=int(max_seq),
+        solver=args.hsp_solver,
+        time_budget_s=float(args.hsp_time_budget_s),
+        group_sizes=tuple(sizes),
+        overlong=args.hsp_overlong,
+        global_batch_docs=None if args.hsp_token_budget else int(gbs),
+        token_budget=args.hsp_token_budget,
+        seed=args.hsp_seed if args.hsp_seed is not None else int(_get(args, "seed", 1234)),
+        plan_log=args.hsp_plan_log,
+        log_interval=args.hsp_log_interval,
+        background_planner=not args.hsp_sync_planner,
+        notes=tuple(notes),
+    )

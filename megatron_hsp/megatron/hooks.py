@@ -1,0 +1,262 @@
+"""What HSP plugs into Megatron-LM's ``pretrain()``: dataset provider, forward step, step hooks.
+
+Megatron seams used (no patch needed):
+* ``train_valid_test_datasets_provider`` -> ``hsp_datasets_provider``: returns an *external* data
+  iterator (``--dataloader-type external``) that yields this rank's planned micro-batches;
+* ``forward_step_func`` -> ``hsp_forward_step``: runs the GPT model on one packed THD micro-batch
+  whose ``PackedSeqParams.cp_group`` is the plan's group for this rank, per-token loss;
+* the layer spec (``--spec megatron_hsp.megatron.layer_spec hsp_layer_spec``) puts HSP attention
+  in every layer.
+
+The two things without a seam (the per-step micro-batch count and a per-step hook) are in
+``patches.py``; they call ``begin_step`` / ``current_num_microbatches`` here.
+
+Only a GPU run exercises this module end to end: Megatron's training loop allocates CUDA tensors
+unconditionally (see docs/integration.md). The pieces it composes are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from megatron_hsp.megatron.args import HSPConfig
+from megatron_hsp.megatron.observe import StepObserver, StepRecord
+from megatron_hsp.megatron.pipeline import PreparedStep, StepPipeline
+from megatron_hsp.planner.errors import InputError
+
+
+@dataclass
+class HSPRun:
+    """Process-wide HSP state of one Megatron run (set by ``install``)."""
+
+    config: HSPConfig
+    pipeline: StepPipeline | None = None
+    registry: Any = None
+    observer: StepObserver | None = None
+    current: PreparedStep | None = None
+    inputs: list[Any] = field(default_factory=list)
+    step_started: float = 0.0
+    in_step: bool = False
+    local_multiple: int = 1  # per-rank token count multiple (TP size under --sequence-parallel)
+    device: Any = None
+
+
+_RUN: HSPRun | None = None
+
+
+def active_run() -> HSPRun | None:
+    return _RUN
+
+
+def set_run(run: HSPRun | None) -> None:
+    global _RUN
+    _RUN = run
+
+
+def data_prefix(args: Any) -> str:
+    """The one indexed-dataset prefix HSP trains on (``--data-path PREFIX`` or ``1.0 PREFIX``)."""
+    paths = list(getattr(args, "data_path", None) or [])
+    if len(paths) == 2:
+        try:
+            float(paths[0])
+            paths = paths[1:]
+        except ValueError:
+            pass
+    if len(paths) != 1:
+        raise InputError(
+            f"--hsp trains on one indexed dataset: give --data-path PREFIX (got {paths or None}); "
+            "blends and per-split paths are not supported yet"
+        )
+    return paths[0]
+
+
+def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
+    """Collective: creates the HSP process groups and (rank 0) the planner process."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hsp.megatron.data import (
+        DocumentIndex,
+        DocumentReader,
+        GlobalBatchSampler,
+        SamplerConfig,
+    )
+    from megatron_hsp.megatron.planner_service import PlannerService, PlannerSpec
+    from megatron_hsp.planner.costmodel import load_cost_model
+    from megatron_hsp.runtime.agreement import agree_on_plan
+    from megatron_hsp.runtime.groups import create_groups_from_megatron
+
+    cfg = run.config
+    run.registry = create_groups_from_megatron(cfg.gpus_per_node, sizes=cfg.group_sizes)
+    cost = load_cost_model(
+        cfg.cost_model,
+        world_size=cfg.world_size,
+        gpus_per_node=cfg.gpus_per_node,
+        max_seq_k=cfg.max_seq / 1024,
+        memory_cap_gb=cfg.memory_cap_gb,
+    )
+    index = DocumentIndex(data_prefix(args))
+    sampler = GlobalBatchSampler(
+        index.lengths,
+        SamplerConfig(
+            seed=cfg.seed,
+            max_length=cost.max_trainable_length(list(cfg.group_sizes)),
+            global_batch_docs=cfg.global_batch_docs,
+            token_budget=cfg.token_budget,
+            overlong=cfg.overlong,
+        ),
+    )
+    # Resume: Megatron restored args.iteration from the checkpoint; replaying that many batches
+    # reads only lengths and lands on exactly the next unseen batch.
+    sampler.fast_forward(int(getattr(args, "iteration", 0) or 0))
+    rank0 = dist.get_rank() == 0
+    planner = None
+    if rank0:
+        planner = PlannerService(
+            PlannerSpec(
+                cost_model=cfg.cost_model,
+                world_size=cfg.world_size,
+                gpus_per_node=cfg.gpus_per_node,
+                max_seq=cfg.max_seq,
+                memory_cap_gb=cfg.memory_cap_gb,
+                solver=cfg.solver,
+                time_budget_s=cfg.time_budget_s,
+                sizes=cfg.group_sizes,
+                seed=cfg.seed,
+            ),
+            background=cfg.background_planner,
+        )
+    run.device = torch.device("cuda", torch.cuda.current_device())
+    # Megatron's sequence parallelism splits each rank's tokens over the TP group again.
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    run.local_multiple = tp if getattr(args, "sequence_parallel", False) else 1
+    return StepPipeline(
+        sampler,
+        DocumentReader(index),
+        slot=run.registry.slot,
+        world_size=cfg.world_size,
+        planner=planner,
+        is_planning_rank=rank0,
+        agree=partial(agree_on_plan, mode="broadcast"),
+    )
+
+
+class _MicroBatchIterator:
+    """The external data iterator Megatron's schedule pulls micro-batches from."""
+
+    def __init__(self, run: HSPRun) -> None:
+        self.run = run
+
+    def __iter__(self) -> _MicroBatchIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if not self.run.inputs:
+            raise RuntimeError(
+                "megatron-hsp: the schedule asked for more micro-batches than the plan has; "
+                "get_num_microbatches is not patched (was megatron_hsp.megatron.install called "
+                "before pretrain()?)"
+            )
+        return self.run.inputs.pop(0)
+
+
+def hsp_datasets_provider(train_val_test_num_samples: Any, vp_stage: Any = None) -> tuple:
+    """``train_valid_test_datasets_provider`` for ``pretrain()``: HSP's iterator, no eval sets."""
+    from megatron.training import get_args
+
+    run = active_run()
+    if run is None:
+        raise RuntimeError("megatron-hsp: install() was not called before pretrain()")
+    import torch.distributed as dist
+
+    run.pipeline = build_pipeline(run, get_args())
+    # Megatron logs and keeps its TensorBoard/W&B writers on the last rank; so do we. (Planner
+    # waits are logged on rank 0, where the planner process runs.)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        run.observer = StepObserver.from_megatron(
+            log_interval=run.config.log_interval, plan_log=run.config.plan_log
+        )
+    return _MicroBatchIterator(run), None, None
+
+
+hsp_datasets_provider.is_distributed = True  # every rank builds it: group creation is collective
+
+
+def begin_step(run: HSPRun) -> None:
+    """Prepare the step about to run: plan (waits only if the planner is late), dispatch."""
+    from megatron_hsp.runtime.dispatch import GlobalBatch, dispatch
+    from megatron_hsp.runtime.schedule import to_model_inputs
+
+    assert run.pipeline is not None
+    prepared = run.pipeline.next_step()
+    batch = GlobalBatch.from_documents(prepared.documents)
+    packs = dispatch(batch, prepared.plan, run.registry.slot, local_multiple=run.local_multiple)
+    run.inputs = [
+        None
+        if p.empty
+        else to_model_inputs(p, run.registry.group(p.group_size, p.block), run.device)
+        for p in packs
+    ]
+    run.current = prepared
+    run.step_started = time.perf_counter()
+
+
+def end_step(run: HSPRun, loss: float | None = None) -> None:
+    if run.current is None or run.observer is None:
+        return
+    p = run.current
+    rec = StepRecord.from_plan(
+        p.step,
+        p.plan,
+        loss=loss,
+        measured_s=time.perf_counter() - run.step_started,
+        solve_s=p.solve_s if p.solve_s else None,
+        wait_s=p.wait_s,
+    )
+    run.observer.record(rec, p.plan)
+
+
+def current_num_microbatches(run: HSPRun) -> int:
+    assert run.current is not None, "megatron-hsp: no step prepared"
+    return len(run.current.plan.microbatches)
+
+
+def _loss_func(loss_mask: Any, output_tensor: Any, num_tokens_override: int | None = None):
+    """Megatron's ``--calculate-per-token-loss`` contract: (loss sum, token count, report)."""
+    import torch
+
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss_sum.detach().view(1), num_tokens.float().view(1)])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def hsp_forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False):
+    """``forward_step_func`` for ``pretrain()``: one planned THD micro-batch of this rank."""
+    import torch
+
+    if return_schedule_plan:
+        raise InputError("--hsp does not support --overlap-moe-expert-parallel-comm")
+    inputs = next(data_iterator)
+    if inputs is None:
+        # This rank's group trains nothing in this micro-batch (fewer sequences than groups).
+        # Its members all skip the model together; a zero loss tied to the parameters keeps
+        # the backward pass and the step's gradient all-reduce identical on every rank.
+        params = [p for p in model.parameters() if p.requires_grad]
+        zero = sum((p.view(-1)[:1] * 0.0).sum() for p in params)
+        mask = torch.zeros(1, device=zero.device)
+        return zero.view(1, 1), partial(_loss_func, mask)
+    output = model(
+        inputs.input_ids,
+        inputs.position_ids,
+        None,
+        labels=inputs.labels,
+        loss_mask=inputs.loss_mask,
+        packed_seq_params=inputs.packed_seq_params,
+    )
+    return output, partial(_loss_func, inputs.loss_mask)

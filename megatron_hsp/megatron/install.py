@@ -1,0 +1,79 @@
+"""``megatron_hsp.megatron.install``: switch HSP on inside a Megatron-LM training script.
+
+Three ways in, one mechanism:
+
+* patched ``pretrain_gpt.py`` (``patches/``): adds ``hsp_extra_args_provider`` to
+  ``parse_and_validate_args`` and calls ``install(args, provider, forward_step)`` right after it;
+* ``python -m megatron_hsp.launch pretrain_gpt.py ...``: ``install_entry_points()`` makes the
+  unchanged script do the same (``patches.apply_launcher_patches``);
+* own training loop: use the layer spec and ``pipeline.StepPipeline`` + ``runtime.schedule``
+  directly (as ``megatron-hsp demo`` does); ``install`` is not needed.
+
+Without ``--hsp`` everything is returned unchanged and nothing is patched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+from megatron_hsp.megatron import hooks, patches
+from megatron_hsp.megatron.args import HSPArgsError, validate_hsp_args
+
+LAYER_SPEC = ["megatron_hsp.megatron.layer_spec", "hsp_layer_spec"]
+
+
+def _print0(msg: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[megatron-hsp] {msg}", flush=True)
+
+
+def install(
+    args: argparse.Namespace | None = None,
+    datasets_provider: Callable[..., Any] | None = None,
+    forward_step: Callable[..., Any] | None = None,
+) -> tuple[Callable[..., Any] | None, Callable[..., Any] | None]:
+    """Validate ``--hsp*`` on Megatron's parsed ``args`` and wire HSP into ``pretrain()``.
+
+    Returns the dataset provider and forward step ``pretrain()`` should get: HSP's when ``--hsp``
+    is on, the given ones otherwise. ``args=None`` only swaps providers for an earlier install.
+    """
+    if args is not None and not getattr(args, "_hsp_installed", False):
+        config = validate_hsp_args(args)
+        if config is None:
+            return datasets_provider, forward_step
+        spec = getattr(args, "spec", None)
+        if spec and list(spec) != LAYER_SPEC:
+            raise HSPArgsError(
+                f"--spec {' '.join(spec)} conflicts with --hsp, which injects its attention "
+                f"through the layer spec ({' '.join(LAYER_SPEC)}); drop --spec"
+            )
+        args.spec = list(LAYER_SPEC)
+        for note in config.notes:
+            _print0(note)
+        _print0(
+            f"HSP on: {config.world_size} sequence-parallel ranks in nodes of "
+            f"{config.gpus_per_node}, group sizes {list(config.group_sizes)}, cost model "
+            f"{config.cost_model}, solver {config.solver} ({config.time_budget_s:g} s), "
+            f"overlong={config.overlong}"
+        )
+        hooks.set_run(hooks.HSPRun(config=config))
+        patches.apply_training_patches()
+        args._hsp_installed = True  # the launcher on a patched script installs once
+    if hooks.active_run() is None:
+        return datasets_provider, forward_step
+    return hooks.hsp_datasets_provider, hooks.hsp_forward_step
+
+
+def install_entry_points() -> None:
+    """For unchanged scripts: hook ``parse_and_validate_args`` and ``pretrain`` (launcher)."""
+
+    def install_from_entry(args=None, provider=None, forward=None):
+        if args is not None:
+            install(args)
+            return None
+        return install(None, provider, forward)
+
+    patches.apply_launcher_patches(install_from_entry)

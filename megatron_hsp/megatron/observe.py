@@ -1,0 +1,163 @@
+"""Per-step observability: the plan, predicted vs measured time, imbalance, planner cost.
+
+One ``StepRecord`` per step goes to the console (one line), to ``--hsp-plan-log`` (JSON lines with
+the full design.md plan), and to Megatron's TensorBoard / W&B writers when the run configured
+them (``megatron.training.global_vars.get_tensorboard_writer`` / ``get_wandb_writer``; both return
+None unless ``--tensorboard-dir`` / ``--wandb-project`` were given, and exist only on the rank
+Megatron chose to write).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+from megatron_hsp.planner.plan import Plan
+
+
+def group_imbalance(plan: Plan) -> float:
+    """Predicted idle fraction inside micro-batches: 1 - mean(group time) / max(group time),
+    averaged over micro-batches weighted by their time (0 = perfectly balanced groups)."""
+    num = den = 0.0
+    for mb in plan.microbatches:
+        times = [g.est_ms for g in mb.groups]
+        top = max(times, default=0.0)
+        if top > 0:
+            num += top - sum(times) / len(times)
+            den += top
+    return num / den if den > 0 else 0.0
+
+
+def layout_summary(plan: Plan) -> str:
+    """``2 mb: [4] | [2,1,1]``: the group sizes of each micro-batch."""
+    parts = ["[" + ",".join(str(s) for s in mb.group_sizes) + "]" for mb in plan.microbatches]
+    return f"{len(plan.microbatches)} mb: " + " | ".join(parts)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float | None
+    microbatches: int
+    group_sizes: list[list[int]]
+    num_sequences: int
+    tokens: int
+    predicted_ms: float
+    measured_ms: float | None
+    imbalance: float
+    solve_ms: float
+    planner_wait_ms: float
+    status: str
+    solver: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_plan(
+        cls,
+        step: int,
+        plan: Plan,
+        *,
+        loss: float | None = None,
+        measured_s: float | None = None,
+        solve_s: float | None = None,
+        wait_s: float = 0.0,
+        **extra: Any,
+    ) -> StepRecord:
+        return cls(
+            step=step,
+            loss=loss,
+            microbatches=len(plan.microbatches),
+            group_sizes=[mb.group_sizes for mb in plan.microbatches],
+            num_sequences=plan.num_sequences,
+            tokens=sum(g.tokens for mb in plan.microbatches for g in mb.groups),
+            predicted_ms=plan.est_step_ms,
+            measured_ms=None if measured_s is None else measured_s * 1e3,
+            imbalance=group_imbalance(plan),
+            solve_ms=plan.solve_ms if solve_s is None else solve_s * 1e3,
+            planner_wait_ms=wait_s * 1e3,
+            status=plan.status,
+            solver=plan.solver,
+            extra=dict(extra),
+        )
+
+    def console_line(self) -> str:
+        sizes = Counter(s for mb in self.group_sizes for s in mb)
+        size_txt = " ".join(f"{n}x{s}" for s, n in sorted(sizes.items(), reverse=True))
+        mb_txt = " | ".join("[" + ",".join(map(str, mb)) + "]" for mb in self.group_sizes)
+        measured = "-" if self.measured_ms is None else f"{self.measured_ms:.0f}"
+        loss = "" if self.loss is None else f"loss {self.loss:.4f}  "
+        wait = f"  waited {self.planner_wait_ms:.0f} ms" if self.planner_wait_ms >= 1 else ""
+        return (
+            f"step {self.step:>4}  {loss}{self.num_sequences} seqs {self.tokens} tok  "
+            f"{self.microbatches} mb {mb_txt} ({size_txt})  pred {self.predicted_ms:.0f} ms  "
+            f"meas {measured} ms  imbal {self.imbalance:.0%}  solve {self.solve_ms:.0f} ms "
+            f"[{self.status}]{wait}"
+        )
+
+
+class StepObserver:
+    """Fans step records out to the console, a JSONL plan log and Megatron's writers."""
+
+    def __init__(
+        self,
+        *,
+        log_interval: int = 1,
+        plan_log: str | None = None,
+        stream: TextIO | None = None,
+        tensorboard_writer: Any = None,
+        wandb_writer: Any = None,
+    ) -> None:
+        self.log_interval = log_interval
+        self.stream = stream if stream is not None else sys.stdout
+        self.plan_log = open(plan_log, "a") if plan_log else None  # noqa: SIM115 - kept open
+        self.tb = tensorboard_writer
+        self.wandb = wandb_writer
+        self.records: list[StepRecord] = []
+
+    @classmethod
+    def from_megatron(cls, **kwargs: Any) -> StepObserver:
+        """Use Megatron's writers when the run configured them (and megatron.training exists)."""
+        try:
+            from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+            tb, wb = get_tensorboard_writer(), get_wandb_writer()
+        except (ImportError, AssertionError):
+            tb = wb = None
+        return cls(tensorboard_writer=tb, wandb_writer=wb, **kwargs)
+
+    def record(self, rec: StepRecord, plan: Plan | None = None) -> None:
+        self.records.append(rec)
+        if self.log_interval and rec.step % self.log_interval == 0:
+            print("[megatron-hsp] " + rec.console_line(), file=self.stream, flush=True)
+        if self.plan_log is not None:
+            row = asdict(rec)
+            if plan is not None:
+                row["plan"] = plan.to_dict()
+            self.plan_log.write(json.dumps(row) + "\n")
+            self.plan_log.flush()
+        scalars = {
+            "hsp/predicted_step_ms": rec.predicted_ms,
+            "hsp/imbalance": rec.imbalance,
+            "hsp/solve_ms": rec.solve_ms,
+            "hsp/planner_wait_ms": rec.planner_wait_ms,
+            "hsp/microbatches": rec.microbatches,
+            "hsp/max_group_size": max((s for mb in rec.group_sizes for s in mb), default=0),
+            "hsp/tokens": rec.tokens,
+        }
+        if rec.measured_ms is not None:
+            scalars["hsp/measured_step_ms"] = rec.measured_ms
+            if rec.predicted_ms > 0:
+                scalars["hsp/measured_over_predicted"] = rec.measured_ms / rec.predicted_ms
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, rec.step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, rec.step)
+
+    def close(self) -> None:
+        if self.plan_log is not None:
+            self.plan_log.close()
+            self.plan_log = None

@@ -1,0 +1,111 @@
+"""The per-step pipeline: sampler -> plan (background) -> agreement -> this rank's documents.
+
+Every rank runs the same seeded sampler (it reads only lengths, so this is cheap and needs no
+communication); only rank 0 runs the planner process, and the plan of each step is broadcast
+(``runtime.agreement``), because a time-limited MILP solve is not reproducible across ranks.
+The plan of step t+1 is submitted when step t begins, so it is solved while step t trains.
+
+Used by both ways of training: the Megatron ``pretrain()`` hooks (``hooks.py``) and the demo's own
+loop (``commands/demo.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_hsp.megatron.data import DocumentBatch, DocumentReader, GlobalBatchSampler
+from megatron_hsp.megatron.planner_service import PlannerService
+from megatron_hsp.planner.plan import Plan
+
+
+@dataclass
+class PreparedStep:
+    """Everything one rank needs to train one step."""
+
+    step: int
+    batch: DocumentBatch
+    plan: Plan
+    documents: list[Any]  # seq-id order; real tokens only for this slot's sequences
+    solve_s: float
+    wait_s: float
+    prepare_s: float
+
+
+class StepPipeline:
+    """Yields ``PreparedStep``s; ``planner`` is given on the planning rank only (None elsewhere)."""
+
+    def __init__(
+        self,
+        sampler: GlobalBatchSampler,
+        reader: DocumentReader,
+        *,
+        slot: int,
+        world_size: int,
+        planner: PlannerService | None,
+        is_planning_rank: bool,
+        agree: Any = None,  # (plan_or_None) -> Plan, collective; None: single process
+        lookahead: int = 1,
+    ) -> None:
+        self.sampler = sampler
+        self.reader = reader
+        self.slot = slot
+        self.world_size = world_size
+        self.planner = planner
+        self.is_planning_rank = is_planning_rank
+        self.agree = agree
+        self.lookahead = max(1, lookahead)
+        self._queue: deque[tuple[DocumentBatch, dict[str, Any]]] = deque()
+        if is_planning_rank and planner is None:
+            raise ValueError("the planning rank needs a PlannerService")
+
+    def _draw(self) -> None:
+        state = self.sampler.state_dict()  # the state *before* this batch: what resume needs
+        batch = self.sampler.next_batch()
+        self._queue.append((batch, state))
+        if self.is_planning_rank:
+            assert self.planner is not None
+            self.planner.submit(batch.step, batch.lengths)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sampler state before the first batch not yet handed out (exact resume point)."""
+        return self._queue[0][1] if self._queue else self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._queue:
+            raise RuntimeError("load the pipeline state before the first step")
+        self.sampler.load_state_dict(state)
+
+    def prime(self) -> None:
+        """Submit the first plan(s) now, e.g. before building the model, so that the planner
+        process starts and solves step 0 while the model is built."""
+        while len(self._queue) < self.lookahead:
+            self._draw()
+
+    def next_step(self) -> PreparedStep:
+        t0 = time.perf_counter()
+        self.prime()
+        batch, _ = self._queue.popleft()
+        self._draw()  # step t+1 is planned while step t trains
+        solve_s = wait_s = 0.0
+        plan: Plan | None = None
+        if self.is_planning_rank:
+            assert self.planner is not None
+            res = self.planner.result(batch.step)
+            plan, solve_s, wait_s = res.plan, res.solve_s, res.wait_s
+        if self.agree is not None:
+            plan = self.agree(plan)
+        assert plan is not None
+        plan.validate(batch.lengths, world_size=self.world_size)
+        documents = self.reader.documents_for_rank(batch, plan, self.slot)
+        return PreparedStep(
+            step=batch.step,
+            batch=batch,
+            plan=plan,
+            documents=documents,
+            solve_s=solve_s,
+            wait_s=wait_s,
+            prepare_s=time.perf_counter() - t0,
+        )

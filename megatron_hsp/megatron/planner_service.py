@@ -1,0 +1,252 @@
+"""Plan step t+1 in a separate process while step t trains (as FlexSP does).
+
+The MILP solve is CPU-bound Python/HiGHS work; in the training process it would hold the GIL and
+delay kernel launches and collectives. A ``spawn``-ed child (never ``fork``: the parent holds CUDA
+and process-group state that must not be copied) builds the cost model once, then answers
+``(step, lengths)`` requests in order. ``result(step)`` returns immediately when the plan is ready;
+when the planner is late the training step blocks, and the wait is logged and kept for reports.
+
+Only the planning rank (rank 0) runs a service; the plan reaches the other ranks through the
+runtime's plan agreement, so every rank executes the same plan even when a time-limited solve is
+not reproducible.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing as mp
+import pickle
+import queue
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_hsp.planner.errors import HSPError
+from megatron_hsp.planner.plan import Plan
+
+log = logging.getLogger("megatron_hsp.planner_service")
+
+DEFAULT_PLANNER = "megatron_hsp.megatron.planner_service:solve_with_planner"
+
+
+@dataclass(frozen=True)
+class PlannerSpec:
+    """Everything the child needs to build its planner; picklable, no torch objects."""
+
+    cost_model: str | dict[str, Any]  # preset name, YAML/JSON path, or a spec mapping
+    world_size: int
+    gpus_per_node: int
+    max_seq: int
+    memory_cap_gb: float | None = None
+    solver: str = "highs"
+    time_budget_s: float = 1.0
+    sizes: tuple[int, ...] | None = None
+    seed: int = 0
+    # "module:function" returning a planner ``(lengths) -> Plan`` for this spec.
+    factory: str = DEFAULT_PLANNER
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _import(path: str) -> Callable[..., Any]:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def solve_with_planner(spec: PlannerSpec) -> Callable[[Sequence[int]], Plan]:
+    """The production planner: cost model + MILP solver from ``megatron_hsp.planner``."""
+    from megatron_hsp.planner.costmodel import load_cost_model
+    from megatron_hsp.planner.solver import SolverConfig, solve
+    from megatron_hsp.planner.topology import Cluster
+
+    cost = load_cost_model(
+        spec.cost_model,
+        world_size=spec.world_size,
+        gpus_per_node=spec.gpus_per_node,
+        max_seq_k=spec.max_seq / 1024,
+        memory_cap_gb=spec.memory_cap_gb,
+    )
+    cluster = Cluster(spec.world_size, spec.gpus_per_node)
+    # "greedy" is the solver's MILP-free mode (fast, status "heuristic").
+    config = SolverConfig(
+        backend="highs" if spec.solver == "greedy" else spec.solver,
+        time_budget_s=spec.time_budget_s,
+        sizes=spec.sizes,
+        seed=spec.seed,
+        use_milp=spec.solver != "greedy",
+    )
+    return lambda lengths: solve(list(lengths), cost, cluster, config)
+
+
+def build_planner(spec: PlannerSpec) -> Callable[[Sequence[int]], Plan]:
+    return _import(spec.factory)(spec)
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return HSPError(f"{type(exc).__name__}: {exc}")
+
+
+def _serve(spec: PlannerSpec, requests: Any, replies: Any) -> None:
+    """Child process main loop: one reply per request, in order; None stops it."""
+    try:
+        planner = build_planner(spec)
+    except BaseException as exc:
+        replies.put(("init", None, _picklable(exc), 0.0))
+        return
+    replies.put(("init", None, None, 0.0))
+    while True:
+        item = requests.get()
+        if item is None:
+            return
+        step, lengths = item
+        t0 = time.perf_counter()
+        try:
+            plan = planner(lengths)
+            replies.put(("plan", step, plan.to_json(), time.perf_counter() - t0))
+        except BaseException as exc:
+            replies.put(("plan", step, _picklable(exc), time.perf_counter() - t0))
+
+
+@dataclass
+class PlanResult:
+    step: int
+    plan: Plan
+    solve_s: float  # wall time of the solve in the planner process
+    wait_s: float  # how long the training step blocked for it (0 when it was ready)
+
+
+class PlannerService:
+    """Background planner: ``submit(step, lengths)`` early, ``result(step)`` when the step starts.
+
+    ``background=False`` plans in-process at ``result`` time (debugging, or one-shot tools); the
+    wait is then the whole solve, and is reported the same way.
+    """
+
+    def __init__(
+        self,
+        spec: PlannerSpec,
+        *,
+        background: bool = True,
+        wait_log_threshold_s: float = 0.001,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        self.spec = spec
+        self.background = background
+        self.wait_log_threshold_s = wait_log_threshold_s
+        self.waits: list[float] = []
+        self._pending: dict[int, Sequence[int]] = {}
+        self._ready: dict[int, tuple[Any, float]] = {}
+        self._proc: Any = None
+        if background:
+            ctx = mp.get_context("spawn")
+            self._requests = ctx.Queue()
+            self._replies = ctx.Queue()
+            self._proc = ctx.Process(
+                target=_serve,
+                args=(spec, self._requests, self._replies),
+                name="megatron-hsp-planner",
+                daemon=True,
+            )
+            self._proc.start()
+            self._start_timeout_s = start_timeout_s
+            self._started = False
+        else:
+            self._planner = build_planner(spec)
+
+    # ------------------------------------------------------------------ protocol
+    def submit(self, step: int, lengths: Sequence[int]) -> None:
+        """Queue the plan for ``step``; returns at once."""
+        if step in self._pending or step in self._ready:
+            raise HSPError(f"planner: step {step} was already submitted")
+        lengths = [int(x) for x in lengths]
+        self._pending[step] = lengths
+        if self.background:
+            self._requests.put((step, lengths))
+
+    def _receive(self, timeout: float | None) -> None:
+        kind, step, payload, solve_s = self._replies.get(timeout=timeout)
+        if kind == "init":
+            self._started = True
+            if payload is not None:
+                raise payload
+            return
+        self._ready[step] = (payload, solve_s)
+
+    def _wait_started(self) -> None:
+        deadline = time.monotonic() + self._start_timeout_s
+        while not self._started:
+            self._check_alive()
+            try:
+                self._receive(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise HSPError(
+                        f"planner process did not start within {self._start_timeout_s:.0f} s"
+                    ) from None
+
+    def _check_alive(self) -> None:
+        if self._proc is not None and not self._proc.is_alive():
+            raise HSPError(
+                f"planner process exited (code {self._proc.exitcode}) with plans pending; see "
+                "its output above (out of memory? a solver crash?) or rerun with "
+                "--hsp-sync-planner to plan in the training process"
+            )
+
+    def result(self, step: int) -> PlanResult:
+        """The plan for ``step``; blocks only while the planner is still solving it."""
+        if step not in self._pending:
+            raise HSPError(f"planner: no plan was submitted for step {step}")
+        t0 = time.perf_counter()
+        if self.background:
+            if not self._started:
+                self._wait_started()
+            while step not in self._ready:
+                self._check_alive()
+                try:
+                    self._receive(timeout=1.0)
+                except queue.Empty:
+                    continue
+            payload, solve_s = self._ready.pop(step)
+        else:
+            s0 = time.perf_counter()
+            try:
+                payload = self._planner(self._pending[step]).to_json()
+            except BaseException as exc:
+                payload = exc
+            solve_s = time.perf_counter() - s0
+        wait_s = time.perf_counter() - t0
+        del self._pending[step]
+        if isinstance(payload, BaseException):
+            raise payload
+        self.waits.append(wait_s)
+        if wait_s > self.wait_log_threshold_s:
+            log.warning(
+                "step %d waited %.1f ms for its plan (solve took %.1f ms%s)",
+                step,
+                wait_s * 1e3,
+                solve_s * 1e3,
+                "" if self.background else ", planning in the training process",
+            )
+        return PlanResult(step, Plan.from_json(payload), solve_s, wait_s)
+
+    def close(self) -> None:
+        if self._proc is not None:
+            try:
+                self._requests.put(None)
+                self._proc.join(timeout=10)
+            finally:
+                if self._proc.is_alive():
+                    self._proc.terminate()
+                    self._proc.join(timeout=5)
+            self._proc = None
+
+    def __enter__(self) -> PlannerService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

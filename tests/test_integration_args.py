@@ -1,0 +1,159 @@
+"""``--hsp*`` flags: parsed by a real argparse parser through the extra_args_provider seam."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from tests_support_args import parse
+
+from megatron_hsp.megatron.args import (
+    HSPArgsError,
+    add_hsp_args,
+    parse_sizes,
+    parse_tokens,
+    validate_hsp_args,
+)
+
+BASE = ["--num-attention-heads", "8", "--global-batch-size", "64", "--seq-length", "4096"]
+
+
+def test_flags_off_by_default_and_validation_is_a_no_op():
+    args = parse(BASE)
+    assert args.hsp is False
+    assert validate_hsp_args(args, env={}) is None
+    assert args.calculate_per_token_loss is False  # untouched without --hsp
+
+
+def test_user_provider_is_composed():
+    def user(p):
+        p.add_argument("--my-flag", type=int, default=3)
+        return p
+
+    args = parse([*BASE, "--hsp", "--my-flag", "5"], user_provider=user)
+    assert args.my_flag == 5 and args.hsp
+
+
+def test_full_config_and_forced_per_token_loss():
+    args = parse(
+        [
+            *BASE,
+            "--hsp",
+            "--hsp-gpus-per-node",
+            "4",
+            "--hsp-max-seq",
+            "192k",
+            "--hsp-solver",
+            "cbc",
+            "--hsp-time-budget-s",
+            "0.5",
+            "--hsp-overlong",
+            "split",
+        ]
+    )
+    cfg = validate_hsp_args(args, env={})
+    assert cfg.world_size == 8 and cfg.gpus_per_node == 4
+    assert cfg.group_sizes == (1, 2, 4, 8)
+    assert cfg.max_seq == 192 * 1024 and cfg.solver == "cbc" and cfg.overlong == "split"
+    assert cfg.global_batch_docs == 64 and cfg.token_budget is None
+    assert cfg.seed == 1234
+    assert args.calculate_per_token_loss is True
+    assert any("--calculate-per-token-loss forced on" in n for n in cfg.notes)
+    assert args.dataloader_type == "external"
+
+
+def test_gpus_per_node_from_torchrun_and_slurm_env():
+    cfg = validate_hsp_args(parse([*BASE, "--hsp"]), env={"LOCAL_WORLD_SIZE": "2"})
+    assert cfg.gpus_per_node == 2 and cfg.group_sizes == (1, 2, 4, 8)
+    cfg = validate_hsp_args(parse([*BASE, "--hsp"]), env={"SLURM_NTASKS_PER_NODE": "4(x2)"})
+    assert cfg.gpus_per_node == 4
+
+
+def test_tensor_parallel_makes_slots():
+    args = parse([*BASE, "--hsp", "--tensor-model-parallel-size", "2", "--hsp-gpus-per-node", "8"])
+    cfg = validate_hsp_args(args, env={})
+    assert cfg.world_size == 4 and cfg.gpus_per_node == 4 and cfg.group_sizes == (1, 2, 4)
+
+
+def test_pipeline_parallel_rejected_naming_the_flag():
+    with pytest.raises(HSPArgsError, match="--pipeline-model-parallel-size 2"):
+        validate_hsp_args(parse([*BASE, "--hsp", "--pipeline-model-parallel-size", "2"]), env={})
+
+
+def test_heads_not_divisible_by_requested_size():
+    args = parse(
+        [
+            "--num-attention-heads",
+            "6",
+            "--global-batch-size",
+            "8",
+            "--seq-length",
+            "64",
+            "--hsp",
+            "--hsp-group-sizes",
+            "1,2,4",
+        ]
+    )
+    with pytest.raises(HSPArgsError, match=r"--num-attention-heads 6.*\[4\]"):
+        validate_hsp_args(args, env={})
+
+
+def test_auto_sizes_leave_out_non_dividing_and_say_so():
+    args = parse(
+        ["--num-attention-heads", "6", "--global-batch-size", "8", "--seq-length", "64", "--hsp"]
+    )
+    cfg = validate_hsp_args(args, env={})
+    assert cfg.group_sizes == (1, 2)
+    assert any("[4, 8] left out" in n for n in cfg.notes)
+
+
+def test_illegal_size_for_topology():
+    args = parse([*BASE, "--hsp", "--hsp-group-sizes", "3", "--hsp-gpus-per-node", "4"])
+    with pytest.raises(HSPArgsError, match=r"--hsp-group-sizes 3.*legal sizes: 1,2,4,8"):
+        validate_hsp_args(args, env={})
+
+
+def test_context_parallel_interplay():
+    args = parse([*BASE, "--hsp", "--context-parallel-size", "2"])
+    cfg = validate_hsp_args(args, env={})
+    assert cfg.world_size == 8
+    assert any("--context-parallel-size 2" in n for n in cfg.notes)
+    with pytest.raises(HSPArgsError, match="--hybrid-context-parallel"):
+        validate_hsp_args(parse([*BASE, "--hsp", "--hybrid-context-parallel"]), env={})
+
+
+def test_micro_batch_size_must_be_one():
+    with pytest.raises(HSPArgsError, match="--micro-batch-size must be 1"):
+        validate_hsp_args(parse([*BASE, "--hsp", "--micro-batch-size", "2"]), env={})
+
+
+def test_token_budget_sampling_and_missing_batch():
+    cfg = validate_hsp_args(parse([*BASE, "--hsp", "--hsp-token-budget", "64k"]), env={})
+    assert cfg.token_budget == 65536 and cfg.global_batch_docs is None
+    with pytest.raises(HSPArgsError, match="--global-batch-size"):
+        validate_hsp_args(
+            parse(["--num-attention-heads", "8", "--seq-length", "8", "--hsp"]), env={}
+        )
+
+
+def test_bad_values_are_argparse_errors(capsys):
+    parser = add_hsp_args(argparse.ArgumentParser())
+    for argv in (
+        ["--hsp-group-sizes", "1,x"],
+        ["--hsp-max-seq", "12q"],
+        ["--hsp-solver", "scip"],
+        ["--hsp-overlong", "truncate"],
+    ):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+    assert "--hsp-overlong" in capsys.readouterr().err
+
+
+def test_provider_is_idempotent():
+    parser = add_hsp_args(add_hsp_args(argparse.ArgumentParser()))
+    assert parser.parse_args(["--hsp"]).hsp
+
+
+def test_parsers():
+    assert parse_tokens("192k") == 196608 and parse_tokens("2m") == 2097152
+    assert parse_sizes("auto") is None and parse_sizes("4,1,2,2") == (1, 2, 4)
