@@ -23,7 +23,7 @@ pytestmark = [
 
 
 def _worker(rank: int, world: int, prefix: str) -> dict:
-    import torch  # noqa: I001 (runtime modules sort as third-party until the runtime is merged)
+    import torch
     import torch.distributed as dist
 
     from megatron_hsp.commands.demo import DEMO_COST_MODEL, DEMO_MODEL
@@ -127,7 +127,7 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
 
 
 def test_forward_step_hook_matches_the_runtime_step(tmp_path):
-    import numpy as np  # noqa: I001
+    import numpy as np
 
     from megatron_hsp.megatron.data import write_indexed_dataset
     from megatron_hsp.runtime.testing import raise_rank_errors, run_distributed

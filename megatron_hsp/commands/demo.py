@@ -386,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
         if rank != 0:
             return 0
     else:
-        result = _run_forked(cfg)
+        result = _run_ranks(cfg)
     elapsed = time.perf_counter() - t0
     result["elapsed_s"] = elapsed
     if args.json is not None:
@@ -401,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _forked_rank(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:
+def _rank_main(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:
     import pickle
     import traceback
 
@@ -430,28 +430,33 @@ def _is_error(path: str) -> bool:
         return isinstance(pickle.load(fh), BaseException)
 
 
-def _run_forked(cfg: DemoConfig, timeout_s: float = 900) -> dict[str, Any]:
-    """Run the ranks as forked children of this process.
+def _run_ranks(cfg: DemoConfig, timeout_s: float = 900) -> dict[str, Any]:
+    """Run the ranks as children of a fork server that has imported the heavy modules once.
 
-    The parent imports torch, megatron-core and the runtime once and the ranks inherit them:
-    on a small CPU machine, four processes each importing them again (spawn) cost more than the
-    eight training steps. Safe here because the demo never touches CUDA; the planner process is
-    still spawned (it must not inherit the ranks' process groups).
+    On a small CPU machine, four processes each importing torch and megatron-core again (spawn)
+    cost more than the eight training steps, so the ranks are forked from a server that imported
+    them once. Forking from *this* process would be unsafe: a caller that already ran torch ops
+    (a test worker, a notebook) has OpenMP/gloo threads alive and a fork can deadlock in them.
+    The fork server is a fresh single-threaded process. The planner process is spawned separately
+    (it must not inherit the ranks' process groups).
     """
     import multiprocessing as mp
     import pickle
 
-    import megatron.core.models.gpt.gpt_model  # noqa: F401 - inherited by the forked ranks
-    import torch  # noqa: F401
-
-    import megatron_hsp.runtime.schedule
-    import megatron_hsp.runtime.testing  # noqa: F401
-
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(
+        [
+            "torch",
+            "megatron.core.models.gpt.gpt_model",
+            "megatron_hsp.runtime.schedule",
+            "megatron_hsp.runtime.testing",
+            "megatron_hsp.commands.demo",
+        ]
+    )
     with tempfile.TemporaryDirectory(prefix="hsp_demo_") as tmp:
         outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(cfg.nproc)]
         procs = [
-            ctx.Process(target=_forked_rank, args=(r, cfg, os.path.join(tmp, "rdzv"), outs[r]))
+            ctx.Process(target=_rank_main, args=(r, cfg, os.path.join(tmp, "rdzv"), outs[r]))
             for r in range(cfg.nproc)
         ]
         for p in procs:
