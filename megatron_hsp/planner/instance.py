@@ -73,6 +73,7 @@ class Instance:
     dmin: list[int]  # index into sizes of the smallest group that holds sequence i
     work_min: list[float]  # min over fitting sizes of d * time: rank-ms a sequence must cost
     best: list[float]  # min over fitting sizes of time + fixed: a sequence's own critical path
+    times_per_token_floor: list[float]  # min over lengths >= 1 of time(s, size j) / s
     buddy: bool  # all sizes are powers of two dividing the world size: any mix that fits tiles
 
     @classmethod
@@ -99,6 +100,7 @@ class Instance:
             dmin=[int(x) for x in dmin],
             work_min=work.min(axis=1).tolist(),
             best=best.tolist(),
+            times_per_token_floor=[float(cost.seq_ms([1], d)[0]) for d in sizes],
             buddy=all(d & (d - 1) == 0 and cluster.world_size % d == 0 for d in sizes),
         )
 
