@@ -28,7 +28,7 @@ Three facts, each true of every valid plan, combined by ``max``:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -76,10 +76,8 @@ def _most_critical(inst: Instance, best: list[float], k: int) -> list[int]:
 
 def _critical_with_memory(inst: Instance, star: int, m_min: int) -> float:
     """Fact 4 for sequence ``star``; see the module docstring."""
-    n, cap, b = inst.world_size, inst.cap, inst.min_fixed
     lengths = np.asarray(inst.lengths, dtype=np.float64)
     work = np.asarray(inst.work_min, dtype=np.float64)
-    total_tokens = float(lengths.sum())
     # G(X): fractional knapsack of minimum work by density (ms per token), densest first. The
     # star is included, which only raises G and keeps the bound valid.
     order = np.argsort(-(work / lengths), kind="stable")
@@ -95,57 +93,72 @@ def _critical_with_memory(inst: Instance, star: int, m_min: int) -> float:
         frac = (tokens - tok_prefix[k]) / lengths[order[k]]
         return float(work_prefix[k] + frac * work[order[k]])
 
-    s_star = inst.lengths[star]
     rest_work = float(work.sum()) - inst.work_min[star]
-    best_bound = float("inf")
-    for j in range(inst.dmin[star], len(inst.sizes)):
-        d = inst.sizes[j]
-        t = inst.times[star][j]
-        fixed = inst.fixed[j]
-        others_mem = (n - d) * cap
-        absorb_mem = most_work(others_mem)
-        # Tokens a size-d group adds per ms of extra time, at best (shortest sequences).
-        per_token_ms = inst.times_per_token_floor[j]
-        room_in_group = max(0, d * cap - s_star)
-        rest_tokens = total_tokens - s_star - min(others_mem, total_tokens - s_star)
+    return min(
+        _star_in_size(inst, star, j, m_min, rest_work, float(lengths.sum()), most_work)
+        for j in range(inst.dmin[star], len(inst.sizes))
+    )
 
-        def absorbed(e: float) -> float:
-            """Most minimum-work the star's micro-batch can take besides the star, given e."""
-            x2 = min(room_in_group, e / per_token_ms) if per_token_ms > 0 else room_in_group
-            split = min((n - d) * (t + e), absorb_mem) + min(d * e, most_work(x2))
-            return min(split, most_work(others_mem + x2))
 
-        def outside(e: float) -> float:
-            x2 = min(room_in_group, e / per_token_ms) if per_token_ms > 0 else room_in_group
-            return max(0.0, rest_tokens - x2)
+def _star_in_size(
+    inst: Instance,
+    star: int,
+    j: int,
+    m_min: int,
+    rest_work: float,
+    total_tokens: float,
+    most_work: Callable[[float], float],
+) -> float:
+    """Fact 4 with the star in a group of ``sizes[j]``: minimum over the extra time ``e``."""
+    n, cap, b = inst.world_size, inst.cap, inst.min_fixed
+    d = inst.sizes[j]
+    t = inst.times[star][j]
+    s_star = inst.lengths[star]
+    others_mem = (n - d) * cap
+    absorb_mem = most_work(others_mem)
+    # Tokens a size-d group adds per ms of extra time, at best (shortest sequences).
+    per_token_ms = inst.times_per_token_floor[j]
+    room_in_group = max(0, d * cap - s_star)
+    rest_tokens = total_tokens - s_star - min(others_mem, total_tokens - s_star)
 
-        candidates_e = [0.0]
-        if rest_tokens > 0 and per_token_ms > 0:
-            # Each further micro-batch's worth of tokens moved into the group removes one b.
-            for r in range(1, m_min + 1):
-                needed = rest_tokens - max(0, math.ceil(rest_tokens / (n * cap)) - r) * n * cap
-                if needed <= 0 or needed > room_in_group:
-                    break
-                candidates_e.append(needed * per_token_ms)
-        # Where the star's micro-batch absorbs all remaining work (no other one needed):
-        # absorbed() is non-decreasing in e, so bisect.
-        tol = 1e-9 * max(1.0, rest_work)
-        e_hi = (room_in_group * per_token_ms if per_token_ms > 0 else 0.0) + rest_work / d + t
-        if absorbed(e_hi) >= rest_work - tol:
-            e_lo = 0.0
-            for _ in range(80):
-                mid = 0.5 * (e_lo + e_hi)
-                if absorbed(mid) >= rest_work - tol:
-                    e_hi = mid
-                else:
-                    e_lo = mid
-            candidates_e.append(e_hi)
-        for e in candidates_e:
-            left = rest_work - absorbed(e)
-            left = left if left > 100 * tol else 0.0  # bisection stops within tol
-            others = max(m_min - 1, math.ceil(outside(e) / (n * cap) - 1e-12))
-            if left > 0:
-                others = max(others, 1)
-            bound = t + fixed + e + left / n + others * b
-            best_bound = min(best_bound, bound)
-    return best_bound
+    def carried(e: float) -> float:
+        """Tokens the star's group can add in extra time ``e``."""
+        return min(room_in_group, e / per_token_ms) if per_token_ms > 0 else room_in_group
+
+    def absorbed(e: float) -> float:
+        """Most minimum-work the star's micro-batch can take besides the star, given e."""
+        x2 = carried(e)
+        split = min((n - d) * (t + e), absorb_mem) + min(d * e, most_work(x2))
+        return min(split, most_work(others_mem + x2))
+
+    candidates_e = [0.0]
+    if rest_tokens > 0 and per_token_ms > 0:
+        # Each further micro-batch's worth of tokens moved into the group removes one b.
+        for r in range(1, m_min + 1):
+            needed = rest_tokens - max(0, math.ceil(rest_tokens / (n * cap)) - r) * n * cap
+            if needed <= 0 or needed > room_in_group:
+                break
+            candidates_e.append(needed * per_token_ms)
+    # Where the star's micro-batch absorbs all remaining work (no other one needed):
+    # absorbed() is non-decreasing in e, so bisect.
+    tol = 1e-9 * max(1.0, rest_work)
+    e_hi = room_in_group * per_token_ms + rest_work / d + t
+    if absorbed(e_hi) >= rest_work - tol:
+        e_lo = 0.0
+        for _ in range(80):
+            mid = 0.5 * (e_lo + e_hi)
+            if absorbed(mid) >= rest_work - tol:
+                e_hi = mid
+            else:
+                e_lo = mid
+        candidates_e.append(e_hi)
+    best = math.inf
+    for e in candidates_e:
+        left = rest_work - absorbed(e)
+        left = left if left > 100 * tol else 0.0  # bisection stops within tol
+        outside = max(0.0, rest_tokens - carried(e))
+        others = max(m_min - 1, math.ceil(outside / (n * cap) - 1e-12))
+        if left > 0:
+            others = max(others, 1)
+        best = min(best, t + inst.fixed[j] + e + left / n + others * b)
+    return best
