@@ -45,9 +45,12 @@ class SolverConfig:
     extra_microbatches: int = 3  # counts tried above the memory minimum
     use_milp: bool = True  # False: greedy only (status "heuristic")
     max_buckets: int = 16  # length buckets per micro-batch in the MILP
-    improve_evals: int = 120  # local-search moves tried between micro-batches
-    improve_share: float = 0.15  # at most this share of the budget goes to local search
-    milp_slice_s: float = 0.05  # MILP time per micro-batch (the budget caps the total)
+    # Work limits keep results deterministic; the wall-clock budget is the safety net.
+    improve_evals: int = 60  # local-search schedule evaluations between micro-batches
+    improve_share: float = 0.4  # at most this share of the budget goes to local search
+    milp_max_nodes: int = 100  # branch-and-bound nodes per micro-batch MILP
+    milp_min_gap: float = 0.03  # skip the MILP for micro-batches this close to their floor
+    milp_slice_s: float = 0.25  # wall-clock cap per micro-batch MILP
 
 
 @dataclass
@@ -76,24 +79,41 @@ def solve(
     inst = Instance.build(checked, cost, cluster, sizes)
     bound = instance_lower_bound(inst)
 
+    phases = {"setup": time.perf_counter() - start}
     best = _greedy_candidates(inst, cluster, config, deadline)
+    phases["greedy"] = time.perf_counter() - start
     if config.improve_evals > 0:
         improve_until = min(deadline, time.perf_counter() + config.improve_share * budget)
         best.microbatches, _ = improve(
             inst, cluster, best.microbatches, improve_until, max_evals=config.improve_evals
         )
         best.total = sum(span for span, _ in best.microbatches)
+    phases["improve"] = time.perf_counter() - start
     status = "heuristic"
+    milp_stats: dict[str, int] = {}
     if config.use_milp:
         status = "fallback"
-        best.microbatches, status = refine_microbatches(
-            inst, cluster, best.microbatches, config, deadline
+        best.microbatches, status, milp_stats = refine_microbatches(
+            inst,
+            cluster,
+            best.microbatches,
+            deadline,
+            backend=config.backend,
+            seed=config.seed,
+            max_buckets=config.max_buckets,
+            slice_s=config.milp_slice_s,
+            max_nodes=config.milp_max_nodes,
+            min_gap=config.milp_min_gap,
         )
         best.total = sum(span for span, _ in best.microbatches)
     solve_ms = (time.perf_counter() - start) * 1e3
     cpu_ms = (time.process_time() - cpu_start) * 1e3
     plan = _assemble(inst, cluster, cost, best, bound, solve_ms, config, status)
+    phases["milp"] = solve_ms / 1e3
     plan.extra["cpu_ms"] = round(cpu_ms, 3)
+    plan.extra["milp"] = milp_stats
+    # Wall-clock ms at the end of each phase, for budget diagnostics.
+    plan.extra["phase_end_ms"] = {k: round(v * 1e3, 3) for k, v in phases.items()}
     return plan.validate(checked, cost, cluster.world_size)
 
 
