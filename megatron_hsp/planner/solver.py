@@ -32,6 +32,7 @@ from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 from megatron_hsp.planner.topology import Cluster
 
 BACKENDS = ("highs", "cbc")
+CHUNKINGS = ("time-lpt", "contiguous-tokens")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class SolverConfig:
     sizes: tuple[int, ...] | None = None  # allowed group sizes; None: all that tile and are costed
     seed: int = 0  # MILP solver random seed
     extra_microbatches: int = 3  # counts tried above the memory minimum
+    chunkings: tuple[str, ...] = CHUNKINGS  # candidate chunkings (see chunking.py)
     use_milp: bool = True  # False: greedy only (status "heuristic")
     max_buckets: int = 16  # length buckets per micro-batch in the MILP
     # Work limits keep results deterministic; the wall-clock budget is the safety net.
@@ -72,6 +74,8 @@ def solve(
     deadline = start + budget
     if config.backend not in BACKENDS:
         raise InputError(f"unknown solver backend {config.backend!r}; choose from {BACKENDS}")
+    if not config.chunkings or set(config.chunkings) - set(CHUNKINGS):
+        raise InputError(f"chunkings {config.chunkings!r}: choose one or more of {CHUNKINGS}")
     if config.backend == "cbc" and config.use_milp:
         require_cbc()
     sizes = resolve_sizes(cost, cluster, config.sizes)
@@ -126,7 +130,7 @@ def _greedy_candidates(
     m = counts[0]
     tried = 0
     while True:
-        for label, chunks in _chunkings(inst, m):
+        for label, chunks in _chunkings(inst, m, config.chunkings):
             if best is not None and time.perf_counter() > deadline:
                 return best
             cutoff = best.total if best is not None else float("inf")
@@ -144,11 +148,12 @@ def _greedy_candidates(
     return best
 
 
-def _chunkings(inst: Instance, m: int) -> list[tuple[str, list[list[int]]]]:
-    out = [
-        (f"time-lpt/{m}", chunk_time_balanced(inst, m)),
-        (f"contiguous-tokens/{m}", chunk_contiguous(inst, m, "tokens")),
-    ]
+def _chunkings(inst: Instance, m: int, kinds: tuple[str, ...]) -> list[tuple[str, list[list[int]]]]:
+    out = []
+    if "time-lpt" in kinds:
+        out.append((f"time-lpt/{m}", chunk_time_balanced(inst, m)))
+    if "contiguous-tokens" in kinds:
+        out.append((f"contiguous-tokens/{m}", chunk_contiguous(inst, m, "tokens")))
     seen: set[tuple[tuple[int, ...], ...]] = set()
     unique = []
     for label, chunks in out:
