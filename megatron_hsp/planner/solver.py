@@ -72,6 +72,8 @@ def solve(
     start, cpu_start = time.perf_counter(), time.process_time()
     budget = max(0.0, config.time_budget_s)
     deadline = start + budget
+    # Plan assembly and validation run after the search: keep a slice of the budget for them.
+    search_deadline = deadline - min(0.15 * budget, 0.15)
     if config.backend not in BACKENDS:
         raise InputError(f"unknown solver backend {config.backend!r}; choose from {BACKENDS}")
     if not config.chunkings or set(config.chunkings) - set(CHUNKINGS):
@@ -84,10 +86,10 @@ def solve(
     bound = instance_lower_bound(inst)
 
     phases = {"setup": time.perf_counter() - start}
-    best = _greedy_candidates(inst, cluster, config, deadline)
+    best = _greedy_candidates(inst, cluster, config, search_deadline)
     phases["greedy"] = time.perf_counter() - start
     if config.improve_evals > 0:
-        improve_until = min(deadline, time.perf_counter() + config.improve_share * budget)
+        improve_until = min(search_deadline, time.perf_counter() + config.improve_share * budget)
         best.microbatches, _ = improve(
             inst, cluster, best.microbatches, improve_until, max_evals=config.improve_evals
         )
@@ -101,7 +103,7 @@ def solve(
             inst,
             cluster,
             best.microbatches,
-            deadline,
+            search_deadline,
             backend=config.backend,
             seed=config.seed,
             max_buckets=config.max_buckets,
