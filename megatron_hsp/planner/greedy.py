@@ -134,6 +134,8 @@ def build_groups(
     used = 0
     open_js: list[int] = []  # size indices with at least one open group, ascending
     dmin = inst.dmin
+    # When rank-ms never falls with size, the first feasible size (ascending) is the cheapest.
+    first_fit = inst.work_grows_with_size
     for i in seq_ids:
         row, ln, jmin = times[i], lengths[i], dmin[i]
         best_j, best_g, best_cost = -1, -1, float("inf")
@@ -147,6 +149,8 @@ def build_groups(
                 c = t * sizes[j]
                 if c < best_cost:
                     best_j, best_g, best_cost = j, g, c
+                    if first_fit:
+                        break
         if best_g < 0:
             for j in range(jmin, nsz):
                 if row[j] + fixed[j] <= target and used + sizes[j] <= ranks:
