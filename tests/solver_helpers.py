@@ -9,11 +9,13 @@ from megatron_hsp.planner.costmodel import CostModel
 from megatron_hsp.planner.topology import Cluster
 
 
-def toy_cost(world_size: int, cap: int, fixed: float = 5.0, a2a: float = 0.002) -> CostModel:
+def toy_cost(
+    world_size: int, cap: int, fixed: float = 5.0, a2a: float = 0.002, attn: float = 1e-5
+) -> CostModel:
     """A cost model with numbers for every size up to ``world_size`` (non powers of two too)."""
     return CostModel(
         name="toy",
-        attn_ms_per_token2=1e-5,
+        attn_ms_per_token2=attn,
         linear_ms_per_token=0.05,
         group_fixed_ms={0: fixed},
         a2a_ms_per_token={d: a2a * (1 + d / 8) / d for d in range(2, world_size + 1)},

@@ -14,16 +14,18 @@ from megatron_hsp.planner.solver import SolverConfig, solve
 from megatron_hsp.planner.topology import Cluster
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     world=st.sampled_from([1, 2, 4]),
     cap=st.integers(50, 400),
     fixed=st.floats(0.0, 20.0),
+    attn=st.sampled_from([1e-6, 1e-5, 1e-4, 1e-3]),
+    a2a=st.sampled_from([0.0005, 0.002, 0.02]),
     data=st.data(),
 )
-def test_bound_below_brute_force_optimum(world, cap, fixed, data):
+def test_bound_below_brute_force_optimum(world, cap, fixed, attn, a2a, data):
     cluster = Cluster(world, world)
-    cost = toy_cost(world, cap, fixed)
+    cost = toy_cost(world, cap, fixed, a2a=a2a, attn=attn)
     sizes = resolve_sizes(cost, cluster, None)
     longest = cost.max_trainable_length(sizes)
     lengths = data.draw(st.lists(st.integers(1, longest), min_size=1, max_size=4))

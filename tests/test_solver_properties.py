@@ -51,6 +51,31 @@ def test_valid_plan_or_clear_error(world, gpn, cap, lengths, use_milp, pow2_only
                 assert abs(g.est_ms - cost.group_ms(g.lengths, g.size)) <= 1e-6 * g.est_ms
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    nodes=st.integers(1, 8),
+    gpn=st.integers(1, 8),
+    cap=st.integers(64, 5000),
+    use_milp=st.booleans(),
+    data=st.data(),
+)
+def test_trainable_batches_always_get_a_valid_plan(nodes, gpn, cap, use_milp, data):
+    """Lengths the largest group can hold never fail: the planner must find a plan."""
+    cluster = Cluster(nodes * gpn, gpn)
+    cost = toy_cost(cluster.world_size, cap)
+    longest = cost.max_trainable_length(cluster.legal_sizes())
+    lengths = data.draw(
+        st.lists(
+            st.one_of(st.integers(1, max(1, cap // 4)), st.integers(1, longest)),
+            min_size=1,
+            max_size=150,
+        )
+    )
+    plan = solve(lengths, cost, cluster, SolverConfig(time_budget_s=0.3, use_milp=use_milp))
+    assert plan.problems(lengths, cost, cluster.world_size) == []
+    assert plan.num_sequences == len(lengths)
+
+
 def test_planner_never_imports_torch():
     code = (
         "import sys, megatron_hsp.planner.solver, megatron_hsp.planner.milp; "

@@ -25,18 +25,38 @@ def _ids(mb: Scheduled) -> list[int]:
     return [i for _, g in mb[1] for i in g]
 
 
+_SHIFTS = (0.05, 0.15, 0.35)  # shares of a micro-batch's tokens moved as its shortest sequences
+
+
 def _moves(inst: Instance, members: list[list[int]], spans: list[float], top: int) -> Iterator:
-    """(a, b, out_of_a, into_a_or_None): worst micro-batch first, longest sequences first."""
+    """(a, b, out_of_a, into_a): worst micro-batch first, longest sequences first.
+
+    ``out_of_a`` is a tuple of sequences moved from ``a`` to ``b`` and ``into_a`` one moved
+    back (a swap) or None. Besides single long sequences, the shortest sequences of ``a`` are
+    shifted in bulk: that is how a micro-batch whose long sequence's group sets the makespan
+    sheds the short ones that memory-bound its other ranks.
+    """
     gaps = [spans[b] - inst.microbatch_floor(members[b]) for b in range(len(members))]
     longest = [sorted(ids, key=lambda i: (-inst.lengths[i], i))[:top] for ids in members]
     for a in sorted(range(len(members)), key=lambda b: (-gaps[b], b)):
+        shortest = sorted(members[a], key=lambda i: (inst.lengths[i], i))
+        total = sum(inst.lengths[i] for i in shortest)
         for b in range(len(members)):
             if b == a:
                 continue
             for i in longest[a]:
-                yield a, b, i, None
+                yield a, b, (i,), None
                 for k in longest[b]:
-                    yield a, b, i, k
+                    yield a, b, (i,), k
+            for share in _SHIFTS:
+                bulk, acc = [], 0
+                for i in shortest[:-1]:  # never empty ``a``
+                    if acc >= share * total:
+                        break
+                    bulk.append(i)
+                    acc += inst.lengths[i]
+                if bulk:
+                    yield a, b, tuple(bulk), None
 
 
 def improve(
@@ -56,14 +76,15 @@ def improve(
         improved = False
         members = [_ids(mb) for mb in mbs]
         tokens = [sum(inst.lengths[i] for i in ids) for ids in members]
-        for a, b, out_i, in_k in _moves(inst, members, [s for s, _ in mbs], top):
+        for a, b, out, in_k in _moves(inst, members, [s for s, _ in mbs], top):
             if evals >= max_evals or time.perf_counter() >= deadline:
                 return mbs, evals
-            delta = inst.lengths[out_i] - (0 if in_k is None else inst.lengths[in_k])
-            if tokens[b] + delta > room or (in_k is None and len(members[a]) == 1):
+            delta = sum(inst.lengths[i] for i in out) - (0 if in_k is None else inst.lengths[in_k])
+            if tokens[b] + delta > room or (in_k is None and len(members[a]) == len(out)):
                 continue
-            new_a = [x for x in members[a] if x != out_i]
-            new_b = [x for x in members[b] if x != in_k] + [out_i]
+            gone = set(out)
+            new_a = [x for x in members[a] if x not in gone]
+            new_b = [x for x in members[b] if x != in_k] + list(out)
             if in_k is not None:
                 new_a.append(in_k)
             need = (mbs[a][0] + mbs[b][0]) * (1 - 1e-6)

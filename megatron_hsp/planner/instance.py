@@ -73,6 +73,8 @@ class Instance:
     dmin: list[int]  # index into sizes of the smallest group that holds sequence i
     work_min: list[float]  # min over fitting sizes of d * time: rank-ms a sequence must cost
     best: list[float]  # min over fitting sizes of time + fixed: a sequence's own critical path
+    times_per_token_floor: list[float]  # min over lengths >= 1 of time(s, size j) / s
+    work_grows_with_size: bool  # d * time(s, d) is non-decreasing in d for every s
     buddy: bool  # all sizes are powers of two dividing the world size: any mix that fits tiles
 
     @classmethod
@@ -99,6 +101,8 @@ class Instance:
             dmin=[int(x) for x in dmin],
             work_min=work.min(axis=1).tolist(),
             best=best.tolist(),
+            times_per_token_floor=[float(cost.seq_ms([1], d)[0]) for d in sizes],
+            work_grows_with_size=_grows(work),
             buddy=all(d & (d - 1) == 0 and cluster.world_size % d == 0 for d in sizes),
         )
 
@@ -118,3 +122,12 @@ class Instance:
         best = self.best
         longest = max(best[i] for i in seq_ids)
         return max(work / self.world_size + self.min_fixed, longest)
+
+
+def _grows(work: np.ndarray) -> bool:
+    """Whether each row is non-decreasing where both neighbours are finite (fitting sizes)."""
+    if work.shape[1] < 2:
+        return True
+    lo, hi = work[:, :-1], work[:, 1:]
+    both = np.isfinite(lo) & np.isfinite(hi)
+    return bool(np.all(hi[both] >= lo[both] * (1 - 1e-12)))

@@ -5,26 +5,26 @@ Pipeline (each stage keeps the best plan so far, so the budget can cut in anywhe
 1. Candidates: micro-batch counts from the memory minimum up (``chunking``), each chunked two
    ways (time-balanced LPT, and FlexSP-style contiguous tokens), scheduled per micro-batch by the
    greedy builder (``greedy``). The best total is the warm start and the fallback.
-2. Exact-ish refinement: each micro-batch of the best candidate, biggest gap to its own floor
-   first, goes to the aggregated MILP (``milp``) over (length bucket x group size) with the greedy
-   schedule as incumbent; a MILP schedule replaces the greedy one only when it is faster.
-3. Plan assembly: aligned rank blocks, estimates, the lower bound (``bounds``), status:
-   ``optimal`` when every micro-batch was proven optimal for its bucketed model (or meets its
-   floor), ``time_limit`` when the budget stopped refinement, ``fallback`` when the budget ran
-   out before any MILP improved or proved anything.
+2. Local search (``improve``): moves and swaps of long sequences, and bulk shifts of short ones,
+   between micro-batches, re-scheduled greedily; first improvement.
+3. Exact-ish refinement: each micro-batch more than ``milp_min_gap`` above its floor, biggest gap
+   first, goes to the aggregated MILP (``milp``) over (length bucket x group size) with the
+   greedy schedule as incumbent; a MILP schedule replaces the greedy one only when it is faster.
+4. Plan assembly: aligned rank blocks, estimates, the lower bound (``bounds``), validation, and
+   the status (see ``milp.refine_microbatches``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_hsp.planner.bounds import instance_lower_bound
 from megatron_hsp.planner.chunking import candidate_counts, chunk_contiguous, chunk_time_balanced
 from megatron_hsp.planner.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
-from megatron_hsp.planner.greedy import groups_makespan, place_groups, schedule_microbatch
+from megatron_hsp.planner.greedy import place_groups, schedule_microbatch
 from megatron_hsp.planner.improve import improve
 from megatron_hsp.planner.instance import GroupSpec, Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.milp import refine_microbatches, require_cbc
@@ -32,6 +32,7 @@ from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 from megatron_hsp.planner.topology import Cluster
 
 BACKENDS = ("highs", "cbc")
+CHUNKINGS = ("time-lpt", "contiguous-tokens")
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,15 @@ class SolverConfig:
     sizes: tuple[int, ...] | None = None  # allowed group sizes; None: all that tile and are costed
     seed: int = 0  # MILP solver random seed
     extra_microbatches: int = 3  # counts tried above the memory minimum
+    chunkings: tuple[str, ...] = CHUNKINGS  # candidate chunkings (see chunking.py)
     use_milp: bool = True  # False: greedy only (status "heuristic")
     max_buckets: int = 16  # length buckets per micro-batch in the MILP
-    improve_evals: int = 120  # local-search moves tried between micro-batches
-    improve_share: float = 0.15  # at most this share of the budget goes to local search
-    milp_slice_s: float = 0.05  # MILP time per micro-batch (the budget caps the total)
+    # Work limits keep results deterministic; the wall-clock budget is the safety net.
+    improve_evals: int = 60  # local-search schedule evaluations between micro-batches
+    improve_share: float = 0.4  # at most this share of the budget goes to local search
+    milp_max_nodes: int = 100  # branch-and-bound nodes per micro-batch MILP
+    milp_min_gap: float = 0.03  # skip the MILP for micro-batches this close to their floor
+    milp_slice_s: float = 0.25  # wall-clock cap per micro-batch MILP
 
 
 @dataclass
@@ -67,8 +72,12 @@ def solve(
     start, cpu_start = time.perf_counter(), time.process_time()
     budget = max(0.0, config.time_budget_s)
     deadline = start + budget
+    # Plan assembly and validation run after the search: keep a slice of the budget for them.
+    search_deadline = deadline - min(0.15 * budget, 0.15)
     if config.backend not in BACKENDS:
         raise InputError(f"unknown solver backend {config.backend!r}; choose from {BACKENDS}")
+    if not config.chunkings or set(config.chunkings) - set(CHUNKINGS):
+        raise InputError(f"chunkings {config.chunkings!r}: choose one or more of {CHUNKINGS}")
     if config.backend == "cbc" and config.use_milp:
         require_cbc()
     sizes = resolve_sizes(cost, cluster, config.sizes)
@@ -76,25 +85,47 @@ def solve(
     inst = Instance.build(checked, cost, cluster, sizes)
     bound = instance_lower_bound(inst)
 
-    best = _greedy_candidates(inst, cluster, config, deadline)
+    phases = {"setup": time.perf_counter() - start}
+    best = _greedy_candidates(inst, cluster, config, search_deadline)
+    phases["greedy"] = time.perf_counter() - start
     if config.improve_evals > 0:
-        improve_until = min(deadline, time.perf_counter() + config.improve_share * budget)
+        improve_until = min(search_deadline, time.perf_counter() + config.improve_share * budget)
         best.microbatches, _ = improve(
             inst, cluster, best.microbatches, improve_until, max_evals=config.improve_evals
         )
         best.total = sum(span for span, _ in best.microbatches)
+    phases["improve"] = time.perf_counter() - start
     status = "heuristic"
+    milp_stats: dict[str, int] = {}
     if config.use_milp:
         status = "fallback"
-        best.microbatches, status = refine_microbatches(
-            inst, cluster, best.microbatches, config, deadline
+        best.microbatches, status, milp_stats = refine_microbatches(
+            inst,
+            cluster,
+            best.microbatches,
+            search_deadline,
+            backend=config.backend,
+            seed=config.seed,
+            max_buckets=config.max_buckets,
+            slice_s=config.milp_slice_s,
+            max_nodes=config.milp_max_nodes,
+            min_gap=config.milp_min_gap,
         )
         best.total = sum(span for span, _ in best.microbatches)
+    phases["milp"] = time.perf_counter() - start
+    plan = _assemble(inst, cluster, cost, best, bound, 0.0, config, status)
+    plan.validate(checked, cost, cluster.world_size)
+    # Timings cover everything, assembly and validation included.
     solve_ms = (time.perf_counter() - start) * 1e3
-    cpu_ms = (time.process_time() - cpu_start) * 1e3
-    plan = _assemble(inst, cluster, cost, best, bound, solve_ms, config, status)
-    plan.extra["cpu_ms"] = round(cpu_ms, 3)
-    return plan.validate(checked, cost, cluster.world_size)
+    phases["assemble"] = solve_ms / 1e3
+    extra = {
+        **plan.extra,
+        "cpu_ms": round((time.process_time() - cpu_start) * 1e3, 3),
+        "milp": milp_stats,
+        # Wall-clock ms at the end of each phase, for budget diagnostics.
+        "phase_end_ms": {k: round(v * 1e3, 3) for k, v in phases.items()},
+    }
+    return replace(plan, solve_ms=solve_ms, extra=extra)
 
 
 def _greedy_candidates(
@@ -106,7 +137,7 @@ def _greedy_candidates(
     m = counts[0]
     tried = 0
     while True:
-        for label, chunks in _chunkings(inst, m):
+        for label, chunks in _chunkings(inst, m, config.chunkings):
             if best is not None and time.perf_counter() > deadline:
                 return best
             cutoff = best.total if best is not None else float("inf")
@@ -124,11 +155,12 @@ def _greedy_candidates(
     return best
 
 
-def _chunkings(inst: Instance, m: int) -> list[tuple[str, list[list[int]]]]:
-    out = [
-        (f"time-lpt/{m}", chunk_time_balanced(inst, m)),
-        (f"contiguous-tokens/{m}", chunk_contiguous(inst, m, "tokens")),
-    ]
+def _chunkings(inst: Instance, m: int, kinds: tuple[str, ...]) -> list[tuple[str, list[list[int]]]]:
+    out = []
+    if "time-lpt" in kinds:
+        out.append((f"time-lpt/{m}", chunk_time_balanced(inst, m)))
+    if "contiguous-tokens" in kinds:
+        out.append((f"contiguous-tokens/{m}", chunk_contiguous(inst, m, "tokens")))
     seen: set[tuple[tuple[int, ...], ...]] = set()
     unique = []
     for label, chunks in out:
@@ -212,4 +244,4 @@ def _first_id(groups: list[GroupSpec]) -> int:
     return min((i for _, ids in groups for i in ids), default=-1)
 
 
-__all__ = ["SolverConfig", "groups_makespan", "solve"]
+__all__ = ["BACKENDS", "CHUNKINGS", "SolverConfig", "solve"]
