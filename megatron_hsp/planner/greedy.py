@@ -47,11 +47,12 @@ def place_groups(
     if inst.buddy:
         return _place_buddy(inst, groups)
     used = bytearray(n)
+    cursor: dict[int, int] = {}
     placed: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     order = sorted(range(len(groups)), key=lambda g: (-groups[g][0], g))
     for g in order:
         d, ids = groups[g]
-        start = _first_free_start(used, n, d)
+        start = _first_free_start(used, n, d, cursor)
         if start < 0:
             return None
         used[start : start + d] = b"\x01" * d
@@ -62,7 +63,7 @@ def place_groups(
             if not cluster.size_fits(d):
                 continue
             while True:
-                start = _first_free_start(used, n, d)
+                start = _first_free_start(used, n, d, cursor)
                 if start < 0:
                     break
                 used[start : start + d] = b"\x01" * d
@@ -100,16 +101,21 @@ def _place_buddy(
     return placed
 
 
-def _first_free_start(used: bytearray, n: int, d: int) -> int:
+def _first_free_start(used: bytearray, n: int, d: int, cursor: dict[int, int]) -> int:
     """First start (a multiple of ``d``) of ``d`` free ranks; -1 when none.
 
     Callers only pass sizes that ``Cluster.size_fits``, so a block starting at a multiple of
     ``d`` is aligned: inside one node for ``d <= gpus_per_node``, whole nodes otherwise.
+    ``used`` only ever fills up, so the first free start for a size never moves backwards:
+    ``cursor`` remembers it per size, which keeps placing n single ranks linear instead of
+    quadratic in n (it dominated solve time at 1024 ranks).
     """
     zero = bytes(d)
-    for start in range(0, n - d + 1, d):
+    for start in range(cursor.get(d, 0), n - d + 1, d):
         if used[start : start + d] == zero:
+            cursor[d] = start
             return start
+    cursor[d] = n
     return -1
 
 
