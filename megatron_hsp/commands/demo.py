@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # A cost model for the demo's tiny GPT on CPU ranks. The memory cap (tokens_per_rank) is what
-# makes plans heterogeneous: a document over 512 tokens needs a group of 2, over 1024 a group of
-# 4, and longer ones are split into 2048-token pieces. Time coefficients were fitted on a 2-core
+# makes plans heterogeneous: a document over 1024 tokens needs a group of 2, over 2048 a group of
+# 4, and longer ones are split into 4096-token pieces. At 512 tokens per rank every micro-batch
+# was memory-bound (all groups of 4); 1024 leaves the planner room to mix sizes. Time coefficients were fitted on a 2-core
 # CPU for DEMO_MODEL (fwd+bwd per rank; see docs/integration.md); predicted step times are
 # therefore of the right order here, not on other machines.
 DEMO_COST_MODEL: dict[str, Any] = {
@@ -33,7 +34,7 @@ DEMO_COST_MODEL: dict[str, Any] = {
         "linear_ms_per_token": 0.12,
         "group_fixed_ms": 30.0,
         "a2a_ms_per_token": {2: 0.03, 4: 0.04},
-        "tokens_per_rank": 512,
+        "tokens_per_rank": 1024,
     },
 }
 DEMO_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2)
