@@ -24,9 +24,9 @@ from typing import Any
 # A cost model for the demo's tiny GPT on CPU ranks. The memory cap (tokens_per_rank) is what
 # makes plans heterogeneous: a document over 1024 tokens needs a group of 2, over 2048 a group of
 # 4, and longer ones are split into 4096-token pieces. At 512 tokens per rank every micro-batch
-# was memory-bound (all groups of 4); 1024 leaves the planner room to mix sizes. Time coefficients were fitted on a 2-core
-# CPU for DEMO_MODEL (fwd+bwd per rank; see docs/integration.md); predicted step times are
-# therefore of the right order here, not on other machines.
+# was memory-bound (all groups of 4); 1024 leaves the planner room to mix sizes. Time
+# coefficients were fitted on a 2-core CPU for DEMO_MODEL (fwd+bwd per rank; see
+# docs/integration.md); predicted step times are of the right order here, not elsewhere.
 DEMO_COST_MODEL: dict[str, Any] = {
     "name": "demo-cpu-tiny-gpt",
     "coefficients": {
