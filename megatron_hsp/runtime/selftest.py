@@ -216,44 +216,26 @@ def build_cases(nproc: int) -> list[Case]:
 
 
 def build_model(shape: ModelShape):
-    """A megatron-core ``GPTModel`` with the HSP attention spec, built on the CPU in fp32."""
-    import torch
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """A megatron-core ``GPTModel`` with the HSP attention spec, built on the CPU in fp32.
 
-    from megatron_hsp.megatron.spec import hsp_gpt_layer_spec
-    from megatron_hsp.runtime.testing import use_cpu_rotary
+    Untied embeddings (GPTModel's default), so the output layer's gradient is compared on its
+    own; the TP size comes from megatron's parallel state (the tp=2 case).
+    """
+    from megatron_hsp.runtime.testing import tiny_gpt_model
 
-    config = TransformerConfig(
+    return tiny_gpt_model(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_query_groups,
         ffn_hidden_size=shape.ffn_hidden_size,
-        tensor_model_parallel_size=_tp_size(),
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        calculate_per_token_loss=True,
-    )
-    torch.manual_seed(shape.seed)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=hsp_gpt_layer_spec(
-            use_transformer_engine=False, attention_backend="torch"
-        ),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_sequence_length,
-        position_embedding_type="rope",
-        share_embeddings_and_output_weights=False,
+        seed=shape.seed,
+        attention_backend="torch",
+        tensor_model_parallel_size=_tp_size(),
+        calculate_per_token_loss=True,
     )
-    return use_cpu_rotary(model)
 
 
 def _tp_size() -> int:

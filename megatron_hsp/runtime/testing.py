@@ -120,6 +120,8 @@ def tiny_gpt_model(
     max_sequence_length: int = 512,
     seed: int = 0,
     attention_backend: str = "torch",
+    ffn_hidden_size: int | None = None,
+    share_embeddings_and_output_weights: bool = False,
     **config_overrides: Any,
 ) -> torch.nn.Module:
     """A small fp32 megatron-core ``GPTModel`` (RoPE, GQA, no dropout) with HSP attention, on CPU.
@@ -135,7 +137,7 @@ def tiny_gpt_model(
     config = TransformerConfig(
         num_layers=num_layers,
         hidden_size=hidden_size,
-        ffn_hidden_size=4 * hidden_size,
+        ffn_hidden_size=ffn_hidden_size or 4 * hidden_size,
         num_attention_heads=num_attention_heads,
         num_query_groups=num_query_groups,
         use_cpu_initialization=True,
@@ -155,6 +157,7 @@ def tiny_gpt_model(
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         position_embedding_type="rope",
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
     )
     return use_cpu_rotary(model)
 
