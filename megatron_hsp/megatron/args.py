@@ -30,7 +30,11 @@ class HSPArgsError(InputError):
 
 
 def parse_tokens(text: str) -> int:
-    """``192k`` -> 196608, ``1m`` -> 1048576, ``4096`` -> 4096 (binary k/m, as FlexSP)."""
+    """``192k`` -> 196608, ``1m`` -> 1048576, ``4096`` -> 4096 (binary k/m, as Megatron users write
+    sequence lengths). Note: ``megatron-hsp plan/bench --max-seq`` follow FlexSP instead
+    (``planner.lengths.parse_max_seq``: ``192k`` -> 192000); the cost model's ``max_seq_k`` is
+    derived consistently on each path (``/ 1024`` here, ``/ 1000`` there).
+    """
     m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 4096, 192k, 1m)")
