@@ -1,8 +1,8 @@
 """``python -m megatron_hsp.launch PATH/TO/pretrain_gpt.py <megatron args> --hsp ...``
 
 Runs the user's unchanged Megatron-LM script as ``__main__`` after installing the HSP entry
-points (``megatron_hsp.megatron.install.install_entry_points``). Use it under torchrun exactly like
-the script itself: ``torchrun --nproc-per-node 8 -m megatron_hsp.launch pretrain_gpt.py ...``.
+points (``megatron_hsp.megatron.installer.install_entry_points``). Use it under torchrun exactly
+like the script itself: ``torchrun --nproc-per-node 8 -m megatron_hsp.launch pretrain_gpt.py ...``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     # the checkout's megatron/ package, exactly as `python pretrain_gpt.py ...` would.
     sys.argv = [str(script), *argv[1:]]
     sys.path.insert(0, str(script.resolve().parent))
-    from megatron_hsp.megatron.install import install_entry_points
+    from megatron_hsp.megatron.installer import install_entry_points
 
     install_entry_points()
     runpy.run_path(str(script), run_name="__main__")

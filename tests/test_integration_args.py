@@ -15,7 +15,17 @@ from megatron_hsp.megatron.args import (
     validate_hsp_args,
 )
 
-BASE = ["--num-attention-heads", "8", "--global-batch-size", "64", "--seq-length", "4096"]
+# --eval-iters 0: --hsp serves no validation split (test_evaluation_is_refused_naming_the_flag).
+BASE = [
+    "--num-attention-heads",
+    "8",
+    "--global-batch-size",
+    "64",
+    "--seq-length",
+    "4096",
+    "--eval-iters",
+    "0",
+]
 
 
 def test_flags_off_by_default_and_validation_is_a_no_op():
@@ -89,6 +99,8 @@ def test_heads_not_divisible_by_requested_size():
             "8",
             "--seq-length",
             "64",
+            "--eval-iters",
+            "0",
             "--hsp",
             "--hsp-group-sizes",
             "1,2,4",
@@ -100,7 +112,10 @@ def test_heads_not_divisible_by_requested_size():
 
 def test_auto_sizes_leave_out_non_dividing_and_say_so():
     args = parse(
-        ["--num-attention-heads", "6", "--global-batch-size", "8", "--seq-length", "64", "--hsp"]
+        [
+            *("--num-attention-heads", "6", "--global-batch-size", "8", "--seq-length", "64"),
+            *("--eval-iters", "0", "--hsp"),
+        ]
     )
     cfg = validate_hsp_args(args, env={})
     assert cfg.group_sizes == (1, 2)
@@ -114,12 +129,21 @@ def test_illegal_size_for_topology():
 
 
 def test_context_parallel_interplay():
+    # Megatron's model build with a static CP group fails under HSP attention: refused up front.
     args = parse([*BASE, "--hsp", "--context-parallel-size", "2"])
-    cfg = validate_hsp_args(args, env={})
-    assert cfg.world_size == 8
-    assert any("--context-parallel-size 2" in n for n in cfg.notes)
+    with pytest.raises(HSPArgsError, match=r"--context-parallel-size 2.*Use --context-parallel"):
+        validate_hsp_args(args, env={})
     with pytest.raises(HSPArgsError, match="--hybrid-context-parallel"):
         validate_hsp_args(parse([*BASE, "--hsp", "--hybrid-context-parallel"]), env={})
+
+
+def test_evaluation_is_refused_naming_the_flag():
+    # Megatron's default --eval-iters 100 would run evaluate() on the None validation iterator.
+    default = [a for a in BASE if a not in ("--eval-iters", "0")]
+    with pytest.raises(HSPArgsError, match=r"--eval-iters 100 .*pass --eval-iters 0"):
+        validate_hsp_args(parse([*default, "--hsp"]), env={})
+    with pytest.raises(HSPArgsError, match=r"--full-validation"):
+        validate_hsp_args(parse([*BASE, "--hsp", "--full-validation"]), env={})
 
 
 def test_micro_batch_size_must_be_one():
@@ -132,7 +156,10 @@ def test_token_budget_sampling_and_missing_batch():
     assert cfg.token_budget == 65536 and cfg.global_batch_docs is None
     with pytest.raises(HSPArgsError, match="--global-batch-size"):
         validate_hsp_args(
-            parse(["--num-attention-heads", "8", "--seq-length", "8", "--hsp"]), env={}
+            parse(
+                ["--num-attention-heads", "8", "--seq-length", "8", "--eval-iters", "0", "--hsp"]
+            ),
+            env={},
         )
 
 
@@ -157,3 +184,23 @@ def test_provider_is_idempotent():
 def test_parsers():
     assert parse_tokens("192k") == 196608 and parse_tokens("2m") == 2097152
     assert parse_sizes("auto") is None and parse_sizes("4,1,2,2") == (1, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("attr", "value", "flag"),
+    [
+        ("num_experts", 8, "--num-experts 8"),
+        ("mtp_num_layers", 1, "--mtp-num-layers 1"),
+        ("multi_latent_attention", True, "--multi-latent-attention"),
+        ("experimental_attention_variant", "dsa", "--experimental-attention-variant dsa"),
+        ("transformer_impl", "inference_optimized", "--transformer-impl inference_optimized"),
+    ],
+)
+def test_models_hsp_attention_cannot_carry_are_refused(attr, value, flag):
+    # Attribute names are Megatron's (its parser is not needed to set them).
+    args = parse([*BASE, "--hsp"])
+    setattr(args, attr, value)
+    with pytest.raises(HSPArgsError, match=rf"does not support {flag}\b"):
+        validate_hsp_args(args, env={})
+    setattr(args, attr, None)
+    assert validate_hsp_args(args, env={}) is not None

@@ -1,8 +1,8 @@
-"""install(), the listed patches and observability, without Megatron-LM's training package.
+"""install(), the listed patches and observability, on stand-in Megatron training modules.
 
-megatron/training is not in the megatron-core wheel (and its loop needs CUDA), so the patch
-wrappers are exercised on stand-in modules with the same attribute names; docs/integration.md
-says which parts only a GPU run covers.
+The stand-ins have the attribute names and parameter names of megatron-core 0.19's
+``megatron/training`` so each wrapper is checked in isolation; Megatron's real ``train_step`` with
+these patches is run by ``megatron_hsp.testing.megatron_loop`` (``selftest --megatron``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import types
 import pytest
 from tests_support_args import parse
 
-from megatron_hsp.megatron import hooks, patches
-from megatron_hsp.megatron.install import install
+from megatron_hsp.megatron import hooks, install, patches
 from megatron_hsp.megatron.observe import StepObserver, StepRecord, group_imbalance
 from megatron_hsp.planner.errors import HSPError
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
@@ -29,13 +28,24 @@ def stand_in_megatron_training(monkeypatch):
     training = types.ModuleType("megatron.training.training")
     calls = []
     training.get_num_microbatches = lambda: 7
-    training.train_step = lambda *a, **kw: (
-        calls.append(training.get_num_microbatches())
-        or (
-            {"lm loss": 2.5},
-            False,
-        )
-    )
+
+    def train_step(
+        forward_step_func,
+        data_iterator,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        config,
+        forward_backward_func,
+        iteration=None,
+    ):
+        # What Megatron's train_step does with the count: the schedule gets it, and so does the
+        # LR scheduler increment (get_num_microbatches() * micro_batch_size * dp size).
+        forward_backward_func(num_microbatches=training.get_num_microbatches())
+        calls.append(("increment", training.get_num_microbatches()))
+        return {"lm loss": 2.5}, False
+
+    training.train_step = train_step
     pkg.training = training
     monkeypatch.setitem(sys.modules, "megatron.training", pkg)
     monkeypatch.setitem(sys.modules, "megatron.training.training", training)
@@ -52,6 +62,19 @@ def plan2() -> Plan:
     return Plan(2, 2, (mb1, mb2), est_step_ms=14.0, solve_ms=3.0, solver="highs")
 
 
+HSP_ARGS = [
+    "--num-attention-heads",
+    "8",
+    "--global-batch-size",
+    "8",
+    "--seq-length",
+    "64",
+    "--eval-iters",
+    "0",
+    "--hsp",
+]
+
+
 def test_without_hsp_nothing_changes():
     args = parse(["--num-attention-heads", "8", "--global-batch-size", "8", "--seq-length", "64"])
     provider, forward = object(), object()
@@ -61,10 +84,7 @@ def test_without_hsp_nothing_changes():
 
 def test_install_needs_megatron_training_and_says_so(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron.training.training", None)
-    args = parse(
-        ["--num-attention-heads", "8", "--global-batch-size", "8", "--seq-length", "64", "--hsp"],
-        world_size=2,
-    )
+    args = parse(HSP_ARGS, world_size=2)
     try:
         with pytest.raises(HSPError, match=r"Megatron-LM's megatron\.training\.training"):
             install(args)
@@ -73,31 +93,22 @@ def test_install_needs_megatron_training_and_says_so(monkeypatch):
         hooks.set_run(None)
 
 
-def test_install_rejects_a_foreign_spec(stand_in_megatron_training):
-    args = parse(
-        ["--num-attention-heads", "8", "--global-batch-size", "8", "--seq-length", "64", "--hsp"],
-        world_size=2,
-    )
-    args.spec = ["my.module", "my_spec"]
-    with pytest.raises(HSPError, match=r"--spec my\.module my_spec conflicts with --hsp"):
-        install(args)
+def test_install_keeps_a_user_spec_as_the_base(stand_in_megatron_training):
+    args = parse([*HSP_ARGS, "--spec", "my.module", "my_spec"], world_size=2)
+    install(args)
+    assert args.hsp_base_spec == ["my.module", "my_spec"]
+    assert args.spec == ["megatron_hsp.megatron.layer_spec", "hsp_layer_spec"]
 
 
-def test_patched_step_counts_come_from_the_plan_only_inside_train_step(
+def test_patched_step_counts_come_from_the_plan_only_in_the_schedule(
     stand_in_megatron_training, monkeypatch
 ):
     training, calls = stand_in_megatron_training
-    args = parse(
-        ["--num-attention-heads", "8", "--global-batch-size", "8", "--seq-length", "64", "--hsp"],
-        world_size=2,
-    )
+    args = parse(HSP_ARGS, world_size=2)
     provider, forward = install(args, "theirs", "theirs")
     assert (provider, forward) == (hooks.hsp_datasets_provider, hooks.hsp_forward_step)
     assert args.spec == ["megatron_hsp.megatron.layer_spec", "hsp_layer_spec"]
-    assert sorted(patches.applied()) == [
-        "megatron.training.training.get_num_microbatches",
-        "megatron.training.training.train_step",
-    ]
+    assert patches.applied() == ["megatron.training.training.train_step"]
     run = hooks.active_run()
     out = io.StringIO()
     run.observer = StepObserver(stream=out)
@@ -108,8 +119,14 @@ def test_patched_step_counts_come_from_the_plan_only_inside_train_step(
 
     monkeypatch.setattr(hooks, "begin_step", fake_begin)
     assert training.get_num_microbatches() == 7  # outside a step: Megatron's own count
-    result = training.train_step("model", "optimizer")
-    assert calls == [2]  # inside: the plan's two micro-batches
+
+    def schedule(**kw):
+        calls.append(("schedule", kw["num_microbatches"]))
+
+    result = training.train_step("fwd", "it", "model", "opt", "sched", "cfg", schedule)
+    # The schedule runs the plan's two micro-batches; the LR increment keeps Megatron's count
+    # (the global batch), as without --hsp.
+    assert calls == [("schedule", 2), ("increment", 7)]
     assert training.get_num_microbatches() == 7
     assert result[0] == {"lm loss": 2.5}
     line = out.getvalue()

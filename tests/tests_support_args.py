@@ -23,6 +23,8 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataloader-type", default=None)
     p.add_argument("--hybrid-context-parallel", action="store_true")
     p.add_argument("--spec", nargs="*", default=None)
+    p.add_argument("--eval-iters", type=int, default=100)
+    p.add_argument("--full-validation", action="store_true")
     return p
 
 

@@ -13,7 +13,11 @@ __all__ = ["add_hsp_args", "hsp_extra_args_provider", "install", "validate_hsp_a
 
 
 def install(*args: Any, **kwargs: Any):
-    """See ``megatron_hsp.megatron.install.install``."""
-    from megatron_hsp.megatron.install import install as _install
+    """See ``megatron_hsp.megatron.installer.install``.
+
+    The implementation lives in ``installer`` (not a submodule named ``install``): importing a
+    submodule binds it as a package attribute, which would shadow this function.
+    """
+    from megatron_hsp.megatron.installer import install as _install
 
     return _install(*args, **kwargs)

@@ -213,6 +213,48 @@ def legal_group_sizes(world_size: int, slots_per_node: int) -> list[int]:
     return [d for d in inside + across if d <= world_size]
 
 
+# Flags whose model is not a dense GPT layer spec with megatron-core SelfAttention, which is what
+# ``with_hsp_attention`` rewrites (and what the exactness checks cover). Dense options carried
+# through unchanged: --qk-layernorm, --qk-l2-norm, --normalization, --use-te-activation-func,
+# --transformer-impl, --spec (the user's spec gets HSP attention swapped in).
+_UNCARRIED_FEATURES: tuple[tuple[str, str, str], ...] = (
+    ("num_experts", "--num-experts", "MoE layers (block spec, aux losses per micro-batch)"),
+    (
+        "mtp_num_layers",
+        "--mtp-num-layers",
+        "multi-token prediction (MTP layers keep their own "
+        "attention and roll labels across packed documents)",
+    ),
+    ("multi_latent_attention", "--multi-latent-attention", "MLA attention"),
+    (
+        "experimental_attention_variant",
+        "--experimental-attention-variant",
+        "experimental attention variants",
+    ),
+    (
+        "heterogeneous_layers_config_path",
+        "--heterogeneous-layers-config-path",
+        "heterogeneous layer configs",
+    ),
+)
+
+
+def _refuse_specs_hsp_cannot_carry(args: argparse.Namespace) -> None:
+    """HSP replaces only megatron-core ``SelfAttention``; refuse models built another way."""
+    for attr, flag, what in _UNCARRIED_FEATURES:
+        value = getattr(args, attr, None)
+        if value:
+            raise HSPArgsError(
+                f"--hsp does not support {flag} {value if value is not True else ''}".rstrip()
+                + f": {what} cannot carry HSP attention; drop {flag} or --hsp"
+            )
+    impl = getattr(args, "transformer_impl", None)
+    if impl not in (None, "local", "transformer_engine"):
+        raise HSPArgsError(
+            f"--hsp does not support --transformer-impl {impl}; use transformer_engine or local"
+        )
+
+
 def validate_hsp_args(
     args: argparse.Namespace, env: Mapping[str, str] | None = None
 ) -> HSPConfig | None:
@@ -254,13 +296,26 @@ def validate_hsp_args(
         raise HSPArgsError(
             f"world size {world} is not a multiple of --tensor-model-parallel-size {tp}"
         )
-    # HSP groups are built over the data-parallel x context-parallel ranks; Megatron's static
-    # CP group is not used for attention, its ranks simply become sequence-parallel slots.
-    sp_world = world // (tp * pp)
     if cp > 1:
-        notes.append(
-            f"--context-parallel-size {cp}: HSP plans over all {sp_world} data x context "
-            "parallel ranks; the static context-parallel group is not used for attention"
+        # Megatron builds the model for its static context-parallel group (TE attention with
+        # cp_comm_type, RoPE split by CP rank), which HSP's attention does not use: the model
+        # build fails. HSP's own groups already give sequence parallelism over data ranks.
+        raise HSPArgsError(
+            f"--hsp does not support --context-parallel-size {cp}: HSP forms its own "
+            "sequence-parallel groups over the data-parallel ranks every step. Use "
+            "--context-parallel-size 1 (the same GPUs become HSP ranks), or drop --hsp."
+        )
+    sp_world = world // (tp * pp)
+    eval_iters = _get(args, "eval_iters", 0) or 0
+    if eval_iters > 0 or getattr(args, "full_validation", False):
+        flag = (
+            "--full-validation"
+            if getattr(args, "full_validation", False)
+            else (f"--eval-iters {eval_iters} (Megatron's default is 100)")
+        )
+        raise HSPArgsError(
+            f"--hsp serves no validation split yet, so {flag} would make Megatron's evaluation "
+            "pull from no data iterator; pass --eval-iters 0 (and no --full-validation)"
         )
 
     gpn = args.hsp_gpus_per_node or _gpus_per_node_from_env(env) or world
@@ -327,6 +382,8 @@ def validate_hsp_args(
             f"{kv_heads // tp} KV heads per tensor-parallel rank are fewer than the largest "
             f"group ({max(sizes)}); KV heads are replicated inside such groups"
         )
+
+    _refuse_specs_hsp_cannot_carry(args)
 
     if not getattr(args, "calculate_per_token_loss", False):
         args.calculate_per_token_loss = True

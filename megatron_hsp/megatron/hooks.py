@@ -8,8 +8,9 @@ Megatron seams used (no patch needed):
 * the layer spec (``--spec megatron_hsp.megatron.layer_spec hsp_layer_spec``) puts HSP attention
   in every layer.
 
-The two things without a seam (the per-step micro-batch count and a per-step hook) are in
-``patches.py``; they call ``begin_step`` / ``current_num_microbatches`` here.
+The one thing without a seam (a per-step hook that also hands the schedule the plan's micro-batch
+count) is the ``train_step`` patch in ``patches.py``; it calls ``begin_step`` /
+``current_num_microbatches`` here.
 
 Only a GPU run exercises this module end to end: Megatron's training loop allocates CUDA tensors
 unconditionally (see docs/integration.md). The pieces it composes are tested on CPU.
@@ -39,7 +40,6 @@ class HSPRun:
     current: PreparedStep | None = None
     inputs: list[Any] = field(default_factory=list)
     step_started: float = 0.0
-    in_step: bool = False
     local_multiple: int = 1  # per-rank token count multiple (TP size under --sequence-parallel)
     device: Any = None
 
@@ -157,8 +157,8 @@ class _MicroBatchIterator:
         if not self.run.inputs:
             raise RuntimeError(
                 "megatron-hsp: the schedule asked for more micro-batches than the plan has; "
-                "get_num_microbatches is not patched (was megatron_hsp.megatron.install called "
-                "before pretrain()?)"
+                "train_step is not patched (was megatron_hsp.megatron.install called before "
+                "pretrain()?)"
             )
         return self.run.inputs.pop(0)
 

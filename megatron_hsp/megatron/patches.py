@@ -6,14 +6,18 @@ Seams come first (``hooks.py``: dataset provider, forward step, layer spec via `
 =================================================  ===============================================
 replaced attribute                                 why
 =================================================  ===============================================
-``megatron.training.training.get_num_microbatches``  Megatron's micro-batch calculator returns one
-                                                   constant count; HSP plans a different number of
-                                                   micro-batches every step. Returns the current
-                                                   plan's count inside ``train_step`` only.
 ``megatron.training.training.train_step``          ``train()`` has no per-step callback; HSP must
                                                    fetch and dispatch the step's plan before the
-                                                   schedule pulls micro-batches (and count them),
-                                                   and measure the step for observability.
+                                                   schedule pulls micro-batches, and measure the
+                                                   step. It also hands the schedule the plan's
+                                                   micro-batch count: ``train_step``'s own
+                                                   ``forward_backward_func`` argument is wrapped
+                                                   to pass ``num_microbatches`` from the plan.
+                                                   ``get_num_microbatches`` itself is NOT patched,
+                                                   so the LR scheduler increment and
+                                                   ``consumed_train_samples`` keep Megatron's
+                                                   count (``--global-batch-size``, see
+                                                   docs/integration.md).
 ``megatron.training.arguments.parse_and_validate_args``  launcher only (unchanged scripts): adds the
                                                    ``--hsp*`` flags to the script's own
                                                    ``extra_args_provider`` and validates them after
@@ -30,7 +34,9 @@ replaced attribute                                 why
                                                    never applied on CUDA.
 =================================================  ===============================================
 
-Each patch checks that the attribute exists with a compatible signature, records the original,
+Each patch checks that the attribute exists and that its parameters have the names HSP binds by
+(``check_parameters``; an unknown shape is refused naming the Megatron version), records the
+original,
 and is undone by ``remove_patches`` (tests). Without ``--hsp`` every patched function behaves
 exactly like the original.
 """
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,10 +63,9 @@ class Patch:
 TRAINING_PATCHES = (
     Patch(
         "megatron.training.training",
-        "get_num_microbatches",
-        "per-step micro-batch count from the plan",
+        "train_step",
+        "per-step hook: plan, dispatch, the plan's micro-batch count, measure",
     ),
-    Patch("megatron.training.training", "train_step", "per-step hook: plan, dispatch, measure"),
 )
 LAUNCHER_PATCHES = (
     Patch(
@@ -77,6 +83,43 @@ LAUNCHER_PATCHES = (
 ALL_PATCHES = TRAINING_PATCHES + LAUNCHER_PATCHES
 
 _originals: dict[tuple[str, str], Any] = {}
+
+# Parameters each patched function must have, by name: the wrappers bind arguments by name, never
+# by position, so a release that reorders them still works and one that renames them is refused.
+REQUIRED_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "train_step": ("forward_backward_func",),
+    "pretrain": ("train_valid_test_dataset_provider", "forward_step_func"),
+    "parse_and_validate_args": ("extra_args_provider",),
+}
+
+
+def megatron_version() -> str:
+    """megatron-core's version string (what error messages name), or ``unknown``."""
+    try:
+        from megatron.core.package_info import __version__
+
+        return str(__version__)
+    except Exception:
+        return "unknown"
+
+
+def check_parameters(patch: Patch, func: Any) -> inspect.Signature:
+    """The signature of ``func``; refuses one without the parameters HSP binds by name."""
+    try:
+        sig = inspect.signature(func)
+    except (TypeError, ValueError) as exc:
+        raise HSPError(
+            f"cannot read the signature of {patch.module}.{patch.attribute} "
+            f"(megatron-core {megatron_version()}); megatron-hsp binds its arguments by name"
+        ) from exc
+    missing = [n for n in REQUIRED_PARAMETERS.get(patch.attribute, ()) if n not in sig.parameters]
+    if missing:
+        raise HSPError(
+            f"{patch.module}.{patch.attribute}{sig} of megatron-core {megatron_version()} has no "
+            f"parameter {', '.join(missing)}, which megatron-hsp rebinds ({patch.why}); use a "
+            "Megatron-LM version listed in patches/README.md"
+        )
+    return sig
 
 
 def _apply(patch: Patch, make: Callable[[Any], Any]) -> None:
@@ -96,8 +139,10 @@ def _apply(patch: Patch, make: Callable[[Any], Any]) -> None:
             f"patches ({patch.why}); use a Megatron-LM version listed in patches/README.md"
         )
     original = getattr(module, patch.attribute)
+    sig = check_parameters(patch, original)
+    wrapper = functools.wraps(original)(make(original, sig))
     _originals[key] = original
-    setattr(module, patch.attribute, functools.wraps(original)(make(original)))
+    setattr(module, patch.attribute, wrapper)
 
 
 def applied() -> list[str]:
@@ -114,28 +159,25 @@ def apply_training_patches() -> None:
     """Patches needed by any HSP run inside Megatron's ``pretrain()`` loop."""
     from megatron_hsp.megatron import hooks
 
-    def make_get_num_microbatches(original):
-        def get_num_microbatches(*a, **kw):
-            run = hooks.active_run()
-            # Only inside train_step: train() compares counts between iterations and asserts
-            # they never decrease, which a per-step plan count would break.
-            if run is None or run.current is None or not run.in_step:
-                return original(*a, **kw)
-            return hooks.current_num_microbatches(run)
-
-        return get_num_microbatches
-
-    def make_train_step(original):
+    def make_train_step(original, sig):
         def train_step(*a, **kw):
             run = hooks.active_run()
             if run is None or run.pipeline is None:
                 return original(*a, **kw)
+            bound = sig.bind(*a, **kw)
             hooks.begin_step(run)
-            run.in_step = True
-            try:
-                out = original(*a, **kw)
-            finally:
-                run.in_step = False
+            count = hooks.current_num_microbatches(run)
+            schedule = bound.arguments["forward_backward_func"]
+
+            # Only the schedule runs the plan's micro-batch count. Megatron's own count
+            # (get_num_microbatches, from --global-batch-size) stays in force for the LR
+            # scheduler increment inside train_step and for consumed_train_samples in train().
+            def forward_backward_func(*fa, **fkw):
+                fkw["num_microbatches"] = count
+                return schedule(*fa, **fkw)
+
+            bound.arguments["forward_backward_func"] = forward_backward_func
+            out = original(*bound.args, **bound.kwargs)
             loss = None
             reduced = out[0] if isinstance(out, tuple) and out else None
             if isinstance(reduced, dict) and "lm loss" in reduced:
@@ -150,38 +192,36 @@ def apply_training_patches() -> None:
 
         return train_step
 
-    _apply(TRAINING_PATCHES[0], make_get_num_microbatches)
-    _apply(TRAINING_PATCHES[1], make_train_step)
+    _apply(TRAINING_PATCHES[0], make_train_step)
 
 
 def apply_launcher_patches(install_fn: Callable[..., Any]) -> None:
     """Entry-point patches for ``python -m megatron_hsp.launch`` (unchanged ``pretrain_gpt.py``)."""
     from megatron_hsp.megatron.args import hsp_extra_args_provider
 
-    def make_parse(original):
-        def parse_and_validate_args(extra_args_provider=None, *a, **kw):
-            args = original(hsp_extra_args_provider(extra_args_provider), *a, **kw)
+    def make_parse(original, sig):
+        def parse_and_validate_args(*a, **kw):
+            bound = sig.bind(*a, **kw)
+            user = bound.arguments.get("extra_args_provider")
+            bound.arguments["extra_args_provider"] = hsp_extra_args_provider(user)
+            args = original(*bound.args, **bound.kwargs)
             install_fn(args)
             return args
 
         return parse_and_validate_args
 
-    def make_pretrain(original):
+    def make_pretrain(original, sig):
         def pretrain(*a, **kw):
-            a = list(a)
+            # By name: the position of these two changed between releases (cfg_container first
+            # since core_r0.19); binding by position would silently swap them.
+            bound = sig.bind(*a, **kw)
             provider_key, forward_key = "train_valid_test_dataset_provider", "forward_step_func"
-            provider = kw.get(provider_key, a[1] if len(a) > 1 else None)
-            forward = kw.get(forward_key, a[3] if len(a) > 3 else None)
-            provider, forward = install_fn(None, provider, forward)
-            if provider_key in kw:
-                kw[provider_key] = provider
-            elif len(a) > 1:
-                a[1] = provider
-            if forward_key in kw:
-                kw[forward_key] = forward
-            elif len(a) > 3:
-                a[3] = forward
-            return original(*a, **kw)
+            provider, forward = install_fn(
+                None, bound.arguments.get(provider_key), bound.arguments.get(forward_key)
+            )
+            bound.arguments[provider_key] = provider
+            bound.arguments[forward_key] = forward
+            return original(*bound.args, **bound.kwargs)
 
         return pretrain
 

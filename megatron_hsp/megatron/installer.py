@@ -1,4 +1,4 @@
-"""``megatron_hsp.megatron.install``: switch HSP on inside a Megatron-LM training script.
+"""``megatron_hsp.megatron.installer``: switch HSP on inside a Megatron-LM training script.
 
 Three ways in, one mechanism:
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_hsp.megatron import hooks, patches
-from megatron_hsp.megatron.args import HSPArgsError, validate_hsp_args
+from megatron_hsp.megatron.args import validate_hsp_args
 
 LAYER_SPEC = ["megatron_hsp.megatron.layer_spec", "hsp_layer_spec"]
 
@@ -46,10 +46,9 @@ def install(
             return datasets_provider, forward_step
         spec = getattr(args, "spec", None)
         if spec and list(spec) != LAYER_SPEC:
-            raise HSPArgsError(
-                f"--spec {' '.join(spec)} conflicts with --hsp, which injects its attention "
-                f"through the layer spec ({' '.join(LAYER_SPEC)}); drop --spec"
-            )
+            # The user's spec stays the base: layer_spec.py swaps HSP attention into it.
+            args.hsp_base_spec = list(spec)
+            _print0(f"--spec {' '.join(spec)}: HSP attention is swapped into this spec")
         args.spec = list(LAYER_SPEC)
         for note in config.notes:
             _print0(note)
