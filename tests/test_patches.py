@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PATCHES = sorted((ROOT / "patches").glob("pretrain_gpt-*.patch"))
 FIXTURES = ROOT / "tests" / "fixtures" / "megatron-lm"
 GIT = shutil.which("git")
+COMMIT_R019 = "f8837c04ef6cbef6cdefb8de001aad63178aebbf"
 
 
 def commit_of(patch: Path) -> str:
@@ -47,62 +48,128 @@ def test_patch_applies_to_its_commit(patch, tmp_path):
     assert (tmp_path / "pretrain_gpt.py").read_bytes() == pristine.read_bytes()
 
 
-# Needs a Megatron-LM checkout (megatron/training is not in the megatron-core wheel):
-#   MEGATRON_LM_MAIN=/path/to/checkout-at-main MEGATRON_LM_CORE_R0_19=/path/... pytest ...
-CHECKOUTS = {"main": "MEGATRON_LM_MAIN", "core_r0.19.0": "MEGATRON_LM_CORE_R0_19"}
+# A Megatron-LM "checkout" built from the fixtures: the script and its sibling modules
+# (gpt_builders.py, model_provider.py) at each commit, with megatron/ (core and training) from the
+# megatron-core wheel installed here. No network and no environment variable needed.
+REFS = {"main": "d98e8a64ddf34856e74b24714e3bedb2f5a39553", "core_r0.19.0": COMMIT_R019}
+SIBLINGS = ("pretrain_gpt", "gpt_builders", "model_provider")
+# Megatron flags for a tiny CPU model (transformer-impl local: no Transformer Engine here).
+TINY = [
+    *("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"),
+    *("--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1"),
+    *("--global-batch-size", "4", "--eval-iters", "0", "--train-iters", "2", "--lr", "1e-3"),
+    *("--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--transformer-impl", "local"),
+    *("--data-path", "unused-prefix"),
+]
+# Stands in for pretrain() alone (the training loop is what selftest --megatron runs); it has the
+# wheel's parameter names, prints what the launcher and the patched script hand it, and returns.
+STAND_IN_PRETRAIN = """
+import sys
+import megatron.training as mt
+import megatron.training.training as t
 
 
-@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name)
-def test_patched_script_parses_hsp_flags(patch, tmp_path):
+def pretrain(cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func,
+             **kw):
+    print("PRETRAIN", train_valid_test_dataset_provider.__module__,
+          train_valid_test_dataset_provider.__name__, forward_step_func.__name__, flush=True)
+
+
+t.pretrain = mt.pretrain = pretrain
+sys.argv = sys.argv[1:]
+if sys.argv[0] == "-m":
+    from megatron_hsp.launch import main
+
+    sys.exit(main(sys.argv[2:]))
+import runpy
+
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def checkout(ref: str, tmp_path: Path, patched: bool) -> Path:
+    """The fixture files of ``ref`` as a script directory (patched or pristine)."""
+    commit = REFS[ref]
+    root = tmp_path / ref
+    root.mkdir()
+    for name in SIBLINGS:
+        shutil.copy(FIXTURES / commit / f"{name}.py.upstream", root / f"{name}.py")
+    if patched:
+        (patch,) = [p for p in PATCHES if p.name.split("-")[1] == ref]
+        subprocess.run([GIT, "apply", str(patch)], cwd=root, check=True)
+    return root
+
+
+def run_script(argv: list[str], cwd: Path, script_dir: Path) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{ROOT}{os.pathsep}{script_dir}",
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+    )
+    return subprocess.run(
+        [sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_fixture_siblings_are_pristine_with_their_license_header():
+    for commit in REFS.values():
+        for name in SIBLINGS:
+            text = (FIXTURES / commit / f"{name}.py.upstream").read_text()
+            assert "NVIDIA CORPORATION" in text.splitlines()[0], (commit, name)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GIT is None, reason="git is not installed")
+@pytest.mark.parametrize("ref", sorted(REFS))
+def test_patched_script_parses_hsp_flags(ref, tmp_path):
     """The patched script builds Megatron's parser with the --hsp flags and exits through
-    argparse (no CUDA needed). Upstream's own ``--help`` crashes on an unescaped ``%`` in a
-    Megatron help string at both commits (see docs/integration.md), so an argparse error on a
-    bad --hsp value is what proves the flags are wired in."""
-    checkout = os.environ.get(CHECKOUTS[patch.name.split("-")[1]])
-    if not checkout:
-        pytest.skip(f"set {CHECKOUTS[patch.name.split('-')[1]]} to a Megatron-LM checkout")
-    # The patched script runs from a scratch dir; its siblings (gpt_builders, model_provider)
-    # and megatron/ come from the checkout on PYTHONPATH, which is left untouched.
-    shutil.copy(
-        FIXTURES / commit_of(patch) / "pretrain_gpt.py.upstream", tmp_path / "pretrain_gpt.py"
-    )
-    subprocess.run([GIT, "apply", str(patch)], cwd=tmp_path, check=True)
-    env = dict(os.environ, PYTHONPATH=f"{checkout}{os.pathsep}{ROOT}", RANK="0", WORLD_SIZE="1")
-    run = subprocess.run(
-        [sys.executable, "pretrain_gpt.py", "--hsp", "--hsp-solver", "nope"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    argparse. Upstream's own ``--help`` crashes on an unescaped ``%`` in a Megatron help string
+    at both commits (see docs/integration.md), so an argparse error on a bad --hsp value is what
+    proves the flags are wired in."""
+    root = checkout(ref, tmp_path, patched=True)
+    run = run_script(["pretrain_gpt.py", "--hsp", "--hsp-solver", "nope"], root, root)
     assert run.returncode == 2, run.stderr[-2000:]
     assert "argument --hsp-solver: invalid choice: 'nope'" in run.stderr
 
 
-@pytest.mark.parametrize("ref", sorted(CHECKOUTS))
+@pytest.mark.slow
+@pytest.mark.parametrize("ref", sorted(REFS))
 def test_launcher_runs_the_unchanged_script(ref, tmp_path):
     """``python -m megatron_hsp.launch pretrain_gpt.py ...`` adds the flags to the unchanged
     upstream script (same argparse check as above)."""
-    checkout = os.environ.get(CHECKOUTS[ref])
-    if not checkout:
-        pytest.skip(f"set {CHECKOUTS[ref]} to a Megatron-LM checkout")
-    env = dict(os.environ, PYTHONPATH=f"{checkout}{os.pathsep}{ROOT}", RANK="0", WORLD_SIZE="1")
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_hsp.launch",
-            str(Path(checkout) / "pretrain_gpt.py"),
-            "--hsp",
-            "--hsp-solver",
-            "nope",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    root = checkout(ref, tmp_path, patched=False)
+    argv = ["-m", "megatron_hsp.launch", str(root / "pretrain_gpt.py"), "--hsp"]
+    run = run_script([*argv, "--hsp-solver", "nope"], tmp_path, root)
     assert run.returncode == 2, run.stderr[-2000:]
     assert "argument --hsp-solver: invalid choice: 'nope'" in run.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GIT is None, reason="git is not installed")
+@pytest.mark.parametrize(
+    ("ref", "patched", "launcher"),
+    [
+        (
+            "main",
+            True,
+            True,
+        ),  # launcher on an already-patched script ('module' not callable before)
+        ("core_r0.19.0", True, True),
+        ("core_r0.19.0", True, False),  # the patched script alone (the library call)
+        ("main", False, True),  # launcher on the unchanged script
+    ],
+)
+def test_pretrain_gets_hsp_provider_and_forward_step(ref, patched, launcher, tmp_path):
+    """Megatron's real argument parsing and validation, ``install`` and the builder's layer spec
+    (``--spec`` -> layer_spec.py over gpt_builders) run; ``pretrain`` receives HSP's hooks."""
+    root = checkout(ref, tmp_path, patched=patched)
+    (tmp_path / "stand_in.py").write_text(STAND_IN_PRETRAIN)
+    script = str(root / "pretrain_gpt.py")
+    entry = ["-m", "megatron_hsp.launch", script] if launcher else [script]
+    run = run_script([str(tmp_path / "stand_in.py"), *entry, *TINY, "--hsp"], tmp_path, root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "PRETRAIN megatron_hsp.megatron.hooks hsp_datasets_provider hsp_forward_step" in (
+        run.stdout
+    ), run.stdout[-2000:]
