@@ -14,7 +14,7 @@ import torch
 
 from megatron_hsp.runtime.dispatch import GlobalBatch, dispatch_all
 from megatron_hsp.runtime.loss import LossAccumulator, allreduce_gradients, masked_loss_sum
-from megatron_hsp.runtime.manual_plan import manual_plan
+from megatron_hsp.testing.manual_plan import manual_plan
 
 LENGTHS = [17, 9, 5, 3, 2, 1, 1, 12]
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from megatron_hsp import cli
-from megatron_hsp.runtime.selftest import GRAD_REL_TOL, LOSS_REL_TOL, build_cases
+from megatron_hsp.testing.selftest import GRAD_REL_TOL, LOSS_REL_TOL, build_cases
 
 CASE_KEYS = {
     "name",
@@ -33,7 +33,7 @@ def test_cases_cover_the_required_layouts():
     at_limit = cases["document-at-memory-limit"]
     plan = at_limit.plan()
     group = plan.microbatches[0].groups[0]
-    from megatron_hsp.runtime.selftest import memory_limit_model
+    from megatron_hsp.testing.selftest import memory_limit_model
 
     cm = memory_limit_model(at_limit.tokens_per_rank, at_limit.slots)
     assert group.lengths == (cm.capacity(group.size),)  # exactly at the limit
@@ -49,7 +49,7 @@ def test_bad_nproc_is_a_clear_error(capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [4, 8])
 def test_selftest_matches_single_device(nproc):
-    from megatron_hsp.runtime.selftest import run_selftest
+    from megatron_hsp.testing.selftest import run_selftest
 
     result = run_selftest(nproc, timeout_s=840)
     by_name = {c.name: c for c in result["_results"]}

@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hsp.runtime.selftest import build_cases, case_table, run_selftest
+    from megatron_hsp.testing.selftest import build_cases, case_table, run_selftest
 
     build_cases(args.nproc)  # validates --nproc before anything is spawned
     result = run_selftest(args.nproc, timeout_s=args.timeout)

@@ -23,7 +23,7 @@ replaced attribute                                 why
                                                    ``--hsp`` is on (the patched ``pretrain_gpt.py``
                                                    does this itself instead).
 ``RotaryEmbedding`` instances of a CPU-built model  CPU runs only (selftest, demo, tests):
-(``runtime.testing.use_cpu_rotary``)               megatron-core 0.19.2's ``get_emb`` always moves
+(``testing.dist.use_cpu_rotary``)                  megatron-core 0.19.2's ``get_emb`` always moves
                                                    its table to CUDA. The class of those instances
                                                    is swapped for a subclass that keeps the
                                                    table on the model's device; no global patch,

@@ -25,7 +25,7 @@ import numpy as np
 from megatron_hsp.planner.costmodel import CostModel
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.plan import Plan
-from megatron_hsp.runtime.manual_plan import Layout, manual_plan
+from megatron_hsp.testing.manual_plan import Layout, manual_plan
 
 LOSS_REL_TOL = 1e-6
 GRAD_REL_TOL = 1e-5
@@ -221,7 +221,7 @@ def build_model(shape: ModelShape):
     Untied embeddings (GPTModel's default), so the output layer's gradient is compared on its
     own; the TP size comes from megatron's parallel state (the tp=2 case).
     """
-    from megatron_hsp.runtime.testing import tiny_gpt_model
+    from megatron_hsp.testing.dist import tiny_gpt_model
 
     return tiny_gpt_model(
         num_layers=shape.num_layers,
@@ -372,7 +372,7 @@ def distributed_worker(rank: int, world_size: int, cases: list[Case], shape: Mod
 
     from megatron_hsp.runtime.agreement import agree_on_plan, check_executable
     from megatron_hsp.runtime.groups import create_groups_from_megatron
-    from megatron_hsp.runtime.testing import init_cpu_megatron
+    from megatron_hsp.testing.dist import init_cpu_megatron
 
     t_ref = time.perf_counter()
     reference = compute_reference(cases, shape)
@@ -444,7 +444,7 @@ def distributed_worker(rank: int, world_size: int, cases: list[Case], shape: Mod
 
 def run_selftest(nproc: int, shape: ModelShape | None = None, timeout_s: float = 600.0) -> dict:
     """Run every case on ``nproc`` gloo processes; the ``selftest --json`` document plus timing."""
-    from megatron_hsp.runtime.testing import raise_rank_errors, run_distributed
+    from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
     shape = shape or ModelShape()
     cases = build_cases(nproc)
