@@ -124,7 +124,7 @@ def test_with_hsp_attention_rewrites_a_megatron_decoder_block_spec(megatron_cpu)
 
     from megatron_hsp.megatron.spec import with_hsp_attention
     from megatron_hsp.runtime.attention import HSPCoreAttention, HSPSelfAttention
-    from megatron_hsp.testing.dist import use_cpu_rotary
+    from megatron_hsp.testing.cpu_shims import use_cpu_rotary
 
     config = tiny_gpt_model().config
     block = with_hsp_attention(get_gpt_decoder_block_spec(config, use_transformer_engine=False))
