@@ -129,7 +129,12 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
             ),
             background=cfg.background_planner,
         )
-    run.device = torch.device("cuda", torch.cuda.current_device())
+    # The model's device: CUDA in training; CPU where there is none (``selftest --megatron``).
+    run.device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     # Megatron's sequence parallelism splits each rank's tokens over the TP group again.
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     run.local_multiple = tp if getattr(args, "sequence_parallel", False) else 1

@@ -64,3 +64,91 @@ def cpu_attention_scores_buffer(numel: int, dtype: torch.dtype = torch.float32) 
     current = buffers.get(("mpu", dtype))
     if current is None or current.numel() < numel:
         buffers[("mpu", dtype)] = torch.empty(numel, dtype=dtype, device="cpu")
+
+
+def _names_cuda(device: object) -> bool:
+    if isinstance(device, int):  # torch.cuda.current_device() is an index into CUDA devices
+        return True
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class CpuPlacement(torch.overrides.TorchFunctionMode):
+    """Places on the CPU every tensor megatron-core's training path asks for on CUDA.
+
+    Megatron's DDP grad buffers, distributed-optimizer buffers, loss/grad-norm reductions and
+    scheduler bookkeeping allocate with ``device=torch.cuda.current_device()`` or call
+    ``.cuda()`` unconditionally. Under this mode a ``device=`` naming CUDA becomes the CPU and
+    ``Tensor.cuda()`` is the identity; ``Tensor.type()`` (no argument) names the CPU as the
+    training device, ``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``, because
+    ``clip_grad_by_total_norm_fp32`` asserts the gradient's type string (its dtype part is still
+    checked). Nothing else about any call changes. Used by
+    ``testing/megatron_loop.py`` only, inside ``cpu_megatron_training()``.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        if _names_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) > 1 and _names_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stands in for ``torch.cuda.Stream`` on the CPU: CPU work is ordered already."""
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self) -> _NullStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class cpu_megatron_training:  # noqa: N801 - used as a context manager, like torch's own
+    """Run megatron-core's training path (DDP, optimizer, ``train_step``) on the CPU.
+
+    Device placement only: ``CpuPlacement`` for allocations, and these ``torch.cuda`` entry points
+    answered for a machine whose only device is the CPU -- ``current_device`` (index 0, which
+    ``CpuPlacement`` maps to the CPU), ``Stream``/``current_stream``/``stream`` (no-op streams:
+    CPU work is ordered), ``synchronize`` (nothing to wait for), ``empty_cache``. Restored on exit.
+    """
+
+    _REPLACED = {
+        "current_device": lambda: 0,
+        "Stream": lambda *a, **k: _NullStream(),
+        "current_stream": lambda *a, **k: _NullStream(),
+        "stream": lambda s=None: _NullStream(),
+        "synchronize": lambda *a, **k: None,
+        "empty_cache": lambda: None,
+    }
+
+    def __enter__(self) -> cpu_megatron_training:
+        if torch.cuda.is_available():
+            raise RuntimeError("cpu_megatron_training is for machines without CUDA")
+        self._saved = {name: getattr(torch.cuda, name) for name in self._REPLACED}
+        for name, fn in self._REPLACED.items():
+            setattr(torch.cuda, name, fn)
+        self._mode = CpuPlacement()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(None, None, None)
+        for name, fn in self._saved.items():
+            setattr(torch.cuda, name, fn)
