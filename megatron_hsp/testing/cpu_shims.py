@@ -17,6 +17,8 @@ This module imports nothing from ``megatron_hsp``: the selftest's independent re
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 
 
@@ -120,7 +122,7 @@ class _NullStream:
         pass
 
 
-class cpu_megatron_training:  # noqa: N801 - used as a context manager, like torch's own
+class cpu_megatron_training:
     """Run megatron-core's training path (DDP, optimizer, ``train_step``) on the CPU.
 
     Device placement only: ``CpuPlacement`` for allocations, and these ``torch.cuda`` entry points
@@ -129,7 +131,7 @@ class cpu_megatron_training:  # noqa: N801 - used as a context manager, like tor
     CPU work is ordered), ``synchronize`` (nothing to wait for), ``empty_cache``. Restored on exit.
     """
 
-    _REPLACED = {
+    _REPLACED: ClassVar[dict[str, Any]] = {
         "current_device": lambda: 0,
         "Stream": lambda *a, **k: _NullStream(),
         "current_stream": lambda *a, **k: _NullStream(),

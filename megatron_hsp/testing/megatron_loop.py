@@ -34,6 +34,7 @@ The few lines this loop needs from it are reproduced and named: the ``config`` h
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -93,6 +94,22 @@ DEFAULT_OPTIONS = (
     LoopOptions(distributed_optimizer=True),
     LoopOptions(overlap_grad_reduce=True),
 )
+
+
+# A cost model for this tiny CPU run (loaded from a file through --hsp-cost-model, as a user's
+# fitted model would be). 64 tokens per rank is what makes plans heterogeneous here: documents
+# over 64 tokens need a group of 2, over 128 a group of 4, and a step of 8 documents takes
+# several micro-batches, so the plan's micro-batch count differs from Megatron's (2 per rank).
+LOOP_COST_MODEL: dict[str, Any] = {
+    "name": "megatron-loop-cpu",
+    "coefficients": {
+        "attn_ms_per_token2": 5.0e-5,
+        "linear_ms_per_token": 0.12,
+        "group_fixed_ms": 30.0,
+        "a2a_ms_per_token": {2: 0.03, 4: 0.04},
+        "tokens_per_rank": 64,
+    },
+}
 
 
 def write_corpus(prefix: str, num_docs: int = 64, seed: int = 7) -> None:
@@ -260,7 +277,39 @@ def _step_record(args: Any, out: tuple, scheduler: Any, optimizer: Any) -> dict[
     }
 
 
-def _run_hsp(options: LoopOptions, prefix: str, nproc: int, steps: int) -> dict[str, Any]:
+def _plant_plan_count_everywhere_in_train_step() -> None:
+    """PLANTED BUG (megatron-hsp before issue 7): ``get_num_microbatches`` answers the plan's
+    count for the whole of ``train_step``, so the LR scheduler's increment
+    (count x micro-batch size x dp) follows the plan instead of the global batch."""
+    import megatron.training.training as training
+
+    from megatron_hsp.megatron import hooks
+
+    inside = {"on": False}
+    patched_step, megatron_count = training.train_step, training.get_num_microbatches
+
+    def train_step(*a, **kw):
+        inside["on"] = True
+        try:
+            return patched_step(*a, **kw)
+        finally:
+            inside["on"] = False
+
+    def get_num_microbatches():
+        run = hooks.active_run()
+        if inside["on"] and run is not None and run.current is not None:
+            return hooks.current_num_microbatches(run)
+        return megatron_count()
+
+    training.train_step, training.get_num_microbatches = train_step, get_num_microbatches
+
+
+PLANTS = {"plan-count-in-lr-increment": _plant_plan_count_everywhere_in_train_step}
+
+
+def _run_hsp(
+    options: LoopOptions, prefix: str, nproc: int, steps: int, plant: str | None = None
+) -> dict[str, Any]:
     import megatron.training.training as training
 
     from megatron_hsp.megatron import hooks, install, patches
@@ -268,10 +317,14 @@ def _run_hsp(options: LoopOptions, prefix: str, nproc: int, steps: int) -> dict[
     hsp_flags = [
         *("--hsp", "--data-path", prefix, "--hsp-solver", "greedy", "--hsp-sync-planner"),
         *("--hsp-gpus-per-node", str(nproc), "--hsp-max-seq", "256"),
+        *("--hsp-cost-model", prefix + ".cost.json"),
     ]
     args = _megatron_args([*MODEL_FLAGS, *options.flags(), *hsp_flags])
     _set_megatron_globals(args)
     provider, forward_step = install(args, None, None)
+    saved = training.train_step, training.get_num_microbatches
+    if plant is not None:
+        PLANTS[plant]()
     try:
         module = _hsp_model(args)
         model, optimizer, scheduler, config = _wrap(args, module)
@@ -303,6 +356,7 @@ def _run_hsp(options: LoopOptions, prefix: str, nproc: int, steps: int) -> dict[
             planner = hooks.active_run().pipeline.planner
             if planner is not None:
                 planner.close()
+        training.train_step, training.get_num_microbatches = saved
         patches.remove_patches()
         hooks.set_run(None)
 
@@ -367,17 +421,28 @@ def _rel(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     return num / max(den, 1e-30)
 
 
-def _worker(rank: int, world_size: int, prefix: str, options: LoopOptions, steps: int):
+def _worker(
+    rank: int,
+    world_size: int,
+    prefix: str,
+    options: LoopOptions,
+    steps: int,
+    plant: str | None,
+):
     """Both runs on this rank; returns per-step comparisons (max-reduced over ranks)."""
+    import contextlib
+
     import torch.distributed as dist
 
     from megatron_hsp.testing.cpu_shims import cpu_megatron_training
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
-    with cpu_megatron_training():
+    # Megatron prints its argument table and HSP its step lines on stdout: keep stdout for the
+    # parent's report (``selftest --json``) and send them to stderr.
+    with contextlib.redirect_stdout(sys.stderr), cpu_megatron_training():
         stock_init = _initial_weights()
-        hsp = _run_hsp_with_init(options, prefix, world_size, steps, stock_init)
+        hsp = _run_hsp_with_init(options, prefix, world_size, steps, stock_init, plant)
         ref = _run_stock(options, hsp["documents"], stock_init)
     out = []
     for i in range(steps):
@@ -419,7 +484,12 @@ def _initial_weights() -> dict[str, torch.Tensor]:
 
 
 def _run_hsp_with_init(
-    options: LoopOptions, prefix: str, nproc: int, steps: int, init: dict[str, torch.Tensor]
+    options: LoopOptions,
+    prefix: str,
+    nproc: int,
+    steps: int,
+    init: dict[str, torch.Tensor],
+    plant: str | None,
 ) -> dict[str, Any]:
     original = _hsp_model
 
@@ -435,7 +505,7 @@ def _run_hsp_with_init(
 
     globals()["_hsp_model"] = seeded
     try:
-        return _run_hsp(options, prefix, nproc, steps)
+        return _run_hsp(options, prefix, nproc, steps, plant)
     finally:
         globals()["_hsp_model"] = original
 
@@ -472,17 +542,25 @@ def run_megatron_loop(
     options: Sequence[LoopOptions] = DEFAULT_OPTIONS,
     steps: int = STEPS,
     timeout_s: float = 600.0,
+    plant: str | None = None,
 ) -> list[dict[str, Any]]:
-    """The ``megatron_loop`` entries of ``selftest --json``: one per option set."""
+    """The ``megatron_loop`` entries of ``selftest --json``: one per option set.
+
+    ``plant`` names a bug from ``PLANTS`` to plant on the HSP side (tests: it must be caught).
+    """
+    if plant is not None and plant not in PLANTS:
+        raise ValueError(f"unknown plant {plant!r}; known: {sorted(PLANTS)}")
     from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
     results = []
     with tempfile.TemporaryDirectory(prefix="hsp_mloop_") as tmp:
         prefix = os.path.join(tmp, "docs")
         write_corpus(prefix)
+        with open(prefix + ".cost.json", "w") as fh:
+            json.dump(LOOP_COST_MODEL, fh)
         for opt in options:
             per_rank = raise_rank_errors(
-                run_distributed(_worker, nproc, prefix, opt, steps, timeout_s=timeout_s)
+                run_distributed(_worker, nproc, prefix, opt, steps, plant, timeout_s=timeout_s)
             )
             entry = {"options": opt.as_dict(), **per_rank[0]}
             entry["failures"] = check(entry["steps"])
