@@ -18,6 +18,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also plant each bug of megatron_hsp/testing/mutations.py in turn and require the "
         "comparison to catch it (exit 1 if any survives)",
     )
+    parser.add_argument(
+        "--megatron",
+        action="store_true",
+        help="also run Megatron's own train_step with HSP installed against the stock path "
+        "(plain DDP, distributed optimizer, overlapped grad reduce; megatron_hsp/testing/"
+        "megatron_loop.py) and compare loss, gradients, lr, grad norm and consumed samples",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds before a hung run is killed"
@@ -31,6 +38,11 @@ def run(args: argparse.Namespace) -> int:
     build_cases(args.nproc)  # validates --nproc before anything is spawned
     mutations = [m.name for m in MUTATIONS] if args.mutations else None
     result = run_selftest(args.nproc, timeout_s=args.timeout, mutations=mutations)
+    if args.megatron:
+        from megatron_hsp.testing.megatron_loop import loop_table, run_megatron_loop
+
+        result["megatron_loop"] = run_megatron_loop(args.nproc, timeout_s=args.timeout)
+        result["ok"] = result["ok"] and all(e["ok"] for e in result["megatron_loop"])
     if args.json:
         doc = {k: v for k, v in result.items() if not k.startswith("_")}
         print(json.dumps(doc, indent=2))
@@ -39,10 +51,14 @@ def run(args: argparse.Namespace) -> int:
         if args.mutations:
             print()
             print(mutation_table(result["_mutations"]))
+        if args.megatron:
+            print()
+            print(loop_table(result["megatron_loop"]))
         t = result["_timing"]
         print(
             f"{'ok' if result['ok'] else 'FAILED'}: {len(result['cases'])} cases"
             + (f", {len(result['_mutations'])} mutations" if args.mutations else "")
+            + (f", {len(result['megatron_loop'])} Megatron loops" if args.megatron else "")
             + f" on {args.nproc} processes in {t['total_s']:.1f} s "
             f"(reference {t['reference_s']:.1f} s)",
             file=sys.stderr if not result["ok"] else sys.stdout,

@@ -567,3 +567,22 @@ def run_megatron_loop(
             entry["ok"] = not entry["failures"]
             results.append(entry)
     return results
+
+
+def loop_table(entries: Sequence[dict[str, Any]]) -> str:
+    """Human-readable ``selftest --megatron`` report: one line per option set and step."""
+    lines = [
+        f"{'options':<28} {'step':>4} {'loss hsp':>12} {'loss ref':>12} {'lr hsp':>10} "
+        f"{'lr ref':>10} {'samples':>9} {'grad rel':>9} {'mb':>3}"
+    ]
+    for e in entries:
+        name = ",".join(k for k, v in e["options"].items() if v) or "ddp"
+        for s in e["steps"]:
+            lines.append(
+                f"{name:<28} {s['step']:>4} {s['loss_hsp']:>12.8f} {s['loss_ref']:>12.8f} "
+                f"{s['lr_hsp']:>10.3e} {s['lr_ref']:>10.3e} "
+                f"{s['consumed_samples_hsp']:>4}/{s['consumed_samples_ref']:<4} "
+                f"{s['max_rel_grad_diff']:>9.1e} {s['plan_microbatches']:>3}"
+            )
+        lines.extend(f"  FAIL {name}: {f}" for f in e["failures"])
+    return "\n".join(lines)
