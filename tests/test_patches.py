@@ -173,3 +173,90 @@ def test_pretrain_gets_hsp_provider_and_forward_step(ref, patched, launcher, tmp
     assert "PRETRAIN megatron_hsp.megatron.hooks hsp_datasets_provider hsp_forward_step" in (
         run.stdout
     ), run.stdout[-2000:]
+
+
+def _stand_in_training(monkeypatch, pretrain):
+    """Modules named like Megatron's, holding ``pretrain`` and a parse function."""
+    import types
+
+    pkg = types.ModuleType("megatron.training")
+    training = types.ModuleType("megatron.training.training")
+    arguments = types.ModuleType("megatron.training.arguments")
+    arguments.parse_and_validate_args = lambda extra_args_provider=None, args_defaults=None: None
+    pkg.pretrain = training.pretrain = pretrain
+    for name, mod in [
+        ("megatron.training", pkg),
+        ("megatron.training.training", training),
+        ("megatron.training.arguments", arguments),
+    ]:
+        monkeypatch.setitem(sys.modules, name, mod)
+    return training
+
+
+@pytest.mark.parametrize(
+    "shape",
+    ["core_r0.19", "core_r0.18"],
+)
+def test_launcher_binds_pretrain_arguments_by_name(shape, monkeypatch):
+    from megatron_hsp.megatron import patches
+
+    seen = {}
+    if shape == "core_r0.19":  # cfg_container first (megatron-core 0.19 wheel, main)
+
+        def pretrain(
+            cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func
+        ):
+            seen.update(provider=train_valid_test_dataset_provider, forward=forward_step_func)
+
+        call = ("cfg", "their_provider", "type", "their_forward")
+    else:  # no cfg_container: the provider first
+
+        def pretrain(
+            train_valid_test_dataset_provider, model_provider, model_type, forward_step_func
+        ):
+            seen.update(provider=train_valid_test_dataset_provider, forward=forward_step_func)
+
+        call = ("their_provider", "model_provider", "type", "their_forward")
+    training = _stand_in_training(monkeypatch, pretrain)
+    got = {}
+
+    def install_fn(args=None, provider=None, forward=None):
+        got.update(provider=provider, forward=forward)
+        return "hsp_provider", "hsp_forward"
+
+    try:
+        patches.apply_launcher_patches(install_fn)
+        training.pretrain(*call)
+    finally:
+        patches.remove_patches()
+    assert got == {"provider": "their_provider", "forward": "their_forward"}
+    assert seen == {"provider": "hsp_provider", "forward": "hsp_forward"}
+
+
+def test_launcher_refuses_an_unknown_pretrain_shape(monkeypatch):
+    from megatron_hsp.megatron import patches
+    from megatron_hsp.planner.errors import HSPError
+
+    def pretrain(config, datasets, model_type, step_fn):  # renamed parameters
+        raise AssertionError("must not be reached")
+
+    _stand_in_training(monkeypatch, pretrain)
+    try:
+        with pytest.raises(HSPError, match=r"has no parameter train_valid_test_dataset_provider"):
+            patches.apply_launcher_patches(lambda *a: (None, None))
+    finally:
+        patches.remove_patches()
+
+
+def test_install_is_callable_after_the_launcher_imported_its_module():
+    """``launch`` imports the installer module; the package's ``install`` must stay the
+    function (a submodule named ``install`` used to replace it: 'module' is not callable)."""
+    import importlib
+
+    importlib.import_module("megatron_hsp.megatron.installer")
+    import megatron_hsp.megatron as integration
+
+    assert callable(integration.install)
+    from megatron_hsp.megatron import install
+
+    assert install.__module__ == "megatron_hsp.megatron"
