@@ -37,13 +37,22 @@ replaced attribute                                 why
                                                    buffer from it, allocated on CUDA; it is
                                                    pre-allocated on the CPU instead (megatron's
                                                    own ``get_tensor`` then hands out CPU views).
+``torch.cuda.current_device``/``Stream``/          ``selftest --megatron`` only, inside
+``current_stream``/``stream``/``synchronize``/     ``testing.cpu_shims.cpu_megatron_training``
+``empty_cache``; tensor factories' ``device=``,    (a ``TorchFunctionMode``, restored on exit,
+``Tensor.cuda``, ``Tensor.type()``                 refused where CUDA exists): Megatron's DDP,
+                                                   optimizer and ``train_step`` allocate on CUDA
+                                                   unconditionally; those tensors go to the CPU,
+                                                   streams/syncs are no-ops, and ``type()`` names
+                                                   the CPU float type ``torch.cuda.FloatTensor``
+                                                   for ``clip_grad_by_total_norm_fp32``'s assert.
+                                                   Placement only: no result or logic changes.
 =================================================  ===============================================
 
 Each patch checks that the attribute exists and that its parameters have the names HSP binds by
 (``check_parameters``; an unknown shape is refused naming the Megatron version), records the
-original,
-and is undone by ``remove_patches`` (tests). Without ``--hsp`` every patched function behaves
-exactly like the original.
+original, and is undone by ``remove_patches`` (tests). Without ``--hsp`` every patched function
+behaves exactly like the original.
 """
 
 from __future__ import annotations
