@@ -12,8 +12,9 @@ The one thing without a seam (a per-step hook that also hands the schedule the p
 count) is the ``train_step`` patch in ``patches.py``; it calls ``begin_step`` /
 ``current_num_microbatches`` here.
 
-Only a GPU run exercises this module end to end: Megatron's training loop allocates CUDA tensors
-unconditionally (see docs/integration.md). The pieces it composes are tested on CPU.
+``selftest --megatron`` (``testing/megatron_loop.py``) runs this module under Megatron's own
+``train_step`` on gloo CPU ranks against the stock path; ``pretrain()``/``train()`` themselves
+need CUDA (docs/integration.md says what only a GPU run shows).
 """
 
 from __future__ import annotations
