@@ -181,6 +181,19 @@ def _gpt(cls: Any, config: Any, spec: Any, args: Any) -> torch.nn.Module:
     )
 
 
+def _load_weights(module: torch.nn.Module, init: dict[str, torch.Tensor]) -> None:
+    """Copy ``init`` in by parameter name; the HSP spec swaps only parameter-free attention
+    modules, so both models must have exactly the same names."""
+    own = dict(module.named_parameters())
+    if sorted(own) != sorted(init):
+        raise RuntimeError(
+            f"HSP and stock models have different parameters: {sorted(set(own) ^ set(init))}"
+        )
+    with torch.no_grad():
+        for name, value in init.items():
+            own[name].copy_(value)
+
+
 def _wrap(args: Any, module: torch.nn.Module) -> tuple[list[Any], Any, Any, Any]:
     """megatron-core DDP + Megatron's optimizer and scheduler, configured from ``args`` by
     Megatron's own helpers; plus the ``config`` hooks ``train()`` sets before its loop."""
@@ -308,7 +321,12 @@ PLANTS = {"plan-count-in-lr-increment": _plant_plan_count_everywhere_in_train_st
 
 
 def _run_hsp(
-    options: LoopOptions, prefix: str, nproc: int, steps: int, plant: str | None = None
+    options: LoopOptions,
+    prefix: str,
+    nproc: int,
+    steps: int,
+    init: dict[str, torch.Tensor],
+    plant: str | None = None,
 ) -> dict[str, Any]:
     import megatron.training.training as training
 
@@ -327,6 +345,7 @@ def _run_hsp(
         PLANTS[plant]()
     try:
         module = _hsp_model(args)
+        _load_weights(module, init)
         model, optimizer, scheduler, config = _wrap(args, module)
         data_iterator, _valid, _test = provider(None)
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -382,10 +401,7 @@ def _run_stock(
     args = _megatron_args([*MODEL_FLAGS, *options.flags()])
     _set_megatron_globals(args)
     module = _stock_model(args)
-    with torch.no_grad():
-        own = dict(module.named_parameters())
-        for name, value in init.items():
-            own[name].copy_(value)
+    _load_weights(module, init)
     model, optimizer, scheduler, config = _wrap(args, module)
     dp = parallel_state.get_data_parallel_world_size()
     rank = parallel_state.get_data_parallel_rank()
@@ -442,7 +458,7 @@ def _worker(
     # parent's report (``selftest --json``) and send them to stderr.
     with contextlib.redirect_stdout(sys.stderr), cpu_megatron_training():
         stock_init = _initial_weights()
-        hsp = _run_hsp_with_init(options, prefix, world_size, steps, stock_init, plant)
+        hsp = _run_hsp(options, prefix, world_size, steps, stock_init, plant)
         ref = _run_stock(options, hsp["documents"], stock_init)
     out = []
     for i in range(steps):
@@ -472,42 +488,12 @@ def _worker(
     return {"steps": out, "max_rel_weight_diff_after": float(wdiff)}
 
 
-_INIT: dict[str, torch.Tensor] = {}
-
-
 def _initial_weights() -> dict[str, torch.Tensor]:
     """The stock model's initial parameters (built from the stock flags, seeded)."""
     args = _megatron_args([*MODEL_FLAGS])
     _set_megatron_globals(args)
     module = _stock_model(args)
     return {n: p.detach().clone() for n, p in module.named_parameters()}
-
-
-def _run_hsp_with_init(
-    options: LoopOptions,
-    prefix: str,
-    nproc: int,
-    steps: int,
-    init: dict[str, torch.Tensor],
-    plant: str | None,
-) -> dict[str, Any]:
-    original = _hsp_model
-
-    def seeded(args: Any) -> torch.nn.Module:
-        module = original(args)
-        own = dict(module.named_parameters())
-        if sorted(own) != sorted(init):
-            raise RuntimeError("HSP and stock models have different parameter names")
-        with torch.no_grad():
-            for name, value in init.items():
-                own[name].copy_(value)
-        return module
-
-    globals()["_hsp_model"] = seeded
-    try:
-        return _run_hsp(options, prefix, nproc, steps, plant)
-    finally:
-        globals()["_hsp_model"] = original
 
 
 LOSS_RTOL = 1e-6
