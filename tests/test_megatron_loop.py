@@ -55,7 +55,7 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
 @pytest.mark.dist
 def test_the_old_lr_increment_bug_is_caught():
     (entry,) = run_megatron_loop(
-        4, DEFAULT_OPTIONS[:1], steps=2, timeout_s=400, plant="plan-count-in-lr-increment"
+        4, DEFAULT_OPTIONS[:1], steps=1, timeout_s=400, plant="plan-count-in-lr-increment"
     )
     assert not entry["ok"]
     assert any("lr" in f for f in entry["failures"]), entry["failures"]
