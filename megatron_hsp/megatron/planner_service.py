@@ -25,6 +25,7 @@ from typing import Any
 
 from megatron_hsp.planner.errors import HSPError
 from megatron_hsp.planner.plan import Plan
+from megatron_hsp.planner.units import tokens_to_k
 
 log = logging.getLogger("megatron_hsp.planner_service")
 
@@ -64,7 +65,7 @@ def solve_with_planner(spec: PlannerSpec) -> Callable[[Sequence[int]], Plan]:
         spec.cost_model,
         world_size=spec.world_size,
         gpus_per_node=spec.gpus_per_node,
-        max_seq_k=spec.max_seq / 1024,
+        max_seq_k=tokens_to_k(spec.max_seq),
         memory_cap_gb=spec.memory_cap_gb,
     )
     cluster = Cluster(spec.world_size, spec.gpus_per_node)

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.units import MAX_TOKENS, parse_tokens
 
 DEFAULT_LENGTHS = "wikipedia_lengths_100k.txt.gz"
 FLEXSP_PAD_MULTIPLE = 128  # 2 * world_size with FlexSP's hard-wired world_size = 64
@@ -48,15 +49,9 @@ def default_lengths_path() -> Path:
 
 
 def parse_max_seq(value: str | int) -> int:
-    """``192k`` -> 192000 (FlexSP's ``seq_limit_k * 1000``), ``196608`` -> 196608."""
-    text = str(value).strip().lower()
-    try:
-        n = int(float(text[:-1]) * 1000) if text.endswith("k") else int(text)
-    except ValueError:
-        raise InputError(f"--max-seq {value!r} is not a length; use e.g. 192k or 196608") from None
-    if n <= 0:
-        raise InputError(f"--max-seq must be positive, got {value!r}")
-    return n
+    """``--max-seq``: ``192k`` -> 192000 (decimal k, FlexSP's ``seq_limit_k * 1000``); the rule
+    lives in :func:`megatron_hsp.planner.units.parse_tokens`."""
+    return parse_tokens(value, "--max-seq")
 
 
 def read_lengths(path: str | Path | None = None) -> np.ndarray:
@@ -81,9 +76,9 @@ def read_text_lengths(path: str | Path) -> np.ndarray:
     opener = gzip.open if p.suffix == ".gz" else open
     out: list[int] = []
     try:
-        with opener(p, "rt") as fh:
+        with opener(p, "rt", encoding="utf-8-sig") as fh:  # -sig: a BOM is not part of line 1
             for lineno, line in enumerate(fh, start=1):
-                text = line.strip()
+                text = line.strip().lstrip("\ufeff")
                 if not text:
                     continue
                 try:
@@ -95,6 +90,11 @@ def read_text_lengths(path: str | Path) -> np.ndarray:
                     ) from None
                 if n <= 0:
                     raise InputError(f"{p}:{lineno}: length {n} is not positive")
+                if n > MAX_TOKENS:
+                    raise InputError(
+                        f"{p}:{lineno}: length {text[:40]} is larger than {MAX_TOKENS:.0e} "
+                        "tokens; expected one document length per line"
+                    )
                 out.append(n)
     except (OSError, EOFError, UnicodeDecodeError) as exc:
         if isinstance(exc, InputError):
