@@ -141,3 +141,33 @@ def test_fuzz_plan_and_bench(tmp_path, capsys, seed):
                 assert len(err.strip().splitlines()) == 1 and "error" in err, err
             else:
                 assert out.strip(), err
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"linear_ms_per_token": -0.01},
+        {"attn_ms_per_token2": -1e-4},
+        {"a2a_ms_per_token": {d: -0.01 for d in (2, 4, 8)}},
+    ],
+)
+def test_solver_returns_within_budget_even_on_unvalidated_negative_costs(monkeypatch, override):
+    """The solve is bounded by its budget plus a margin (1 s here) whatever the coefficients:
+    the negative-coefficient YAML used to hang the greedy bisection for minutes."""
+    from megatron_hsp.planner import solver
+    from megatron_hsp.planner.costmodel import CostModel
+    from megatron_hsp.planner.topology import Cluster
+
+    kw: dict = {
+        **COEFFS,
+        "group_fixed_ms": {0: 1.0},
+        "a2a_ms_per_token": {2: 0.001, 4: 0.0008, 8: 0.0006},
+        **override,
+    }
+    cost = CostModel("neg", **kw)
+    monkeypatch.setattr(solver, "validate_cost_model", lambda c: c)  # what load would refuse
+    lengths = [4096, 3000, 2500, 900, 800, 700, 600, 500, 400, 300, 200, 100] * 4
+    t0 = time.perf_counter()
+    plan = solver.solve(lengths, cost, Cluster(8, 8), solver.SolverConfig(time_budget_s=0.5))
+    assert time.perf_counter() - t0 < 0.5 + 1.0
+    assert plan.num_sequences == len(lengths)
