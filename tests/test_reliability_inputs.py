@@ -171,3 +171,32 @@ def test_solver_returns_within_budget_even_on_unvalidated_negative_costs(monkeyp
     plan = solver.solve(lengths, cost, Cluster(8, 8), solver.SolverConfig(time_budget_s=0.5))
     assert time.perf_counter() - t0 < 0.5 + 1.0
     assert plan.num_sequences == len(lengths)
+
+
+def test_package_data_globs_match_files():
+    """pyproject's package-data must name files that exist (it once shipped a missing presets/)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())
+    for package, globs in data["tool"]["setuptools"]["package-data"].items():
+        for pattern in globs:
+            assert list((root / package).glob(pattern)), f"{package}/{pattern} matches nothing"
+
+
+def test_make_bench_target_exists_and_covers_every_script():
+    root = Path(__file__).resolve().parents[1]
+    assert "benchmarks/run_all.py" in (root / "Makefile").read_text()
+    import subprocess
+    import sys
+
+    got = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "run_all.py"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert got.returncode == 0, got.stderr
+    for script in (root / "benchmarks").glob("*.py"):
+        if script.stem != "run_all":
+            assert script.name in got.stdout

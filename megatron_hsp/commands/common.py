@@ -1,4 +1,4 @@
-"""Flags and setup shared by ``plan`` and ``bench`` (torch-free; see shared/design.md sec. 3)."""
+"""Flags and setup shared by ``plan`` and ``bench`` (torch-free; see docs/design.md sec. 3)."""
 
 from __future__ import annotations
 

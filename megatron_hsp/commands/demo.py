@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const="-",
         default=None,
         metavar="FILE",
-        help="print the result as JSON (design.md contract) instead of tables; FILE: write it",
+        help="print the result as JSON (docs/design.md contract) instead of tables; FILE: write it",
     )
 
 

@@ -129,7 +129,7 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--hsp-plan-log",
         default=None,
         metavar="FILE.jsonl",
-        help="Append every step's plan (design.md JSON) with predicted and measured time.",
+        help="Append every step's plan (docs/design.md JSON) with predicted and measured time.",
     )
     g.add_argument(
         "--hsp-log-interval",

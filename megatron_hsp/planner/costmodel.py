@@ -127,7 +127,7 @@ class CostModel:
 
 # ---------------------------------------------------------------------- FlexSP fitted presets
 # Source: PKU-DAIR/Hetu-Galvatron, branch flexsp, galvatron/flexsp_solver/solver.py
-# (``optimizer_param_dict`` and ``flexSPCostModel``), as quoted in shared/design.md section 4.
+# (``optimizer_param_dict`` and ``flexSPCostModel``), as quoted in docs/design.md section 4.
 # a1 in ms/token^2, a2 in ms/token, b1 in ms, activations in MiB/token, params in billions keyed by
 # max-seq in K (FlexSP interpolates linearly between 192 and 384 for other lengths).
 FLEXSP_FITS: dict[str, dict[str, Any]] = {
@@ -410,7 +410,7 @@ def a2a_bytes_per_token(model: ModelConfig, training: TrainingConfig, d: int) ->
     Per layer and pass, four all-to-alls (Jacobs et al. 2023, DeepSpeed-Ulysses): Q (heads),
     K and V (kv heads only, GQA) before attention and the output (heads) after it. Forward and
     backward each run them once, a recomputed forward a third time. When ``d`` exceeds the KV
-    heads, KV heads are replicated up to ``d`` (design.md sec. 5), so K/V traffic grows.
+    heads, KV heads are replicated up to ``d`` (docs/design.md sec. 5), so K/V traffic grows.
     """
     kv_heads = (
         model.kv_heads if d <= model.kv_heads else model.kv_heads * math.ceil(d / model.kv_heads)
@@ -525,7 +525,7 @@ def first_principles_cost_model(
 
 
 H100_SXM = HardwareConfig(
-    # design.md sec. 4: bf16 dense peak 989 TFLOP/s; NVLink 4 900 GB/s bidirectional per GPU
+    # docs/design.md sec. 4: bf16 dense peak 989 TFLOP/s; NVLink 4 900 GB/s bidirectional per GPU
     # (450 each way); NDR InfiniBand 400 Gb/s = 50 GB/s per GPU; 80 GB HBM3.
     name="h100",
     peak_tflops=989.0,
