@@ -73,6 +73,10 @@ class StepPipeline:
         """Sampler state before the first batch not yet handed out (exact resume point)."""
         return self._queue[0][1] if self._queue else self.sampler.state_dict()
 
+    def report(self) -> str:
+        """Sampler counters for the batches handed out so far (not the prefetched ones)."""
+        return self.sampler.report(self.state_dict())
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._queue:
             raise RuntimeError("load the pipeline state before the first step")

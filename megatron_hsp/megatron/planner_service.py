@@ -18,6 +18,7 @@ import dataclasses
 import importlib
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import queue
 import time
@@ -117,8 +118,15 @@ def _serve(spec: PlannerSpec, requests: Any, replies: Any) -> None:
         replies.put(("init", None, _picklable(exc), 0.0))
         return
     replies.put(("init", None, None, 0.0))
+    parent = os.getppid()
     while True:
-        item = requests.get()
+        try:
+            item = requests.get(timeout=1.0)
+        except queue.Empty:
+            # The training process was killed (SIGKILL skips its cleanup): do not outlive it.
+            if os.getppid() != parent:
+                return
+            continue
         if item is None:
             return
         step, lengths = item
