@@ -200,3 +200,13 @@ def test_make_bench_target_exists_and_covers_every_script():
     for script in (root / "benchmarks").glob("*.py"):
         if script.stem != "run_all":
             assert script.name in got.stdout
+
+
+def test_sequential_drops_are_printed_and_error_is_honoured(capsys):
+    """Issue 9: FlexSP's drop of overlong documents is announced, and --overlong error obeyed."""
+    rc, _, err = run_cli(["plan", *SMALL], capsys)
+    assert rc == 0 and "dropped (--overlong drop, FlexSP's harness rule)" in err, err
+    rc, _, err = run_cli(["plan", *SMALL, "--overlong", "error"], capsys)
+    assert rc == 2 and "--sampling sequential" in err and "--overlong drop" in err, err
+    rc, _, err = run_cli(["plan", *SMALL, "--overlong", "split"], capsys)
+    assert rc == 0 and "split into" in err, err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 
 from megatron_hsp.planner.costmodel import CostModel, load_cost_model, preset_names
@@ -51,7 +52,14 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         help="allowed group sizes, comma-separated (e.g. 1,2,4,8,16,32,64) or 'pow2'; "
         "default: every size the cluster and cost model allow",
     )
-    parser.add_argument("--overlong", choices=OVERLONG_POLICIES, default="error")
+    parser.add_argument(
+        "--overlong",
+        choices=OVERLONG_POLICIES,
+        default=None,
+        help="documents longer than max-seq (or memory allows): error, drop or split; default: "
+        "drop under --sampling sequential (FlexSP's harness rule; the count is printed), error "
+        "under random",
+    )
     parser.add_argument("--sampling", choices=SAMPLING_MODES, default="sequential")
 
 
@@ -106,6 +114,8 @@ def check_numeric_flags(args: argparse.Namespace) -> None:
 
 def build_setup(args: argparse.Namespace) -> Setup:
     check_numeric_flags(args)
+    if args.overlong is None:  # resolved here so that the JSON config shows what ran
+        args.overlong = "drop" if args.sampling == "sequential" else "error"
     cluster = Cluster(args.gpus, args.gpus_per_node)
     max_seq = parse_max_seq(args.max_seq)
     cost = load_cost_model(
@@ -129,6 +139,8 @@ def build_setup(args: argparse.Namespace) -> Setup:
         overlong=args.overlong,
         max_trainable=cost.max_trainable_length(usable),
     )
+    if sampler.harness_note():  # on stderr: counted in the JSON too, never silent
+        print(sampler.harness_note(), file=sys.stderr)
     return Setup(cluster, cost, sampler, sizes, max_seq)
 
 
