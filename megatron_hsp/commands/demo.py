@@ -86,6 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--solver", choices=("highs", "cbc", "greedy"), default="highs")
     parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every import-time warning of Megatron-core and torch (hidden by default, "
+        "summarised in one line)",
+    )
+    parser.add_argument(
         "--stall-timeout",
         type=float,
         default=30.0,
@@ -380,6 +386,8 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1 or args.nproc & (args.nproc - 1):
         raise InputError(f"--nproc must be a power of two (1, 2, 4, 8), got {args.nproc}")
     t0 = time.perf_counter()
+    if not args.verbose:
+        _hide_import_warnings()
     torchrun = _under_torchrun()
     rank = int(os.environ.get("RANK", "0")) if torchrun else 0
     quiet = args.json == "-"
@@ -424,6 +432,29 @@ def run(args: argparse.Namespace) -> int:
     if args.json != "-":
         print(render(result, elapsed))
     return 0
+
+
+# Environment for this process's children (fork server, ranks, planner): Python reads it at start.
+QUIET_ENV = {
+    "PYTHONWARNINGS": "ignore::UserWarning,ignore::DeprecationWarning,ignore::FutureWarning"
+}
+
+
+def _hide_import_warnings() -> None:
+    """Megatron-core and torch warn at import about optional packages this CPU demo does not
+    use (Apex, Transformer Engine, absl, CUDA): a dozen lines per process that bury the demo's
+    own output. They are hidden here and in every child; one line says so."""
+    import warnings
+
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    for category in (UserWarning, DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category)
+    print(
+        "demo: import-time warnings of Megatron-core/torch (optional Apex/TE/CUDA) are hidden; "
+        "--verbose shows them",
+        file=sys.stderr,
+    )
 
 
 def _rank_main(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:
