@@ -16,10 +16,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _start(tmp_path: Path, *extra: str) -> subprocess.Popen:
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """One corpus build for both tests."""
+    return tmp_path_factory.mktemp("corpus")
+
+
+def _start(tmp_path: Path, cache: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "megatron_hsp.cli", "demo", "--nproc", "2", "--steps", "400"]
-    cmd += ["--compare-steps", "0", "--cache-dir", str(tmp_path / "cache"), *extra]
+    cmd += ["--compare-steps", "0", "--cache-dir", str(cache), *extra]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -66,8 +72,8 @@ def _assert_clean(tmp_path: Path, pids: list[int]) -> None:
 
 
 @pytest.mark.dist
-def test_stopped_rank_is_named_within_the_stall_timeout(tmp_path):
-    proc = _start(tmp_path, "--stall-timeout", "5")
+def test_stopped_rank_is_named_within_the_stall_timeout(tmp_path, cache):
+    proc = _start(tmp_path, cache, "--stall-timeout", "5")
     pids = _rank_pids(tmp_path, proc)
     planner = _children(pids[0])
     os.kill(pids[1], signal.SIGSTOP)
@@ -83,8 +89,8 @@ def test_stopped_rank_is_named_within_the_stall_timeout(tmp_path):
 
 
 @pytest.mark.dist
-def test_sigterm_to_the_demo_stops_every_rank_and_the_planner(tmp_path):
-    proc = _start(tmp_path)
+def test_sigterm_to_the_demo_stops_every_rank_and_the_planner(tmp_path, cache):
+    proc = _start(tmp_path, cache)
     pids = _rank_pids(tmp_path, proc)
     planner = _children(pids[0])
     assert planner, "rank 0 should run the planner process"
