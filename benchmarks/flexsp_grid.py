@@ -60,6 +60,7 @@ def row_argv(row: dict, lengths: str, methods: str, time_budget: float, out: Pat
         "bench", "--lengths", lengths, "--gpus", str(row["gpus"]), "--gpus-per-node", "8",
         "--cost-model", row["model"], "--max-seq", row["max_seq"], "--global-batch",
         str(row["gbs"]), "--steps", str(row["steps"]), "--sampling", "sequential",
+        "--overlong", "drop",
         "--methods", methods, "--time-budget", str(time_budget), "--json", str(out),
     ]  # fmt: skip
 

@@ -11,7 +11,16 @@ from megatron_hsp.runtime.agreement import head_problems
 from megatron_hsp.testing.manual_plan import manual_plan
 
 LENGTHS = [9, 5, 3, 2, 1]
-SCENARIOS = ("same", "broadcast", "mismatch", "world", "missing-size", "heads")
+SCENARIOS = (
+    "same",
+    "broadcast",
+    "mismatch",
+    "world",
+    "missing-size",
+    "heads",
+    "planner-error",
+    "batch-differs",
+)
 
 
 def _plan(variant: int = 0):
@@ -38,6 +47,15 @@ def _scenario(rank, scenario, reg):
         check_executable(agree_on_plan(_plan(1)), reg)
     if scenario == "heads":
         check_executable(agree_on_plan(_plan(0)), reg, num_attention_heads=3, num_query_groups=1)
+    if scenario == "planner-error":  # rank 0's planner raised: every rank stops with its message
+        failure = ValueError("cost model exploded") if rank == 0 else None
+        agree_on_plan(failure, mode="broadcast")
+    if scenario == "batch-differs":  # rank 3 sampled another batch than the plan was made for
+        from megatron_hsp.runtime.agreement import agree_no_problems
+
+        plan = agree_on_plan(_plan(0) if rank == 0 else None, mode="broadcast")
+        mine = [9, 5, 3, 2, 7] if rank == 3 else LENGTHS
+        agree_no_problems(plan.problems(lengths=mine, world_size=4))
     return "no error"
 
 
@@ -77,6 +95,8 @@ def test_same_plan_and_broadcast_agree(results):
     ("scenario", "error", "text"),
     [
         ("mismatch", "PlanMismatchError", "ranks [2] hold plan"),
+        ("planner-error", "PlanningFailedError", "rank 0, stopping every rank: ValueError: cost"),
+        ("batch-differs", "BatchMismatchError", "on ranks [3], stopping every rank"),
         ("world", "PlanError", "plan is for 8 sequence-parallel ranks but 4 are running"),
         ("missing-size", "PlanError", "group sizes [4] have no pre-created process group"),
         ("heads", "PlanError", "group sizes [2] do not divide the 3 attention heads"),

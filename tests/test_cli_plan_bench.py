@@ -1,4 +1,4 @@
-"""``megatron-hsp plan`` / ``bench``: contracts of design.md sec. 3, errors, and no torch."""
+"""``megatron-hsp plan`` / ``bench``: contracts of docs/design.md sec. 3, errors, and no torch."""
 
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ def test_full_config_and_forced_per_token_loss():
     cfg = validate_hsp_args(args, env={})
     assert cfg.world_size == 8 and cfg.gpus_per_node == 4
     assert cfg.group_sizes == (1, 2, 4, 8)
-    assert cfg.max_seq == 192 * 1024 and cfg.solver == "cbc" and cfg.overlong == "split"
+    assert cfg.max_seq == 192_000 and cfg.solver == "cbc" and cfg.overlong == "split"
     assert cfg.global_batch_docs == 64 and cfg.token_budget is None
     assert cfg.seed == 1234
     assert args.calculate_per_token_loss is True
@@ -153,7 +153,7 @@ def test_micro_batch_size_must_be_one():
 
 def test_token_budget_sampling_and_missing_batch():
     cfg = validate_hsp_args(parse([*BASE, "--hsp", "--hsp-token-budget", "64k"]), env={})
-    assert cfg.token_budget == 65536 and cfg.global_batch_docs is None
+    assert cfg.token_budget == 64000 and cfg.global_batch_docs is None
     with pytest.raises(HSPArgsError, match="--global-batch-size"):
         validate_hsp_args(
             parse(
@@ -182,7 +182,7 @@ def test_provider_is_idempotent():
 
 
 def test_parsers():
-    assert parse_tokens("192k") == 196608 and parse_tokens("2m") == 2097152
+    assert parse_tokens("192k") == 192000 and parse_tokens("2m") == 2000000
     assert parse_sizes("auto") is None and parse_sizes("4,1,2,2") == (1, 2, 4)
 
 

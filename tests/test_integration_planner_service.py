@@ -94,3 +94,25 @@ def test_production_planner_in_the_background_process():
         res = svc.result(0)
     res.plan.validate(lengths, cost, 8)
     assert res.plan.solver == "highs" and res.plan.est_step_ms >= res.plan.lower_bound_ms > 0
+
+
+def test_late_plan_is_logged_then_replaced_by_the_counted_fallback(caplog):
+    """Issue 9: a planner that overruns its deadline no longer blocks training forever."""
+    from hsp_test_planners import one_group_per_rank
+
+    slow = spec(sleep_s=1.5)
+    svc = PlannerService(slow, plan_deadline_s=0.6, fallback=one_group_per_rank(spec()))
+    svc.late_log_s = 0.2
+    with svc, caplog.at_level(logging.WARNING, logger="megatron_hsp.planner_service"):
+        svc.submit(0, [5, 6])
+        svc.result(0)  # warm start (the first solve also sleeps 1.5 s; the deadline triggers)
+        svc.submit(1, [7, 8, 9])
+        t0 = time.perf_counter()
+        res = svc.result(1)
+        assert time.perf_counter() - t0 < 1.2
+        res.plan.validate([7, 8, 9], world_size=4)
+        assert svc.fallbacks == [0, 1]
+        assert "plan late" in caplog.text and "trained with the fallback plan" in caplog.text
+        svc.plan_deadline_s = None  # the discarded late plans do not answer later steps
+        svc.submit(2, [1, 2])
+        assert svc.result(2).plan.num_sequences == 2

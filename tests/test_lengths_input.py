@@ -89,9 +89,9 @@ def test_parse_max_seq():
 
 def test_sequential_follows_flexsp_rules():
     raw = np.array([1, 128, 129, 300, 191_873, 191_872, 5, 6])
-    s = BatchSampler(raw, global_batch=3, sampling="sequential", max_seq=192_000)
+    s = BatchSampler(raw, global_batch=3, sampling="sequential", max_seq=192_000, overlong="drop")
     # padded to multiples of 128; 191_873 pads to 192_000 > 192_000 - 128 and is dropped
-    assert s.harness_dropped == 1
+    assert s.harness_dropped == 1 and "1 document(s)" in s.harness_note()
     assert s.batch(0).lengths.tolist() == [128, 128, 256]
     assert s.batch(1).lengths.tolist() == [384, 191_872, 128]
     with pytest.raises(InputError, match=r"batch 2 needs sequences 6\.\.8 .* 2 full batches"):
@@ -155,4 +155,18 @@ def test_batch_errors():
     with pytest.raises(InputError, match="exceeds the 2 sequences"):
         BatchSampler(np.array([5, 6]), 3, "random").batch(0)
     with pytest.raises(InputError, match="raise --max-seq"):
-        BatchSampler(np.array([5000]), 1, "sequential", max_seq=1000)
+        BatchSampler(np.array([5000]), 1, "sequential", max_seq=1000, overlong="drop")
+
+
+def test_sequential_obeys_overlong_like_random():
+    """Issue 9: FlexSP's drop is no longer silent; error refuses and split keeps the tokens."""
+    raw = np.array([1, 128, 129, 300, 191_873, 191_872, 5, 6])
+    with pytest.raises(InputError, match=r"1 document\(s\) longer .*first: document 4"):
+        BatchSampler(raw, global_batch=3, sampling="sequential", max_seq=192_000)
+    s = BatchSampler(raw, global_batch=3, sampling="sequential", max_seq=192_000, overlong="split")
+    assert (
+        s.harness_split == 1
+        and s.harness_pieces == 2
+        and "split into 2 pieces" in (s.harness_note())
+    )
+    assert s.corpus.tolist() == [128, 128, 256, 384, 191_872, 128, 191_872, 128, 128]

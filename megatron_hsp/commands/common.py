@@ -1,8 +1,9 @@
-"""Flags and setup shared by ``plan`` and ``bench`` (torch-free; see shared/design.md sec. 3)."""
+"""Flags and setup shared by ``plan`` and ``bench`` (torch-free; see docs/design.md sec. 3)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 
 from megatron_hsp.planner.costmodel import CostModel, load_cost_model, preset_names
@@ -15,6 +16,7 @@ from megatron_hsp.planner.lengths import (
     read_lengths,
 )
 from megatron_hsp.planner.topology import Cluster
+from megatron_hsp.planner.units import check_range
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +52,14 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         help="allowed group sizes, comma-separated (e.g. 1,2,4,8,16,32,64) or 'pow2'; "
         "default: every size the cluster and cost model allow",
     )
-    parser.add_argument("--overlong", choices=OVERLONG_POLICIES, default="error")
+    parser.add_argument(
+        "--overlong",
+        choices=OVERLONG_POLICIES,
+        default=None,
+        help="documents longer than max-seq (or memory allows): error, drop or split; default: "
+        "drop under --sampling sequential (FlexSP's harness rule; the count is printed), error "
+        "under random",
+    )
     parser.add_argument("--sampling", choices=SAMPLING_MODES, default="sequential")
 
 
@@ -81,7 +90,32 @@ def parse_sizes(text: str | None, cluster: Cluster) -> tuple[int, ...] | None:
     return sizes
 
 
+#: Largest cluster ``plan``/``bench`` accept. Planning time grows with the number of legal group
+#: sizes (every multiple of the node size): 16384 GPUs plan in about 7 s with a 1 s budget on a
+#: laptop core, 131072 take over a minute, so larger clusters are refused rather than left to run.
+MAX_GPUS = 16384
+MAX_TIME_BUDGET_S = 3600.0
+
+
+def check_numeric_flags(args: argparse.Namespace) -> None:
+    """Every numeric flag in range, before any work; errors name the flag and the range."""
+    check_range(args.gpus, "--gpus", low=1, high=MAX_GPUS)
+    check_range(args.gpus_per_node, "--gpus-per-node", low=1, high=MAX_GPUS)
+    check_range(args.global_batch, "--global-batch", low=1, high=10**7)
+    check_range(args.seed, "--seed", low=0)
+    check_range(args.time_budget, "--time-budget", low=0, low_open=True, high=MAX_TIME_BUDGET_S)
+    if args.memory_cap_gb is not None:
+        check_range(args.memory_cap_gb, "--memory-cap-gb", low=0, low_open=True, high=1e6)
+    for flag in ("steps", "start_step", "batch_index"):
+        if getattr(args, flag, None) is not None:
+            low = 1 if flag == "steps" else 0
+            check_range(getattr(args, flag), "--" + flag.replace("_", "-"), low=low, high=10**7)
+
+
 def build_setup(args: argparse.Namespace) -> Setup:
+    check_numeric_flags(args)
+    if args.overlong is None:  # resolved here so that the JSON config shows what ran
+        args.overlong = "drop" if args.sampling == "sequential" else "error"
     cluster = Cluster(args.gpus, args.gpus_per_node)
     max_seq = parse_max_seq(args.max_seq)
     cost = load_cost_model(
@@ -92,7 +126,8 @@ def build_setup(args: argparse.Namespace) -> Setup:
         memory_cap_gb=args.memory_cap_gb,
     )
     sizes = parse_sizes(args.sizes, cluster)
-    usable = [d for d in (sizes or cost.sizes) if cluster.size_fits(d) and d in cost.sizes]
+    costed = set(cost.sizes)  # one set: ``cost.sizes`` rebuilds a sorted list per access
+    usable = [d for d in (sizes or sorted(costed)) if cluster.size_fits(d) and d in costed]
     if not usable:
         raise InputError(f"--sizes: none of {sizes} is costed by {cost.name}: {cost.sizes}")
     sampler = BatchSampler(
@@ -104,6 +139,8 @@ def build_setup(args: argparse.Namespace) -> Setup:
         overlong=args.overlong,
         max_trainable=cost.max_trainable_length(usable),
     )
+    if sampler.harness_note():  # on stderr: counted in the JSON too, never silent
+        print(sampler.harness_note(), file=sys.stderr)
     return Setup(cluster, cost, sampler, sizes, max_seq)
 
 

@@ -13,10 +13,13 @@ processes instead of spawning its own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -54,6 +57,7 @@ class DemoConfig:
     cache_dir: str | None = None
     corpus_prefix: str = ""
     quiet: bool = False
+    stall_timeout_s: float = 30.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -81,6 +85,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="batches re-run with static groups for the side-by-side (default 3; 0: skip)",
     )
     parser.add_argument("--solver", choices=("highs", "cbc", "greedy"), default="highs")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every import-time warning of Megatron-core and torch (hidden by default, "
+        "summarised in one line)",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=30.0,
+        help="seconds without a heartbeat before a rank counts as stalled and the demo stops, "
+        "naming it (default 30)",
+    )
     parser.add_argument("--cache-dir", default=None, help="where the corpus is built (cached)")
     parser.add_argument(
         "--json",
@@ -88,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const="-",
         default=None,
         metavar="FILE",
-        help="print the result as JSON (design.md contract) instead of tables; FILE: write it",
+        help="print the result as JSON (docs/design.md contract) instead of tables; FILE: write it",
     )
 
 
@@ -236,7 +253,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
                     ),
                     cfg.quiet,
                 )
-        sampler_report = pipeline.sampler.report()
+        sampler_report = pipeline.report()  # trained batches, not the prefetched one
     finally:
         if planner is not None:
             planner.close()
@@ -355,12 +372,22 @@ def _under_torchrun() -> bool:
 def run(args: argparse.Namespace) -> int:
     from megatron_hsp.megatron.data import build_stdlib_corpus
     from megatron_hsp.planner.errors import InputError
+    from megatron_hsp.planner.units import check_range
 
-    if args.steps < 1:
-        raise InputError(f"--steps must be >= 1 (got {args.steps})")
+    check_range(args.steps, "--steps", low=1, high=10**6)
+    check_range(args.compare_steps, "--compare-steps", low=0)
+    check_range(args.seed, "--seed", low=0)
+    check_range(args.stall_timeout, "--stall-timeout", low=0, low_open=True)
+    # 0 is not "use the default": a zero budget or batch cannot train anything.
+    if args.token_budget is not None:
+        check_range(args.token_budget, "--token-budget", low=1)
+    if args.global_batch is not None:
+        check_range(args.global_batch, "--global-batch", low=1)
     if args.nproc < 1 or args.nproc & (args.nproc - 1):
         raise InputError(f"--nproc must be a power of two (1, 2, 4, 8), got {args.nproc}")
     t0 = time.perf_counter()
+    if not args.verbose:
+        _hide_import_warnings()
     torchrun = _under_torchrun()
     rank = int(os.environ.get("RANK", "0")) if torchrun else 0
     quiet = args.json == "-"
@@ -374,6 +401,7 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         nproc=int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc,
         token_budget=None if args.global_batch else (args.token_budget or 8192),
+        stall_timeout_s=args.stall_timeout,
         global_batch=args.global_batch,
         seed=args.seed,
         compare_steps=min(args.compare_steps, args.steps),
@@ -387,7 +415,11 @@ def run(args: argparse.Namespace) -> int:
         if rank != 0:
             return 0
     else:
-        result = _run_ranks(cfg)
+        try:
+            result = _run_ranks(cfg)
+        except KeyboardInterrupt:
+            print("demo: interrupted; every rank and the planner were stopped", file=sys.stderr)
+            return 130
     elapsed = time.perf_counter() - t0
     result["elapsed_s"] = elapsed
     if args.json is not None:
@@ -402,6 +434,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# Environment for this process's children (fork server, ranks, planner): Python reads it at start.
+QUIET_ENV = {
+    "PYTHONWARNINGS": "ignore::UserWarning,ignore::DeprecationWarning,ignore::FutureWarning"
+}
+
+
+def _hide_import_warnings() -> None:
+    """Megatron-core and torch warn at import about optional packages this CPU demo does not
+    use (Apex, Transformer Engine, absl, CUDA): a dozen lines per process that bury the demo's
+    own output. They are hidden here and in every child; one line says so."""
+    import warnings
+
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    for category in (UserWarning, DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category)
+    print(
+        "demo: import-time warnings of Megatron-core/torch (optional Apex/TE/CUDA) are hidden; "
+        "--verbose shows them",
+        file=sys.stderr,
+    )
+
+
 def _rank_main(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:
     import pickle
     import traceback
@@ -411,6 +466,9 @@ def _rank_main(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:
     from megatron_hsp.testing.dist import destroy_cpu_megatron, init_cpu_megatron
 
     torch.set_num_threads(1)
+    _start_heartbeat(out + ".hb")
+    # SIGTERM from the parent: unwind (close the planner, leave the process groups) and exit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         init_cpu_megatron(rank, cfg.nproc, f"file://{rdzv}")
         result: Any = demo_worker(rank, cfg.nproc, cfg)
@@ -420,6 +478,53 @@ def _rank_main(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:
         destroy_cpu_megatron()
     with open(out, "wb") as fh:
         pickle.dump(result, fh)
+
+
+HEARTBEAT_S = 1.0
+
+
+def _start_heartbeat(path: str) -> None:
+    """Touch ``path`` every second from a daemon thread.
+
+    Why a thread: a rank waiting in a collective for a slow peer still beats (gloo releases the
+    GIL), while a stopped or wedged process does not, so the parent can name the stalled rank.
+    """
+
+    def beat() -> None:
+        while True:
+            with open(path, "w") as fh:  # the pid lets an operator (or a test) find the rank
+                fh.write(str(os.getpid()))
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, name="hsp-heartbeat", daemon=True).start()
+
+
+def _stalled_rank(outs: list[str], since: float, limit_s: float) -> tuple[int, float] | None:
+    """The first rank whose heartbeat is older than ``limit_s`` (and its age), else None."""
+    now = time.time()
+    for r, out in enumerate(outs):
+        hb = out + ".hb"
+        last = os.path.getmtime(hb) if os.path.exists(hb) else since
+        if now - max(last, since) > limit_s:
+            return r, now - max(last, since)
+    return None
+
+
+def _stop(procs: list[Any]) -> None:
+    """Terminate every live rank, then kill what is left after 5 s (a stopped rank ignores
+    SIGTERM until continued, so it is continued too)."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(p.pid, signal.SIGCONT)
+    end = time.monotonic() + 5
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
 
 
 def _is_error(path: str) -> bool:
@@ -444,6 +549,8 @@ def _run_ranks(cfg: DemoConfig, timeout_s: float = 900) -> dict[str, Any]:
     import multiprocessing as mp
     import pickle
 
+    from megatron_hsp.planner.errors import HSPError
+
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(
         [
@@ -460,23 +567,40 @@ def _run_ranks(cfg: DemoConfig, timeout_s: float = 900) -> dict[str, Any]:
             ctx.Process(target=_rank_main, args=(r, cfg, os.path.join(tmp, "rdzv"), outs[r]))
             for r in range(cfg.nproc)
         ]
-        for p in procs:
-            p.start()
+        # SIGTERM to this process stops the ranks too (SIGINT already raises KeyboardInterrupt);
+        # the finally below terminates them and the with-block removes the temp dir.
+        previous = signal.getsignal(signal.SIGTERM)
+        with contextlib.suppress(ValueError):  # not the main thread: keep the default
+            signal.signal(signal.SIGTERM, _raise_interrupt)
+        started = time.time()
         deadline = time.monotonic() + timeout_s
         failed = None
-        while any(p.is_alive() for p in procs) and failed is None:
-            time.sleep(0.2)
-            for r, p in enumerate(procs):
-                # A rank that died or raised leaves the others blocked in a collective: stop
-                # them at once instead of waiting for gloo's timeout.
-                if not p.is_alive() and (p.exitcode != 0 or _is_error(outs[r])):
-                    failed = r
-            if time.monotonic() > deadline:
-                failed = -1
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
+        stalled: tuple[int, float] | None = None
+        try:
+            for p in procs:
+                p.start()
+            while any(p.is_alive() for p in procs) and failed is None:
+                time.sleep(0.2)
+                for r, p in enumerate(procs):
+                    # A rank that died or raised leaves the others blocked in a collective:
+                    # stop them at once instead of waiting for gloo's timeout.
+                    if not p.is_alive() and (p.exitcode != 0 or _is_error(outs[r])):
+                        failed = r
+                stalled = _stalled_rank(outs, started, cfg.stall_timeout_s)
+                if stalled is not None and failed is None:
+                    failed = -2
+                if time.monotonic() > deadline:
+                    failed = -1
+        finally:
+            _stop(procs)
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGTERM, previous)
+        if failed == -2 and stalled is not None:
+            raise HSPError(
+                f"demo rank {stalled[0]} stalled: no heartbeat for {stalled[1]:.0f} s (stopped, "
+                "swapped out or wedged); every rank was stopped. Raise --stall-timeout on a "
+                "heavily loaded machine"
+            )
         if failed == -1:
             raise RuntimeError(f"demo ranks did not finish within {timeout_s:.0f} s")
         if failed is not None:
@@ -494,6 +618,10 @@ def _run_ranks(cfg: DemoConfig, timeout_s: float = 900) -> dict[str, Any]:
         if isinstance(res, BaseException):
             raise res
     return results[0]
+
+
+def _raise_interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _run_torchrun(cfg: DemoConfig) -> dict[str, Any] | None:

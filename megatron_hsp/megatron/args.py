@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from megatron_hsp.planner import units
 from megatron_hsp.planner.errors import InputError
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -30,19 +31,12 @@ class HSPArgsError(InputError):
 
 
 def parse_tokens(text: str) -> int:
-    """``192k`` -> 196608, ``1m`` -> 1048576, ``4096`` -> 4096 (binary k/m, as Megatron users write
-    sequence lengths). Note: ``megatron-hsp plan/bench --max-seq`` follow FlexSP instead
-    (``planner.lengths.parse_max_seq``: ``192k`` -> 192000); the cost model's ``max_seq_k`` is
-    derived consistently on each path (``/ 1024`` here, ``/ 1000`` there).
-    """
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 4096, 192k, 1m)")
-    scale = {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
-    value = int(m.group(1)) * scale
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
+    """argparse ``type`` for token flags; the one rule (decimal ``k``: ``192k`` -> 192000, as
+    ``plan --max-seq``) lives in :func:`megatron_hsp.planner.units.parse_tokens`."""
+    try:
+        return units.parse_tokens(text, "value")
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_sizes(text: str) -> tuple[int, ...] | None:
@@ -135,7 +129,7 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--hsp-plan-log",
         default=None,
         metavar="FILE.jsonl",
-        help="Append every step's plan (design.md JSON) with predicted and measured time.",
+        help="Append every step's plan (docs/design.md JSON) with predicted and measured time.",
     )
     g.add_argument(
         "--hsp-log-interval",

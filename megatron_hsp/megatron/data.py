@@ -265,8 +265,10 @@ class GlobalBatchSampler:
             )
         self.state = SamplerState(**state)
 
-    def report(self) -> str:
-        s, c = self.state, self.config
+    def report(self, state: dict[str, Any] | None = None) -> str:
+        """Counters as one line; ``state`` (a ``state_dict``) reports that point instead of
+        now, e.g. the batches actually trained when one more has already been prefetched."""
+        s, c = (self.state if state is None else SamplerState(**state)), self.config
         policy = {
             "error": "none",
             "drop": f"{self.overlong_docs} dropped",

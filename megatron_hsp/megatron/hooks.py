@@ -28,6 +28,7 @@ from megatron_hsp.megatron.args import HSPConfig
 from megatron_hsp.megatron.observe import StepObserver, StepRecord
 from megatron_hsp.megatron.pipeline import PreparedStep, StepPipeline
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.units import tokens_to_k
 
 
 @dataclass
@@ -96,7 +97,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         cfg.cost_model,
         world_size=cfg.world_size,
         gpus_per_node=cfg.gpus_per_node,
-        max_seq_k=cfg.max_seq / 1024,
+        max_seq_k=tokens_to_k(cfg.max_seq),
         memory_cap_gb=cfg.memory_cap_gb,
     )
     index = DocumentIndex(data_prefix(args))

@@ -1,7 +1,7 @@
 """Per-step observability: the plan, predicted vs measured time, imbalance, planner cost.
 
 One ``StepRecord`` per step goes to the console (one line), to ``--hsp-plan-log`` (JSON lines with
-the full design.md plan), and to Megatron's TensorBoard / W&B writers when the run configured
+the full docs/design.md plan), and to Megatron's TensorBoard / W&B writers when the run configured
 them (``megatron.training.global_vars.get_tensorboard_writer`` / ``get_wandb_writer``; both return
 None unless ``--tensorboard-dir`` / ``--wandb-project`` were given, and exist only on the rank
 Megatron chose to write).

@@ -73,6 +73,10 @@ class StepPipeline:
         """Sampler state before the first batch not yet handed out (exact resume point)."""
         return self._queue[0][1] if self._queue else self.sampler.state_dict()
 
+    def report(self) -> str:
+        """Sampler counters for the batches handed out so far (not the prefetched ones)."""
+        return self.sampler.report(self.state_dict())
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._queue:
             raise RuntimeError("load the pipeline state before the first step")
@@ -91,12 +95,24 @@ class StepPipeline:
         self._draw()  # step t+1 is planned while step t trains
         solve_s = wait_s = 0.0
         plan: Plan | None = None
+        failure: Exception | None = None
         if self.is_planning_rank:
             assert self.planner is not None
-            res = self.planner.result(batch.step)
-            plan, solve_s, wait_s = res.plan, res.solve_s, res.wait_s
+            try:
+                res = self.planner.result(batch.step)
+                plan, solve_s, wait_s = res.plan, res.solve_s, res.wait_s
+            except Exception as exc:
+                if self.agree is None:
+                    raise
+                failure = exc  # broadcast in the plan's place: every rank stops with it
         if self.agree is not None:
-            plan = self.agree(plan)
+            plan = self.agree(failure if failure is not None else plan)
+            assert plan is not None
+            # Each rank checks the plan against ITS batch; the verdict is agreed, so a rank whose
+            # batch differs stops everyone with one message instead of raising alone.
+            from megatron_hsp.runtime.agreement import agree_no_problems
+
+            agree_no_problems(plan.problems(lengths=batch.lengths, world_size=self.world_size))
         assert plan is not None
         plan.validate(batch.lengths, world_size=self.world_size)
         documents = self.reader.documents_for_rank(batch, plan, self.slot)

@@ -13,9 +13,12 @@ not reproducible.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import queue
 import time
@@ -25,6 +28,7 @@ from typing import Any
 
 from megatron_hsp.planner.errors import HSPError
 from megatron_hsp.planner.plan import Plan
+from megatron_hsp.planner.units import tokens_to_k
 
 log = logging.getLogger("megatron_hsp.planner_service")
 
@@ -64,7 +68,7 @@ def solve_with_planner(spec: PlannerSpec) -> Callable[[Sequence[int]], Plan]:
         spec.cost_model,
         world_size=spec.world_size,
         gpus_per_node=spec.gpus_per_node,
-        max_seq_k=spec.max_seq / 1024,
+        max_seq_k=tokens_to_k(spec.max_seq),
         memory_cap_gb=spec.memory_cap_gb,
     )
     cluster = Cluster(spec.world_size, spec.gpus_per_node)
@@ -83,6 +87,21 @@ def build_planner(spec: PlannerSpec) -> Callable[[Sequence[int]], Plan]:
     return _import(spec.factory)(spec)
 
 
+def fallback_spec(spec: PlannerSpec) -> PlannerSpec:
+    """The safe fallback planner: the production cost model, greedy only, a 0.2 s budget.
+
+    Why greedy: it is the solver's bounded first phase (no MILP), so it answers in about its
+    budget even when the full search is what made the plan late. A custom ``factory`` keeps its
+    own planner, with the same short budget.
+    """
+    return dataclasses.replace(spec, solver="greedy", time_budget_s=min(0.2, spec.time_budget_s))
+
+
+def default_plan_deadline_s(spec: PlannerSpec) -> float:
+    """Default wait for a background plan before the fallback: 20 budgets, at least 30 s."""
+    return max(30.0, 20.0 * spec.time_budget_s)
+
+
 def _picklable(exc: BaseException) -> BaseException:
     try:
         pickle.loads(pickle.dumps(exc))
@@ -99,8 +118,15 @@ def _serve(spec: PlannerSpec, requests: Any, replies: Any) -> None:
         replies.put(("init", None, _picklable(exc), 0.0))
         return
     replies.put(("init", None, None, 0.0))
+    parent = os.getppid()
     while True:
-        item = requests.get()
+        try:
+            item = requests.get(timeout=1.0)
+        except queue.Empty:
+            # The training process was killed (SIGKILL skips its cleanup): do not outlive it.
+            if os.getppid() != parent:
+                return
+            continue
         if item is None:
             return
         step, lengths = item
@@ -134,11 +160,24 @@ class PlannerService:
         background: bool = True,
         wait_log_threshold_s: float = 0.001,
         start_timeout_s: float = 120.0,
+        plan_deadline_s: float | None = -1.0,
+        fallback: Callable[[Sequence[int]], Plan] | None = None,
     ) -> None:
+        """``plan_deadline_s``: how long ``result`` waits for a background plan before it plans
+        the step with ``fallback`` (default: ``fallback_spec(spec)`` built in-process) and
+        counts it in ``fallbacks``; -1 means ``default_plan_deadline_s(spec)``, None waits
+        forever (still logging a late plan every ``late_log_s``)."""
         self.spec = spec
         self.background = background
         self.wait_log_threshold_s = wait_log_threshold_s
         self.waits: list[float] = []
+        self.plan_deadline_s = (
+            default_plan_deadline_s(spec) if plan_deadline_s == -1.0 else plan_deadline_s
+        )
+        self.late_log_s = max(5.0, 2.0 * spec.time_budget_s)
+        self.fallbacks: list[int] = []  # steps trained with the fallback plan
+        self._fallback = fallback
+        self._abandoned: set[int] = set()  # steps whose late background plan is discarded
         self._pending: dict[int, Sequence[int]] = {}
         self._ready: dict[int, tuple[Any, float]] = {}
         self._proc: Any = None
@@ -175,6 +214,9 @@ class PlannerService:
             if payload is not None:
                 raise payload
             return
+        if step in self._abandoned:  # the step already trained with the fallback plan
+            self._abandoned.discard(step)
+            return
         self._ready[step] = (payload, solve_s)
 
     def _wait_started(self) -> None:
@@ -205,12 +247,28 @@ class PlannerService:
         if self.background:
             if not self._started:
                 self._wait_started()
+            t_wait = time.perf_counter()  # the deadline excludes the one-time process start
+            next_log = t_wait + self.late_log_s
             while step not in self._ready:
                 self._check_alive()
-                try:
-                    self._receive(timeout=1.0)
-                except queue.Empty:
-                    continue
+                with contextlib.suppress(queue.Empty):
+                    self._receive(timeout=min(1.0, self.late_log_s))
+                now = time.perf_counter()
+                if step in self._ready:
+                    break
+                if now >= next_log:
+                    log.warning(
+                        "step %d: plan late, waited %.1f s so far (time budget %.1f s)%s",
+                        step,
+                        now - t_wait,
+                        self.spec.time_budget_s,
+                        ""
+                        if self.plan_deadline_s is None
+                        else f"; the fallback plan is used after {self.plan_deadline_s:.0f} s",
+                    )
+                    next_log = now + self.late_log_s
+                if self.plan_deadline_s is not None and now - t_wait >= self.plan_deadline_s:
+                    return self._use_fallback(step, t0)
             payload, solve_s = self._ready.pop(step)
         else:
             s0 = time.perf_counter()
@@ -233,6 +291,28 @@ class PlannerService:
                 "" if self.background else ", planning in the training process",
             )
         return PlanResult(step, Plan.from_json(payload), solve_s, wait_s)
+
+    def _use_fallback(self, step: int, t0: float) -> PlanResult:
+        """Plan ``step`` in-process with the safe fallback; the late plan is discarded."""
+        if self._fallback is None:
+            self._fallback = build_planner(fallback_spec(self.spec))
+        s0 = time.perf_counter()
+        plan = self._fallback(self._pending.pop(step))
+        solve_s = time.perf_counter() - s0
+        self._abandoned.add(step)
+        self.fallbacks.append(step)
+        wait_s = time.perf_counter() - t0
+        self.waits.append(wait_s)
+        log.warning(
+            "step %d: no plan after %.1f s (deadline %.1f s); trained with the fallback plan "
+            "(greedy, solved in %.1f ms); fallbacks so far: %d",
+            step,
+            wait_s,
+            self.plan_deadline_s,
+            solve_s * 1e3,
+            len(self.fallbacks),
+        )
+        return PlanResult(step, Plan.from_json(plan.to_json()), solve_s, wait_s)
 
     def close(self) -> None:
         if self._proc is not None:

@@ -4,7 +4,7 @@ Methods: ``hsp`` (our solver), ``static-N``, ``static-best`` (hindsight), ``batc
 ``lower-bound``; callers may add more (``megatron-hsp bench`` adds ``megatron-dcp``, which needs
 torch and therefore is injected from outside ``planner/``). Every plan is checked with
 ``Plan.validate(lengths, cost, world_size)``; speedups are ratios of summed estimated step
-times over the same batches (baseline / hsp), as shared/design.md section 3 defines.
+times over the same batches (baseline / hsp), as docs/design.md section 3 defines.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def run_bench(
     extra_methods: Mapping[str, Callable[[], PlanFn]] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run ``methods`` on ``batches``; return design.md's ``methods`` and ``summary`` blocks.
+    """Run ``methods`` on ``batches``; return docs/design.md's ``methods`` and ``summary`` blocks.
 
     ``extra_methods`` maps a name to a factory of its plan function (built only if requested),
     which is how torch-based baselines join without ``planner/`` importing torch. They run after
@@ -228,7 +228,7 @@ def run_bench(
 
 
 def summarize(results: Mapping[str, MethodResult], planner_rss_mb: float) -> dict[str, Any]:
-    """design.md's summary keys (None where a method did not run) plus extras."""
+    """docs/design.md's summary keys (None where a method did not run) plus extras."""
     total = {k: float(sum(v.step_ms)) for k, v in results.items() if v.complete}  # type: ignore[arg-type]
     hsp_total = total.get("hsp")
 

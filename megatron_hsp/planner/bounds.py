@@ -1,4 +1,4 @@
-"""Lower bound on the step time: what no plan can beat (design.md section 2).
+"""Lower bound on the step time: what no plan can beat (docs/design.md section 2).
 
 Three facts, each true of every valid plan, combined by ``max``:
 

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.units import MAX_TOKENS
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class CostModel:
 
 # ---------------------------------------------------------------------- FlexSP fitted presets
 # Source: PKU-DAIR/Hetu-Galvatron, branch flexsp, galvatron/flexsp_solver/solver.py
-# (``optimizer_param_dict`` and ``flexSPCostModel``), as quoted in shared/design.md section 4.
+# (``optimizer_param_dict`` and ``flexSPCostModel``), as quoted in docs/design.md section 4.
 # a1 in ms/token^2, a2 in ms/token, b1 in ms, activations in MiB/token, params in billions keyed by
 # max-seq in K (FlexSP interpolates linearly between 192 and 384 for other lengths).
 FLEXSP_FITS: dict[str, dict[str, Any]] = {
@@ -409,7 +410,7 @@ def a2a_bytes_per_token(model: ModelConfig, training: TrainingConfig, d: int) ->
     Per layer and pass, four all-to-alls (Jacobs et al. 2023, DeepSpeed-Ulysses): Q (heads),
     K and V (kv heads only, GQA) before attention and the output (heads) after it. Forward and
     backward each run them once, a recomputed forward a third time. When ``d`` exceeds the KV
-    heads, KV heads are replicated up to ``d`` (design.md sec. 5), so K/V traffic grows.
+    heads, KV heads are replicated up to ``d`` (docs/design.md sec. 5), so K/V traffic grows.
     """
     kv_heads = (
         model.kv_heads if d <= model.kv_heads else model.kv_heads * math.ceil(d / model.kv_heads)
@@ -524,7 +525,7 @@ def first_principles_cost_model(
 
 
 H100_SXM = HardwareConfig(
-    # design.md sec. 4: bf16 dense peak 989 TFLOP/s; NVLink 4 900 GB/s bidirectional per GPU
+    # docs/design.md sec. 4: bf16 dense peak 989 TFLOP/s; NVLink 4 900 GB/s bidirectional per GPU
     # (450 each way); NDR InfiniBand 400 Gb/s = 50 GB/s per GPU; 80 GB HBM3.
     name="h100",
     peak_tflops=989.0,
@@ -667,7 +668,138 @@ def _from_coefficients(name: str, co: Mapping[str, Any], cap_gb: float | None) -
     )
 
 
+# ------------------------------------------------------------------ validation
+# Spec leaves that are text or flags rather than numbers; every other leaf must be a finite number.
+_TEXT_KEYS = {"name", "preset", "source"}
+_BOOL_KEYS = {"gated", "tied_embeddings", "recompute"}
+# Numbers that may be zero (a free attention term, no fixed cost); the rest must be > 0.
+_MAY_BE_ZERO = {
+    "attn_ms_per_token2",
+    "group_fixed_ms",
+    "a2a_ms_per_token",
+    "b1",
+    "a1",
+    "latency_us",
+    "inter_node_latency_us",
+    "microbatch_overhead_ms",
+    "zero_stage",
+    "model_states_gb",
+    "details",
+}
+
+
+def _check_spec_numbers(data: Mapping[str, Any], where: str = "") -> None:
+    """Reject strings, NaN, infinities and negatives anywhere in a spec before it is used.
+
+    Why: a bad leaf otherwise surfaces far away (a ``ValueError`` traceback, a NaN that makes
+    every schedule infeasible, a negative cost the solver chases forever). The message names
+    the field by its dotted path and says what would work.
+    """
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        base = where.split(".")[0] if where else str(key)
+        if str(key) == "name" or (not where and str(key) in _TEXT_KEYS):
+            continue
+        if isinstance(value, Mapping):
+            _check_spec_numbers(value, path)
+            continue
+        if str(key) in _BOOL_KEYS:
+            if not isinstance(value, bool):
+                raise InputError(f"cost model spec: {path} = {value!r} must be true or false")
+            continue
+        # {size: value} maps (a2a_gbs, params_b, ...) take their rule from the map's own name.
+        leaf = where.split(".")[-1] if where and str(key).lstrip("-").isdigit() else str(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            hint = ""
+            if isinstance(value, str) and value.strip().lstrip("+-")[:1].isdigit():
+                hint = " (YAML 1.1 reads 1e-6 as text: write 1.0e-6)"
+            raise InputError(f"cost model spec: {path} = {value!r} must be a number{hint}")
+        if not math.isfinite(value):
+            raise InputError(f"cost model spec: {path} = {value!r} must be a finite number")
+        zero_ok = leaf in _MAY_BE_ZERO or base in _MAY_BE_ZERO
+        if value < 0 or (value == 0 and not zero_ok):
+            want = ">= 0" if zero_ok else "> 0"
+            raise InputError(f"cost model spec: {path} = {value!r} must be {want}")
+
+
+def validate_cost_model(model: CostModel) -> CostModel:
+    """Check a resolved model: every coefficient finite, times positive, sizes sensible.
+
+    Why here and not only on the spec: presets and first-principles models are derived, and a
+    derived coefficient can still come out zero or negative (e.g. a tiny memory cap). The planner
+    relies on ``linear_ms_per_token > 0`` (a plan's time grows with its tokens, so its lower
+    bound holds and the search terminates) and on non-negative attention, fixed and all-to-all
+    terms.
+    """
+    name = model.name
+
+    def bad(field_: str, value: object, want: str) -> InputError:
+        return InputError(f"cost model {name!r}: {field_} = {value!r}; it must be {want}")
+
+    for field_, value, zero_ok in (
+        ("attn_ms_per_token2", model.attn_ms_per_token2, True),
+        ("linear_ms_per_token", model.linear_ms_per_token, False),
+    ):
+        v = float(value)
+        if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+            raise bad(field_, value, "a finite number " + (">= 0" if zero_ok else "> 0"))
+    for field_, mapping in (
+        ("group_fixed_ms", model.group_fixed_ms),
+        ("a2a_ms_per_token", model.a2a_ms_per_token),
+    ):
+        for d, v in mapping.items():
+            if not isinstance(d, int) or d < 0:
+                raise bad(f"{field_} key", d, "a group size (integer >= 1, or 0 for all sizes)")
+            if not math.isfinite(float(v)) or float(v) < 0:
+                raise bad(f"{field_}[{d}]", v, "a finite number >= 0")
+    if not model.a2a_ms_per_token and not isinstance(model.a2a_ms_per_token, Mapping):
+        raise bad("a2a_ms_per_token", model.a2a_ms_per_token, "a {size: ms per token} mapping")
+    if not 0 < int(model.tokens_per_rank) <= MAX_TOKENS:
+        raise bad("tokens_per_rank", model.tokens_per_rank, f"between 1 and {MAX_TOKENS:.0e}")
+    return model
+
+
 def load_cost_model(
+    spec: str | Path | Mapping[str, Any],
+    *,
+    world_size: int,
+    gpus_per_node: int = 8,
+    max_seq_k: float = 192,
+    memory_cap_gb: float | None = None,
+) -> CostModel:
+    """The one way to get a ``CostModel``: preset name, YAML/JSON file, or a mapping.
+
+    Every input is checked (``_check_spec_numbers`` on the spec, ``validate_cost_model`` on the
+    result); any problem is an :class:`InputError` naming the field. See ``_load_unchecked`` for
+    the spec shapes.
+    """
+    if memory_cap_gb is not None:
+        v = float(memory_cap_gb)
+        if not math.isfinite(v) or v <= 0:
+            raise InputError(
+                f"--memory-cap-gb must be a positive number of GB, got {memory_cap_gb}"
+            )
+    if isinstance(spec, Mapping):
+        _check_spec_numbers(spec)
+    try:
+        model = _load_unchecked(
+            spec,
+            world_size=world_size,
+            gpus_per_node=gpus_per_node,
+            max_seq_k=max_seq_k,
+            memory_cap_gb=memory_cap_gb,
+        )
+    except InputError:
+        raise
+    except (TypeError, ValueError, KeyError, OverflowError, ZeroDivisionError) as exc:
+        raise InputError(
+            f"--cost-model {spec if isinstance(spec, str | Path) else 'spec'}: cannot be used: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    return validate_cost_model(model)
+
+
+def _load_unchecked(
     spec: str | Path | Mapping[str, Any],
     *,
     world_size: int,
@@ -705,6 +837,7 @@ def load_cost_model(
             data: Mapping[str, Any] = {"preset": text}
         elif text.endswith((".yaml", ".yml", ".json")) or Path(text).is_file():
             data = _read_spec_file(Path(text))
+            _check_spec_numbers(data)
         else:
             raise InputError(
                 f"--cost-model {text!r} is neither a preset nor a YAML/JSON file; presets: "

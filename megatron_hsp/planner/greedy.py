@@ -233,7 +233,11 @@ def schedule_microbatch(
         return None
     hi = groups_makespan(inst, best)
     lo = min(failed, hi)
-    while hi - lo > rel_tol * hi:
+    # Bounded bisection: |hi| keeps the tolerance positive, and the step cap ends the search
+    # even for costs that defeat the tolerance (60 halvings exhaust float64 precision).
+    for _ in range(60):
+        if hi - lo <= rel_tol * abs(hi):
+            break
         mid = 0.5 * (lo + hi)
         got = attempt(mid)
         if got is None:

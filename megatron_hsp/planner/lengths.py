@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.units import MAX_TOKENS, parse_tokens
 
 DEFAULT_LENGTHS = "wikipedia_lengths_100k.txt.gz"
 FLEXSP_PAD_MULTIPLE = 128  # 2 * world_size with FlexSP's hard-wired world_size = 64
@@ -48,15 +49,9 @@ def default_lengths_path() -> Path:
 
 
 def parse_max_seq(value: str | int) -> int:
-    """``192k`` -> 192000 (FlexSP's ``seq_limit_k * 1000``), ``196608`` -> 196608."""
-    text = str(value).strip().lower()
-    try:
-        n = int(float(text[:-1]) * 1000) if text.endswith("k") else int(text)
-    except ValueError:
-        raise InputError(f"--max-seq {value!r} is not a length; use e.g. 192k or 196608") from None
-    if n <= 0:
-        raise InputError(f"--max-seq must be positive, got {value!r}")
-    return n
+    """``--max-seq``: ``192k`` -> 192000 (decimal k, FlexSP's ``seq_limit_k * 1000``); the rule
+    lives in :func:`megatron_hsp.planner.units.parse_tokens`."""
+    return parse_tokens(value, "--max-seq")
 
 
 def read_lengths(path: str | Path | None = None) -> np.ndarray:
@@ -81,9 +76,9 @@ def read_text_lengths(path: str | Path) -> np.ndarray:
     opener = gzip.open if p.suffix == ".gz" else open
     out: list[int] = []
     try:
-        with opener(p, "rt") as fh:
+        with opener(p, "rt", encoding="utf-8-sig") as fh:  # -sig: a BOM is not part of line 1
             for lineno, line in enumerate(fh, start=1):
-                text = line.strip()
+                text = line.strip().lstrip("\ufeff")
                 if not text:
                     continue
                 try:
@@ -95,6 +90,11 @@ def read_text_lengths(path: str | Path) -> np.ndarray:
                     ) from None
                 if n <= 0:
                     raise InputError(f"{p}:{lineno}: length {n} is not positive")
+                if n > MAX_TOKENS:
+                    raise InputError(
+                        f"{p}:{lineno}: length {text[:40]} is larger than {MAX_TOKENS:.0e} "
+                        "tokens; expected one document length per line"
+                    )
                 out.append(n)
     except (OSError, EOFError, UnicodeDecodeError) as exc:
         if isinstance(exc, InputError):
@@ -192,6 +192,8 @@ class BatchSampler:
     pad_multiple: int = FLEXSP_PAD_MULTIPLE
     corpus: np.ndarray = field(init=False, repr=False)
     harness_dropped: int = field(init=False, default=0)
+    harness_split: int = field(init=False, default=0)  # documents cut by --overlong split
+    harness_pieces: int = field(init=False, default=0)  # pieces those produced
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLING_MODES:
@@ -211,18 +213,67 @@ class BatchSampler:
                 f"sequence {int(bad[0])} has length {int(raw[bad[0]])}; lengths must be positive"
             )
         if self.sampling == "sequential":
-            m = self.pad_multiple
-            padded = ((raw - 1) // m + 1) * m
-            keep = padded <= self.max_seq - m
-            self.harness_dropped = int((~keep).sum())
-            self.corpus = padded[keep]
-            if self.corpus.size == 0:
-                raise InputError(
-                    f"every sequence is longer than --max-seq {self.max_seq} minus the "
-                    f"{m}-token padding; raise --max-seq"
-                )
+            self.corpus = self._sequential_corpus(raw)
         else:
             self.corpus = raw
+
+    def _sequential_corpus(self, raw: np.ndarray) -> np.ndarray:
+        """FlexSP's padded corpus, with documents over ``max_seq - pad`` handled by --overlong.
+
+        ``drop`` is FlexSP's harness rule (and what its published totals need); ``split`` cuts
+        such a document into padded pieces of at most ``max_seq - pad`` in its place; ``error``
+        (the default) refuses, naming the first one. Drops and splits are counted and printed.
+        """
+        m = self.pad_multiple
+        padded = ((raw - 1) // m + 1) * m
+        limit = self.max_seq - m
+        over = np.flatnonzero(padded > limit)
+        if limit < m:
+            raise InputError(f"--max-seq {self.max_seq} is below FlexSP's {2 * m}-token minimum")
+        if over.size and self.overlong == "error":
+            i = int(over[0])
+            raise InputError(
+                f"--sampling sequential: {over.size} document(s) longer than --max-seq "
+                f"{self.max_seq} minus FlexSP's {m}-token padding (first: document {i}, "
+                f"{int(raw[i])} tokens); use --overlong drop (FlexSP's harness rule), --overlong "
+                "split or a larger --max-seq"
+            )
+        if self.overlong == "drop" or not over.size:
+            self.harness_dropped = int(over.size)
+            corpus = np.delete(padded, over)
+        else:
+            piece = (limit // m) * m
+            parts: list[np.ndarray] = []
+            prev = 0
+            for i in over.tolist():
+                full, rest = divmod(int(raw[i]), piece)
+                cut = [piece] * full + ([((rest - 1) // m + 1) * m] if rest else [])
+                parts += [padded[prev:i], np.asarray(cut, dtype=np.int64)]
+                self.harness_pieces += len(cut)
+                prev = i + 1
+            parts.append(padded[prev:])
+            self.harness_split = int(over.size)
+            corpus = np.concatenate(parts)
+        if corpus.size == 0:
+            raise InputError(
+                f"every sequence is longer than --max-seq {self.max_seq} minus the "
+                f"{m}-token padding; raise --max-seq"
+            )
+        return corpus
+
+    def harness_note(self) -> str:
+        """One line for the text output when the sequential rules dropped or split documents."""
+        if self.harness_dropped:
+            return (
+                f"note: {self.harness_dropped} document(s) longer than --max-seq minus "
+                f"{self.pad_multiple} dropped (--overlong drop, FlexSP's harness rule)"
+            )
+        if self.harness_split:
+            return (
+                f"note: {self.harness_split} document(s) longer than --max-seq minus "
+                f"{self.pad_multiple} split into {self.harness_pieces} pieces (--overlong split)"
+            )
+        return ""
 
     @property
     def limit(self) -> int:

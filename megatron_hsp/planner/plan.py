@@ -3,7 +3,7 @@
 A plan covers one global batch. Micro-batches run one after another; inside a micro-batch the
 sequence-parallel ranks are partitioned into groups (aligned blocks, see ``topology``) that run
 concurrently, each training its own sequences with Ulysses all-to-all over its ranks. The JSON
-form is a contract (``shared/design.md`` section 3): change it only compatibly.
+form is a contract (``docs/design.md`` section 3): change it only compatibly.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from megatron_hsp.planner.bounds import instance_lower_bound
 from megatron_hsp.planner.chunking import candidate_counts, chunk_contiguous, chunk_time_balanced
-from megatron_hsp.planner.costmodel import CostModel
+from megatron_hsp.planner.costmodel import CostModel, validate_cost_model
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.greedy import place_groups, schedule_microbatch
 from megatron_hsp.planner.improve import improve
@@ -80,6 +80,9 @@ def solve(
         raise InputError(f"chunkings {config.chunkings!r}: choose one or more of {CHUNKINGS}")
     if config.backend == "cbc" and config.use_milp:
         require_cbc()
+    # A negative or NaN coefficient makes the bisection's tolerance and the lower bound
+    # meaningless; refuse it here too, for models built in code rather than loaded.
+    validate_cost_model(cost)
     sizes = resolve_sizes(cost, cluster, config.sizes)
     checked = check_lengths(lengths, cost, sizes)
     inst = Instance.build(checked, cost, cluster, sizes)
@@ -147,7 +150,9 @@ def _greedy_candidates(
                 best = cand
         if best is not None and m >= counts[-1]:
             return best
-        m += 1
+        # Past the deadline with nothing yet: go straight to one sequence per micro-batch, the
+        # schedule that always fits (check_lengths guaranteed it), instead of every count between.
+        m = len(inst.lengths) if time.perf_counter() > deadline else m + 1
         if m > len(inst.lengths):
             break
     if best is None:  # one sequence per micro-batch always fits: check_lengths guaranteed it

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -24,8 +25,16 @@ class PlanMismatchError(HSPError):
     """Ranks hold different plans for the same step."""
 
 
+class PlanningFailedError(HSPError):
+    """The planning rank could not produce this step's plan; raised on every rank alike."""
+
+
+class BatchMismatchError(HSPError):
+    """The agreed plan does not fit some rank's batch; raised on every rank alike."""
+
+
 def agree_on_plan(
-    plan: Plan | None,
+    plan: Plan | BaseException | None,
     *,
     mode: str = "verify",
     src: int = 0,
@@ -34,15 +43,28 @@ def agree_on_plan(
     """Return the plan all ranks of ``group`` (default: world) will execute.
 
     ``broadcast``: ``plan`` matters only on global rank ``src`` (others may pass None) and is sent
-    to all. ``verify``: every rank passes its own plan; fingerprints are all-gathered and compared;
+    to all. When ``src`` passes the exception its planner raised instead of a plan, the message is
+    broadcast in the plan's place and every rank raises ``PlanningFailedError`` with it, so no
+    rank is left waiting in the broadcast for a plan that never comes.
+    ``verify``: every rank passes its own plan; fingerprints are all-gathered and compared;
     on a mismatch every rank raises ``PlanMismatchError`` naming the ranks that disagree.
     """
     if mode == "broadcast":
-        box = [plan.to_dict() if dist.get_rank() == src and plan is not None else None]
+        box: list[Any] = [None]
+        if dist.get_rank() == src and isinstance(plan, BaseException):
+            box = [{"__error__": f"{type(plan).__name__}: {plan}"}]
+        elif dist.get_rank() == src and plan is not None:
+            box = [plan.to_dict()]
         dist.broadcast_object_list(box, src=src, group=group)
         if box[0] is None:
             raise PlanMismatchError(f"rank {src} had no plan to broadcast")
+        if "__error__" in box[0]:
+            raise PlanningFailedError(
+                f"planning failed on rank {src}, stopping every rank: {box[0]['__error__']}"
+            )
         return Plan.from_dict(box[0])
+    if isinstance(plan, BaseException):
+        raise plan
     if mode != "verify":
         raise ValueError(f"plan agreement mode {mode!r}: use 'broadcast' or 'verify'")
     mine = plan.fingerprint() if plan is not None else "<no plan>"
@@ -63,6 +85,32 @@ def agree_on_plan(
         )
     assert plan is not None
     return plan
+
+
+def agree_no_problems(
+    problems: Sequence[str],
+    *,
+    what: str = "the plan does not fit the batch",
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Raise ``BatchMismatchError`` on EVERY rank when any rank reports a problem.
+
+    One all-gather of each rank's first problem (empty when fine). Why: a check that fails on
+    one rank alone (its batch differs from the one the plan was made for) would make that rank
+    raise while the others enter the step's collectives and hang until the NCCL timeout.
+    """
+    mine = str(problems[0]) if problems else ""
+    everyone: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(everyone))
+    bad = [(r, p) for r, p in zip(ranks, everyone, strict=True) if p]
+    if bad:
+        shown = "; ".join(f"rank {r}: {p}" for r, p in bad[:4])
+        raise BatchMismatchError(
+            f"{what} on ranks {_ranks([r for r, _ in bad])}, stopping every rank: {shown}. Every "
+            "rank must sample the same batches (same data, seed, --global-batch-size and resume "
+            "state)"
+        )
 
 
 def check_executable(

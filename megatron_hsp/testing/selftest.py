@@ -78,7 +78,7 @@ class CaseResult:
     detail: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        # Exactly the keys of the contract (shared/design.md section 3).
+        # Exactly the keys of the contract (docs/design.md section 3).
         return {
             "name": self.name,
             "nproc": self.nproc,

@@ -1,0 +1,80 @@
+"""Run every benchmark script in this folder with small defaults (``make bench``).
+
+Each script runs as its own process with a smoke-sized configuration, writing its JSON under
+``--out`` (default ``benchmarks/results/run_all``) and never rewriting the docs; the full-size
+runs and the commands that produced the published figures are in each script's docstring and in
+docs/benchmarks.md. Exit status: 0 when every script succeeded, else 1 (each failure is named).
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/run_all.py [--only NAME ...] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def commands(out: Path) -> dict[str, list[str]]:
+    """Script name -> argv (small settings); every script in the folder has one entry."""
+    py = sys.executable
+    return {
+        "attention_backends": [
+            py, str(HERE / "attention_backends.py"), "--tokens", "2048", "--repeats", "2",
+            "--json", str(out / "attention_backends.json"),
+        ],
+        "dispatch_overhead": [
+            py, str(HERE / "dispatch_overhead.py"), "--steps", "3",
+            "--json", str(out / "dispatch_overhead.json"),
+        ],
+        "solver_targets": [py, str(HERE / "solver_targets.py"), "--quick"],
+        "flexsp_grid": [
+            py, str(HERE / "flexsp_grid.py"), "--quick", "--steps", "2",
+            "--out-dir", str(out / "flexsp_grid"), "--doc", str(out / "benchmarks.md"),
+        ],
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(HERE / "results" / "run_all"), help="output folder")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these scripts")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    cmds = commands(out)
+    missing = sorted(
+        p.stem for p in HERE.glob("*.py") if p.stem not in cmds and p.stem != "run_all"
+    )
+    if missing:
+        print(f"error: benchmarks without a run_all entry: {missing}", file=sys.stderr)
+        return 1
+    unknown = sorted(set(args.only or ()) - set(cmds))
+    if unknown:
+        print(f"error: --only {unknown}: choose from {sorted(cmds)}", file=sys.stderr)
+        return 2
+    failed = []
+    for name, cmd in cmds.items():
+        if args.only and name not in args.only:
+            continue
+        print("$ " + " ".join(cmd), flush=True)
+        if args.dry_run:
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        rc = subprocess.call(cmd, cwd=HERE.parent)
+        print(f"-- {name}: exit {rc} in {time.perf_counter() - t0:.1f} s", flush=True)
+        if rc != 0:
+            failed.append(name)
+    if failed:
+        print(f"error: benchmarks failed: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
