@@ -69,7 +69,7 @@ def test_param_interpolation_between_192k_and_384k():
 
 def test_unmeasured_sizes_take_the_next_larger_measured_bandwidth():
     m = load_cost_model("flexsp-gpt-7b", world_size=64, gpus_per_node=8)
-    assert m.sizes == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert m.sizes == [1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40, 48, 56, 64]
     assert m.a2a_ms_per_token[24] == pytest.approx(2 / 24 / 5.94)  # BW_32
     assert m.a2a_ms_per_token[40] == pytest.approx(2 / 40 / 4.87)  # BW_64
     big = load_cost_model("flexsp-gpt-7b", world_size=256, gpus_per_node=8)

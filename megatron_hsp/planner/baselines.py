@@ -44,10 +44,11 @@ def homogeneous_sizes(
 ) -> list[int]:
     """Degrees a homogeneous baseline may use on this cluster with this cost model."""
     pool = set(cost.sizes) if sizes is None else set(sizes)
+    tiling = set(cluster.tiling_sizes())
     return [
         d
         for d in cluster.legal_sizes(pool)
-        if cluster.world_size % d == 0 and (d == 1 or d in cost.a2a_ms_per_token)
+        if d in tiling and (d == 1 or d in cost.a2a_ms_per_token)
     ]
 
 
