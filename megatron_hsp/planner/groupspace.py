@@ -161,15 +161,27 @@ def kv_copies(q_heads: int, kv_heads: int, ulysses: int) -> int:
     if q_heads % ulysses:
         raise InputError(f"Ulysses degree {ulysses} does not divide {q_heads} query heads per rank")
     per_kv = q_heads // kv_heads
-    return next(c for c in range(1, per_kv + 1) if per_kv % c == 0 and (kv_heads * c) % ulysses == 0)
+    return next(
+        c for c in range(1, per_kv + 1) if per_kv % c == 0 and (kv_heads * c) % ulysses == 0
+    )
+
+
+# Largest ring degree the runtime executes. The torch attention runs Ulysses only today (ring
+# attention is issue 8's step 3, not built yet), so a split with r > 1 is priced by the cost model
+# but rejected as not executable; raising this is the one switch once ring attention lands.
+RUNTIME_MAX_RING = 1
 
 
 @dataclass(frozen=True, slots=True)
 class HeadSpace:
-    """Query and KV heads on one tensor-parallel rank: what Ulysses can split."""
+    """Query and KV heads on one tensor-parallel rank: what Ulysses can split.
+
+    ``max_ring`` is the largest ring degree the executing runtime supports.
+    """
 
     q_heads: int
     kv_heads: int
+    max_ring: int = RUNTIME_MAX_RING
 
     def __post_init__(self) -> None:
         if self.q_heads < 1 or self.kv_heads < 1 or self.q_heads % self.kv_heads:
@@ -179,7 +191,9 @@ class HeadSpace:
             )
 
     @classmethod
-    def from_model(cls, heads: int, kv_heads: int | None = None, tp: int = 1) -> HeadSpace:
+    def from_model(
+        cls, heads: int, kv_heads: int | None = None, tp: int = 1, max_ring: int = RUNTIME_MAX_RING
+    ) -> HeadSpace:
         """Per-TP-rank heads as Megatron splits them (KV heads replicated when tp > kv)."""
         kv = heads if kv_heads is None else kv_heads
         if heads % tp:
@@ -187,7 +201,7 @@ class HeadSpace:
                 f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size "
                 f"{tp}"
             )
-        return cls(heads // tp, max(kv, tp) // tp)
+        return cls(heads // tp, max(kv, tp) // tp, max_ring)
 
     def split(self, size: int, ulysses: int | None = None) -> tuple[int, int]:
         """(Ulysses degree u, ring degree r) for a group of ``size``: u * r = size.
@@ -219,7 +233,26 @@ class HeadSpace:
                 f"tensor-parallel rank (largest usable for size {size}: "
                 f"{largest_ulysses(size, self.q_heads)})"
             )
+        if ring > self.max_ring:
+            return (
+                f"ring degree {ring} (group {size} = ulysses {ulysses} x ring {ring}) exceeds the "
+                f"runtime's ring support ({self.max_ring}); the {self.q_heads} query heads per "
+                f"tensor-parallel rank allow Ulysses groups of {self.ulysses_sizes()}"
+            )
         return None
+
+    def executable(self, size: int) -> bool:
+        """Whether the default split of ``size`` runs on this runtime."""
+        u, r = self.split(size)
+        return self.split_problem(size, u, r) is None
+
+    def ulysses_sizes(self) -> list[int]:
+        """Group sizes pure Ulysses can run: divisors of the query heads."""
+        return [d for d in range(1, self.q_heads + 1) if self.q_heads % d == 0]
+
+    def legal_sizes(self, cluster: Cluster, candidates: Iterable[int] | None = None) -> list[int]:
+        """Legal block sizes of ``cluster`` (from ``candidates``) whose default split runs."""
+        return [d for d in cluster.legal_sizes(candidates) if self.executable(d)]
 
 
 def problems(plan: Plan, heads: HeadSpace | None = None) -> list[str]:
