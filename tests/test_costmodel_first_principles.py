@@ -13,7 +13,6 @@ from megatron_hsp.planner.costmodel import (
     ModelConfig,
     TrainingConfig,
     a2a_bytes_per_token,
-    a2a_bytes_per_token,
     activation_bytes_per_token,
     first_principles_cost_model,
     load_cost_model,

@@ -173,9 +173,9 @@ def plan_from_layout(
             ids = sorted(int(i) for i in ids)
             glens = tuple(int(x) for x in lens[ids]) if ids else ()
             est = cost.group_ms(glens, size) if ids else 0.0
-            placed.append(Group(tuple(block), tuple(ids), glens, est))
+            placed.append(Group(tuple(block), tuple(ids), glens, est, *cost.recorded_split(size)))
         for r in (r for r in range(cluster.world_size) if free[r]):
-            placed.append(Group((r,), (), (), 0.0))
+            placed.append(Group((r,), (), (), 0.0, *cost.recorded_split(1)))
         placed.sort(key=lambda g: g.ranks[0])
         microbatches.append(MicroBatch(tuple(placed), max(g.est_ms for g in placed)))
     return Plan(

@@ -84,6 +84,10 @@ class CostModel:
         hs = self.head_space()
         return (d, 1) if hs is None else hs.split(d)
 
+    def recorded_split(self, d: int) -> tuple[int, int]:
+        """(ulysses, ring) for ``Group``'s fields: (0, 0) when the model's heads are unknown."""
+        return self.split(d) if self.heads is not None else (0, 0)
+
     def _fixed(self, d: int) -> float:
         g = self.group_fixed_ms
         return g[d] if d in g else g.get(0, 0.0)
