@@ -166,10 +166,9 @@ def kv_copies(q_heads: int, kv_heads: int, ulysses: int) -> int:
     )
 
 
-# Largest ring degree the runtime executes. The torch attention runs Ulysses only today (ring
-# attention is issue 8's step 3, not built yet), so a split with r > 1 is priced by the cost model
-# but rejected as not executable; raising this is the one switch once ring attention lands.
-RUNTIME_MAX_RING = 1
+# Largest ring degree the runtime executes. The torch attention runs ring attention of any degree
+# (runtime/ring.py), so there is no limit; a backend without ring support would pass 1.
+RUNTIME_MAX_RING = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,11 +42,18 @@ class ModelInputs:
 
 
 def packed_seq_params(
-    pack: PackedMicroBatch, group: dist.ProcessGroup, device: torch.device
+    pack: PackedMicroBatch,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    hybrid: tuple[dist.ProcessGroup | None, dist.ProcessGroup] | None = None,
 ) -> PackedSeqParams:
-    """megatron-core's per-call seam: THD ``cu_seqlens`` of the whole group buffer + its group."""
+    """megatron-core's per-call seam: THD ``cu_seqlens`` of the whole group buffer + its group.
+
+    ``hybrid``: the block's (Ulysses, ring) sub-groups (``GroupRegistry.hybrid``) when it runs
+    ring attention; the attention reads them from the params' per-micro-batch cache.
+    """
     cu = torch.from_numpy(pack.cu_seqlens).to(device)
-    return PackedSeqParams(
+    out = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
@@ -57,10 +64,16 @@ def packed_seq_params(
         cp_group=group,
         local_cp_size=pack.group_size,
     )
+    if hybrid is not None:
+        out._hsp_cache = {"hybrid": hybrid}
+    return out
 
 
 def to_model_inputs(
-    pack: PackedMicroBatch, group: dist.ProcessGroup, device: torch.device
+    pack: PackedMicroBatch,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    hybrid: tuple[dist.ProcessGroup | None, dist.ProcessGroup] | None = None,
 ) -> ModelInputs:
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device).unsqueeze(0)
@@ -70,7 +83,7 @@ def to_model_inputs(
         position_ids=t(pack.position_ids),
         labels=t(pack.labels),
         loss_mask=t(pack.loss_mask),
-        packed_seq_params=packed_seq_params(pack, group, device),
+        packed_seq_params=packed_seq_params(pack, group, device, hybrid),
     )
 
 
@@ -131,7 +144,7 @@ def run_step(
             result.skipped_microbatches.append(pack.microbatch)
             continue
         group = registry.group(pack.group_size, pack.block)
-        inputs = to_model_inputs(pack, group, device)
+        inputs = to_model_inputs(pack, group, device, registry.hybrid(pack.group_size, pack.block))
         loss_sum = masked_loss_sum(forward(model, inputs), inputs.loss_mask)
         (loss_sum * scale).backward()
         acc.add(loss_sum, pack.num_loss_tokens)
