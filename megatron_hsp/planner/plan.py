@@ -48,7 +48,9 @@ class Group:
 
     @property
     def comm(self) -> str:
-        """``a2a`` (Ulysses) for groups of two or more ranks, ``none`` for a single rank."""
+        """``a2a`` (Ulysses), ``ring``, ``a2a+ring`` (hybrid) or ``none`` (a single rank)."""
+        if self.ring > 1:
+            return "a2a+ring" if self.ulysses > 1 else "ring"
         return "a2a" if self.size > 1 else "none"
 
     @property
