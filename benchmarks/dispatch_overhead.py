@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsp.runtime.dispatch import GlobalBatch, dispatch
-from megatron_hsp.runtime.manual_plan import manual_plan, round_robin_plan
 from megatron_hsp.runtime.schedule import to_model_inputs
+from megatron_hsp.testing.manual_plan import manual_plan, round_robin_plan
 
 DATA = (
     Path(__file__).resolve().parent.parent / ".." / "shared" / "data" / "wikipedia_lengths.txt.gz"

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 
 from megatron_hsp.runtime.agreement import head_problems
-from megatron_hsp.runtime.manual_plan import manual_plan
+from megatron_hsp.testing.manual_plan import manual_plan
 
 LENGTHS = [9, 5, 3, 2, 1]
 SCENARIOS = ("same", "broadcast", "mismatch", "world", "missing-size", "heads")
@@ -60,7 +60,7 @@ def _worker(rank, world_size):
 
 @pytest.fixture(scope="module")
 def results():
-    from megatron_hsp.runtime.testing import raise_rank_errors, run_distributed
+    from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
     return raise_rank_errors(run_distributed(_worker, 4, timeout_s=300))
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_hsp.runtime.testing import (
+from megatron_hsp.testing.dist import (
     destroy_cpu_megatron,
     init_single_process_megatron,
     raise_rank_errors,
@@ -124,7 +124,7 @@ def test_with_hsp_attention_rewrites_a_megatron_decoder_block_spec(megatron_cpu)
 
     from megatron_hsp.megatron.spec import with_hsp_attention
     from megatron_hsp.runtime.attention import HSPCoreAttention, HSPSelfAttention
-    from megatron_hsp.runtime.testing import use_cpu_rotary
+    from megatron_hsp.testing.cpu_shims import use_cpu_rotary
 
     config = tiny_gpt_model().config
     block = with_hsp_attention(get_gpt_decoder_block_spec(config, use_transformer_engine=False))
@@ -193,7 +193,7 @@ def _gpt_cases_worker(rank: int, world: int) -> dict:
 
     megatron's --sequence-parallel is not covered: its CPU fallback (torch LayerNorm) refuses it.
     """
-    from megatron_hsp.runtime.testing import init_cpu_megatron
+    from megatron_hsp.testing.dist import init_cpu_megatron
 
     results = {"tp2-d2": _gpt_ulysses_worker(rank, world, tp=2)}
     init_cpu_megatron(rank, world, "unused://", tensor_model_parallel_size=1)  # re-init megatron

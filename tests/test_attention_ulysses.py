@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_hsp.runtime.testing import raise_rank_errors, run_distributed
+from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

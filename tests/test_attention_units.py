@@ -16,7 +16,7 @@ from megatron_hsp.runtime.attention import (
     make_backend,
     positions_in_documents,
 )
-from megatron_hsp.runtime.testing import destroy_cpu_megatron, init_single_process_megatron
+from megatron_hsp.testing.dist import destroy_cpu_megatron, init_single_process_megatron
 
 
 def config(heads: int = 4, kv: int = 2, **kw):

@@ -17,7 +17,7 @@ from megatron_hsp.runtime.dispatch import (
     pack_group_slice,
     padding_for,
 )
-from megatron_hsp.runtime.manual_plan import manual_plan, round_robin_plan
+from megatron_hsp.testing.manual_plan import manual_plan, round_robin_plan
 
 
 def _batch(lengths, seed=0):

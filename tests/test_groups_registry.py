@@ -41,7 +41,7 @@ def _registry(rank, sizes):
 
 
 def _worker(rank, world_size):
-    from megatron_hsp.runtime.testing import init_cpu_megatron
+    from megatron_hsp.testing.dist import init_cpu_megatron
 
     out = {"tp1": _registry(rank, None)}
     try:
@@ -56,7 +56,7 @@ def _worker(rank, world_size):
 
 @pytest.fixture(scope="module")
 def results():
-    from megatron_hsp.runtime.testing import raise_rank_errors, run_distributed
+    from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
     return raise_rank_errors(run_distributed(_worker, 4, timeout_s=300))
 

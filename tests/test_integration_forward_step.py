@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
     from megatron_hsp.runtime.dispatch import GlobalBatch
     from megatron_hsp.runtime.groups import create_groups
     from megatron_hsp.runtime.schedule import run_step
-    from megatron_hsp.runtime.testing import tiny_gpt_model
+    from megatron_hsp.testing.dist import tiny_gpt_model
 
     registry = create_groups(world)
     index = DocumentIndex(prefix)
@@ -130,7 +130,7 @@ def test_forward_step_hook_matches_the_runtime_step(tmp_path):
     import numpy as np
 
     from megatron_hsp.megatron.data import write_indexed_dataset
-    from megatron_hsp.runtime.testing import raise_rank_errors, run_distributed
+    from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
     rng = np.random.default_rng(0)
     prefix = tmp_path / "docs"

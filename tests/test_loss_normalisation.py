@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megatron_hsp.runtime.dispatch import GlobalBatch, dispatch_all
-from megatron_hsp.runtime.loss import LossAccumulator, allreduce_gradients, masked_loss_sum
-from megatron_hsp.runtime.manual_plan import manual_plan
+from megatron_hsp.runtime.loss import LossAccumulator, allreduce_gradients, microbatch_loss
+from megatron_hsp.testing.manual_plan import manual_plan
 
 LENGTHS = [17, 9, 5, 3, 2, 1, 1, 12]
 
@@ -46,7 +46,7 @@ def _reference(batch):
     labels = torch.from_numpy(np.append(batch.tokens[1:], 0))
     mask = torch.ones(batch.num_tokens)
     mask[torch.from_numpy(batch.offsets[1:] - 1)] = 0
-    loss = masked_loss_sum(_token_loss(model, ids, labels), mask) / batch.num_loss_tokens
+    loss = (_token_loss(model, ids, labels) * mask).sum() / batch.num_loss_tokens  # plain torch
     loss.backward()
     return float(loss.detach()), _grads(model)
 
@@ -60,11 +60,12 @@ def _distributed(batch, plan, normalise):
             if p.empty:
                 continue
             model = _model()  # every rank holds the same parameters
-            loss_sum = masked_loss_sum(
+            loss_sum, num_tokens = microbatch_loss(
                 _token_loss(model, torch.from_numpy(p.input_ids), torch.from_numpy(p.labels)),
                 torch.from_numpy(p.loss_mask),
             )
-            acc.add(loss_sum, p.num_loss_tokens)
+            assert int(num_tokens) == p.num_loss_tokens
+            acc.add(loss_sum, int(num_tokens))
             group_tokens = sum(batch.lengths[s] - 1 for s in p.seq_ids)
             denom = batch.num_loss_tokens if normalise == "global" else max(group_tokens, 1)
             (loss_sum / denom).backward()
@@ -91,10 +92,12 @@ def test_per_group_mean_would_be_wrong(setup):
     assert worst > 1e-2  # the check above can fail: groups differ in token counts
 
 
-def test_masked_loss_sum_ignores_masked_tokens():
+def test_microbatch_loss_is_megatrons_per_token_contract():
     loss = torch.tensor([[1.0, 2.0, 100.0, 3.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
-    assert float(masked_loss_sum(loss, mask)) == 6.0
+    loss_sum, num_tokens = microbatch_loss(loss, mask)
+    assert float(loss_sum) == 6.0
+    assert num_tokens.dtype == torch.int and int(num_tokens) == 3
 
 
 def test_allreduce_gradients_one_flat_collective(monkeypatch):

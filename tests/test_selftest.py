@@ -1,6 +1,7 @@
 """``megatron-hsp selftest``: every case (all size 1, one group of all, {4,2,1,1}, changing
 layouts with empty groups, tp=2 x dynamic groups, 1-token documents, a document exactly at the
-memory limit) matches the single-device reference on 4 and 8 gloo processes."""
+memory limit) matches the independent single-device reference on 4 and 8 gloo processes, and
+``--mutations`` catches every planted bug."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import pytest
 
 from megatron_hsp import cli
-from megatron_hsp.runtime.selftest import GRAD_REL_TOL, LOSS_REL_TOL, build_cases
+from megatron_hsp.testing.selftest import GRAD_REL_TOL, LOSS_REL_TOL, build_cases
 
 CASE_KEYS = {
     "name",
@@ -33,7 +34,7 @@ def test_cases_cover_the_required_layouts():
     at_limit = cases["document-at-memory-limit"]
     plan = at_limit.plan()
     group = plan.microbatches[0].groups[0]
-    from megatron_hsp.runtime.selftest import memory_limit_model
+    from megatron_hsp.testing.selftest import memory_limit_model
 
     cm = memory_limit_model(at_limit.tokens_per_rank, at_limit.slots)
     assert group.lengths == (cm.capacity(group.size),)  # exactly at the limit
@@ -49,7 +50,7 @@ def test_bad_nproc_is_a_clear_error(capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [4, 8])
 def test_selftest_matches_single_device(nproc):
-    from megatron_hsp.runtime.selftest import run_selftest
+    from megatron_hsp.testing.selftest import run_selftest
 
     result = run_selftest(nproc, timeout_s=840)
     by_name = {c.name: c for c in result["_results"]}
@@ -58,8 +59,39 @@ def test_selftest_matches_single_device(nproc):
         assert c.loss_rel_diff <= LOSS_REL_TOL, (c.name, c.loss_rel_diff)
         assert c.max_rel_grad_diff <= GRAD_REL_TOL, (c.name, c.detail)
     assert result["ok"] is True
-    # the comparison can fail: attention leaking across documents is caught by far
-    assert result["_control"]["max_rel_grad_diff"] > 1e3 * GRAD_REL_TOL
+    assert "mutations" not in result  # only with --mutations
     doc = json.loads(json.dumps({"ok": result["ok"], "cases": result["cases"]}))
     assert all(set(c) == CASE_KEYS and c["nproc"] == nproc for c in doc["cases"])
     print(f"selftest nproc={nproc}: {result['_timing']}")
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_selftest_mutations_are_all_caught(capsys):
+    """The CLI as users run it: every planted bug misses the tolerance by >= CATCH_MARGIN."""
+    from megatron_hsp.testing.mutations import CATCH_MARGIN, MUTATIONS
+
+    assert cli.main(["selftest", "--nproc", "4", "--mutations", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is True
+    rows = {m["name"]: m for m in doc["mutations"]}
+    assert (
+        set(rows)
+        == {m.name for m in MUTATIONS}
+        >= {
+            "non-causal-attention",
+            "attention-across-documents",
+            "rope-positions-shifted",
+            "token-lost-at-group-boundary",
+            "per-sample-loss",
+            "gqa-kv-head-off-by-one",
+            "group-gradients-not-reduced",
+        }
+    )
+    for name, m in rows.items():
+        assert set(m) == {"name", "caught", "loss_rel_diff", "max_rel_grad_diff"}
+        assert m["caught"] is True, m
+        worst = max(m["loss_rel_diff"] / LOSS_REL_TOL, m["max_rel_grad_diff"] / GRAD_REL_TOL)
+        assert worst >= CATCH_MARGIN, (name, worst)
+    # the clean cases still pass in the same run (mutations were undone between runs)
+    assert all(set(c) == CASE_KEYS for c in doc["cases"])

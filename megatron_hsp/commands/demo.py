@@ -133,7 +133,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     from megatron_hsp.runtime.dispatch import GlobalBatch
     from megatron_hsp.runtime.groups import create_groups
     from megatron_hsp.runtime.schedule import run_step
-    from megatron_hsp.runtime.testing import tiny_gpt_model
+    from megatron_hsp.testing.dist import tiny_gpt_model
 
     device = torch.device("cpu")
     gpus_per_node = world_size
@@ -408,7 +408,7 @@ def _rank_main(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:
 
     import torch
 
-    from megatron_hsp.runtime.testing import destroy_cpu_megatron, init_cpu_megatron
+    from megatron_hsp.testing.dist import destroy_cpu_megatron, init_cpu_megatron
 
     torch.set_num_threads(1)
     try:
@@ -450,7 +450,7 @@ def _run_ranks(cfg: DemoConfig, timeout_s: float = 900) -> dict[str, Any]:
             "torch",
             "megatron.core.models.gpt.gpt_model",
             "megatron_hsp.runtime.schedule",
-            "megatron_hsp.runtime.testing",
+            "megatron_hsp.testing.dist",
             "megatron_hsp.commands.demo",
         ]
     )
@@ -500,7 +500,7 @@ def _run_torchrun(cfg: DemoConfig) -> dict[str, Any] | None:
     """One process of a torchrun / Slurm launch (env:// rendezvous, gloo, CPU)."""
     import torch
 
-    from megatron_hsp.runtime.testing import destroy_cpu_megatron, init_cpu_megatron
+    from megatron_hsp.testing.dist import destroy_cpu_megatron, init_cpu_megatron
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     init_cpu_megatron(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://")

@@ -246,38 +246,29 @@ def current_num_microbatches(run: HSPRun) -> int:
 
 
 def _loss_func(loss_mask: Any, output_tensor: Any, num_tokens_override: int | None = None):
-    """Megatron's ``--calculate-per-token-loss`` contract: (loss sum, token count, report)."""
+    """Megatron's ``--calculate-per-token-loss`` contract: (loss sum, token count, report).
+
+    The reduction is ``runtime.loss.microbatch_loss``, the same one ``run_step`` (demo, selftest)
+    uses; only the report dict is Megatron-specific.
+    """
     import torch
 
-    losses = output_tensor.view(-1).float()
-    mask = loss_mask.view(-1).float()
-    loss_sum = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
+    from megatron_hsp.runtime.loss import microbatch_loss
+
+    loss_sum, num_tokens = microbatch_loss(output_tensor, loss_mask)
     report = torch.cat([loss_sum.detach().view(1), num_tokens.float().view(1)])
     return loss_sum, num_tokens, {"lm loss": report}
 
 
 def hsp_forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False):
-    """``forward_step_func`` for ``pretrain()``: one planned THD micro-batch of this rank."""
-    import torch
+    """``forward_step_func`` for ``pretrain()``: one planned THD micro-batch of this rank.
+
+    The model call (and the zero output of a rank whose group trains nothing in this micro-batch)
+    is ``runtime.schedule.forward_microbatch``, shared with ``run_step``.
+    """
+    from megatron_hsp.runtime.schedule import forward_microbatch
 
     if return_schedule_plan:
         raise InputError("--hsp does not support --overlap-moe-expert-parallel-comm")
-    inputs = next(data_iterator)
-    if inputs is None:
-        # This rank's group trains nothing in this micro-batch (fewer sequences than groups).
-        # Its members all skip the model together; a zero loss tied to the parameters keeps
-        # the backward pass and the step's gradient all-reduce identical on every rank.
-        params = [p for p in model.parameters() if p.requires_grad]
-        zero = sum((p.view(-1)[:1] * 0.0).sum() for p in params)
-        mask = torch.zeros(1, device=zero.device)
-        return zero.view(1, 1), partial(_loss_func, mask)
-    output = model(
-        inputs.input_ids,
-        inputs.position_ids,
-        None,
-        labels=inputs.labels,
-        loss_mask=inputs.loss_mask,
-        packed_seq_params=inputs.packed_seq_params,
-    )
-    return output, partial(_loss_func, inputs.loss_mask)
+    output, loss_mask = forward_microbatch(model, next(data_iterator))
+    return output, partial(_loss_func, loss_mask)

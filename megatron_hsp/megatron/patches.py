@@ -23,11 +23,16 @@ replaced attribute                                 why
                                                    ``--hsp`` is on (the patched ``pretrain_gpt.py``
                                                    does this itself instead).
 ``RotaryEmbedding`` instances of a CPU-built model  CPU runs only (selftest, demo, tests):
-(``runtime.testing.use_cpu_rotary``)               megatron-core 0.19.2's ``get_emb`` always moves
+(``testing.cpu_shims.use_cpu_rotary``)             megatron-core 0.19.2's ``get_emb`` always moves
                                                    its table to CUDA. The class of those instances
                                                    is swapped for a subclass that keeps the
                                                    table on the model's device; no global patch,
                                                    never applied on CUDA.
+``parallel_state``'s global memory buffer ``mpu``  CPU selftest reference only: megatron-core's
+(``testing.cpu_shims.cpu_attention_scores_buffer``)  ``DotProductAttention`` takes its score
+                                                   buffer from it, allocated on CUDA; it is
+                                                   pre-allocated on the CPU instead (megatron's
+                                                   own ``get_tensor`` then hands out CPU views).
 =================================================  ===============================================
 
 Each patch checks that the attribute exists with a compatible signature, records the original,

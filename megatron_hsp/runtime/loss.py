@@ -34,10 +34,20 @@ class LossAccumulator:
         self.num_tokens += int(num_tokens)
 
 
-def masked_loss_sum(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Sum of the losses of tokens with a target (``loss_mask`` 1); padding and documents' last
-    tokens contribute 0."""
-    return (per_token_loss.reshape(-1).float() * loss_mask.reshape(-1).float()).sum()
+def microbatch_loss(
+    output_tensor: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss sum, loss-token count) of one micro-batch: Megatron's ``--calculate-per-token-loss``
+    contract, the ONE loss reduction of both step paths (``schedule.run_step`` and the Megatron
+    loss function in ``megatron_hsp.megatron.hooks``).
+
+    ``output_tensor`` is the model's per-token loss (``[1, T_local]``); ``loss_mask`` is 1 for
+    tokens with a target, 0 for documents' last tokens and padding. The count is an int tensor,
+    as Megatron's schedule sums it into ``total_num_tokens``; the step divides by the global sum.
+    """
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = (output_tensor.reshape(-1).float() * mask).sum()
+    return loss_sum, mask.sum().to(torch.int)
 
 
 def reduce_step_loss(

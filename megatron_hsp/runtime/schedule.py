@@ -1,5 +1,13 @@
 """One training step of a plan: micro-batches in plan order, the group switched per micro-batch.
 
+The per-micro-batch path is shared with the Megatron integration: ``to_model_inputs`` (a
+dispatched pack -> model inputs), ``forward_microbatch`` (the model call, or a zero output tied
+to the parameters for a group without sequences) and ``loss.microbatch_loss`` (Megatron's
+per-token-loss contract) are what ``run_step`` calls here and what ``megatron_hsp.megatron.hooks``
+(``begin_step``, ``hsp_forward_step``, ``_loss_func``) calls under Megatron's own schedule. So
+the selftest, which drives ``run_step``, checks the code users train with; only the outer loop
+(this function vs Megatron's ``forward_backward_func`` + DDP) differs.
+
 Why no barrier is needed between micro-batches: every rank belongs to exactly one group in every
 micro-batch and walks the micro-batches in the same (plan) order, so the collectives a group
 issues in micro-batch ``m`` are matched by exactly its own members, whatever the group sizes in
@@ -11,7 +19,6 @@ step's single gradient all-reduce (with zero gradients if they trained nothing).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,7 +32,7 @@ from megatron_hsp.runtime.groups import GroupRegistry
 from megatron_hsp.runtime.loss import (
     LossAccumulator,
     allreduce_gradients,
-    masked_loss_sum,
+    microbatch_loss,
     reduce_step_loss,
 )
 
@@ -87,15 +94,53 @@ def to_model_inputs(
     )
 
 
-def gpt_forward(model: torch.nn.Module, inputs: ModelInputs) -> torch.Tensor:
-    """Per-token loss ``[1, T_local]`` from a megatron-core ``GPTModel`` given labels."""
-    return model(
-        input_ids=inputs.input_ids,
-        position_ids=inputs.position_ids,
-        attention_mask=None,
+def step_inputs(
+    batch: GlobalBatch,
+    plan: Plan,
+    registry: GroupRegistry,
+    device: torch.device,
+    *,
+    local_multiple: int = 1,
+) -> list[ModelInputs | None]:
+    """This rank's model inputs for every micro-batch of ``plan`` (None: its group trains nothing
+    in that micro-batch), each bound to the plan group's process group."""
+    packs = dispatch(batch, plan, registry.slot, local_multiple=local_multiple)
+    return [
+        None
+        if p.empty
+        else to_model_inputs(
+            p,
+            registry.group(p.group_size, p.block),
+            device,
+            registry.hybrid(p.group_size, p.block),
+        )
+        for p in packs
+    ]
+
+
+def forward_microbatch(
+    model: torch.nn.Module, inputs: ModelInputs | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(model output, loss mask) of one micro-batch; the output is the per-token loss ``[1, T]``.
+
+    ``inputs`` None (the rank's group has no sequences in this micro-batch): the model is not run
+    -- all members of the group skip it together, so no partner waits -- and the output is a zero
+    tied to every trainable parameter with an all-zero mask, so backward and the step's gradient
+    reduction stay identical on every rank.
+    """
+    if inputs is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        zero = sum((p.view(-1)[:1] * 0.0).sum() for p in params)
+        return zero.view(1, 1), torch.zeros(1, 1, device=zero.device)
+    output = model(
+        inputs.input_ids,
+        inputs.position_ids,
+        None,
         labels=inputs.labels,
+        loss_mask=inputs.loss_mask,
         packed_seq_params=inputs.packed_seq_params,
     )
+    return output, inputs.loss_mask
 
 
 @dataclass
@@ -116,7 +161,6 @@ def run_step(
     *,
     grad_group: dist.ProcessGroup | None,
     device: torch.device,
-    forward: Callable[[torch.nn.Module, ModelInputs], torch.Tensor] = gpt_forward,
     local_multiple: int = 1,
 ) -> StepResult:
     """Forward/backward every micro-batch of ``plan`` on this rank, then one gradient all-reduce.
@@ -134,21 +178,20 @@ def run_step(
     n_global = batch.num_loss_tokens
     scale = 1.0 / max(n_global, 1)
     t0 = time.perf_counter()
-    packs = dispatch(batch, plan, registry.slot, local_multiple=local_multiple)
+    inputs_per_mb = step_inputs(batch, plan, registry, device, local_multiple=local_multiple)
     dispatch_ms = (time.perf_counter() - t0) * 1e3
     model.zero_grad(set_to_none=True)
     acc = LossAccumulator()
     result = StepResult(loss=0.0, num_loss_tokens=0, forward_calls=0, dispatch_ms=dispatch_ms)
-    for pack in packs:
-        if pack.empty:
-            result.skipped_microbatches.append(pack.microbatch)
-            continue
-        group = registry.group(pack.group_size, pack.block)
-        inputs = to_model_inputs(pack, group, device, registry.hybrid(pack.group_size, pack.block))
-        loss_sum = masked_loss_sum(forward(model, inputs), inputs.loss_mask)
+    for m, inputs in enumerate(inputs_per_mb):
+        output, loss_mask = forward_microbatch(model, inputs)
+        loss_sum, num_tokens = microbatch_loss(output, loss_mask)
         (loss_sum * scale).backward()
-        acc.add(loss_sum, pack.num_loss_tokens)
-        result.forward_calls += 1
+        acc.add(loss_sum, int(num_tokens))
+        if inputs is None:
+            result.skipped_microbatches.append(m)
+        else:
+            result.forward_calls += 1
     result.grad_numel = allreduce_gradients(model.parameters(), grad_group)
     total, count = reduce_step_loss(acc, grad_group, device)
     if count != n_global:

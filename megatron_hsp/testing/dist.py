@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_hsp.testing.cpu_shims import use_cpu_rotary
+
 
 @dataclass(frozen=True)
 class RankError:
@@ -72,42 +74,6 @@ def init_single_process_megatron(seed: int = 1234) -> None:
     os.close(fd)
     os.unlink(path)
     init_cpu_megatron(0, 1, f"file://{path}", seed=seed)
-
-
-def cpu_rotary_embedding_class() -> type:
-    """A megatron ``RotaryEmbedding`` whose table stays on the CPU.
-
-    megatron-core 0.19.2's ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to
-    ``torch.cuda.current_device()`` unconditionally on first use, so a CPU ``GPTModel`` with RoPE
-    cannot run forward. This subclass computes the identical table without that move.
-    """
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    class CpuRotaryEmbedding(RotaryEmbedding):
-        def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-            freqs = self.get_freqs_non_repeated(max_seq_len, offset)
-            if not self.rotary_interleaved:
-                emb = torch.cat((freqs, freqs), dim=-1)
-            else:
-                emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(
-                    freqs.shape[0], -1
-                )
-            return emb[:, None, None, :]
-
-    return CpuRotaryEmbedding
-
-
-def use_cpu_rotary(model: torch.nn.Module) -> torch.nn.Module:
-    """Make a CPU-built ``GPTModel``'s RoPE usable without CUDA (instance-level, no global patch).
-
-    Only for CPU runs (tests, selftest, demo); on CUDA megatron's own class is kept.
-    """
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    for module in model.modules():
-        if type(module) is RotaryEmbedding:
-            module.__class__ = cpu_rotary_embedding_class()
-    return model
 
 
 def tiny_gpt_model(

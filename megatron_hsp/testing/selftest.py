@@ -1,15 +1,20 @@
-"""Selftest: distributed HSP training steps against a single-process reference, on the CPU.
+"""Selftest: distributed HSP training steps against an independent single-device reference (CPU).
 
-A small real megatron-core ``GPTModel`` (GQA, RoPE, fp32, HSP core attention from
-``megatron_hsp.megatron.spec``) runs one training step per case on N gloo processes with a
-hand-written plan (``manual_plan``), and its loss and every parameter's gradient are compared with
-the same step on one process that sees the whole batch as one packed sequence stream. Same
-weights on both sides: the reference initialises the model and ships its parameters; the
-distributed ranks load them (sliced along ``partition_dim`` for tensor-parallel parameters) and
-gather their gradients back the same way before comparing.
+HSP side: a small real megatron-core ``GPTModel`` (GQA, RoPE, fp32, HSP attention from
+``megatron_hsp.megatron.spec``) runs one training step per case on N gloo processes through
+``runtime.schedule.run_step`` -- the micro-batch path the Megatron hooks share -- with a
+hand-written plan (``manual_plan``).
+
+Reference side (``testing/reference.py``, no HSP code): stock megatron-core ``GPTModel`` with its
+own local layer spec, each document run alone as a ``[1, L]`` sequence, per-token loss over all
+documents. The reference initialises the weights; the distributed ranks load them by parameter
+name (sliced along ``partition_dim`` for tensor-parallel parameters) and gather their gradients
+back the same way before comparing. Every rank computes the reference itself (it is cheap and
+saves a separate process).
 
 Tolerances (fp32): loss relative difference <= 1e-6; per parameter
-``||g - g_ref|| / ||g_ref|| <= 1e-5``.
+``||g - g_ref|| / ||g_ref|| <= 1e-5``. ``--mutations`` then plants the bugs of
+``testing/mutations.py`` one at a time in the same processes and requires each to be caught.
 """
 
 from __future__ import annotations
@@ -25,25 +30,16 @@ import numpy as np
 from megatron_hsp.planner.costmodel import CostModel
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.plan import Plan
-from megatron_hsp.runtime.manual_plan import Layout, manual_plan
+from megatron_hsp.testing.manual_plan import Layout, manual_plan
+from megatron_hsp.testing.mutations import CATCH_MARGIN, by_name, margin
+from megatron_hsp.testing.reference import ModelShape
 
 LOSS_REL_TOL = 1e-6
 GRAD_REL_TOL = 1e-5
 GROUP_TIMEOUT = timedelta(seconds=120)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The tiny GPT every case trains: small enough for 8 CPU processes on 2 cores."""
-
-    num_layers: int = 2
-    hidden_size: int = 32
-    num_attention_heads: int = 8
-    num_query_groups: int = 2
-    ffn_hidden_size: int = 64
-    vocab_size: int = 128
-    max_sequence_length: int = 512
-    seed: int = 1234
+# The cases each mutation runs: a group of all ranks and three sizes in one micro-batch (size-1
+# groups included), enough to expose every planted bug while keeping --mutations short for CI.
+MUTATION_CASES = ("one-group-of-all", "mixed-sizes-in-one-microbatch")
 
 
 @dataclass(frozen=True)
@@ -216,12 +212,13 @@ def build_cases(nproc: int) -> list[Case]:
 
 
 def build_model(shape: ModelShape):
-    """A megatron-core ``GPTModel`` with the HSP attention spec, built on the CPU in fp32.
+    """The HSP side: megatron-core ``GPTModel`` with the HSP attention spec, CPU, fp32.
 
     Untied embeddings (GPTModel's default), so the output layer's gradient is compared on its
-    own; the TP size comes from megatron's parallel state (the tp=2 case).
+    own; the TP size comes from megatron's parallel state (the tp=2 case). Initialised from
+    another seed than the reference on purpose: its weights must come from ``load_full_weights``.
     """
-    from megatron_hsp.runtime.testing import tiny_gpt_model
+    from megatron_hsp.testing.dist import tiny_gpt_model
 
     return tiny_gpt_model(
         num_layers=shape.num_layers,
@@ -231,7 +228,7 @@ def build_model(shape: ModelShape):
         ffn_hidden_size=shape.ffn_hidden_size,
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_sequence_length,
-        seed=shape.seed,
+        seed=shape.seed + 1,
         attention_backend="torch",
         tensor_model_parallel_size=_tp_size(),
         calculate_per_token_loss=True,
@@ -286,18 +283,6 @@ def full_gradients(model) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- workers
 
 
-def _step(model, case: Case, plan: Plan, shape: ModelShape, registry, grad_group, **kwargs):
-    import torch
-
-    from megatron_hsp.runtime.dispatch import GlobalBatch
-    from megatron_hsp.runtime.schedule import run_step
-
-    batch = GlobalBatch.from_documents(case.documents(shape.vocab_size))
-    return run_step(
-        model, plan, batch, registry, grad_group=grad_group, device=torch.device("cpu"), **kwargs
-    )
-
-
 def _compare(grads: dict[str, Any], ref_grads: dict[str, Any]) -> tuple[float, float, str]:
     """(max abs difference, max over parameters of ||g - g_ref|| / ||g_ref||, worst parameter)."""
     max_abs, max_rel, worst = 0.0, 0.0, ""
@@ -310,146 +295,202 @@ def _compare(grads: dict[str, Any], ref_grads: dict[str, Any]) -> tuple[float, f
     return max_abs, max_rel, worst
 
 
-def _leaky_forward(model, inputs):
-    """Negative control: the same step with document boundaries dropped (one segment per group
-    buffer), i.e. attention leaking across documents. The comparison must flag it."""
-    import dataclasses
-
-    import torch
-
-    from megatron_hsp.runtime.schedule import gpt_forward
-
-    p = inputs.packed_seq_params
-    total = int(p.cu_seqlens_q[-1])
-    cu = torch.tensor([0, total], dtype=torch.int32)
-    leaky = dataclasses.replace(
-        p,
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cu,
-        cu_seqlens_kv_padded=cu,
-        max_seqlen_q=total,
-        max_seqlen_kv=total,
-    )
-    return gpt_forward(model, dataclasses.replace(inputs, packed_seq_params=leaky))
-
-
 def compute_reference(cases: list[Case], shape: ModelShape) -> dict[str, Any]:
-    """Initial weights, and per case the loss and gradients of the whole batch trained as ONE
-    packed stream on one device: tensor parallel 1, a single group of one slot (``cp_group``
-    None), no collective at all -- what single-device training computes. Runs inside each
-    process (identical on all: CPU init from one seed), which saves spawning a separate one."""
-    import torch
+    """Initial weights, and per case the reference loss and gradients (``testing/reference.py``:
+    stock megatron-core, one document at a time, tensor parallel 1, no collective). Identical on
+    every rank: CPU initialisation from one seed."""
+    from megatron_hsp.testing.reference import initial_weights, reference_model, reference_step
 
-    from megatron_hsp.runtime.dispatch import GlobalBatch, dispatch
-    from megatron_hsp.runtime.loss import masked_loss_sum
-    from megatron_hsp.runtime.schedule import gpt_forward, to_model_inputs
-
-    if _tp_size() != 1:
-        raise RuntimeError("the reference is computed with tensor parallel size 1")
-    model = build_model(shape)
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    out: dict[str, Any] = {"weights": weights, "cases": {}}
+    model = reference_model(shape)
+    out: dict[str, Any] = {"weights": initial_weights(model), "cases": {}}
     for case in cases:
-        batch = GlobalBatch.from_documents(case.documents(shape.vocab_size))
-        plan = manual_plan(1, case.lengths, [[(1, list(range(len(case.lengths))))]])
-        (pack,) = dispatch(batch, plan, 0)
-        inputs = to_model_inputs(pack, None, torch.device("cpu"))
-        model.zero_grad(set_to_none=True)
-        loss_sum = masked_loss_sum(gpt_forward(model, inputs), inputs.loss_mask)
-        (loss_sum / batch.num_loss_tokens).backward()
-        out["cases"][case.name] = {
-            "loss": float(loss_sum.detach()) / batch.num_loss_tokens,
-            "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
-        }
+        loss, grads = reference_step(model, case.documents(shape.vocab_size))
+        out["cases"][case.name] = {"loss": loss, "grads": grads}
     return out
 
 
-def distributed_worker(rank: int, world_size: int, cases: list[Case], shape: ModelShape):
-    """On every rank: the single-device reference, then each case's plan, compared."""
+@dataclass
+class _WorkerState:
+    """The HSP model and groups of one worker, rebuilt only when the tensor-parallel size
+    changes (weights never change: a step computes gradients, no optimizer runs)."""
+
+    rank: int
+    world_size: int
+    shape: ModelShape
+    weights: dict[str, Any]
+    model: Any = None
+    registry: Any = None
+
+    def for_case(self, case: Case) -> None:
+        from megatron.core import parallel_state as ps
+
+        from megatron_hsp.runtime.groups import create_groups_from_megatron
+        from megatron_hsp.testing.dist import init_cpu_megatron
+
+        if self.model is not None and ps.get_tensor_model_parallel_world_size() == case.tp:
+            return
+        if ps.get_tensor_model_parallel_world_size() != case.tp:
+            # Re-initialise megatron's static groups (dist stays up; init_method unused).
+            init_cpu_megatron(self.rank, self.world_size, "", tensor_model_parallel_size=case.tp)
+        self.model = build_model(self.shape)
+        load_full_weights(self.model, self.weights)
+        self.registry = create_groups_from_megatron(self.world_size, timeout=GROUP_TIMEOUT)
+
+
+def run_case(state: _WorkerState, case: Case, reference: dict[str, Any]) -> dict[str, Any]:
+    """One case's HSP step on this rank (the production path), compared with the reference."""
     import torch
     from megatron.core import parallel_state as ps
 
     from megatron_hsp.runtime.agreement import agree_on_plan, check_executable
-    from megatron_hsp.runtime.groups import create_groups_from_megatron
-    from megatron_hsp.runtime.testing import init_cpu_megatron
+    from megatron_hsp.runtime.dispatch import GlobalBatch
+    from megatron_hsp.runtime.schedule import run_step
 
+    state.for_case(case)
+    shape = state.shape
+    t0 = time.perf_counter()
+    plan = agree_on_plan(case.plan(), mode="verify")
+    check_executable(
+        plan,
+        state.registry,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        lengths=case.lengths,
+    )
+    res = run_step(
+        state.model,
+        plan,
+        GlobalBatch.from_documents(case.documents(shape.vocab_size)),
+        state.registry,
+        grad_group=ps.get_data_parallel_group(with_context_parallel=True),
+        device=torch.device("cpu"),
+    )
+    grads = full_gradients(state.model)
+    ref = reference["cases"][case.name]
+    max_abs, max_rel, worst = _compare(grads, ref["grads"])
+    loss_abs = abs(res.loss - ref["loss"])
+    return {
+        "name": case.name,
+        "loss_abs_diff": loss_abs,
+        "loss_rel_diff": loss_abs / max(abs(ref["loss"]), 1e-30),
+        "max_abs_grad_diff": max_abs,
+        "max_rel_grad_diff": max_rel,
+        "worst_param": worst,
+        "group_sizes": [mb.group_sizes for mb in plan.microbatches],
+        "forward_calls": res.forward_calls,
+        "skipped_microbatches": res.skipped_microbatches,
+        "step_s": time.perf_counter() - t0,
+        "loss": res.loss,
+        "ref_loss": ref["loss"],
+    }
+
+
+def distributed_worker(
+    rank: int,
+    world_size: int,
+    cases: list[Case],
+    shape: ModelShape,
+    mutation_names: list[str] | None = None,
+) -> dict[str, Any]:
+    """On every rank: the reference, each case's HSP step compared with it, then (if asked) the
+    mutation cases once per planted mutation, in the same order on every rank."""
     t_ref = time.perf_counter()
     reference = compute_reference(cases, shape)
     t_ref = time.perf_counter() - t_ref
-    results = []
-    model = registry = None
-    for case in cases:
-        if model is None or ps.get_tensor_model_parallel_world_size() != case.tp:
-            if ps.get_tensor_model_parallel_world_size() != case.tp:
-                # Re-initialise megatron's static groups (dist stays up; init_method unused).
-                init_cpu_megatron(rank, world_size, "", tensor_model_parallel_size=case.tp)
-            model = build_model(shape)
-            load_full_weights(model, reference["weights"])
-            registry = create_groups_from_megatron(world_size, timeout=GROUP_TIMEOUT)
-        t0 = time.perf_counter()
-        plan = agree_on_plan(case.plan(), mode="verify")
-        check_executable(
-            plan,
-            registry,
-            num_attention_heads=shape.num_attention_heads,
-            num_query_groups=shape.num_query_groups,
-            lengths=case.lengths,
-        )
-        grad_group = ps.get_data_parallel_group(with_context_parallel=True)
-        res = _step(model, case, plan, shape, registry, grad_group)
-        grads = full_gradients(model)
-        ref = reference["cases"][case.name]
-        max_abs, max_rel, worst = _compare(grads, ref["grads"])
-        loss_abs = abs(res.loss - ref["loss"])
-        results.append(
-            {
-                "name": case.name,
-                "loss_abs_diff": loss_abs,
-                "loss_rel_diff": loss_abs / max(abs(ref["loss"]), 1e-30),
-                "max_abs_grad_diff": max_abs,
-                "max_rel_grad_diff": max_rel,
-                "worst_param": worst,
-                "group_sizes": [mb.group_sizes for mb in plan.microbatches],
-                "forward_calls": res.forward_calls,
-                "skipped_microbatches": res.skipped_microbatches,
-                "step_s": time.perf_counter() - t0,
-                "loss": res.loss,
-                "ref_loss": ref["loss"],
-                "nonzero_grads": sum(int(torch.count_nonzero(g)) > 0 for g in grads.values()),
-                "reference_s": t_ref,
-            }
-        )
-    # Negative control (not a case): the mixed-size plan with attention leaking across documents
-    # must miss the tolerance by far, or the comparison above proves nothing.
-    control = next(c for c in cases if c.name == "mixed-sizes-in-one-microbatch")
-    if ps.get_tensor_model_parallel_world_size() != control.tp:
-        init_cpu_megatron(rank, world_size, "", tensor_model_parallel_size=control.tp)
-        model = build_model(shape)
-        load_full_weights(model, reference["weights"])
-        registry = create_groups_from_megatron(world_size, timeout=GROUP_TIMEOUT)
-    grad_group = ps.get_data_parallel_group(with_context_parallel=True)
-    res = _step(model, control, control.plan(), shape, registry, grad_group, forward=_leaky_forward)
-    ref = reference["cases"][control.name]
-    _, leak_rel, _ = _compare(full_gradients(model), ref["grads"])
-    leak_loss = abs(res.loss - ref["loss"]) / abs(ref["loss"])
-    return {
-        "cases": results,
-        "control": {"max_rel_grad_diff": leak_rel, "loss_rel_diff": leak_loss},
-    }
+    state = _WorkerState(rank, world_size, shape, reference["weights"])
+    results = [run_case(state, case, reference) for case in cases]
+    mutations = []
+    if mutation_names is not None:
+        subset = [c for c in cases if c.name in MUTATION_CASES]
+        for mutation in by_name(mutation_names):
+            t0 = time.perf_counter()
+            undo = mutation.plant()
+            row: dict[str, Any] = {"name": mutation.name, "cases": [], "error": None}
+            try:
+                for case in subset:
+                    row["cases"].append(run_case(state, case, reference))
+            except Exception as exc:  # a refusal by the real code counts (same on every rank)
+                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            finally:
+                undo()
+            row["seconds"] = time.perf_counter() - t0
+            mutations.append(row)
+    return {"cases": results, "mutations": mutations, "reference_s": t_ref}
 
 
 # ---------------------------------------------------------------------------------- driver
 
 
-def run_selftest(nproc: int, shape: ModelShape | None = None, timeout_s: float = 600.0) -> dict:
-    """Run every case on ``nproc`` gloo processes; the ``selftest --json`` document plus timing."""
-    from megatron_hsp.runtime.testing import raise_rank_errors, run_distributed
+@dataclass
+class MutationResult:
+    name: str
+    breaks: str
+    caught: bool
+    loss_rel_diff: float | None
+    max_rel_grad_diff: float | None
+    margin: float | None
+    error: str | None = None
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "caught": self.caught,
+            "loss_rel_diff": self.loss_rel_diff,
+            "max_rel_grad_diff": self.max_rel_grad_diff,
+        }
+
+
+def _mutation_result(name: str, rows: list[dict[str, Any]]) -> MutationResult:
+    """Worst over ranks and cases; caught per the rule in ``testing/mutations.py``."""
+    (mutation,) = by_name([name])
+    errors = [r["error"] for r in rows if r["error"]]
+    seconds = max(r["seconds"] for r in rows)
+    if errors:
+        return MutationResult(
+            name,
+            mutation.breaks,
+            caught=len(errors) == len(rows),  # refused on every rank
+            loss_rel_diff=None,
+            max_rel_grad_diff=None,
+            margin=None,
+            error=errors[0],
+            seconds=seconds,
+        )
+    loss_rel = max(c["loss_rel_diff"] for r in rows for c in r["cases"])
+    grad_rel = max(c["max_rel_grad_diff"] for r in rows for c in r["cases"])
+    m = margin(loss_rel, grad_rel, LOSS_REL_TOL, GRAD_REL_TOL)
+    return MutationResult(
+        name,
+        mutation.breaks,
+        caught=m >= CATCH_MARGIN,
+        loss_rel_diff=loss_rel,
+        max_rel_grad_diff=grad_rel,
+        margin=m,
+        seconds=seconds,
+    )
+
+
+def run_selftest(
+    nproc: int,
+    shape: ModelShape | None = None,
+    timeout_s: float = 600.0,
+    *,
+    mutations: list[str] | None = None,
+) -> dict:
+    """Run every case on ``nproc`` gloo processes; the ``selftest --json`` document plus timing.
+
+    ``mutations``: names from ``testing/mutations.py`` to plant one after another (``[]`` none,
+    None skips the mutation suite). With mutations, ``ok`` also needs every one caught.
+    """
+    from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
     shape = shape or ModelShape()
     cases = build_cases(nproc)
     for c in cases:  # fail fast, before spawning anything, on a broken case table
         c.plan()
+    if mutations is not None:
+        by_name(mutations)  # unknown names fail before spawning
     t0 = time.perf_counter()
     per_rank = raise_rank_errors(
         run_distributed(
@@ -457,18 +498,14 @@ def run_selftest(nproc: int, shape: ModelShape | None = None, timeout_s: float =
             nproc,
             cases,
             shape,
+            mutations,
             tensor_model_parallel_size=1,
             timeout_s=timeout_s,
         )
     )
-    control = {
-        k: min(r["control"][k] for r in per_rank) for k in ("max_rel_grad_diff", "loss_rel_diff")
-    }
-    per_rank = [r["cases"] for r in per_rank]
-    t_ref = max(r[0]["reference_s"] for r in per_rank)
     out_cases = []
     for i, case in enumerate(cases):
-        rows = [r[i] for r in per_rank]
+        rows = [r["cases"][i] for r in per_rank]
         res = CaseResult(
             name=case.name,
             nproc=nproc,
@@ -481,13 +518,27 @@ def run_selftest(nproc: int, shape: ModelShape | None = None, timeout_s: float =
         )
         res.ok = res.loss_rel_diff <= LOSS_REL_TOL and res.max_rel_grad_diff <= GRAD_REL_TOL
         out_cases.append(res)
-    return {
-        "ok": all(c.ok for c in out_cases),
+    out_mutations = [
+        _mutation_result(m["name"], [r["mutations"][j] for r in per_rank])
+        for j, m in enumerate(per_rank[0]["mutations"])
+    ]
+    doc: dict[str, Any] = {
+        "ok": all(c.ok for c in out_cases) and all(m.caught for m in out_mutations),
         "cases": [c.to_json() for c in out_cases],
-        "_results": out_cases,
-        "_control": control,
-        "_timing": {"reference_s": t_ref, "total_s": time.perf_counter() - t0},
     }
+    if mutations is not None:
+        doc["mutations"] = [m.to_json() for m in out_mutations]
+    doc.update(
+        {
+            "_results": out_cases,
+            "_mutations": out_mutations,
+            "_timing": {
+                "reference_s": max(r["reference_s"] for r in per_rank),
+                "total_s": time.perf_counter() - t0,
+            },
+        }
+    )
+    return doc
 
 
 def case_table(cases: Sequence[CaseResult]) -> str:
@@ -499,5 +550,23 @@ def case_table(cases: Sequence[CaseResult]) -> str:
         lines.append(
             f"{c.name:36s} {c.nproc:5d} {c.loss_rel_diff:9.2e} {c.max_rel_grad_diff:9.2e} "
             f"{c.max_abs_grad_diff:9.2e}  {c.group_sizes} {mark}"
+        )
+    return "\n".join(lines)
+
+
+def mutation_table(mutations: Sequence[MutationResult]) -> str:
+    """One line per planted bug: worst differences, margin over the tolerance, verdict."""
+
+    def num(x: float | None) -> str:
+        return f"{x:9.2e}" if x is not None else f"{'-':>9s}"
+
+    lines = [f"{'mutation':30s} {'loss rel':>9s} {'grad rel':>9s} {'x tol':>9s}  verdict"]
+    for m in mutations:
+        verdict = "caught" if m.caught else "SURVIVED"
+        if m.error:
+            verdict += f" (refused: {m.error[:80]})"
+        lines.append(
+            f"{m.name:30s} {num(m.loss_rel_diff)} {num(m.max_rel_grad_diff)} {num(m.margin)}  "
+            f"{verdict}"
         )
     return "\n".join(lines)

@@ -1,0 +1,229 @@
+"""Planted bugs for ``megatron-hsp selftest --mutations``: proof that the selftest can fail.
+
+Each mutation is planted IN THE REAL CODE PATH, inside every worker process, by rebinding one
+attribute of a runtime module (a function, a class method or a module global) to a wrapper that
+calls the original with one thing broken; ``plant`` returns the undo. The distributed model, the
+dispatch and the step are the unmodified production objects otherwise. The independent reference
+(``testing/reference.py``) shares none of these functions, so a mutation cannot move it.
+
+Every rank plants the same mutation at the same time and every mutation keeps the collectives
+identical on all ranks (no rank raises alone, no collective is skipped), so one spawn of processes
+runs them all one after another.
+
+Caught rule (``CATCH_MARGIN``): a mutation is caught when, over the mutation cases, the worst loss
+relative difference divided by ``LOSS_REL_TOL`` or the worst gradient relative difference divided
+by ``GRAD_REL_TOL`` is at least 100, i.e. it misses the tolerance by two orders of magnitude, or
+when the step itself refuses it with an error on every rank (e.g. the token accounting check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+CATCH_MARGIN = 100.0
+
+Undo = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One planted bug: ``breaks`` says what goes wrong, ``where`` which attribute is rebound."""
+
+    name: str
+    breaks: str
+    where: str
+    wrap: Callable[[Any], Any]  # original attribute -> broken replacement
+    everywhere: bool = True  # also rebind ``from module import name`` copies in megatron_hsp
+
+    def plant(self) -> Undo:
+        """Rebind ``where`` (``module:attr`` or ``module:Class.attr``); returns the undo."""
+        module_name, _, path = self.where.partition(":")
+        module = importlib.import_module(module_name)
+        owner: Any = module
+        *outer, attr = path.split(".")
+        for part in outer:
+            owner = getattr(owner, part)
+        original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        broken = self.wrap(original)
+        rebound: list[tuple[Any, str, Any]] = [(owner, attr, original)]
+        if self.everywhere and owner is module:
+            for name, mod in list(sys.modules.items()):
+                if (
+                    name.startswith("megatron_hsp.")
+                    and mod is not module
+                    and getattr(mod, attr, None) is original
+                ):
+                    rebound.append((mod, attr, original))
+        for target, name, _ in rebound:
+            setattr(target, name, broken)
+
+        def undo() -> None:
+            for target, name, value in rebound:
+                setattr(target, name, value)
+
+        return undo
+
+
+# ------------------------------------------------------------------------------ the wrappers
+
+
+def _non_causal(functional: Any) -> Any:
+    """A stand-in for ``torch.nn.functional`` whose SDPA ignores ``is_causal``."""
+
+    class NonCausalFunctional:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(functional, name)
+
+        @staticmethod
+        def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+            kwargs["is_causal"] = False
+            return functional.scaled_dot_product_attention(*args, **kwargs)
+
+    return NonCausalFunctional()
+
+
+def _across_documents(call: Callable) -> Callable:
+    def backend_call(self, q, k, v, cu_seqlens, max_seqlen, **kwargs):
+        total = int(cu_seqlens[-1])
+        whole = torch.tensor([0, total], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+        return call(self, q, k, v, whole, total, **kwargs)
+
+    return backend_call
+
+
+def _rope_shift(positions_in_documents: Callable) -> Callable:
+    def shifted(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+        pos = positions_in_documents(cu_seqlens, total)
+        cu = cu_seqlens.to(torch.int64)
+        lengths = torch.repeat_interleave(cu[1:] - cu[:-1], cu[1:] - cu[:-1], output_size=total)
+        # Second half of every document one position back: one position repeated, none past the
+        # table (so every rank still runs the same collectives).
+        return pos - (2 * pos >= lengths).to(pos.dtype) * (pos > 0).to(pos.dtype)
+
+    return shifted
+
+
+def _token_lost_at_boundary(pack_group_slice: Callable) -> Callable:
+    def lossy(*args: Any, **kwargs: Any):
+        pack = pack_group_slice(*args, **kwargs)
+        if pack.slot_in_group == 0 or pack.input_ids.size == 0:
+            return pack
+        ids = pack.input_ids.copy()
+        ids[0] = kwargs.get("pad_id", 0)
+        return dataclasses.replace(pack, input_ids=ids)
+
+    return lossy
+
+
+def _per_sample_loss(microbatch_loss: Callable) -> Callable:
+    def per_sample(output_tensor: torch.Tensor, loss_mask: torch.Tensor):
+        loss_sum, num_tokens = microbatch_loss(output_tensor, loss_mask)
+        losses = output_tensor.reshape(-1).float()
+        mask = loss_mask.reshape(-1).float()
+        # Runs of loss tokens are the (slices of) documents: a masked token ends one.
+        run_id = torch.cumsum((mask == 0).to(torch.int64), 0)
+        runs = int(run_id[-1]) + 1 if run_id.numel() else 0
+        if runs == 0 or float(mask.sum()) == 0:
+            return loss_sum, num_tokens
+        sums = torch.zeros(runs).index_add(0, run_id, losses * mask)
+        counts = torch.zeros(runs).index_add(0, run_id, mask)
+        means = sums[counts > 0] / counts[counts > 0]
+        # every document weighs the same, rescaled so the token count still adds up
+        return means.mean() * mask.sum(), num_tokens
+
+    return per_sample
+
+
+def _kv_heads_off_by_one(qkv_seq_to_head: Callable) -> Callable:
+    def shifted(q, k, v, group):
+        return qkv_seq_to_head(q, torch.roll(k, 1, dims=1), torch.roll(v, 1, dims=1), group)
+
+    return shifted
+
+
+def _gradients_left_out(allreduce_gradients: Callable) -> Callable:
+    def reduce(params, group):
+        import torch.distributed as dist
+
+        params = list(params)
+        if dist.get_rank(group) == 0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.zero_()  # this rank's share never enters the reduction
+        return allreduce_gradients(params, group)
+
+    return reduce
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "non-causal-attention",
+        "tokens attend to later tokens of their document (SDPA called with is_causal=False)",
+        "megatron_hsp.runtime.attention:F",
+        _non_causal,
+        everywhere=False,
+    ),
+    Mutation(
+        "attention-across-documents",
+        "the attention backend sees one segment per group buffer, so documents attend to each "
+        "other",
+        "megatron_hsp.runtime.attention:TorchAttentionBackend.__call__",
+        _across_documents,
+    ),
+    Mutation(
+        "rope-positions-shifted",
+        "RoPE positions of each document's second half shifted back by one",
+        "megatron_hsp.runtime.attention:positions_in_documents",
+        _rope_shift,
+    ),
+    Mutation(
+        "token-lost-at-group-boundary",
+        "the first token of every non-first rank's slice of a group buffer is lost (replaced by "
+        "the padding id) at the boundary between two ranks' slices",
+        "megatron_hsp.runtime.dispatch:pack_group_slice",
+        _token_lost_at_boundary,
+    ),
+    Mutation(
+        "per-sample-loss",
+        "each micro-batch slice averages the loss per document instead of per token",
+        "megatron_hsp.runtime.loss:microbatch_loss",
+        _per_sample_loss,
+    ),
+    Mutation(
+        "gqa-kv-head-off-by-one",
+        "KV heads rotated by one before the head scatter: query head j meets KV head "
+        "j // (q/kv) + 1",
+        "megatron_hsp.runtime.attention:_qkv_seq_to_head",
+        _kv_heads_off_by_one,
+    ),
+    Mutation(
+        "group-gradients-not-reduced",
+        "the gradients computed on slot 0 (its share of every group it trained in) are left out "
+        "of the step's data x context gradient all-reduce",
+        "megatron_hsp.runtime.loss:allreduce_gradients",
+        _gradients_left_out,
+    ),
+)
+
+
+def by_name(names: list[str] | None = None) -> list[Mutation]:
+    """The mutations named (all when None), in table order."""
+    if names is None:
+        return list(MUTATIONS)
+    known = {m.name: m for m in MUTATIONS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise KeyError(f"unknown mutations {unknown}; known: {sorted(known)}")
+    return [known[n] for n in names]
+
+
+def margin(loss_rel: float, grad_rel: float, loss_tol: float, grad_tol: float) -> float:
+    """How many times the worse of the two differences exceeds its tolerance."""
+    return max(loss_rel / loss_tol, grad_rel / grad_tol)

@@ -1,0 +1,100 @@
+"""The mutation table itself (single process): planting rebinds the real attribute everywhere it
+is bound in megatron_hsp and undo restores it; each wrapper really breaks what it says; and the
+caught rule reports a surviving mutation (so ``selftest --mutations`` can fail)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+from megatron_hsp.testing.mutations import CATCH_MARGIN, MUTATIONS, by_name
+
+
+def _target(where: str):
+    module_name, _, path = where.partition(":")
+    owner = importlib.import_module(module_name)
+    *outer, attr = path.split(".")
+    for part in outer:
+        owner = getattr(owner, part)
+    return owner, attr
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda m: m.name)
+def test_plant_rebinds_everywhere_and_undo_restores(mutation):
+
+    owner, attr = _target(mutation.where)
+    original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+    holders = [
+        m
+        for n, m in sys.modules.items()
+        if n.startswith("megatron_hsp.") and getattr(m, attr, None) is original
+    ]
+    undo = mutation.plant()
+    try:
+        now = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        assert now is not original
+        if mutation.everywhere:
+            assert all(getattr(m, attr) is not original for m in holders)
+    finally:
+        undo()
+    now = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+    assert now is original
+    assert all(getattr(m, attr) is original for m in holders)
+
+
+def test_per_sample_loss_weighs_documents_not_tokens():
+    from megatron_hsp.runtime import loss
+
+    (m,) = by_name(["per-sample-loss"])
+    out = torch.tensor([[1.0, 1.0, 1.0, 0.0, 5.0, 0.0]])  # doc of 3 loss tokens, doc of 1
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0, 1.0, 0.0]])
+    good = loss.microbatch_loss(out, mask)
+    undo = m.plant()
+    try:
+        bad = loss.microbatch_loss(out, mask)
+    finally:
+        undo()
+    assert float(good[0]) == 8.0 and int(good[1]) == 4
+    assert float(bad[0]) == pytest.approx((1.0 + 5.0) / 2 * 4) and int(bad[1]) == 4
+
+
+def test_rope_shift_stays_inside_the_table():
+    from megatron_hsp.runtime import attention
+
+    (m,) = by_name(["rope-positions-shifted"])
+    cu = torch.tensor([0, 1, 5, 12], dtype=torch.int32)
+    good = attention.positions_in_documents(cu, 12)
+    undo = m.plant()
+    try:
+        bad = attention.positions_in_documents(cu, 12)
+    finally:
+        undo()
+    assert not torch.equal(good, bad)
+    assert int(bad.min()) >= 0 and int(bad.max()) <= int(good.max())
+    assert bad[0] == 0 and torch.equal(bad[1:3], good[1:3])  # first halves untouched
+
+
+def test_caught_rule_reports_survivors():
+    from megatron_hsp.testing.selftest import GRAD_REL_TOL, LOSS_REL_TOL, _mutation_result
+
+    def row(loss_rel, grad_rel, error=None):
+        cases = [{"loss_rel_diff": loss_rel, "max_rel_grad_diff": grad_rel}]
+        return {"cases": [] if error else cases, "error": error, "seconds": 1.0}
+
+    name = MUTATIONS[0].name
+    loud = _mutation_result(name, [row(0.0, GRAD_REL_TOL * CATCH_MARGIN)] * 4)
+    assert loud.caught and loud.margin == pytest.approx(CATCH_MARGIN)
+    quiet = _mutation_result(name, [row(LOSS_REL_TOL * 50, GRAD_REL_TOL * 99)] * 4)
+    assert not quiet.caught  # misses the tolerance, but not by the required margin
+    refused = _mutation_result(name, [row(0, 0, "RuntimeError: token accounting")] * 4)
+    assert refused.caught and refused.loss_rel_diff is None
+    partial = _mutation_result(name, [row(0, 0, "RuntimeError: x")] + [row(0.0, 0.0)] * 3)
+    assert not partial.caught
+
+
+def test_unknown_mutation_name_is_refused():
+    with pytest.raises(KeyError, match="unknown mutations"):
+        by_name(["no-such-bug"])
