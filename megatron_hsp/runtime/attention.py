@@ -43,7 +43,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hsp.planner.groupspace import kv_copies
-from megatron_hsp.runtime.ring import ring_attention
+from megatron_hsp.runtime.ring import ring_attention, ring_token_range
 
 # ---------------------------------------------------------------------------------------------
 # Group-size rules (start-up check and the per-call check share them)
@@ -614,9 +614,7 @@ class HSPCoreAttention(MegatronModule):
 
         q, k, v = _qkv_seq_to_head(query, key, value, ulysses_group)
         # This rank now holds ring position j's contiguous slice of the buffer, its h/u heads.
-        span = total // r
-        j = 0 if r == 1 else dist.get_rank(group) // u
-        lo, hi = j * span, (j + 1) * span
+        lo, hi = (0, total) if r == 1 else ring_token_range(dist.get_rank(group), u, r, total)
 
         if isinstance(p, HSPPackedSeqParams) and (
             p.rotary_q_freqs is not None or p.rotary_k_freqs is not None

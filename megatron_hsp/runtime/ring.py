@@ -127,6 +127,19 @@ def ring_attention(
     return out
 
 
+def ring_token_range(group_rank: int, ulysses: int, ring: int, total: int) -> tuple[int, int]:
+    """Buffer tokens ``[lo, hi)`` that a group rank holds after the Ulysses all-to-all.
+
+    Group rank ``i`` is ring position ``i // ulysses``; dispatch gives group rank ``i`` the
+    contiguous slice ``i`` of the buffer, so the ``ulysses`` ranks of one ring position together
+    hold its contiguous ``total / ring`` tokens. Attention's mask and RoPE positions rely on this
+    agreeing with dispatch (the selftest's "wrong chunk order" mutation breaks exactly this).
+    """
+    span = total // ring
+    j = group_rank // ulysses
+    return j * span, (j + 1) * span
+
+
 def ring_chunk_order(length: int, ring: int) -> list[list[tuple[int, int]]]:
     """Load-balanced causal chunking of one document over ``ring`` positions.
 
@@ -145,4 +158,5 @@ __all__ = [
     "ring_attention",
     "ring_chunk_order",
     "ring_shift",
+    "ring_token_range",
 ]
