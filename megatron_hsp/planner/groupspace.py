@@ -132,10 +132,21 @@ class Cluster:
     def power_of_two_sizes(self) -> list[int]:
         return [s for s in self.legal_sizes() if s & (s - 1) == 0]
 
-    def process_group_count(self, sizes: Iterable[int] | None = None) -> int:
-        """Blocks (one process group each per TP x PP position) of ``sizes`` (default: all)."""
+    def process_group_count(
+        self, sizes: Iterable[int] | None = None, heads: HeadSpace | None = None
+    ) -> int:
+        """Process groups per TP x PP position that the runtime pre-creates for ``sizes``.
+
+        One per block; with ``heads``, a hybrid block (u > 1 and r > 1) adds its ``r`` Ulysses
+        and ``u`` ring sub-groups (pure ring reuses the block's group).
+        """
         chosen = self.legal_sizes() if sizes is None else self.legal_sizes(sizes)
-        return sum(len(self.block_starts(d)) for d in chosen)
+        total = 0
+        for d in chosen:
+            u, r = heads.split(d) if heads is not None else (d, 1)
+            extra = u + r if u > 1 and r > 1 else 0
+            total += len(self.block_starts(d)) * (1 + extra)
+        return total
 
 
 @functools.lru_cache(maxsize=4096)
