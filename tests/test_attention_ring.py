@@ -22,7 +22,7 @@ from test_attention_ulysses import (
 
 from megatron_hsp.planner.groupspace import HeadSpace
 from megatron_hsp.runtime.ring import merge_partials, partial_attention, ring_chunk_order
-from megatron_hsp.runtime.testing import raise_rank_errors, run_distributed
+from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
 WORLD = 4
 # name, group size, heads, kv heads, document lengths; the split is HeadSpace.split's.
