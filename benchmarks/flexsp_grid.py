@@ -91,7 +91,8 @@ def table_line(row: dict, result: dict) -> str:
         f"{sp('static-64')} | {sp('batchada')} | {sp('megatron-dcp')} | "
         f"{_fmt(None if gap is None else gap * 100, '.1f', '%')} | "
         f"{_fmt(s.get('solve_ms_p50'), '.0f', '')} / {_fmt(s.get('solve_ms_p99'), '.0f', '')} | "
-        f"{str(s['all_plans_valid']).lower()} | {s['planner_peak_rss_mb']:.0f} |"
+        f"{str(s['all_plans_valid']).lower()} | "
+        f"{str(s.get('all_plans_executable')).lower()} | {s['planner_peak_rss_mb']:.0f} |"
     )
 
 
@@ -148,7 +149,7 @@ def main() -> int:
 HEADER = (
     "| GPUs | model | max-seq | GBS | steps | hsp total | vs static-best | vs static-32 | "
     "vs static-64 | vs batchada | vs megatron-dcp | gap to LB | solve p50/p99 ms | valid | "
-    "RSS MB |\n|" + "---|" * 15
+    "executable | RSS MB |\n|" + "---|" * 16
 )
 
 

@@ -36,6 +36,8 @@ def commands(out: Path) -> dict[str, list[str]]:
             py, str(HERE / "flexsp_grid.py"), "--quick", "--steps", "2",
             "--out-dir", str(out / "flexsp_grid"), "--doc", str(out / "benchmarks.md"),
         ],
+        "flexsp_published": [py, str(HERE / "flexsp_published.py")],
+        "ring_cuda_check": [py, str(HERE / "ring_cuda_check.py")],
     }  # fmt: skip
 
 

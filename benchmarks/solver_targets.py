@@ -172,7 +172,8 @@ def main() -> int:
     )
     emit("|---|---|---|---|---|---|---|---|---|---|---|")
     for cap in (28, 30):
-        cost = flexsp_cost_model("flexsp-gpt-7b", 64, 192, cap)
+        # FlexSP prices every size as pure Ulysses (not executable: 32 heads on 64 ranks).
+        cost = flexsp_cost_model("flexsp-gpt-7b", 64, 192, cap, as_published=True)
         plans = run_plans(b10, cost, cluster, config)
         s = summarise(plans)
         emu = summarise(run_plans(b10, cost, cluster, flexsp_style(cluster, cost, args.budget)))

@@ -99,7 +99,7 @@ def test_same_plan_and_broadcast_agree(results):
         ("batch-differs", "BatchMismatchError", "on ranks [3], stopping every rank"),
         ("world", "PlanError", "plan is for 8 sequence-parallel ranks but 4 are running"),
         ("missing-size", "PlanError", "group sizes [4] have no pre-created process group"),
-        ("heads", "PlanError", "group sizes [2] do not divide the 3 attention heads"),
+        ("heads", "PlanError", "group sizes [2] run ring attention for this model (3 query"),
     ],
 )
 def test_bad_plan_raises_on_every_rank(results, scenario, error, text):
@@ -112,6 +112,7 @@ def test_head_rules():
     assert head_problems([1, 2, 4, 8], 8, 2, 1) == []  # KV replicated for 4 and 8
     assert head_problems([2], 8, 2, 2) == []  # 4 q / 1 kv per tp rank
     assert head_problems([4], 24, 6, 1) == []  # 6 KV heads, group of 4: replicated twice
-    (msg,) = head_problems([4, 3], 12, 12, 2)
-    assert "group sizes [4] do not divide the 6 attention heads per tensor-parallel rank" in msg
-    assert "[1, 2, 3, 6]" in msg
+    # 6 query heads per tp rank: 4 runs as Ulysses 2 x ring 2, 5 as a pure ring of 5.
+    assert head_problems([4, 3, 5], 12, 12, 2) == []
+    (msg,) = head_problems([4], 12, 12, 5)
+    assert "--num-attention-heads 12 is not divisible by --tensor-model-parallel-size 5" in msg

@@ -59,7 +59,9 @@ def test_plan_static_json_is_a_valid_plan(capsys):
     ):
         assert key in d
     group = d["microbatches"][0]["groups"][0]
-    assert set(group) == {"size", "ranks", "comm", "seq_ids", "lengths", "est_ms"}
+    keys = {"size", "ranks", "comm", "seq_ids", "lengths", "est_ms", "ulysses", "ring"}
+    assert set(group) == keys
+    assert group["ulysses"] * group["ring"] == group["size"]
     plan = Plan.from_dict(d)
     assert plan.world_size == 64 and plan.cost_model == "flexsp-gpt-7b"
     assert plan.num_sequences == 512
@@ -104,7 +106,7 @@ def test_bench_json_contract(tmp_path, capsys):
         (["plan", "--gpus", "12"], "not a multiple of --gpus-per-node"),
         (["plan", "--cost-model", "gpt-9000"], "neither a preset"),
         (["plan", "--max-seq", "huge"], "--max-seq"),
-        (["plan", "--sizes", "3"], "cannot tile"),
+        (["plan", "--sizes", "12"], "cannot tile"),
         (["plan", "--batch-index", "100000"], "full batches"),
         (
             [

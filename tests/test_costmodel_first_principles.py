@@ -10,6 +10,7 @@ from megatron_hsp.planner.costmodel import (
     H100_SXM,
     LLAMA3_8B,
     LLAMA3_70B,
+    ModelConfig,
     TrainingConfig,
     a2a_bytes_per_token,
     activation_bytes_per_token,
@@ -94,11 +95,36 @@ def test_zero_stages_shard_more_states():
     assert tokens == sorted(tokens)
 
 
-def test_ulysses_sizes_respect_heads():
+def test_splits_respect_heads():
     m8 = load_cost_model("llama3-8b-h100", world_size=64)
-    assert m8.sizes == [1, 2, 4, 8, 16, 32]  # 32 query heads: no Ulysses group of 64
+    # 32 query heads: no Ulysses group of 64; it runs Ulysses 32 x ring 2, 6 as 2 x 3.
+    assert m8.sizes == [1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert m8.split(64) == (32, 2) and m8.split(6) == (2, 3) and m8.split(7) == (1, 7)
+    assert set(m8.ring_step_ms_per_token) == {d for d in m8.sizes if m8.split(d)[1] > 1}
     m70 = load_cost_model("llama3-70b-h100", world_size=64)
-    assert m70.sizes == [1, 2, 4, 8, 16, 32, 64]
+    assert m70.split(64) == (64, 1) and 64 not in m70.ring_step_ms_per_token
+
+
+def test_ring_hides_behind_attention_for_long_sequences():
+    m8 = load_cost_model("llama3-8b-h100", world_size=64)
+    # 7 = pure ring: short sequences pay exposed p2p, long ones hide it behind attention.
+    a1, a2 = m8.attn_ms_per_token2, m8.linear_ms_per_token
+    for s, exposed in ((256, True), (200_000, False)):
+        base = (a1 * s * s + a2 * s) / 7
+        assert bool(m8.seq_ms([s], 7)[0] > base * (1 + 1e-9)) is exposed
+
+
+def test_kv_copies_match_the_runtime_rule():
+    # q=48, kv=8, Ulysses 6: each KV head copied 3 times (24 KV heads move), as the runtime does.
+    from megatron_hsp.planner.groupspace import kv_copies
+
+    assert kv_copies(48, 8, 6) == 3
+    gqa = ModelConfig("q48", 2, 48 * 64, 48, 8, 1024, 1000)
+    mha = ModelConfig("q48mha", 2, 48 * 64, 48, 48, 1024, 1000)
+    t = TrainingConfig()
+    assert a2a_bytes_per_token(gqa, t, 6) == pytest.approx(
+        a2a_bytes_per_token(mha, t, 6) * (2 * 48 + 2 * 24) / (4 * 48)
+    )
 
 
 def test_states_above_cap_is_an_error_naming_the_flag():

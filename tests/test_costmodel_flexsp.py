@@ -35,7 +35,20 @@ def test_gpt7b_time_by_hand():
     assert m.seq_ms([4096], 1)[0] == pytest.approx(104.940487 * 8, abs=1e-5)
     # a2a: 4*2*32*4096*2 bytes = 2 MiB per token; / d / BW_8 = 2 / 8 / 96.5 ms per token
     assert m.a2a_ms_per_token[8] == pytest.approx(2 / 8 / 96.5)
-    assert m.a2a_ms_per_token[64] == pytest.approx(2 / 64 / 4.87)
+    # 64 ranks over 32 heads: Ulysses 32 x ring 2; the all-to-all runs at BW_32 and each ring
+    # step moves 3 * 32 * 2 * 4096 * 2 B = 1.5 MiB per token / 64 at BW_16 (ring crosses nodes).
+    assert m.split(64) == (32, 2)
+    assert m.a2a_ms_per_token[64] == pytest.approx(2 / 64 / 5.94)
+    assert m.ring_step_ms_per_token[64] == pytest.approx(1.5 / 64 / 10.33)
+    attn = 5.128e-6 * 4096**2 / 64
+    lin = 0.1839576 * 4096 / 64
+    step = 4096 * 1.5 / 64 / 10.33
+    assert m.seq_ms([4096], 64)[0] == pytest.approx(
+        attn + lin + 4096 * 2 / 64 / 5.94 + max(0.0, step - attn / 2)
+    )
+    published = flexsp_cost_model("flexsp-gpt-7b", 64, as_published=True)
+    assert published.a2a_ms_per_token[64] == pytest.approx(2 / 64 / 4.87)
+    assert published.heads is None and published.split(64) == (64, 1)
     assert m.seq_ms([4096], 8)[0] == pytest.approx(compute + 4096 * 2 / 8 / 96.5)
     # b1 once per group per micro-batch, and no a2a for d = 1
     assert m.group_ms([4096, 4096], 8) == pytest.approx(
@@ -50,7 +63,9 @@ def test_gpt13b_and_30b_by_hand():
     assert m13.details["model_states_mib"] == pytest.approx(states)
     assert m13.tokens_per_rank == int((30 * 1024 - states) / 4.220439453)
     # 4*2*40*5120*2 bytes per token = 3.125 MiB
-    assert m13.a2a_ms_per_token[16] == pytest.approx(3.125 / 16 / 10.33)
+    # 40 heads: 16 = Ulysses 8 (inside a node, BW_8) x ring 2
+    assert m13.split(16) == (8, 2)
+    assert m13.a2a_ms_per_token[16] == pytest.approx(3.125 / 16 / 96.5)
     m30 = load_cost_model("flexsp-gpt-30b", world_size=64, max_seq_k=192)
     assert m30.tokens_per_rank == int(
         (30 * 1024 - 31.52513885498047 * 16 * 1024 / 64) / 3.417381836
@@ -69,11 +84,15 @@ def test_param_interpolation_between_192k_and_384k():
 
 def test_unmeasured_sizes_take_the_next_larger_measured_bandwidth():
     m = load_cost_model("flexsp-gpt-7b", world_size=64, gpus_per_node=8)
-    assert m.sizes == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert m.a2a_ms_per_token[24] == pytest.approx(2 / 24 / 5.94)  # BW_32
-    assert m.a2a_ms_per_token[40] == pytest.approx(2 / 40 / 4.87)  # BW_64
+    assert m.sizes == [1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert m.split(24) == (8, 3)  # 32 heads: Ulysses 8 inside a node, ring of 3 nodes
+    assert m.a2a_ms_per_token[24] == pytest.approx(2 / 24 / 96.5)  # BW_8
+    assert m.split(40) == (8, 5)
+    assert m.a2a_ms_per_token[6] == pytest.approx(2 / 6 / 119.54)  # Ulysses 2 x ring 3: BW_2
     big = load_cost_model("flexsp-gpt-7b", world_size=256, gpus_per_node=8)
-    assert big.a2a_ms_per_token[128] == pytest.approx(2 / 128 / 4.87)  # above the table: BW_64
+    assert big.split(128) == (32, 4)
+    flat = flexsp_cost_model("flexsp-gpt-7b", 256, as_published=True)
+    assert flat.a2a_ms_per_token[128] == pytest.approx(2 / 128 / 4.87)  # above the table: BW_64
 
 
 def test_memory_cap_below_model_states_is_an_error():

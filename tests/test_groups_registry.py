@@ -45,7 +45,7 @@ def _worker(rank, world_size):
 
     out = {"tp1": _registry(rank, None)}
     try:
-        _registry(rank, [3])
+        _registry(rank, [5])
         out["bad"] = "no error"
     except InputError as exc:
         out["bad"] = str(exc)
@@ -65,8 +65,10 @@ def results():
 def test_groups_tp1_all_sizes(results):
     for rank, res in enumerate(results):
         r = res["tp1"]
-        assert r["sizes"] == (1, 2, 4)
-        assert r["created"] == 4 + 2 + 1
+        assert r["sizes"] == (1, 2, 3, 4)
+        assert r["created"] == 4 + 2 + 1 + 1  # size 3: one block, slots 0-2
+        if rank < 3:
+            assert r["members"][(3, 0)] == ([0, 1, 2], 3.0)
         assert r["slot"] == rank
         assert r["members"][(1, rank)] == ([rank], float(rank))
         pair = [rank - rank % 2, rank - rank % 2 + 1]
@@ -88,4 +90,4 @@ def test_groups_tp2_use_same_tp_rank(results):
 
 @pytest.mark.dist
 def test_bad_size_fails_on_every_rank(results):
-    assert all("group sizes [3] do not tile 4" in r["bad"] for r in results)
+    assert all("group sizes [5] do not tile 4" in r["bad"] for r in results)

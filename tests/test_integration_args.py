@@ -63,7 +63,7 @@ def test_full_config_and_forced_per_token_loss():
     )
     cfg = validate_hsp_args(args, env={})
     assert cfg.world_size == 8 and cfg.gpus_per_node == 4
-    assert cfg.group_sizes == (1, 2, 4, 8)
+    assert cfg.group_sizes == (1, 2, 3, 4, 8)  # every size up to a node of 4, then nodes
     assert cfg.max_seq == 192_000 and cfg.solver == "cbc" and cfg.overlong == "split"
     assert cfg.global_batch_docs == 64 and cfg.token_budget is None
     assert cfg.seed == 1234
@@ -74,7 +74,7 @@ def test_full_config_and_forced_per_token_loss():
 
 def test_gpus_per_node_from_torchrun_and_slurm_env():
     cfg = validate_hsp_args(parse([*BASE, "--hsp"]), env={"LOCAL_WORLD_SIZE": "2"})
-    assert cfg.gpus_per_node == 2 and cfg.group_sizes == (1, 2, 4, 8)
+    assert cfg.gpus_per_node == 2 and cfg.group_sizes == (1, 2, 4, 6, 8)  # whole nodes
     cfg = validate_hsp_args(parse([*BASE, "--hsp"]), env={"SLURM_NTASKS_PER_NODE": "4(x2)"})
     assert cfg.gpus_per_node == 4
 
@@ -82,7 +82,7 @@ def test_gpus_per_node_from_torchrun_and_slurm_env():
 def test_tensor_parallel_makes_slots():
     args = parse([*BASE, "--hsp", "--tensor-model-parallel-size", "2", "--hsp-gpus-per-node", "8"])
     cfg = validate_hsp_args(args, env={})
-    assert cfg.world_size == 4 and cfg.gpus_per_node == 4 and cfg.group_sizes == (1, 2, 4)
+    assert cfg.world_size == 4 and cfg.gpus_per_node == 4 and cfg.group_sizes == (1, 2, 3, 4)
 
 
 def test_pipeline_parallel_rejected_naming_the_flag():
@@ -90,7 +90,7 @@ def test_pipeline_parallel_rejected_naming_the_flag():
         validate_hsp_args(parse([*BASE, "--hsp", "--pipeline-model-parallel-size", "2"]), env={})
 
 
-def test_heads_not_divisible_by_requested_size():
+def test_sizes_the_heads_do_not_split_run_ulysses_x_ring_and_say_so():
     args = parse(
         [
             "--num-attention-heads",
@@ -106,11 +106,12 @@ def test_heads_not_divisible_by_requested_size():
             "1,2,4",
         ]
     )
-    with pytest.raises(HSPArgsError, match=r"--num-attention-heads 6.*\[4\]"):
-        validate_hsp_args(args, env={})
+    cfg = validate_hsp_args(args, env={})
+    assert cfg.group_sizes == (1, 2, 4)
+    assert any("[4] run Ulysses x ring" in n and "4 = 2 x 2" in n for n in cfg.notes)
 
 
-def test_auto_sizes_leave_out_non_dividing_and_say_so():
+def test_auto_sizes_keep_every_legal_size():
     args = parse(
         [
             *("--num-attention-heads", "6", "--global-batch-size", "8", "--seq-length", "64"),
@@ -118,13 +119,12 @@ def test_auto_sizes_leave_out_non_dividing_and_say_so():
         ]
     )
     cfg = validate_hsp_args(args, env={})
-    assert cfg.group_sizes == (1, 2)
-    assert any("[4, 8] left out" in n for n in cfg.notes)
+    assert cfg.group_sizes == (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 def test_illegal_size_for_topology():
-    args = parse([*BASE, "--hsp", "--hsp-group-sizes", "3", "--hsp-gpus-per-node", "4"])
-    with pytest.raises(HSPArgsError, match=r"--hsp-group-sizes 3.*legal sizes: 1,2,4,8"):
+    args = parse([*BASE, "--hsp", "--hsp-group-sizes", "6", "--hsp-gpus-per-node", "4"])
+    with pytest.raises(HSPArgsError, match=r"--hsp-group-sizes 6.*legal sizes: 1,2,3,4,8"):
         validate_hsp_args(args, env={})
 
 

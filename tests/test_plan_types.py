@@ -71,7 +71,7 @@ def test_fingerprint_ignores_estimates_but_not_layout() -> None:
         (lambda d: d["microbatches"][0]["groups"].pop(), r"ranks \[7\] are in no group"),
         (
             lambda d: d["microbatches"][0]["groups"][1].update(ranks=[3, 4]),
-            "not an aligned block",
+            "is not a legal block",
         ),
         (
             lambda d: d["microbatches"][1]["groups"][0].update(seq_ids=[3], lengths=[50]),

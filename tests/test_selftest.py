@@ -19,6 +19,7 @@ CASE_KEYS = {
     "loss_abs_diff",
     "max_abs_grad_diff",
     "max_rel_grad_diff",
+    "layouts",
 }
 
 
@@ -30,6 +31,10 @@ def test_cases_cover_the_required_layouts():
     assert [mb.group_sizes for mb in layouts.microbatches] == [[8], [4, 4], [1] * 8]
     assert any(not g.seq_ids for g in layouts.microbatches[-1].groups)
     assert cases["tp2-with-dynamic-groups"].tp == 2
+    ring = cases["ring-and-hybrid-groups"].plan()
+    assert [mb.group_sizes for mb in ring.microbatches] == [[6, 2], [3, 3, 1, 1], [5, 1, 2]]
+    assert cases["tp2-ring-groups"].tp == 2
+    assert cases["tp2-ring-groups"].plan().microbatches[0].group_sizes == [3, 1]
     assert 1 in cases["one-token-documents"].lengths
     at_limit = cases["document-at-memory-limit"]
     plan = at_limit.plan()

@@ -45,8 +45,8 @@ def test_bad_batches_raise_clear_errors(lengths, error, pattern):
 
 
 def test_bad_sizes_and_backend_name_what_works():
-    with pytest.raises(InputError, match=r"legal sizes: \[1, 2, 4, 8, 16, "):
-        solve([100], COST, CLUSTER, SolverConfig(sizes=(3, 8)))
+    with pytest.raises(InputError, match=r"legal sizes: \[1, 2, 3, 4, 5, 6, 7, 8, 16, "):
+        solve([100], COST, CLUSTER, SolverConfig(sizes=(12, 8)))
     with pytest.raises(InputError, match="unknown solver backend 'gurobi'"):
         solve([100], COST, CLUSTER, SolverConfig(backend="gurobi"))
 

@@ -12,17 +12,35 @@ from megatron_hsp.planner import Cluster, InputError
 def test_legal_sizes_64_in_nodes_of_8() -> None:
     c = Cluster(64, 8)
     assert c.power_of_two_sizes() == [1, 2, 4, 8, 16, 32, 64]
-    # Non-powers of two only where blocks stay whole: inside a node sizes must divide 8,
-    # across nodes they must be whole nodes.
-    assert 3 not in c.legal_sizes() and 6 not in c.legal_sizes()
-    assert 24 in c.legal_sizes()
+    # Every size up to a node, then whole nodes only.
+    assert c.legal_sizes() == [1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40, 48, 56, 64]
     assert c.aligned_blocks(24) == [tuple(range(0, 24)), tuple(range(24, 48))]
+    # Sizes that do not divide a node sit inside each node, leaving its tail for smaller groups.
+    assert c.aligned_blocks(3)[:3] == [(0, 1, 2), (3, 4, 5), (8, 9, 10)]
+    assert not c.is_aligned_block((6, 7, 8)) and not c.is_aligned_block((1, 2, 3))
+    assert 3 not in c.tiling_sizes() and 8 in c.tiling_sizes()
+
+
+def test_process_groups_at_1024_are_bounded() -> None:
+    # 128 nodes of 8: sum_{d<=8} floor(8/d) * 128 = 20 * 128 inside nodes, plus
+    # sum_{k=2..128} floor(128/k) across them; reported in docs/runtime.md.
+    c = Cluster(1024, 8)
+    inside = sum(8 // d for d in range(1, 9)) * 128
+    across = sum(128 // k for k in range(2, 129))
+    assert c.process_group_count() == inside + across == 2560 + 517
+    # With gpt-7b's 32 heads, hybrid blocks add their Ulysses and ring sub-groups.
+    from megatron_hsp.planner.groupspace import HeadSpace
+
+    with_subgroups = c.process_group_count(heads=HeadSpace(32, 32))
+    assert with_subgroups == 19000  # docs/runtime.md quotes this bound
+    assert with_subgroups < 20 * 1024
 
 
 def test_small_world_below_one_node() -> None:
     c = Cluster(6, 8)
-    assert c.legal_sizes() == [1, 2, 3, 6]
+    assert c.legal_sizes() == [1, 2, 3, 4, 5, 6]
     assert c.aligned_blocks(3) == [(0, 1, 2), (3, 4, 5)]
+    assert c.aligned_blocks(4) == [(0, 1, 2, 3)]
 
 
 @pytest.mark.parametrize(
@@ -39,8 +57,8 @@ def test_bad_cluster_shapes(world: int, gpn: int, message: str) -> None:
 
 
 def test_illegal_size_names_legal_ones() -> None:
-    with pytest.raises(InputError, match=r"group size 6 does not tile .* legal sizes: \[1, 2, 4"):
-        Cluster(16, 8).aligned_blocks(6)
+    with pytest.raises(InputError, match=r"group size 12 is not legal .* legal sizes: \[1, 2, 3"):
+        Cluster(16, 8).aligned_blocks(12)
 
 
 @given(nodes=st.integers(1, 16), gpn=st.sampled_from([1, 2, 4, 8]), data=st.data())
@@ -57,5 +75,6 @@ def test_blocks_are_aligned_disjoint_and_node_respecting(nodes: int, gpn: int, d
             assert len(nodes_touched) == 1
         else:
             assert len(b) == len(nodes_touched) * gpn
-    if c.world_size % size == 0:
+    if size in c.tiling_sizes():
         assert sorted(flat) == list(range(c.world_size))
+    assert c.block_index(blocks[-1]) == len(blocks) - 1

@@ -199,12 +199,11 @@ def _get(args: argparse.Namespace, name: str, default=None):
 
 
 def legal_group_sizes(world_size: int, slots_per_node: int) -> list[int]:
-    """Sizes that tile the ranks as aligned blocks: divisors of the node inside a node,
-    whole-node multiples that divide the world across nodes."""
-    inside = [d for d in range(1, slots_per_node + 1) if slots_per_node % d == 0]
-    nodes = world_size // slots_per_node
-    across = [slots_per_node * k for k in range(2, nodes + 1) if nodes % k == 0]
-    return [d for d in inside + across if d <= world_size]
+    """Legal group sizes: ``groupspace.Cluster.legal_sizes`` (every size up to a node, then
+    whole nodes); the heads never exclude a size, a group runs Ulysses x ring."""
+    from megatron_hsp.planner.groupspace import Cluster
+
+    return Cluster(world_size, slots_per_node).legal_sizes()
 
 
 # Flags whose model is not a dense GPT layer spec with megatron-core SelfAttention, which is what
@@ -336,41 +335,32 @@ def validate_hsp_args(
     requested = args.hsp_group_sizes
     if requested is None:
         sizes = legal
-        if heads is not None:
-            heads_per_tp = heads // tp
-            sizes = [d for d in legal if heads_per_tp % d == 0]
-            if len(sizes) < len(legal):
-                notes.append(
-                    f"group sizes {sorted(set(legal) - set(sizes))} left out: "
-                    f"{heads_per_tp} attention heads per tensor-parallel rank "
-                    f"(--num-attention-heads {heads} / --tensor-model-parallel-size {tp}) "
-                    "are not divisible by them"
-                )
     else:
         bad = [d for d in requested if d not in legal]
         if bad:
             raise HSPArgsError(
-                f"--hsp-group-sizes {','.join(map(str, requested))}: {bad} cannot tile "
-                f"{sp_world} ranks in nodes of {slots_per_node} as aligned blocks; legal "
-                f"sizes: {','.join(map(str, legal))}"
+                f"--hsp-group-sizes {','.join(map(str, requested))}: {bad} are not legal group "
+                f"sizes on {sp_world} ranks in nodes of {slots_per_node} (every size up to a "
+                f"node, then whole nodes); legal sizes: {','.join(map(str, legal))}"
             )
         sizes = list(requested)
-        if heads is not None:
-            not_div = [d for d in sizes if (heads // tp) % d != 0]
-            if not_div:
-                raise HSPArgsError(
-                    f"--hsp-group-sizes {','.join(map(str, requested))}: Ulysses splits "
-                    f"attention heads across a group, and {heads // tp} heads per "
-                    f"tensor-parallel rank (--num-attention-heads {heads}, "
-                    f"--tensor-model-parallel-size {tp}) are not divisible by {not_div}; "
-                    f"use sizes dividing {heads // tp}"
-                )
-    if not sizes:
-        raise HSPArgsError(
-            "no usable group size: none of the legal sizes "
-            f"{legal} divides the attention heads per tensor-parallel rank; change "
-            "--num-attention-heads or --tensor-model-parallel-size"
-        )
+    if heads is not None:
+        from megatron_hsp.planner.groupspace import HeadSpace
+
+        if heads % tp:
+            raise HSPArgsError(
+                f"--num-attention-heads {heads} is not divisible by "
+                f"--tensor-model-parallel-size {tp}"
+            )
+        space = HeadSpace.from_model(heads, kv_heads, tp)
+        ringed = [d for d in sizes if space.split(d)[1] > 1]
+        if ringed:
+            notes.append(
+                f"group sizes {ringed} run Ulysses x ring attention: {heads // tp} attention "
+                f"heads per tensor-parallel rank (--num-attention-heads {heads} / "
+                f"--tensor-model-parallel-size {tp}) do not split over them, so "
+                + ", ".join(f"{d} = {space.split(d)[0]} x {space.split(d)[1]}" for d in ringed)
+            )
     if kv_heads is not None and heads is not None and (kv_heads // tp) < max(sizes):
         notes.append(
             f"{kv_heads // tp} KV heads per tensor-parallel rank are fewer than the largest "

@@ -92,7 +92,9 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     from megatron_hsp.runtime.groups import create_groups_from_megatron
 
     cfg = run.config
-    run.registry = create_groups_from_megatron(cfg.gpus_per_node, sizes=cfg.group_sizes)
+    run.registry = create_groups_from_megatron(
+        cfg.gpus_per_node, sizes=cfg.group_sizes, heads=_head_space()
+    )
     cost = load_cost_model(
         cfg.cost_model,
         world_size=cfg.world_size,
@@ -192,6 +194,20 @@ def hsp_datasets_provider(train_val_test_num_samples: Any, vp_stage: Any = None)
 hsp_datasets_provider.is_distributed = True  # every rank builds it: group creation is collective
 
 
+def _head_space():
+    """The model's heads per TP rank (``groupspace.HeadSpace``) from Megatron's args, so the
+    registry pre-creates each block's Ulysses/ring sub-groups."""
+    from megatron.core import parallel_state as ps
+    from megatron.training import get_args
+
+    from megatron_hsp.planner.groupspace import HeadSpace
+
+    args = get_args()
+    kv = args.num_query_groups if getattr(args, "group_query_attention", False) else None
+    tp = ps.get_tensor_model_parallel_world_size()
+    return HeadSpace.from_model(args.num_attention_heads, kv, tp)
+
+
 def begin_step(run: HSPRun) -> None:
     """Prepare the step about to run: plan (waits only if the planner is late), dispatch."""
     from megatron_hsp.runtime.dispatch import GlobalBatch, dispatch
@@ -204,7 +220,12 @@ def begin_step(run: HSPRun) -> None:
     run.inputs = [
         None
         if p.empty
-        else to_model_inputs(p, run.registry.group(p.group_size, p.block), run.device)
+        else to_model_inputs(
+            p,
+            run.registry.group(p.group_size, p.block),
+            run.device,
+            run.registry.hybrid(p.group_size, p.block),
+        )
         for p in packs
     ]
     run.current = prepared

@@ -44,10 +44,11 @@ def homogeneous_sizes(
 ) -> list[int]:
     """Degrees a homogeneous baseline may use on this cluster with this cost model."""
     pool = set(cost.sizes) if sizes is None else set(sizes)
+    tiling = set(cluster.tiling_sizes())
     return [
         d
         for d in cluster.legal_sizes(pool)
-        if cluster.world_size % d == 0 and (d == 1 or d in cost.a2a_ms_per_token)
+        if d in tiling and (d == 1 or d in cost.a2a_ms_per_token)
     ]
 
 
@@ -172,9 +173,9 @@ def plan_from_layout(
             ids = sorted(int(i) for i in ids)
             glens = tuple(int(x) for x in lens[ids]) if ids else ()
             est = cost.group_ms(glens, size) if ids else 0.0
-            placed.append(Group(tuple(block), tuple(ids), glens, est))
+            placed.append(Group(tuple(block), tuple(ids), glens, est, *cost.recorded_split(size)))
         for r in (r for r in range(cluster.world_size) if free[r]):
-            placed.append(Group((r,), (), (), 0.0))
+            placed.append(Group((r,), (), (), 0.0, *cost.recorded_split(1)))
         placed.sort(key=lambda g: g.ranks[0])
         microbatches.append(MicroBatch(tuple(placed), max(g.est_ms for g in placed)))
     return Plan(

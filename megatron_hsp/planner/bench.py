@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_hsp.planner import groupspace
 from megatron_hsp.planner.baselines import batchada_plan, static_best_degree, static_plan
 from megatron_hsp.planner.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
@@ -90,6 +91,8 @@ class MethodResult:
     solve_ms: list[float] = field(default_factory=list)
     microbatches: list[int] = field(default_factory=list)
     valid: list[bool] = field(default_factory=list)
+    # Whether the runtime can execute every group (None: the cost model knows no heads).
+    executable: list[bool | None] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     infeasible: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -104,8 +107,12 @@ class MethodResult:
             d["microbatches"] = self.microbatches
         if self.valid:
             d["valid"] = all(self.valid)
+        if self.executable:
+            d["executable"] = (
+                None if None in self.executable else all(bool(x) for x in self.executable)
+            )
         if self.problems:
-            d["problems"] = self.problems[:10]
+            d["problems"] = self.problems[:10]  # invalid or not executable
         if self.infeasible:
             d["infeasible_batches"] = len(self.infeasible)
             d["infeasible_reason"] = self.infeasible[0]
@@ -115,11 +122,14 @@ class MethodResult:
 
 def _record(res: MethodResult, plan: Plan, lengths: np.ndarray, cost: CostModel, ms: float) -> None:
     problems = plan.problems(lengths.tolist(), cost, plan.world_size)
+    heads = cost.head_space()
+    not_runnable = [] if heads is None else groupspace.problems(plan, heads)
     res.step_ms.append(float(plan.est_step_ms))
     res.solve_ms.append(float(ms))
     res.microbatches.append(len(plan.microbatches))
     res.valid.append(not problems)
-    res.problems.extend(problems)
+    res.executable.append(None if heads is None else not not_runnable)
+    res.problems.extend(problems + not_runnable)
 
 
 def _pct(xs: Sequence[float], q: float) -> float | None:
@@ -227,6 +237,14 @@ def run_bench(
     }
 
 
+def _all_executable(results: Mapping[str, MethodResult]) -> bool | None:
+    """Every plan of every method runs on the runtime; None when the cost model knows no heads."""
+    flags = [x for k, v in results.items() if k != "lower-bound" for x in v.executable]
+    if not flags or None in flags:
+        return None
+    return all(bool(x) for x in flags)
+
+
 def summarize(results: Mapping[str, MethodResult], planner_rss_mb: float) -> dict[str, Any]:
     """docs/design.md's summary keys (None where a method did not run) plus extras."""
     total = {k: float(sum(v.step_ms)) for k, v in results.items() if v.complete}  # type: ignore[arg-type]
@@ -249,6 +267,7 @@ def summarize(results: Mapping[str, MethodResult], planner_rss_mb: float) -> dic
         "solve_ms_p50": _pct(results["hsp"].solve_ms, 50) if "hsp" in results else None,
         "solve_ms_p99": _pct(results["hsp"].solve_ms, 99) if "hsp" in results else None,
         "all_plans_valid": all(all(v.valid) for k, v in results.items() if k != "lower-bound"),
+        "all_plans_executable": _all_executable(results),
     }
     for name in results:
         if _STATIC.match(name):

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.groupspace import Cluster, HeadSpace, kv_copies
 from megatron_hsp.planner.units import MAX_TOKENS
 
 
@@ -41,6 +42,11 @@ class CostModel:
     # For reports: how the numbers were obtained, memory figures in bytes.
     source: str = ""
     details: Mapping[str, float] = field(default_factory=dict)
+    # Query/KV heads per tensor-parallel rank; None: unknown model, every group pure Ulysses.
+    heads: tuple[int, int] | None = None
+    # Ring attention: ms per token of a sequence for one ring step's K/V p2p, by group size
+    # (groups whose split has r > 1 only). See ``seq_ms``.
+    ring_step_ms_per_token: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tokens_per_rank <= 0:
@@ -67,6 +73,22 @@ class CostModel:
                 f"known sizes: {self.sizes}"
             ) from None
 
+    def head_space(self, max_ring: int | None = None) -> HeadSpace | None:
+        """The model's heads as ``groupspace.HeadSpace`` (None when this model knows none)."""
+        if self.heads is None:
+            return None
+        q, kv = self.heads
+        return HeadSpace(q, kv) if max_ring is None else HeadSpace(q, kv, max_ring)
+
+    def split(self, d: int) -> tuple[int, int]:
+        """(ulysses, ring) degrees a group of ``d`` runs with (pure Ulysses without heads)."""
+        hs = self.head_space()
+        return (d, 1) if hs is None else hs.split(d)
+
+    def recorded_split(self, d: int) -> tuple[int, int]:
+        """(ulysses, ring) for ``Group``'s fields: (0, 0) when the model's heads are unknown."""
+        return self.split(d) if self.heads is not None else (0, 0)
+
     def _fixed(self, d: int) -> float:
         g = self.group_fixed_ms
         return g[d] if d in g else g.get(0, 0.0)
@@ -75,9 +97,15 @@ class CostModel:
     def seq_ms(self, lengths: np.ndarray | Sequence[int], d: int) -> np.ndarray:
         """Per-sequence time (ms) in a group of ``d``, excluding the group's fixed cost."""
         s = np.asarray(lengths, dtype=np.float64)
-        return (self.attn_ms_per_token2 * s * s + self.linear_ms_per_token * s) / d + self._a2a(
-            d
-        ) * s
+        attn = self.attn_ms_per_token2 * s * s / d
+        out = attn + self.linear_ms_per_token * s / d + self._a2a(d) * s
+        r = self.split(d)[1]
+        if r > 1:
+            # r - 1 ring steps each move one K/V block while the rank computes attention on the
+            # previous one (attn / r per step); only the excess of transfer over compute shows.
+            step = self.ring_step_ms_per_token.get(d, 0.0) * s
+            out = out + (r - 1) * np.maximum(0.0, step - attn / r)
+        return out
 
     def group_ms(self, lengths: np.ndarray | Sequence[int], d: int) -> float:
         """Time (ms) of one group of ``d`` ranks training ``lengths`` in one micro-batch."""
@@ -119,6 +147,16 @@ class CostModel:
                 "group_fixed_ms": {int(k): float(v) for k, v in self.group_fixed_ms.items()},
                 "a2a_ms_per_token": {int(k): float(v) for k, v in self.a2a_ms_per_token.items()},
                 "tokens_per_rank": int(self.tokens_per_rank),
+                **({"heads": list(self.heads)} if self.heads else {}),
+                **(
+                    {
+                        "ring_step_ms_per_token": {
+                            int(k): float(v) for k, v in self.ring_step_ms_per_token.items()
+                        }
+                    }
+                    if self.ring_step_ms_per_token
+                    else {}
+                ),
             },
             "source": self.source,
             "details": {k: float(v) for k, v in self.details.items()},
@@ -132,6 +170,7 @@ class CostModel:
 # max-seq in K (FlexSP interpolates linearly between 192 and 384 for other lengths).
 FLEXSP_FITS: dict[str, dict[str, Any]] = {
     "flexsp-gpt-7b": {
+        "heads": 32,  # FlexSP's GPT configs: MHA, head_dim 128
         "layers": 32,
         "hidden": 4096,
         "a1": 5.128e-6,
@@ -141,6 +180,7 @@ FLEXSP_FITS: dict[str, dict[str, Any]] = {
         "params_b": {4: 6.51, 192: 7.1174468994140625, 384: 7.8498687744140625},
     },
     "flexsp-gpt-13b": {
+        "heads": 40,  # FlexSP's GPT configs: MHA, head_dim 128
         "layers": 40,
         "hidden": 5120,
         "a1": 9.2852e-6,
@@ -150,6 +190,7 @@ FLEXSP_FITS: dict[str, dict[str, Any]] = {
         "params_b": {4: 12.3568, 192: 13.11605453491211, 384: 14.03158187866211},
     },
     "flexsp-gpt-30b": {
+        "heads": 52,  # FlexSP's GPT configs: MHA, head_dim 128
         "layers": 60,
         "hidden": 6656,
         "a1": 15.4262e-6,
@@ -203,8 +244,16 @@ def flexsp_cost_model(
     a2a_gbs: Mapping[int, float] | None = None,
     gpus_per_node: int = 8,
     fit: Mapping[str, Any] | None = None,
+    as_published: bool = False,
 ) -> CostModel:
     """FlexSP's fitted model, reproduced term for term (ZeRO-3, mixed precision).
+
+    With the fit's ``heads`` (FlexSP's GPT configs, MHA) every group runs the executable
+    Ulysses x ring split (``groupspace.HeadSpace.split``): all-to-all over u ranks at the
+    bandwidth of u, plus ring steps (``CostModel.seq_ms``). ``as_published`` drops the heads and
+    prices every size as pure Ulysses, exactly as FlexSP's solver does; that reproduces its
+    figures (static-64 68.50 s) but includes groups the runtime cannot run (Ulysses over 64
+    ranks with 32 heads), so its plans are not executable.
 
     Formulas (``flexSPCostModel`` in FlexSP's solver.py):
 
@@ -218,8 +267,6 @@ def flexsp_cost_model(
     Sizes: every legal size of ``Cluster(world_size, gpus_per_node)``; unmeasured sizes get
     bandwidths as ``flexsp_bandwidth`` explains. ``fit`` costs a user's own FlexSP-style fit.
     """
-    from megatron_hsp.planner.topology import Cluster
-
     if fit is None:
         if name not in FLEXSP_FITS:
             raise InputError(f"unknown FlexSP preset {name!r}; choose from {sorted(FLEXSP_FITS)}")
@@ -227,9 +274,23 @@ def flexsp_cost_model(
     cap = FLEXSP_DEFAULT_MEMORY_CAP_GB if memory_cap_gb is None else float(memory_cap_gb)
     layers, hidden = int(fit["layers"]), int(fit["hidden"])
     bw = {int(k): float(v) for k, v in (a2a_gbs or fit.get("a2a_gbs") or FLEXSP_A2A_GBS).items()}
-    sizes = [d for d in Cluster(world_size, gpus_per_node).legal_sizes() if d > 1]
+    cluster = Cluster(world_size, gpus_per_node)
+    heads = int(fit["heads"]) if "heads" in fit and not as_published else None
+    space = HeadSpace(heads, heads) if heads else None
+    sizes = [d for d in cluster.legal_sizes() if d > 1]
     a2a_bytes_per_token = 4 * 2 * layers * hidden * 2
-    a2a = {d: a2a_bytes_per_token / 2**20 / d / flexsp_bandwidth(bw, d) for d in sizes}
+    # Ring step: K and V (MHA, bf16) of the rank's s/d tokens, once forward, and K/V plus their
+    # gradients backward, per layer; at the size-2 (NVLink) bandwidth inside a node, the
+    # two-node figure when the ring crosses nodes (its slowest hop sets the pace).
+    ring_bytes_per_token = 3 * layers * 2 * hidden * 2
+    a2a: dict[int, float] = {}
+    ring: dict[int, float] = {}
+    for d in sizes:
+        u, r = space.split(d) if space else (d, 1)
+        a2a[d] = a2a_bytes_per_token / 2**20 / d / flexsp_bandwidth(bw, u) if u > 1 else 0.0
+        if r > 1:
+            hop = flexsp_bandwidth(bw, 2 if not cluster.crosses_node(d) else 2 * gpus_per_node)
+            ring[d] = ring_bytes_per_token / 2**20 / d / hop
     params_b = flexsp_params_b(fit, max_seq_k)
     model_states_mib = params_b * 16 * 1024 / world_size
     act = float(fit["act_mib_per_token"])
@@ -248,6 +309,8 @@ def flexsp_cost_model(
             "act_mib_per_token": act,
             "memory_cap_gb": cap,
         },
+        heads=(heads, heads) if heads else None,
+        ring_step_ms_per_token=ring,
     )
 
 
@@ -405,24 +468,28 @@ def activation_bytes_per_token(model: ModelConfig, training: TrainingConfig) -> 
 
 
 def a2a_bytes_per_token(model: ModelConfig, training: TrainingConfig, d: int) -> float:
-    """Bytes of one token that Ulysses all-to-alls move in a group of ``d`` (whole sequence view).
+    """Bytes of one token that Ulysses all-to-alls move in a Ulysses group of ``d``.
 
     Per layer and pass, four all-to-alls (Jacobs et al. 2023, DeepSpeed-Ulysses): Q (heads),
     K and V (kv heads only, GQA) before attention and the output (heads) after it. Forward and
-    backward each run them once, a recomputed forward a third time. When ``d`` exceeds the KV
-    heads, KV heads are replicated up to ``d`` (docs/design.md sec. 5), so K/V traffic grows.
+    backward each run them once, a recomputed forward a third time. KV heads travel with the
+    copies the runtime makes (``groupspace.kv_copies``) when ``d`` does not divide them.
     """
-    kv_heads = (
-        model.kv_heads if d <= model.kv_heads else model.kv_heads * math.ceil(d / model.kv_heads)
-    )
+    kv_heads = model.kv_heads * kv_copies(model.heads, model.kv_heads, d)
     elems = (2 * model.heads + 2 * kv_heads) * model.head_dim
     passes = 3 if training.recompute else 2
     return model.layers * passes * elems * training.activation_bytes
 
 
-def ulysses_sizes(model: ModelConfig, legal: Sequence[int]) -> list[int]:
-    """Group sizes Ulysses can run: query heads must split evenly over the group."""
-    return [d for d in legal if model.heads % d == 0]
+def ring_bytes_per_token(model: ModelConfig, training: TrainingConfig, u: int) -> float:
+    """Bytes of one token's K/V that one ring step sends (whole training step, all layers).
+
+    Forward (and a recomputed forward) sends K and V, backward K, V and their gradients; the KV
+    heads include the copies Ulysses over ``u`` ranks needs.
+    """
+    kv_heads = model.kv_heads * kv_copies(model.heads, model.kv_heads, u)
+    passes = 4 if training.recompute else 3
+    return model.layers * passes * 2 * kv_heads * model.head_dim * training.activation_bytes
 
 
 def first_principles_cost_model(
@@ -451,10 +518,10 @@ def first_principles_cost_model(
     - tokens_per_rank = (memory cap - model states by ZeRO stage) / activation bytes per token.
       The memory cap defaults to 90% of HBM (CUDA context, NCCL buffers, fragmentation).
 
-    Sizes: every legal size of the cluster on which Ulysses can split the query heads.
+    Sizes: every legal size of the cluster, run as ``HeadSpace.split`` says (Ulysses over u
+    ranks, ring over r); a ring step's K/V p2p shows only where it outlasts the attention block
+    it overlaps (``CostModel.seq_ms``), plus 2 * layers p2p latencies per step in b_d.
     """
-    from megatron_hsp.planner.topology import Cluster
-
     g = gpus_per_node or hardware.gpus_per_node
     cluster = Cluster(world_size, g)
     cap_gb = hardware.hbm_gb * 0.9 if memory_cap_gb is None else float(memory_cap_gb)
@@ -465,7 +532,9 @@ def first_principles_cost_model(
     a1 = model.attn_flops_per_token2() * recompute / attn_flops * 1e3
     a2 = model.linear_flops_per_token() * recompute / lin_flops * 1e3
 
-    sizes = ulysses_sizes(model, cluster.legal_sizes())
+    space = HeadSpace(model.heads, model.kv_heads)
+    sizes = cluster.legal_sizes()
+    ring_ms: dict[int, float] = {}
     passes = 3 if training.recompute else 2
     calls = 4 * model.layers * passes
     a2a: dict[int, float] = {}
@@ -486,14 +555,21 @@ def first_principles_cost_model(
         )
         if d == 1:
             continue
-        per_peer = a2a_bytes_per_token(model, training, d) / (d * d)
-        intra = min(d, g) - 1
-        inter = d - min(d, g)
+        u, r = space.split(d)
+        # Ulysses over u contiguous ranks, each holding s/d tokens and sending 1/u to each peer.
+        per_peer = a2a_bytes_per_token(model, training, u) / (d * u) if u > 1 else 0.0
+        intra = min(u, g) - 1
+        inter = u - min(u, g)
         t = max(
             intra * per_peer / (hardware.nvlink_gbs * 1e9),
             inter * per_peer / (hardware.inter_node_gbs * 1e9),
         )
         a2a[d] = t * 1e3
+        if r > 1:
+            # One ring step: each rank passes its s/d tokens' K/V to the next ring rank.
+            fixed[d] += (r - 1) * 2 * model.layers * lat_us * 1e-3
+            nbytes = ring_bytes_per_token(model, training, u) / d
+            ring_ms[d] = nbytes / (hardware.bandwidth_gbs(crosses) * 1e9) * 1e3
     states = training.model_state_bytes(params, world_size)
     act = activation_bytes_per_token(model, training)
     cap_bytes = cap_gb * 2**30
@@ -521,6 +597,8 @@ def first_principles_cost_model(
             "memory_cap_gb": cap_gb,
             "zero3_ms_per_microbatch": zero3_ms,
         },
+        heads=(space.q_heads, space.kv_heads),
+        ring_step_ms_per_token=ring_ms,
     )
 
 
@@ -621,6 +699,8 @@ def _from_coefficients(name: str, co: Mapping[str, Any], cap_gb: float | None) -
         "tokens_per_rank",
         "model_states_gb",
         "act_mib_per_token",
+        "heads",
+        "ring_step_ms_per_token",
     }
     unknown = sorted(set(co) - allowed)
     if unknown:
@@ -665,6 +745,14 @@ def _from_coefficients(name: str, co: Mapping[str, Any], cap_gb: float | None) -
         a2a_ms_per_token=a2a,
         tokens_per_rank=tokens,
         source="explicit coefficients",
+        heads=_heads(co.get("heads")),
+        ring_step_ms_per_token={
+            k: v
+            for k, v in _size_map(
+                co.get("ring_step_ms_per_token", {}), "ring_step_ms_per_token"
+            ).items()
+            if k > 1
+        },
     )
 
 
@@ -677,6 +765,7 @@ _MAY_BE_ZERO = {
     "attn_ms_per_token2",
     "group_fixed_ms",
     "a2a_ms_per_token",
+    "ring_step_ms_per_token",
     "b1",
     "a1",
     "latency_us",
@@ -702,6 +791,10 @@ def _check_spec_numbers(data: Mapping[str, Any], where: str = "") -> None:
             continue
         if isinstance(value, Mapping):
             _check_spec_numbers(value, path)
+            continue
+        if isinstance(value, list | tuple):
+            # [query, kv] heads: each a positive number; ``_heads`` checks the pairing.
+            _check_spec_numbers({f"{i}": v for i, v in enumerate(value)}, path)
             continue
         if str(key) in _BOOL_KEYS:
             if not isinstance(value, bool):
@@ -746,6 +839,7 @@ def validate_cost_model(model: CostModel) -> CostModel:
     for field_, mapping in (
         ("group_fixed_ms", model.group_fixed_ms),
         ("a2a_ms_per_token", model.a2a_ms_per_token),
+        ("ring_step_ms_per_token", model.ring_step_ms_per_token),
     ):
         for d, v in mapping.items():
             if not isinstance(d, int) or d < 0:
@@ -757,6 +851,21 @@ def validate_cost_model(model: CostModel) -> CostModel:
     if not 0 < int(model.tokens_per_rank) <= MAX_TOKENS:
         raise bad("tokens_per_rank", model.tokens_per_rank, f"between 1 and {MAX_TOKENS:.0e}")
     return model
+
+
+def _heads(value: Any) -> tuple[int, int] | None:
+    """``coefficients.heads``: [query, kv] heads per tensor-parallel rank, or absent."""
+    if value is None:
+        return None
+    try:
+        q, kv = (int(x) for x in value)
+        HeadSpace(q, kv)
+    except (TypeError, ValueError) as exc:
+        raise InputError(
+            f"cost model spec: coefficients.heads must be [query heads, kv heads] per "
+            f"tensor-parallel rank with kv dividing query, got {value!r} ({exc})"
+        ) from None
+    return q, kv
 
 
 def load_cost_model(

@@ -52,7 +52,7 @@ def place_groups(
     order = sorted(range(len(groups)), key=lambda g: (-groups[g][0], g))
     for g in order:
         d, ids = groups[g]
-        start = _first_free_start(used, n, d, cursor)
+        start = _first_free_start(used, cluster, d, cursor)
         if start < 0:
             return None
         used[start : start + d] = b"\x01" * d
@@ -63,7 +63,7 @@ def place_groups(
             if not cluster.size_fits(d):
                 continue
             while True:
-                start = _first_free_start(used, n, d, cursor)
+                start = _first_free_start(used, cluster, d, cursor)
                 if start < 0:
                     break
                 used[start : start + d] = b"\x01" * d
@@ -71,9 +71,10 @@ def place_groups(
             if sum(used) == n:
                 break
     elif not placed:
+        tiling = cluster.tiling_sizes()
         for d in [*inst.sizes, 1]:
-            if cluster.size_fits(d) and n % d == 0:
-                placed = [(tuple(range(s, s + d)), ()) for s in range(0, n, d)]
+            if d in tiling:
+                placed = [(b, ()) for b in cluster.aligned_blocks(d)]
                 break
     placed.sort(key=lambda p: p[0][0])
     return placed
@@ -101,21 +102,21 @@ def _place_buddy(
     return placed
 
 
-def _first_free_start(used: bytearray, n: int, d: int, cursor: dict[int, int]) -> int:
-    """First start (a multiple of ``d``) of ``d`` free ranks; -1 when none.
+def _first_free_start(used: bytearray, cluster: Cluster, d: int, cursor: dict[int, int]) -> int:
+    """First start of a legal block of ``d`` free ranks (``Cluster.block_starts``); -1 if none.
 
-    Callers only pass sizes that ``Cluster.size_fits``, so a block starting at a multiple of
-    ``d`` is aligned: inside one node for ``d <= gpus_per_node``, whole nodes otherwise.
-    ``used`` only ever fills up, so the first free start for a size never moves backwards:
-    ``cursor`` remembers it per size, which keeps placing n single ranks linear instead of
+    ``used`` only ever fills up, so the first free block for a size never moves backwards:
+    ``cursor`` remembers its index per size, which keeps placing n single ranks linear instead of
     quadratic in n (it dominated solve time at 1024 ranks).
     """
     zero = bytes(d)
-    for start in range(cursor.get(d, 0), n - d + 1, d):
+    starts = cluster.block_starts(d)
+    for k in range(cursor.get(d, 0), len(starts)):
+        start = starts[k]
         if used[start : start + d] == zero:
-            cursor[d] = start
+            cursor[d] = k
             return start
-    cursor[d] = n
+    cursor[d] = len(starts)
     return -1
 
 

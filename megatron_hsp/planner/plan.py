@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from megatron_hsp.planner import groupspace
 from megatron_hsp.planner.errors import PlanError
-from megatron_hsp.planner.topology import Cluster
+from megatron_hsp.planner.groupspace import Cluster, HeadSpace
 
 PLAN_STATUSES = ("optimal", "time_limit", "fallback", "heuristic")
 
@@ -37,6 +38,9 @@ class Group:
     seq_ids: tuple[int, ...] = ()
     lengths: tuple[int, ...] = ()
     est_ms: float = 0.0
+    # Ulysses x ring split (``groupspace.HeadSpace.split``); 0 when the planner knew no heads.
+    ulysses: int = 0
+    ring: int = 0
 
     @property
     def size(self) -> int:
@@ -44,7 +48,9 @@ class Group:
 
     @property
     def comm(self) -> str:
-        """``a2a`` (Ulysses) for groups of two or more ranks, ``none`` for a single rank."""
+        """``a2a`` (Ulysses), ``ring``, ``a2a+ring`` (hybrid) or ``none`` (a single rank)."""
+        if self.ring > 1:
+            return "a2a+ring" if self.ulysses > 1 else "ring"
         return "a2a" if self.size > 1 else "none"
 
     @property
@@ -59,6 +65,7 @@ class Group:
             "seq_ids": list(self.seq_ids),
             "lengths": list(self.lengths),
             "est_ms": self.est_ms,
+            **({"ulysses": self.ulysses, "ring": self.ring} if self.ulysses else {}),
         }
 
     @classmethod
@@ -71,6 +78,8 @@ class Group:
             seq_ids=tuple(int(s) for s in d.get("seq_ids", ())),
             lengths=tuple(int(x) for x in d.get("lengths", ())),
             est_ms=float(d.get("est_ms", 0.0)),
+            ulysses=int(d.get("ulysses", 0)),
+            ring=int(d.get("ring", 0)),
         )
 
 
@@ -135,12 +144,14 @@ class Plan:
         lengths: Sequence[int] | None = None,
         memory: MemoryModel | None = None,
         world_size: int | None = None,
+        heads: HeadSpace | None = None,
     ) -> list[str]:
         """Every broken invariant, as readable sentences; empty when the plan is valid.
 
         ``lengths`` (indexed by sequence id) checks coverage: each sequence exactly once with its
-        true length. ``memory`` checks that each group's sequences fit its size, and
-        ``world_size`` that the plan was made for the cluster about to execute it.
+        true length. ``memory`` checks that each group's sequences fit its size,
+        ``world_size`` that the plan was made for the cluster about to execute it, and ``heads``
+        (the model's heads per TP rank) that the runtime can execute every group's split.
         """
         out: list[str] = []
         if world_size is not None and world_size != self.world_size:
@@ -149,24 +160,19 @@ class Plan:
                 "running; re-plan with the running world size"
             )
         try:
-            cluster = self.cluster
+            self.cluster  # noqa: B018 -- raises on an impossible cluster shape
         except ValueError as exc:
             return [*out, str(exc)]
         if self.status not in PLAN_STATUSES:
             out.append(f"status {self.status!r} is not one of {PLAN_STATUSES}")
         if not self.microbatches:
             out.append("plan has no micro-batches")
+        out += groupspace.problems(self, heads)
         seen: Counter[int] = Counter()
         for i, mb in enumerate(self.microbatches):
             covered: list[int] = []
             for g in mb.groups:
                 covered.extend(g.ranks)
-                if not cluster.is_aligned_block(g.ranks):
-                    out.append(
-                        f"micro-batch {i}: ranks {_short(g.ranks)} are not an aligned block "
-                        f"(a group of size {g.size} must start at a multiple of {g.size} and "
-                        f"stay inside one node of {self.gpus_per_node} or span whole nodes)"
-                    )
                 if len(g.seq_ids) != len(g.lengths):
                     out.append(
                         f"micro-batch {i}: group at rank {g.ranks[0] if g.ranks else '?'} has "
@@ -225,9 +231,10 @@ class Plan:
         lengths: Sequence[int] | None = None,
         memory: MemoryModel | None = None,
         world_size: int | None = None,
+        heads: HeadSpace | None = None,
     ) -> Plan:
         """Raise ``PlanError`` listing every broken invariant; return ``self`` when valid."""
-        problems = self.problems(lengths, memory, world_size)
+        problems = self.problems(lengths, memory, world_size, heads)
         if problems:
             raise PlanError(problems)
         return self
@@ -281,7 +288,11 @@ class Plan:
         of deadlocking inside a collective.
         """
         layout = [
-            [[list(g.ranks), list(g.seq_ids), list(g.lengths)] for g in mb.groups]
+            [
+                [list(g.ranks), list(g.seq_ids), list(g.lengths)]
+                + ([g.ulysses] if g.ulysses else [])
+                for g in mb.groups
+            ]
             for mb in self.microbatches
         ]
         blob = json.dumps([self.world_size, self.gpus_per_node, layout], separators=(",", ":"))

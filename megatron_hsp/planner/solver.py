@@ -220,12 +220,15 @@ def _assemble(
             if ids:
                 j = index[d]
                 est = sum(inst.times[i][j] for i in ids) + inst.fixed[j]
+            u, r = cost.recorded_split(d)
             out_groups.append(
                 Group(
                     ranks=ranks,
                     seq_ids=ids,
                     lengths=tuple(inst.lengths[i] for i in ids),
                     est_ms=est,
+                    ulysses=u,
+                    ring=r,
                 )
             )
         span = max(g.est_ms for g in out_groups)

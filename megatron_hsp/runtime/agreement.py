@@ -16,7 +16,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_hsp.planner.errors import HSPError, PlanError
+from megatron_hsp.planner import groupspace
+from megatron_hsp.planner.errors import HSPError, InputError, PlanError
+from megatron_hsp.planner.groupspace import HeadSpace
 from megatron_hsp.planner.plan import Plan
 from megatron_hsp.runtime.groups import GroupRegistry
 
@@ -126,7 +128,8 @@ def check_executable(
 
     Checks the plan's own invariants, its world size against the running sequence-parallel world
     (data x context slots), that every group size has a pre-created process group, and -- given the
-    model's heads -- that Ulysses can split the heads of every group size.
+    model's heads -- that every group's Ulysses x ring split can run and is the split the
+    registry pre-created sub-groups for.
     """
     n_slots = registry.layout.num_slots
     problems = plan.problems(lengths=lengths, world_size=n_slots)
@@ -156,6 +159,36 @@ def check_executable(
             num_query_groups or num_attention_heads,
             registry.layout.tensor_parallel,
         )
+        try:
+            model: HeadSpace | None = HeadSpace.from_model(
+                num_attention_heads, num_query_groups, registry.layout.tensor_parallel
+            )
+        except InputError:  # head_problems above already says why
+            model = None
+        ringed = [d for d in plan.group_sizes_used if model and model.split(d)[1] > 1]
+        if model is not None and ringed and registry.heads != model:
+            problems.append(
+                f"group sizes {ringed} run ring attention for this model ({model.q_heads} query "
+                f"heads per tensor-parallel rank) but the process groups were created for "
+                f"heads {registry.heads}; create them with create_groups(..., heads=...) of the "
+                "model's heads"
+            )
+        if registry.heads is not None:
+            problems += groupspace.problems(plan, registry.heads)
+            wrong = sorted(
+                {
+                    (g.size, g.ulysses, g.ring)
+                    for mb in plan.microbatches
+                    for g in mb.groups
+                    if g.ulysses and (g.ulysses, g.ring) != registry.heads.split(g.size)
+                }
+            )
+            if wrong:
+                problems.append(
+                    f"groups (size, ulysses, ring) {wrong[:6]} differ from the splits the "
+                    "runtime pre-created sub-groups for (groupspace.HeadSpace.split); plan with "
+                    "a cost model of this model's heads"
+                )
     if problems:
         raise PlanError(problems)
 
@@ -163,27 +196,20 @@ def check_executable(
 def head_problems(
     sizes: Sequence[int], num_attention_heads: int, num_query_groups: int, tensor_parallel: int
 ) -> list[str]:
-    """Ulysses scatters each tensor-parallel rank's query heads over the group, so the group size
-    must divide them. KV heads never restrict the size: the attention replicates them when the
-    group is larger (``attention.kv_replication_factor``), the same rule as
-    ``attention.check_group_sizes``, restated on plain integers so the plan check needs no
-    ``TransformerConfig``."""
-    del num_query_groups  # replicated as needed; kept in the signature for the error context
+    """Group sizes whose Ulysses x ring split (``groupspace.HeadSpace.split``) cannot run.
+
+    Every size splits (pure ring when the heads share no factor with it), so this reports only
+    what ``groupspace`` rejects, e.g. heads that tensor parallelism cannot divide.
+    """
+    try:
+        space = HeadSpace.from_model(num_attention_heads, num_query_groups, tensor_parallel)
+    except InputError as exc:
+        return [str(exc)]
     out = []
-    if num_attention_heads % tensor_parallel:
-        return [
-            f"--num-attention-heads {num_attention_heads} is not divisible by tensor parallel "
-            f"size {tensor_parallel}"
-        ]
-    q = num_attention_heads // tensor_parallel
-    bad = [d for d in sizes if q % d]
-    if bad:
-        usable = [d for d in range(1, q + 1) if q % d == 0]
-        out.append(
-            f"group sizes {bad} do not divide the {q} attention heads per tensor-parallel rank "
-            f"(--num-attention-heads {num_attention_heads} / tp {tensor_parallel}); Ulysses "
-            f"needs group sizes among {usable}: restrict the planner's sizes (--hsp-group-sizes)"
-        )
+    for d in sizes:
+        why = space.split_problem(d, *space.split(d))
+        if why:
+            out.append(f"group size {d}: {why}")
     return out
 
 

@@ -42,6 +42,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_hsp.planner.groupspace import kv_copies
+from megatron_hsp.runtime.ring import ring_attention, ring_token_range
+
 # ---------------------------------------------------------------------------------------------
 # Group-size rules (start-up check and the per-call check share them)
 # ---------------------------------------------------------------------------------------------
@@ -60,19 +63,8 @@ def heads_per_tp_rank(config: TransformerConfig, tp: int) -> tuple[int, int]:
 
 
 def kv_replication_factor(q_heads: int, kv_heads: int, group_size: int) -> int:
-    """Smallest r such that r*kv_heads splits evenly over the group and r divides q/kv.
-
-    r = 1 when the group divides the KV heads. Otherwise each KV head is copied r times
-    (``repeat_interleave``), which keeps query head j paired with KV head j // (q/kv) after the
-    head scatter. r = q/kv (plain MHA expansion) always works once ``group_size`` divides ``q``.
-    """
-    if q_heads % group_size:
-        raise ValueError(f"group size {group_size} does not divide {q_heads} query heads per rank")
-    per_kv = q_heads // kv_heads
-    for r in range(1, per_kv + 1):
-        if per_kv % r == 0 and (kv_heads * r) % group_size == 0:
-            return r
-    raise AssertionError("unreachable: r = q/kv always works")  # pragma: no cover
+    """Copies of each KV head for Ulysses over ``group_size`` ranks (``groupspace.kv_copies``)."""
+    return kv_copies(q_heads, kv_heads, group_size)
 
 
 def usable_group_sizes(config: TransformerConfig, tp: int, max_size: int) -> list[int]:
@@ -208,13 +200,17 @@ class HSPPackedSeqParams(PackedSeqParams):
 
 
 def group_packed_seq_params(
-    cu_seqlens: torch.Tensor, group: dist.ProcessGroup | None
+    cu_seqlens: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    hybrid: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] | None = None,
 ) -> PackedSeqParams:
     """The ``PackedSeqParams`` the HSP attention expects for one micro-batch (docs/runtime.md).
 
     ``cu_seqlens``: int32 boundaries of the group's whole buffer (documents, then the trailing
     padding segment), ``cu_seqlens[-1]`` a multiple of the group size. ``max_seqlen`` covers the
-    padding segment too, because it sizes megatron's RoPE table.
+    padding segment too, because it sizes megatron's RoPE table. ``hybrid``: the group's
+    (Ulysses sub-group, ring sub-group) from ``GroupRegistry.hybrid`` when its ring degree > 1;
+    None runs pure Ulysses over ``group``.
     """
     d = 1 if group is None else group.size()
     total = int(cu_seqlens[-1])
@@ -225,7 +221,7 @@ def group_packed_seq_params(
         )
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
     cu = cu_seqlens.to(torch.int32)
-    return PackedSeqParams(
+    out = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
@@ -234,6 +230,9 @@ def group_packed_seq_params(
         cp_group=group,
         local_cp_size=d,
     )
+    if hybrid is not None and hybrid[1] is not None and hybrid[1].size() > 1:
+        _micro_batch_cache(out)["hybrid"] = hybrid
+    return out
 
 
 def _micro_batch_cache(p: PackedSeqParams) -> dict:
@@ -594,18 +593,28 @@ class HSPCoreAttention(MegatronModule):
             cache.pop("positions", None)
 
         nq, nkv = query.size(1), key.size(1)
-        if nq % d:
+        ulysses_group, ring_group = cache.get("hybrid", (group, None))
+        u = 1 if ulysses_group is None else ulysses_group.size()
+        r = 1 if ring_group is None else ring_group.size()
+        if u * r != d:
             raise ValueError(
-                f"HSP group of size {d} cannot split the {nq} query heads per tensor-parallel "
-                f"rank (num_attention_heads={self.config.num_attention_heads}); run "
-                f"check_group_sizes() at start-up and keep the planner to usable sizes"
+                f"hybrid split ulysses {u} x ring {r} does not make the group of {d}; build the "
+                "PackedSeqParams with group_packed_seq_params(..., hybrid=registry.hybrid(...))"
             )
-        r = kv_replication_factor(nq, nkv, d)
-        if r > 1:
-            key = key.repeat_interleave(r, dim=1)
-            value = value.repeat_interleave(r, dim=1)
+        if nq % u:
+            raise ValueError(
+                f"Ulysses degree {u} (group of size {d}) cannot split the {nq} query heads per "
+                f"tensor-parallel rank (num_attention_heads={self.config.num_attention_heads}); "
+                "the group's split must come from groupspace.HeadSpace.split"
+            )
+        copies = kv_copies(nq, nkv, u)
+        if copies > 1:
+            key = key.repeat_interleave(copies, dim=1)
+            value = value.repeat_interleave(copies, dim=1)
 
-        q, k, v = _qkv_seq_to_head(query, key, value, group)
+        q, k, v = _qkv_seq_to_head(query, key, value, ulysses_group)
+        # This rank now holds ring position j's contiguous slice of the buffer, its h/u heads.
+        lo, hi = (0, total) if r == 1 else ring_token_range(dist.get_rank(group), u, r, total)
 
         if isinstance(p, HSPPackedSeqParams) and (
             p.rotary_q_freqs is not None or p.rotary_k_freqs is not None
@@ -613,7 +622,7 @@ class HSPCoreAttention(MegatronModule):
             first = "positions" not in cache  # range-check the table once per micro-batch
             if first:
                 cache["positions"] = positions_in_documents(cu, total)
-            pos = cache["positions"]
+            pos = cache["positions"][lo:hi]
             if p.rotary_q_freqs is not None:
                 q = apply_rope_packed(
                     q, p.rotary_q_freqs, pos, self.config, p.rotary_mscale, check_range=first
@@ -623,9 +632,16 @@ class HSPCoreAttention(MegatronModule):
                     k, p.rotary_k_freqs, pos, self.config, p.rotary_mscale, check_range=first
                 )
 
-        max_seqlen = int(p.max_seqlen_q) if p.max_seqlen_q is not None else total
-        out = self._attend(q, k, v, cu, max_seqlen, dropout_p)
-        out = all_to_all_head_to_seq(out, group)
+        if r > 1:
+            if dropout_p > 0:
+                raise NotImplementedError("HSP ring attention does not support attention dropout")
+            index = torch.arange(lo, hi, device=q.device)
+            doc = torch.searchsorted(cu.to(q.device, torch.int64), index, right=True)
+            out = ring_attention(q, k, v, index, doc, ring_group, self.softmax_scale)
+        else:
+            max_seqlen = int(p.max_seqlen_q) if p.max_seqlen_q is not None else total
+            out = self._attend(q, k, v, cu, max_seqlen, dropout_p)
+        out = all_to_all_head_to_seq(out, ulysses_group)
         return out.reshape(local, nq * self.head_dim)
 
 

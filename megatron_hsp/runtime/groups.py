@@ -2,7 +2,7 @@
 
 Creating process groups lazily in the middle of training stalls or deadlocks (``new_group`` is a
 collective over the whole world, and NCCL communicators are set up on first use), so the runtime
-creates every aligned block (``Cluster.aligned_blocks``) of every configured size at start-up, on
+creates every legal block (``Cluster.aligned_blocks``) of every configured size at start-up, on
 every rank, in one fixed order, and warms each group once with a tiny all-reduce.
 
 Plan "ranks" are sequence-parallel *slots*: data-parallel x context-parallel positions. Tensor and
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.topology import Cluster
+from megatron_hsp.planner.groupspace import Cluster, HeadSpace
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,11 @@ class GroupRegistry:
     rank: int
     sizes: tuple[int, ...]
     groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
+    # (size, block) -> (Ulysses sub-group or None, ring sub-group) for blocks with ring > 1.
+    hybrids: dict[tuple[int, int], tuple[dist.ProcessGroup | None, dist.ProcessGroup]] = field(
+        default_factory=dict
+    )
+    heads: HeadSpace | None = None
     created: int = 0
     create_s: float = 0.0
     warm_s: float = 0.0
@@ -107,6 +112,16 @@ class GroupRegistry:
                 f"(slots {block * size}..{(block + 1) * size - 1})"
             ) from None
 
+    def hybrid(
+        self, size: int, block: int
+    ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup] | None:
+        """(Ulysses sub-group, ring sub-group) of a block whose split has ring > 1, else None.
+
+        Pass it to ``attention.group_packed_seq_params(..., hybrid=...)``.
+        """
+        self.group(size, block)  # same errors for an unknown size or a foreign block
+        return self.hybrids.get((size, block))
+
     def group_for(self, slots: Sequence[int]) -> dist.ProcessGroup:
         """The group for a plan group's slots (an aligned block containing this rank's slot)."""
         size = len(slots)
@@ -128,6 +143,18 @@ def default_sizes(cluster: Cluster) -> tuple[int, ...]:
     return tuple(cluster.legal_sizes())
 
 
+def hybrid_slot_sets(
+    slots: Sequence[int], ulysses: int, ring: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Ulysses sub-groups (``ring`` runs of ``ulysses`` consecutive slots) and ring sub-groups
+    (``ulysses`` strided sets) of one block: slot ``i`` is Ulysses position ``i % u``, ring
+    position ``i // u`` (``groupspace`` module doc). Empty lists where a degree is 1."""
+    s = list(slots)
+    ulysses_sets = [s[j * ulysses : (j + 1) * ulysses] for j in range(ring)] if ulysses > 1 else []
+    ring_sets = [s[i::ulysses] for i in range(ulysses)] if ring > 1 else []
+    return ulysses_sets, ring_sets
+
+
 def create_groups(
     gpus_per_node: int,
     *,
@@ -137,12 +164,18 @@ def create_groups(
     backend: str | None = None,
     timeout: timedelta | None = None,
     warm: bool = True,
+    heads: HeadSpace | None = None,
 ) -> GroupRegistry:
     """Create (collectively, on every rank) and warm every aligned sequence-parallel group.
 
     ``gpus_per_node`` counts sequence-parallel slots per node (GPUs per node / tp when tensor
     parallelism stays inside a node). ``sizes`` defaults to every legal size. Must be called by all
     ranks with the same arguments: ``new_group`` is collective and order-sensitive.
+
+    ``heads`` (the model's heads per TP rank) splits each block into Ulysses x ring
+    (``HeadSpace.split``); a block with ring > 1 and Ulysses > 1 also gets its ``ring`` Ulysses
+    sub-groups and ``ulysses`` ring sub-groups (pure ring reuses the block's own group), so every
+    process group exists before the first step. ``Cluster.process_group_count`` bounds the blocks.
     """
     if not dist.is_initialized():
         raise InputError("torch.distributed is not initialised; call init_process_group first")
@@ -158,7 +191,7 @@ def create_groups(
         )
     rank = dist.get_rank()
     my_slot, my_tp, my_pp = layout.coords(rank)
-    reg = GroupRegistry(cluster=cluster, layout=layout, rank=rank, sizes=chosen)
+    reg = GroupRegistry(cluster=cluster, layout=layout, rank=rank, sizes=chosen, heads=heads)
     kwargs = {}
     if backend is not None:
         kwargs["backend"] = backend
@@ -173,13 +206,36 @@ def create_groups(
                     ranks = layout.slot_ranks(slots, tp, pp)
                     pg = dist.new_group(ranks, **kwargs)
                     reg.created += 1
-                    if tp == my_tp and pp == my_pp and my_slot in slots:
+                    mine = tp == my_tp and pp == my_pp and my_slot in slots
+                    if mine:
                         reg.groups[(size, block)] = pg
+                    u, r = heads.split(size) if heads is not None else (size, 1)
+                    if r == 1:
+                        continue
+                    ulysses_sets, ring_sets = hybrid_slot_sets(slots, u, r)
+                    sub_u: dist.ProcessGroup | None = None
+                    sub_r: dist.ProcessGroup = pg
+                    for sub in ulysses_sets:
+                        g = dist.new_group(layout.slot_ranks(sub, tp, pp), **kwargs)
+                        reg.created += 1
+                        if mine and my_slot in sub:
+                            sub_u = g
+                    for sub in ring_sets:
+                        g = dist.new_group(layout.slot_ranks(sub, tp, pp), **kwargs)
+                        reg.created += 1
+                        if mine and my_slot in sub:
+                            sub_r = g
+                    if mine:
+                        reg.hybrids[(size, block)] = (sub_u, sub_r)
     reg.create_s = time.perf_counter() - t0
     if warm:
         t1 = time.perf_counter()
         for key in sorted(reg.groups):
             _warm(reg.groups[key])
+        for key in sorted(reg.hybrids):
+            for sub in reg.hybrids[key]:
+                if sub is not None and sub is not reg.groups[key]:
+                    _warm(sub)
         reg.warm_s = time.perf_counter() - t1
     log.info("megatron-hsp: %s", reg.summary())
     return reg

@@ -49,11 +49,18 @@ class ModelInputs:
 
 
 def packed_seq_params(
-    pack: PackedMicroBatch, group: dist.ProcessGroup, device: torch.device
+    pack: PackedMicroBatch,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    hybrid: tuple[dist.ProcessGroup | None, dist.ProcessGroup] | None = None,
 ) -> PackedSeqParams:
-    """megatron-core's per-call seam: THD ``cu_seqlens`` of the whole group buffer + its group."""
+    """megatron-core's per-call seam: THD ``cu_seqlens`` of the whole group buffer + its group.
+
+    ``hybrid``: the block's (Ulysses, ring) sub-groups (``GroupRegistry.hybrid``) when it runs
+    ring attention; the attention reads them from the params' per-micro-batch cache.
+    """
     cu = torch.from_numpy(pack.cu_seqlens).to(device)
-    return PackedSeqParams(
+    out = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
@@ -64,10 +71,16 @@ def packed_seq_params(
         cp_group=group,
         local_cp_size=pack.group_size,
     )
+    if hybrid is not None:
+        out._hsp_cache = {"hybrid": hybrid}
+    return out
 
 
 def to_model_inputs(
-    pack: PackedMicroBatch, group: dist.ProcessGroup, device: torch.device
+    pack: PackedMicroBatch,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    hybrid: tuple[dist.ProcessGroup | None, dist.ProcessGroup] | None = None,
 ) -> ModelInputs:
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device).unsqueeze(0)
@@ -77,7 +90,7 @@ def to_model_inputs(
         position_ids=t(pack.position_ids),
         labels=t(pack.labels),
         loss_mask=t(pack.loss_mask),
-        packed_seq_params=packed_seq_params(pack, group, device),
+        packed_seq_params=packed_seq_params(pack, group, device, hybrid),
     )
 
 
@@ -93,7 +106,14 @@ def step_inputs(
     in that micro-batch), each bound to the plan group's process group."""
     packs = dispatch(batch, plan, registry.slot, local_multiple=local_multiple)
     return [
-        None if p.empty else to_model_inputs(p, registry.group(p.group_size, p.block), device)
+        None
+        if p.empty
+        else to_model_inputs(
+            p,
+            registry.group(p.group_size, p.block),
+            device,
+            registry.hybrid(p.group_size, p.block),
+        )
         for p in packs
     ]
 

@@ -162,6 +162,27 @@ def _gradients_left_out(allreduce_gradients: Callable) -> Callable:
     return reduce
 
 
+def _merge_without_lse(merge_partials: Callable) -> Callable:
+    def merge(out_a, lse_a, out_b, lse_b):
+        # Average the partials instead of weighting them by their softmax mass (exp(lse)).
+        _, lse = merge_partials(out_a, lse_a, out_b, lse_b)
+        both = torch.isfinite(lse_a) & torch.isfinite(lse_b)
+        w = torch.where(both, 0.5, torch.where(torch.isfinite(lse_a), 1.0, 0.0))
+        w = w.transpose(0, 1)[..., None].to(out_a.dtype)
+        return out_a * w + out_b * (1 - w), lse
+
+    return merge
+
+
+def _reversed_chunk_order(ring_token_range: Callable) -> Callable:
+    def reversed_range(group_rank, ulysses, ring, total):
+        j = group_rank // ulysses
+        mirrored = (ring - 1 - j) * ulysses + group_rank % ulysses
+        return ring_token_range(mirrored, ulysses, ring, total)
+
+    return reversed_range
+
+
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "non-causal-attention",
@@ -202,6 +223,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         "j // (q/kv) + 1",
         "megatron_hsp.runtime.attention:_qkv_seq_to_head",
         _kv_heads_off_by_one,
+    ),
+    Mutation(
+        "wrong-ring-merge",
+        "ring attention averages the per-step partial results instead of weighting them by "
+        "their log-sum-exp",
+        "megatron_hsp.runtime.ring:merge_partials",
+        _merge_without_lse,
+    ),
+    Mutation(
+        "wrong-ring-chunk-order",
+        "attention assumes ring position j holds chunk r-1-j of the buffer while dispatch gave it "
+        "chunk j (mask and RoPE positions of the wrong tokens)",
+        "megatron_hsp.runtime.ring:ring_token_range",
+        _reversed_chunk_order,
     ),
     Mutation(
         "group-gradients-not-reduced",

@@ -29,6 +29,7 @@ import numpy as np
 
 from megatron_hsp.planner.costmodel import CostModel
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.groupspace import HeadSpace
 from megatron_hsp.planner.plan import Plan
 from megatron_hsp.testing.manual_plan import Layout, manual_plan
 from megatron_hsp.testing.mutations import CATCH_MARGIN, by_name, margin
@@ -39,7 +40,7 @@ GRAD_REL_TOL = 1e-5
 GROUP_TIMEOUT = timedelta(seconds=120)
 # The cases each mutation runs: a group of all ranks and three sizes in one micro-batch (size-1
 # groups included), enough to expose every planted bug while keeping --mutations short for CI.
-MUTATION_CASES = ("one-group-of-all", "mixed-sizes-in-one-microbatch")
+MUTATION_CASES = ("one-group-of-all", "mixed-sizes-in-one-microbatch", "ring-and-hybrid-groups")
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class CaseResult:
     loss_rel_diff: float = 0.0
     ok: bool = False
     detail: dict[str, Any] = field(default_factory=dict)
+    layouts: list[list[dict[str, int]]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         # Exactly the keys of the contract (docs/design.md section 3).
@@ -86,6 +88,7 @@ class CaseResult:
             "loss_abs_diff": self.loss_abs_diff,
             "max_abs_grad_diff": self.max_abs_grad_diff,
             "max_rel_grad_diff": self.max_rel_grad_diff,
+            "layouts": self.layouts,  # per micro-batch: each group's size and Ulysses x ring
         }
 
 
@@ -176,6 +179,45 @@ def build_cases(nproc: int) -> list[Case]:
             data_seed=4,
         )
     )
+    # Ulysses x ring (heads per TP rank: 8 at tp 1, 4 at tp 2; groupspace.HeadSpace.split):
+    # 6 = Ulysses 2 x ring 3 (hybrid, not a power of two), 3/5/7 = pure ring, mixed with
+    # Ulysses-only groups in one micro-batch; with GQA (2 KV heads) and, below, tp 2.
+    if n >= 8:
+        cases.append(
+            Case(
+                "ring-and-hybrid-groups",
+                1,
+                n,
+                tuple(tail),
+                (
+                    ((6, [0, 9]), (2, [1, 13])),
+                    ((3, [2, 10]), (3, [3, 11]), (1, [4]), (1, [12])),
+                    ((5, [5, 6]), (1, [8]), (2, [7])),
+                ),
+                data_seed=7,
+            )
+        )
+        cases.append(
+            Case(
+                "tp2-ring-groups",
+                2,
+                s,
+                tuple(tail),
+                (((3, [0, 4, 9]), (1, [1, 2, 3])), ((2, [5, 6]), (2, [7, 8, 10, 11, 12, 13]))),
+                data_seed=8,
+            )
+        )
+    else:
+        cases.append(
+            Case(
+                "ring-and-hybrid-groups",
+                1,
+                n,
+                tuple(tail),
+                (((3, [0, 5, 9, 13]), (1, [1, 6, 10])), ((4, [2, 3, 4, 7, 8, 11, 12]),)),
+                data_seed=7,
+            )
+        )
     # 1-token documents: alone in a group of all ranks (1 real token, n-1 padding), next to long
     # ones, and alone on a single rank.
     one_tok = (1, 1, 29, 1, 6, 1)
@@ -334,7 +376,24 @@ class _WorkerState:
             init_cpu_megatron(self.rank, self.world_size, "", tensor_model_parallel_size=case.tp)
         self.model = build_model(self.shape)
         load_full_weights(self.model, self.weights)
-        self.registry = create_groups_from_megatron(self.world_size, timeout=GROUP_TIMEOUT)
+        self.registry = create_groups_from_megatron(
+            self.world_size, timeout=GROUP_TIMEOUT, heads=self.heads(case.tp)
+        )
+
+    def heads(self, tp: int) -> HeadSpace:
+        return HeadSpace.from_model(self.shape.num_attention_heads, self.shape.num_query_groups, tp)
+
+
+def _layouts(plan: Plan, heads: HeadSpace) -> list[list[dict[str, int]]]:
+    """Per micro-batch, each group's size and the (Ulysses, ring) split it ran with."""
+    out = []
+    for mb in plan.microbatches:
+        row = []
+        for g in mb.groups:
+            u, r = heads.split(g.size)
+            row.append({"size": g.size, "ulysses": u, "ring": r})
+        out.append(row)
+    return out
 
 
 def run_case(state: _WorkerState, case: Case, reference: dict[str, Any]) -> dict[str, Any]:
@@ -377,6 +436,7 @@ def run_case(state: _WorkerState, case: Case, reference: dict[str, Any]) -> dict
         "max_rel_grad_diff": max_rel,
         "worst_param": worst,
         "group_sizes": [mb.group_sizes for mb in plan.microbatches],
+        "layouts": _layouts(plan, state.heads(case.tp)),
         "forward_calls": res.forward_calls,
         "skipped_microbatches": res.skipped_microbatches,
         "step_s": time.perf_counter() - t0,
@@ -510,6 +570,7 @@ def run_selftest(
             name=case.name,
             nproc=nproc,
             group_sizes=rows[0]["group_sizes"],
+            layouts=rows[0]["layouts"],
             loss_abs_diff=max(r["loss_abs_diff"] for r in rows),
             max_abs_grad_diff=max(r["max_abs_grad_diff"] for r in rows),
             max_rel_grad_diff=max(r["max_rel_grad_diff"] for r in rows),

@@ -1,0 +1,290 @@
+"""The group space: which rank blocks may form a sequence-parallel group and how each one runs.
+
+One module owns every rule that the planner, the cost model, flag validation, process-group
+creation, attention and plan agreement must agree on, so none of them restates it:
+
+- **Blocks.** ``Cluster`` holds ``world_size`` sequence-parallel slots in nodes of
+  ``gpus_per_node``. Every size ``1..gpus_per_node`` is legal (3, 5, 6, 7 on 8-slot nodes too) as
+  contiguous blocks inside one node, starting at ``node * G + k * d`` for ``k < G // d``; above a
+  node, every multiple of whole nodes, starting at multiples of ``d``. A fixed set of blocks
+  (not any contiguous run) keeps the number of process groups to pre-create bounded:
+  ``sum_d floor(G/d) * nodes`` inside nodes plus ``world/d`` per multi-node size
+  (``process_group_count``).
+- **Heads.** ``HeadSpace`` holds the query and KV heads per tensor-parallel rank. A group of ``d``
+  ranks runs Ulysses all-to-all over ``u`` ranks and ring attention over ``r = d / u`` ranks;
+  ``u`` must divide the query heads, so the default split takes the largest such ``u``
+  (pure Ulysses when the heads allow it, pure ring when ``d`` shares no factor with them).
+  Slot ``i`` of a group sits at Ulysses position ``i % u`` and ring position ``i // u``, so the
+  Ulysses sub-groups are contiguous (inside a node whenever ``u <= G``) and the ring strides.
+- **KV copies.** With GQA, Ulysses needs the KV heads to split over ``u`` ranks; each KV head is
+  copied ``kv_copies`` times (the smallest ``c`` with ``c | q/kv`` and ``u | kv * c``), which keeps
+  query head ``j`` paired with KV head ``j // (q/kv)`` after the scatter.
+- ``problems(plan, heads)`` lists every group a runtime could not execute.
+
+Pure Python: the planner layer must not import torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatron_hsp.planner.errors import InputError
+
+if TYPE_CHECKING:  # plan.py imports this module
+    from megatron_hsp.planner.plan import Plan
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """``world_size`` sequence-parallel slots in nodes of ``gpus_per_node``.
+
+    "Ranks" here are sequence-parallel slots (data-parallel x context-parallel positions). With
+    tensor parallelism each slot is a TP group; the runtime maps slots to global ranks.
+    """
+
+    world_size: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise InputError(f"--gpus must be >= 1, got {self.world_size}")
+        if self.gpus_per_node < 1:
+            raise InputError(f"--gpus-per-node must be >= 1, got {self.gpus_per_node}")
+        if self.world_size > self.gpus_per_node and self.world_size % self.gpus_per_node:
+            raise InputError(
+                f"--gpus {self.world_size} is not a multiple of --gpus-per-node "
+                f"{self.gpus_per_node}; use whole nodes (e.g. --gpus "
+                f"{(self.world_size // self.gpus_per_node + 1) * self.gpus_per_node})"
+            )
+
+    @property
+    def node_width(self) -> int:
+        """Slots in one node (the whole cluster when it is smaller than a node)."""
+        return min(self.gpus_per_node, self.world_size)
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.gpus_per_node)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def size_fits(self, size: int) -> bool:
+        """Whether ``size`` is a legal group size: up to a node, or whole nodes dividing none."""
+        if size < 1 or size > self.world_size:
+            return False
+        return size <= self.node_width or size % self.node_width == 0
+
+    def crosses_node(self, size: int) -> bool:
+        return size > self.gpus_per_node
+
+    def block_starts(self, size: int) -> tuple[int, ...]:
+        """First slot of every legal block of ``size``, ascending (cached: placement asks often)."""
+        return _block_starts(self.world_size, self.node_width, size)
+
+    def block(self, size: int, index: int) -> tuple[int, ...]:
+        start = self.block_starts(size)[index]
+        return tuple(range(start, start + size))
+
+    def block_index(self, ranks: Sequence[int]) -> int:
+        """Index of ``ranks`` among ``aligned_blocks(len(ranks))``; -1 when it is none of them."""
+        size = len(ranks)
+        if size == 0 or not self.size_fits(size):
+            return -1
+        start = ranks[0]
+        if tuple(ranks) != tuple(range(start, start + size)):
+            return -1
+        g = self.node_width
+        if size <= g:
+            node, offset = divmod(start, g)
+            per_node = g // size
+            if offset % size or offset + size > g or node >= self.world_size // g:
+                return -1
+            return node * per_node + offset // size
+        if start % size or start + size > self.world_size:
+            return -1
+        return start // size
+
+    def aligned_blocks(self, size: int) -> list[tuple[int, ...]]:
+        """Every legal group of ``size``, in rank order."""
+        if not self.size_fits(size):
+            raise InputError(
+                f"group size {size} is not legal on {self.world_size} ranks in nodes of "
+                f"{self.gpus_per_node}; legal sizes: {self.legal_sizes()}"
+            )
+        return [tuple(range(s, s + size)) for s in self.block_starts(size)]
+
+    def is_aligned_block(self, ranks: Sequence[int]) -> bool:
+        return self.block_index(ranks) >= 0
+
+    def legal_sizes(self, candidates: Iterable[int] | None = None) -> list[int]:
+        """Sizes from ``candidates`` (default: all) that are legal here, ascending."""
+        pool = range(1, self.world_size + 1) if candidates is None else candidates
+        return sorted({int(s) for s in pool if self.size_fits(int(s))})
+
+    def tiling_sizes(self) -> list[int]:
+        """Legal sizes whose blocks cover every slot (a micro-batch of only that size exists)."""
+        return [d for d in self.legal_sizes() if len(self.block_starts(d)) * d == self.world_size]
+
+    def power_of_two_sizes(self) -> list[int]:
+        return [s for s in self.legal_sizes() if s & (s - 1) == 0]
+
+    def process_group_count(
+        self, sizes: Iterable[int] | None = None, heads: HeadSpace | None = None
+    ) -> int:
+        """Process groups per TP x PP position that the runtime pre-creates for ``sizes``.
+
+        One per block; with ``heads``, a hybrid block (u > 1 and r > 1) adds its ``r`` Ulysses
+        and ``u`` ring sub-groups (pure ring reuses the block's group).
+        """
+        chosen = self.legal_sizes() if sizes is None else self.legal_sizes(sizes)
+        total = 0
+        for d in chosen:
+            u, r = heads.split(d) if heads is not None else (d, 1)
+            extra = u + r if u > 1 and r > 1 else 0
+            total += len(self.block_starts(d)) * (1 + extra)
+        return total
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_starts(world: int, g: int, size: int) -> tuple[int, ...]:
+    if size < 1 or size > world or (size > g and size % g):
+        return ()
+    if size <= g:
+        return tuple(n * g + k * size for n in range(world // g) for k in range(g // size))
+    return tuple(range(0, world - size + 1, size))
+
+
+def largest_ulysses(size: int, q_heads: int) -> int:
+    """Largest divisor of ``size`` that also divides ``q_heads`` (the default Ulysses degree)."""
+    return max(u for u in range(1, size + 1) if size % u == 0 and q_heads % u == 0)
+
+
+def kv_copies(q_heads: int, kv_heads: int, ulysses: int) -> int:
+    """Copies of each KV head so that ``ulysses`` ranks split them evenly (1 when they already do).
+
+    The smallest ``c`` with ``c | q/kv`` and ``ulysses | kv * c``; ``c = q/kv`` (plain MHA
+    expansion) always works once ``ulysses`` divides ``q_heads``.
+    """
+    if q_heads % ulysses:
+        raise InputError(f"Ulysses degree {ulysses} does not divide {q_heads} query heads per rank")
+    per_kv = q_heads // kv_heads
+    return next(
+        c for c in range(1, per_kv + 1) if per_kv % c == 0 and (kv_heads * c) % ulysses == 0
+    )
+
+
+# Largest ring degree the runtime executes. The torch attention runs ring attention of any degree
+# (runtime/ring.py), so there is no limit; a backend without ring support would pass 1.
+RUNTIME_MAX_RING = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSpace:
+    """Query and KV heads on one tensor-parallel rank: what Ulysses can split.
+
+    ``max_ring`` is the largest ring degree the executing runtime supports.
+    """
+
+    q_heads: int
+    kv_heads: int
+    max_ring: int = RUNTIME_MAX_RING
+
+    def __post_init__(self) -> None:
+        if self.q_heads < 1 or self.kv_heads < 1 or self.q_heads % self.kv_heads:
+            raise InputError(
+                f"query heads {self.q_heads} per tensor-parallel rank must be a positive multiple "
+                f"of the KV heads {self.kv_heads}"
+            )
+
+    @classmethod
+    def from_model(
+        cls, heads: int, kv_heads: int | None = None, tp: int = 1, max_ring: int = RUNTIME_MAX_RING
+    ) -> HeadSpace:
+        """Per-TP-rank heads as Megatron splits them (KV heads replicated when tp > kv)."""
+        kv = heads if kv_heads is None else kv_heads
+        if heads % tp:
+            raise InputError(
+                f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size "
+                f"{tp}"
+            )
+        return cls(heads // tp, max(kv, tp) // tp, max_ring)
+
+    def split(self, size: int, ulysses: int | None = None) -> tuple[int, int]:
+        """(Ulysses degree u, ring degree r) for a group of ``size``: u * r = size.
+
+        Default: the largest u the query heads allow. A chosen ``ulysses`` must divide both.
+        """
+        if ulysses is None:
+            u = largest_ulysses(size, self.q_heads)
+        else:
+            u = int(ulysses)
+            if u < 1 or size % u or self.q_heads % u:
+                raise InputError(
+                    f"Ulysses degree {u} cannot run a group of {size}: it must divide the group "
+                    f"size and the {self.q_heads} query heads per tensor-parallel rank; the "
+                    f"largest that does is {largest_ulysses(size, self.q_heads)}"
+                )
+        return u, size // u
+
+    def kv_copies(self, ulysses: int) -> int:
+        return kv_copies(self.q_heads, self.kv_heads, ulysses)
+
+    def split_problem(self, size: int, ulysses: int, ring: int) -> str | None:
+        """Why (``ulysses``, ``ring``) cannot run a group of ``size``; None when it can."""
+        if ulysses < 1 or ring < 1 or ulysses * ring != size:
+            return f"split ulysses {ulysses} x ring {ring} does not multiply to group size {size}"
+        if self.q_heads % ulysses:
+            return (
+                f"Ulysses degree {ulysses} does not divide the {self.q_heads} query heads per "
+                f"tensor-parallel rank (largest usable for size {size}: "
+                f"{largest_ulysses(size, self.q_heads)})"
+            )
+        if ring > self.max_ring:
+            return (
+                f"ring degree {ring} (group {size} = ulysses {ulysses} x ring {ring}) exceeds the "
+                f"runtime's ring support ({self.max_ring}); the {self.q_heads} query heads per "
+                f"tensor-parallel rank allow Ulysses groups of {self.ulysses_sizes()}"
+            )
+        return None
+
+    def executable(self, size: int) -> bool:
+        """Whether the default split of ``size`` runs on this runtime."""
+        u, r = self.split(size)
+        return self.split_problem(size, u, r) is None
+
+    def ulysses_sizes(self) -> list[int]:
+        """Group sizes pure Ulysses can run: divisors of the query heads."""
+        return [d for d in range(1, self.q_heads + 1) if self.q_heads % d == 0]
+
+    def legal_sizes(self, cluster: Cluster, candidates: Iterable[int] | None = None) -> list[int]:
+        """Legal block sizes of ``cluster`` (from ``candidates``) whose default split runs."""
+        return [d for d in cluster.legal_sizes(candidates) if self.executable(d)]
+
+
+def problems(plan: Plan, heads: HeadSpace | None = None) -> list[str]:
+    """Groups of ``plan`` that the runtime cannot execute, as sentences (empty: all executable).
+
+    Checks every group is a legal block and, given the model's ``heads``, that its recorded
+    (ulysses, ring) split can run (a group without a recorded split gets the default one).
+    """
+    cluster = Cluster(plan.world_size, plan.gpus_per_node)
+    out: list[str] = []
+    for i, mb in enumerate(plan.microbatches):
+        for g in mb.groups:
+            if not cluster.is_aligned_block(g.ranks):
+                first = g.ranks[0] if g.ranks else "?"
+                out.append(
+                    f"micro-batch {i}: group of {g.size} at rank {first} is not a legal block "
+                    f"(sizes up to a node of {plan.gpus_per_node} sit inside the node at offsets "
+                    f"that are multiples of the size; larger ones span whole nodes)"
+                )
+            if heads is not None and g.ranks:
+                u, r = (g.ulysses, g.ring) if g.ulysses else heads.split(g.size)
+                why = heads.split_problem(g.size, u, r)
+                if why:
+                    out.append(f"micro-batch {i}: group at rank {g.ranks[0]}: {why}")
+    return out

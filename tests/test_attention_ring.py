@@ -1,0 +1,133 @@
+"""Ring and hybrid (Ulysses x ring) attention equal single-device attention (gloo, fp32).
+
+The reference is ``test_attention_ulysses``'s independent float64 implementation (explicit
+block-diagonal causal mask, explicit GQA head map and RoPE), not the ring code. Groups come from
+the real ``create_groups(..., heads=...)``, so the sub-group layout is the runtime's own.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from test_attention_ulysses import (
+    _make_core_attention,
+    _rel,
+    case_tensors,
+    padded_cu,
+    reference_attention,
+    rope_table,
+)
+
+from megatron_hsp.planner.groupspace import HeadSpace
+from megatron_hsp.runtime.ring import merge_partials, partial_attention, ring_chunk_order
+from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
+
+WORLD = 4
+# name, group size, heads, kv heads, document lengths; the split is HeadSpace.split's.
+CASES = [
+    ("hybrid-2x2-gqa", 4, 6, 2, [5, 1, 7, 3, 2]),  # 6 heads: u=2, r=2
+    ("ring-4-mqa", 4, 3, 1, [9, 1, 4, 6]),  # 3 heads share no factor with 4: u=1, r=4
+    ("ring-3-odd", 3, 4, 4, [4, 1, 6]),  # non-power-of-two group, pure ring
+    ("ulysses-2", 2, 4, 2, [3, 5]),  # r=1 through the same entry point
+]
+
+
+def test_merge_of_two_key_halves_equals_full_softmax() -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(6, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    idx = torch.arange(6)
+    doc = torch.tensor([0, 0, 0, 0, 0, 1])  # the key halves split document 0
+    full, lse = partial_attention(q, k, v, idx, doc, idx, doc, 0.5)
+    a = partial_attention(q, k[:3], v[:3], idx, doc, idx[:3], doc[:3], 0.5)
+    b = partial_attention(q, k[3:], v[3:], idx, doc, idx[3:], doc[3:], 0.5)
+    merged, mlse = merge_partials(*a, *b)
+    assert torch.allclose(merged, full) and torch.allclose(mlse, lse)
+    # Independent check of the full partial: softmax with an explicit mask.
+    mask = (doc[:, None] == doc[None, :]) & (idx[None, :] <= idx[:, None])
+    s = torch.einsum("ahd,bhd->hab", q, k) * 0.5
+    ref = torch.einsum("hab,bhd->ahd", torch.softmax(s.masked_fill(~mask, -torch.inf), -1), v)
+    assert torch.allclose(full, ref)
+    # A wrong merge (plain sum of partials) is caught by the same comparison.
+    assert not torch.allclose(a[0] + b[0], full)
+
+
+def test_ring_chunk_order_balances_the_causal_triangle() -> None:
+    chunks = ring_chunk_order(16, 4)
+    assert chunks[0] == [(0, 2), (14, 16)] and chunks[3] == [(6, 8), (8, 10)]
+    covered = sorted(t for pos in chunks for a, b in pos for t in range(a, b))
+    assert covered == list(range(16))
+    # Causal work of a position: sum over its tokens of (index + 1); equal for every position.
+    work = [sum(t + 1 for a, b in pos for t in range(a, b)) for pos in chunks]
+    assert len(set(work)) == 1
+
+
+def _worker(rank: int, world: int) -> dict:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_hsp.runtime.attention import HSPPackedSeqParams, group_packed_seq_params
+    from megatron_hsp.runtime.groups import create_groups
+
+    results = {}
+    for name, d, heads, kv_heads, docs in CASES:
+        reg = create_groups(world, sizes=[1, d], heads=HeadSpace(heads, kv_heads), warm=False)
+        block = reg.cluster.block_index(tuple(range(rank // d * d, rank // d * d + d)))
+        if block < 0:  # this rank is outside every block of d (ring-3 on 4 ranks): idle
+            results[name] = None
+            continue
+        group_rank = rank % d
+        cu = padded_cu(docs, d)
+        total = cu[-1]
+        q, k, v, dout = case_tensors(len(name), total, heads, kv_heads)
+        local = total // d
+        sl = slice(group_rank * local, (group_rank + 1) * local)
+        ql, kl, vl = (t[sl].clone().requires_grad_(True) for t in (q, k, v))
+        _, attn = _make_core_attention(heads, kv_heads)
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        maxlen = max(b - a for a, b in itertools.pairwise(cu))
+        params: PackedSeqParams = group_packed_seq_params(
+            cu_t, reg.group(d, block), reg.hybrid(d, block)
+        )
+        table = rope_table(maxlen)
+        params = HSPPackedSeqParams.wrap(params, table, table, 1.0)
+        out = attn(ql, kl, vl, None, packed_seq_params=params)
+        out.backward(dout[sl])
+        results[name] = {
+            "group_rank": group_rank,
+            "split": reg.heads.split(d),
+            "out": out.detach(),
+            "dq": ql.grad,
+            "dk": kl.grad,
+            "dv": vl.grad,
+        }
+    return results
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ring_and_hybrid_match_single_device() -> None:
+    results = run_distributed(_worker, WORLD)
+    raise_rank_errors(results)
+    splits = {}
+    for name, d, heads, kv_heads, docs in CASES:
+        parts = sorted(
+            (r[name] for r in results[:d] if r[name] is not None), key=lambda p: p["group_rank"]
+        )
+        assert len(parts) == d
+        splits[name] = parts[0]["split"]
+        cu = padded_cu(docs, d)
+        q, k, v, dout = case_tensors(len(name), cu[-1], heads, kv_heads)
+        q, k, v = (t.double().requires_grad_(True) for t in (q, k, v))
+        ref = reference_attention(q, k, v, cu, True).reshape(cu[-1], -1)
+        ref.backward(dout.double())
+        got = {key: torch.cat([p[key] for p in parts]) for key in ("out", "dq", "dk", "dv")}
+        assert _rel(got["out"], ref) <= 1e-6, (name, _rel(got["out"], ref))
+        for key, t in (("dq", q), ("dk", k), ("dv", v)):
+            assert _rel(got[key], t.grad) <= 1e-5, (name, key, _rel(got[key], t.grad))
+    assert splits == {
+        "hybrid-2x2-gqa": (2, 2),
+        "ring-4-mqa": (1, 4),
+        "ring-3-odd": (1, 3),
+        "ulysses-2": (2, 1),
+    }
