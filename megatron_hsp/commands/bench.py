@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods",
         default=",".join(DEFAULT_METHODS),
-        help="comma-separated: hsp, static-best, static-N, batchada, megatron-dcp, lower-bound "
+        help="comma-separated: hsp, static-best, static-N, batchada, dp-balanced, dp-balanced-N, "
+        "megatron-dcp, lower-bound "
         "(lower-bound is added whenever hsp runs)",
     )
     parser.add_argument("--json", metavar="OUT.json", default=None, help="write results as JSON")

@@ -1,6 +1,7 @@
 """Benchmark harness: the same batches, cost model and validator for every method (torch-free).
 
-Methods: ``hsp`` (our solver), ``static-N``, ``static-best`` (hindsight), ``batchada`` and
+Methods: ``hsp`` (our solver), ``static-N``, ``static-best`` (hindsight), ``batchada``,
+``dp-balanced-N`` / ``dp-balanced`` (Megatron's packing scheduler; hindsight CP size) and
 ``lower-bound``; callers may add more (``megatron-hsp bench`` adds ``megatron-dcp``, which needs
 torch and therefore is injected from outside ``planner/``). Every plan is checked with
 ``Plan.validate(lengths, cost, world_size)``; speedups are ratios of summed estimated step
@@ -19,7 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from megatron_hsp.planner.baselines import batchada_plan, static_best_degree, static_plan
+from megatron_hsp.planner.baselines import (
+    batchada_plan,
+    dp_balanced_best_degree,
+    dp_balanced_plan,
+    memory_model_for,
+    static_best_degree,
+    static_plan,
+)
 from megatron_hsp.planner.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.lengths import GlobalBatch
@@ -27,8 +35,9 @@ from megatron_hsp.planner.plan import Plan
 from megatron_hsp.planner.topology import Cluster
 
 PlanFn = Callable[[np.ndarray], Plan]
-DEFAULT_METHODS = ("hsp", "static-best", "batchada", "megatron-dcp")
+DEFAULT_METHODS = ("hsp", "static-best", "batchada", "dp-balanced", "megatron-dcp")
 _STATIC = re.compile(r"^static-(\d+)$")
+_DP_BALANCED = re.compile(r"^dp-balanced-(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -72,12 +81,12 @@ def lower_bound_fn(
 
 def parse_methods(text: str | Sequence[str]) -> list[str]:
     names = [m.strip() for m in (text.split(",") if isinstance(text, str) else text) if m.strip()]
-    known = {"hsp", "static-best", "batchada", "megatron-dcp", "lower-bound"}
-    bad = [m for m in names if m not in known and not _STATIC.match(m)]
+    known = {"hsp", "static-best", "batchada", "megatron-dcp", "dp-balanced", "lower-bound"}
+    bad = [m for m in names if m not in known and not (_STATIC.match(m) or _DP_BALANCED.match(m))]
     if bad or not names:
         raise InputError(
             f"--methods: unknown {bad or 'empty list'}; choose from hsp, static-best, static-N "
-            "(e.g. static-64), batchada, megatron-dcp, lower-bound"
+            "(e.g. static-64), batchada, megatron-dcp, dp-balanced, dp-balanced-N, lower-bound"
         )
     return list(dict.fromkeys(names))
 
@@ -114,7 +123,7 @@ class MethodResult:
 
 
 def _record(res: MethodResult, plan: Plan, lengths: np.ndarray, cost: CostModel, ms: float) -> None:
-    problems = plan.problems(lengths.tolist(), cost, plan.world_size)
+    problems = plan.problems(lengths.tolist(), memory_model_for(plan, cost), plan.world_size)
     res.step_ms.append(float(plan.est_step_ms))
     res.solve_ms.append(float(ms))
     res.microbatches.append(len(plan.microbatches))
@@ -172,9 +181,10 @@ def run_bench(
                 res.solve_ms.append((time.perf_counter() - t0) * 1e3)
             results[name] = res
             continue
-        if name == "static-best":
+        if name in ("static-best", "dp-balanced"):
             t0 = time.perf_counter()
-            best, per_degree = static_best_degree(lengths, cost, cluster, sizes)
+            hindsight = static_best_degree if name == "static-best" else dp_balanced_best_degree
+            best, per_degree = hindsight(lengths, cost, cluster, sizes)
             elapsed = (time.perf_counter() - t0) * 1e3 / len(lengths)
             for plan, b in zip(per_degree[best], lengths, strict=True):
                 _record(res, plan, b, cost, elapsed)
@@ -192,6 +202,9 @@ def run_bench(
         elif m := _STATIC.match(name):
             degree = int(m.group(1))
             fn = lambda b, d=degree: static_plan(b, cost, cluster, d)  # noqa: E731
+        elif m := _DP_BALANCED.match(name):
+            degree = int(m.group(1))
+            fn = lambda b, d=degree: dp_balanced_plan(b, cost, cluster, d)  # noqa: E731
         elif name in extra_methods:
             fn = extra_methods[name]()
         else:
@@ -241,6 +254,7 @@ def summarize(results: Mapping[str, MethodResult], planner_rss_mb: float) -> dic
         "speedup_vs_static_best": speedup("static-best"),
         "speedup_vs_batchada": speedup("batchada"),
         "speedup_vs_megatron_dcp": speedup("megatron-dcp"),
+        "speedup_vs_dp_balanced": speedup("dp-balanced"),
         "gap_to_lower_bound": (
             hsp_total / total["lower-bound"] - 1.0
             if hsp_total is not None and total.get("lower-bound")
