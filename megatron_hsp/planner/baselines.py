@@ -390,6 +390,8 @@ def ring_plan_from_layout(
                     f"memory cap of {cost.capacity(size)} tokens"
                 )
     plan = plan_from_layout(lens, cost, cluster, layout, solver=solver, extra=extra)
+    if not sequential:  # a packed group is one forward/backward: one fixed cost
+        assume = dataclasses.replace(assume, fixed_per_sequence=False)
     microbatches: list[MicroBatch] = []
     for mb in plan.microbatches:
         groups = tuple(
