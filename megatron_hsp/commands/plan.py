@@ -23,6 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="hsp (default), static-N, batchada, dp-balanced-N or megatron-dcp",
     )
     parser.add_argument("--json", action="store_true", help="print the Plan as JSON")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="also draw the step as a Gantt chart (needs matplotlib)",
+    )
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -104,7 +110,17 @@ def format_plan(plan: Plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    out = None
+    if args.plot:
+        from megatron_hsp.commands.plots import check_png_path
+
+        out = check_png_path(args.plot)
     plan = make_plan(args)
+    if out is not None:
+        from megatron_hsp.commands.plots import plot_plan
+
+        setup_cost = build_setup(args).cost
+        plot_plan(plan, out, setup_cost.tokens_per_rank)
     if args.json:
         print(json.dumps(plan.to_dict()))
     else:

@@ -150,12 +150,14 @@ def run_bench(
     sizes: Sequence[int] | None = None,
     extra_methods: Mapping[str, Callable[[], PlanFn]] | None = None,
     progress: Callable[[str], None] | None = None,
+    plans_sink: Mapping[str, list[Plan]] | None = None,
 ) -> dict[str, Any]:
     """Run ``methods`` on ``batches``; return design.md's ``methods`` and ``summary`` blocks.
 
     ``extra_methods`` maps a name to a factory of its plan function (built only if requested),
     which is how torch-based baselines join without ``planner/`` importing torch. They run after
     the torch-free methods, so ``planner_peak_rss_mb`` is measured before torch is loaded.
+    ``plans_sink`` maps method names to lists that receive that method's plans (for pictures).
     """
     hsp = hsp or HspOptions()
     extra_methods = dict(extra_methods or {})
@@ -224,6 +226,8 @@ def run_bench(
                 continue
             ms = (time.perf_counter() - t0) * 1e3
             _record(res, plan, b, cost, ms)  # wall clock around the whole call
+            if plans_sink and name in plans_sink:
+                plans_sink[name].append(plan)
             statuses.append(plan.status)
             if "degree" in plan.extra:
                 degrees.append(int(plan.extra["degree"]))
