@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             if name == "wikipedia":
                 path = SHARED if SHARED.exists() else EMBEDDED
             else:
-                lens = generate(name, args.global_batch * args.steps, args.max_seq, rng)
+                # twice what the batches need: FlexSP-style filtering drops some at max-seq
+                lens = generate(name, 2 * args.global_batch * args.steps, args.max_seq, rng)
                 path = Path(tmp) / f"{name}.txt.gz"
                 with gzip.open(path, "wt") as fh:
                     fh.write("\n".join(str(x) for x in lens.tolist()))
