@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 SHARED_WIKI = "../shared/data/wikipedia_lengths.txt.gz"
-ALL_METHODS = "hsp,static-best,static-32,static-64,batchada,megatron-dcp"
+ALL_METHODS = "hsp,static-best,static-32,static-64,batchada,dp-balanced,megatron-dcp"
 
 
 def grid_rows(steps: int, quick: bool) -> list[dict]:
@@ -83,12 +83,15 @@ def table_line(row: dict, result: dict) -> str:
         return f"{total[name] / hsp:.2f}x ({base})" if hsp else base
 
     best = m.get("static-best", {}).get("degree")
+    cp = m.get("dp-balanced", {}).get("degree")
     gap = s.get("gap_to_lower_bound")
     return (
         f"| {row['gpus']} | {row['model'].removeprefix('flexsp-')} | {row['max_seq']} | "
         f"{row['gbs']} | {row['steps']} | {_fmt(hsp, '.1f', 's')} | "
         f"{sp('static-best')}{f' [N={best}]' if best else ''} | {sp('static-32')} | "
-        f"{sp('static-64')} | {sp('batchada')} | {sp('megatron-dcp')} | "
+        f"{sp('static-64')} | {sp('batchada')} | "
+        f"{sp('dp-balanced')}{f' [CP={cp}]' if cp else ''} | "
+        f"{sp('megatron-dcp')} | "
         f"{_fmt(None if gap is None else gap * 100, '.1f', '%')} | "
         f"{_fmt(s.get('solve_ms_p50'), '.0f', '')} / {_fmt(s.get('solve_ms_p99'), '.0f', '')} | "
         f"{str(s['all_plans_valid']).lower()} | "
@@ -148,8 +151,8 @@ def main() -> int:
 
 HEADER = (
     "| GPUs | model | max-seq | GBS | steps | hsp total | vs static-best | vs static-32 | "
-    "vs static-64 | vs batchada | vs megatron-dcp | gap to LB | solve p50/p99 ms | valid | "
-    "executable | RSS MB |\n|" + "---|" * 16
+    "vs static-64 | vs batchada | vs dp-balanced | vs megatron-dcp | gap to LB | "
+    "solve p50/p99 ms | valid | executable | RSS MB |\n|" + "---|" * 17
 )
 
 

@@ -38,6 +38,8 @@ def commands(out: Path) -> dict[str, list[str]]:
         ],
         "flexsp_published": [py, str(HERE / "flexsp_published.py")],
         "ring_cuda_check": [py, str(HERE / "ring_cuda_check.py")],
+        "suite": [py, str(HERE / "suite.py"), "--steps", "1"],
+        "dcp_sensitivity": [py, str(HERE / "dcp_sensitivity.py"), "--steps", "2"],
     }  # fmt: skip
 
 

@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "bench": "compare hsp with static/adaptive/megatron baselines over many batches",
     "selftest": "check distributed loss and gradients against one process (gloo, CPU)",
     "demo": "train a small GPT on CPU ranks with adaptive groups (the main job)",
+    "profile": "measure this machine and fit a cost model YAML for plan/bench/demo",
 }
 
 

@@ -7,9 +7,12 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from megatron_hsp.commands.common import add_common_arguments, build_setup, config_dict
 from megatron_hsp.planner.bench import DEFAULT_METHODS, HspOptions, PlanFn, parse_methods, run_bench
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.plan import Plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,10 +22,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods",
         default=",".join(DEFAULT_METHODS),
-        help="comma-separated: hsp, static-best, static-N, batchada, megatron-dcp, lower-bound "
+        help="comma-separated: hsp, static-best, static-N, batchada, dp-balanced, dp-balanced-N, "
+        "megatron-dcp, lower-bound "
         "(lower-bound is added whenever hsp runs)",
     )
     parser.add_argument("--json", metavar="OUT.json", default=None, help="write results as JSON")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="also draw step time per method and the length histogram (needs matplotlib)",
+    )
 
 
 def _megatron_dcp(setup) -> PlanFn:
@@ -32,7 +42,12 @@ def _megatron_dcp(setup) -> PlanFn:
     return lambda lengths: megatron_dcp_plan(lengths, setup.cost, setup.cluster)
 
 
-def run_from_args(args: argparse.Namespace) -> dict:
+def run_from_args(
+    args: argparse.Namespace,
+    hsp_plans: list[Plan] | None = None,
+    lengths_out: list[np.ndarray] | None = None,
+) -> dict:
+    """Run the bench; ``hsp_plans`` / ``lengths_out`` collect hsp's plans and the batches."""
     if args.steps < 1:
         raise InputError(f"--steps must be >= 1, got {args.steps}")
     methods = parse_methods(args.methods)
@@ -48,6 +63,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
         hsp=HspOptions(args.solver, args.time_budget, setup.sizes, args.seed),
         sizes=setup.sizes,
         extra_methods={"megatron-dcp": lambda: _megatron_dcp(setup)},
+        plans_sink={"hsp": hsp_plans} if hsp_plans is not None else None,
         progress=(lambda m: print(f"bench: running {m} ...", file=sys.stderr))
         if not args.json
         else None,
@@ -60,6 +76,8 @@ def run_from_args(args: argparse.Namespace) -> dict:
         "harness_dropped": setup.sampler.harness_dropped,
         "tokens_per_rank": setup.cost.tokens_per_rank,
     }
+    if lengths_out is not None:
+        lengths_out.extend(b.lengths for b in batches)
     return {"config": config_dict(args), **out}
 
 
@@ -102,7 +120,19 @@ def format_bench(result: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = run_from_args(args)
+    out = None
+    if args.plot:
+        from megatron_hsp.commands.plots import check_png_path
+
+        out = check_png_path(args.plot)
+    plans: list[Plan] = []
+    lengths: list[np.ndarray] = []
+    result = run_from_args(args, plans, lengths)
+    if out is not None:
+        from megatron_hsp.commands.plots import plot_bench
+
+        plot_bench(result, lengths, plans, out)
+        print(f"bench: wrote {out}", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"bench: wrote {args.json}", file=sys.stderr)

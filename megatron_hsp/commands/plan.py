@@ -8,6 +8,7 @@ import json
 import time
 
 from megatron_hsp.commands.common import add_common_arguments, build_setup
+from megatron_hsp.planner.baselines import memory_model_for
 from megatron_hsp.planner.bench import HspOptions, hsp_plan_fn, lower_bound_fn, parse_methods
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.plan import Plan
@@ -19,9 +20,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method",
         default="hsp",
-        help="hsp (default), static-N, batchada or megatron-dcp",
+        help="hsp (default), static-N, batchada, dp-balanced-N or megatron-dcp",
     )
     parser.add_argument("--json", action="store_true", help="print the Plan as JSON")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="also draw the step as a Gantt chart (needs matplotlib)",
+    )
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -46,12 +53,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
         from megatron_hsp.planner.baselines import static_plan
 
         plan = static_plan(lengths, cost, cluster, int(method.split("-")[1]))
+    elif method.startswith("dp-balanced-"):
+        from megatron_hsp.planner.baselines import dp_balanced_plan
+
+        plan = dp_balanced_plan(lengths, cost, cluster, int(method.rsplit("-", 1)[1]))
     else:
         raise InputError(
             f"--method {method} is chosen over several batches; use `megatron-hsp bench`"
         )
     elapsed = (time.perf_counter() - t0) * 1e3
-    plan.validate(lengths.tolist(), cost, cluster.world_size)
+    plan.validate(lengths.tolist(), memory_model_for(plan, cost), cluster.world_size)
     lb = plan.lower_bound_ms
     if not lb:
         fn = lower_bound_fn(cost, cluster, setup.sizes)
@@ -99,7 +110,17 @@ def format_plan(plan: Plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    out = None
+    if args.plot:
+        from megatron_hsp.commands.plots import check_png_path
+
+        out = check_png_path(args.plot)
     plan = make_plan(args)
+    if out is not None:
+        from megatron_hsp.commands.plots import plot_plan
+
+        setup_cost = build_setup(args).cost
+        plot_plan(plan, out, setup_cost.tokens_per_rank)
     if args.json:
         print(json.dumps(plan.to_dict()))
     else:

@@ -1,9 +1,13 @@
-"""``megatron-dcp`` baseline: megatron-core's own dynamic-CP scheduler, costed by our model.
+"""``megatron-dcp`` baseline: megatron-core's own dynamic-CP scheduler, costed as it executes.
 
 Runs ``BalancedCPScheduler`` from ``megatron.core.pipeline_parallel.hybrid_cp_schedule``
-in-process on the batch's lengths and turns its micro-batches into a ``Plan``. It imports torch
-(through megatron-core), which is why it lives outside ``planner/``; ``megatron-hsp bench``
-imports it only when ``--methods`` names ``megatron-dcp``.
+(identical on Megatron-LM main d98e8a64 and in megatron-core 0.19.2) in-process on the batch's
+lengths and turns its micro-batches into a ``Plan`` costed by
+``planner.baselines.ring_plan_from_layout``: one micro-batch per scheduler group (groups are
+synchronised between them), each CP group training its sub-samples one forward/backward each
+(``hybrid_context_parallel_forward_backward``), ring attention for its communication.
+It imports torch (through megatron-core), which is why it lives outside ``planner/``;
+``megatron-hsp bench`` imports it only when ``--methods`` names ``megatron-dcp``.
 
 What we adapt, and why it never makes the baseline look worse than it is:
 
@@ -14,10 +18,8 @@ What we adapt, and why it never makes the baseline look worse than it is:
 - Its groups are contiguous rank ranges that may start anywhere; we re-place each micro-batch's
   groups as aligned blocks (largest first), which never crosses a node boundary the original
   did not, so our a2a cost is at most what its own placement would pay.
-- Its balancing ignores memory: a group can collect more tokens than fit. Such a micro-batch is
-  replayed in as many sub-micro-batches as the fullest group needs, each group training the
-  next slice of its sequences (greedy in its order) that fits; ``extra['memory_splits']``
-  counts those extra passes.
+- Because each sub-sample is its own pass, only the longest sequence of a group must fit its
+  memory; no extra passes are added (``extra['execution']`` records this for the validator).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
-from megatron_hsp.planner.baselines import plan_from_layout
+from megatron_hsp.planner.baselines import RingAssumptions, ring_plan_from_layout
 from megatron_hsp.planner.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.plan import Plan
@@ -59,40 +61,11 @@ def _groups_of_microbatch(
     return [(len(r), ids) for r, ids in sorted(groups.items())]
 
 
-def _split_for_memory(
-    group_ids: list[tuple[int, list[int]]], lens: np.ndarray, cost: CostModel
-) -> list[list[tuple[int, list[int]]]]:
-    """Replay a micro-batch in as many passes as needed for every group to fit memory."""
-    slices: list[list[list[int]]] = []
-    for size, ids in group_ids:
-        cap = cost.capacity(size)
-        parts: list[list[int]] = [[]]
-        used = 0
-        for sid in ids:
-            n = int(lens[sid])
-            if n > cap:
-                raise InfeasibleError(
-                    f"megatron-dcp: sequence {sid} of length {n} exceeds the capacity of its "
-                    f"group of {size} ({cap} tokens)"
-                )
-            if used + n > cap and parts[-1]:
-                parts.append([])
-                used = 0
-            parts[-1].append(sid)
-            used += n
-        slices.append(parts)
-    passes = max(len(p) for p in slices)
-    return [
-        [
-            (size, parts[t] if t < len(parts) else [])
-            for (size, _), parts in zip(group_ids, slices, strict=True)
-        ]
-        for t in range(passes)
-    ]
-
-
 def megatron_dcp_plan(
-    lengths: Sequence[int] | np.ndarray, cost: CostModel, cluster: Cluster
+    lengths: Sequence[int] | np.ndarray,
+    cost: CostModel,
+    cluster: Cluster,
+    assume: RingAssumptions | None = None,
 ) -> Plan:
     """Schedule one global batch with megatron-core's ``BalancedCPScheduler``."""
     lens = np.asarray(lengths, dtype=np.int64)
@@ -117,22 +90,14 @@ def megatron_dcp_plan(
         )
     except AssertionError as exc:  # its internal invariants, e.g. "cannot redistribute"
         raise InfeasibleError(f"megatron-dcp: megatron-core's scheduler gave up: {exc}") from None
-    layout: list[list[tuple[int, list[int]]]] = []
-    splits = 0
-    for sample_ids in sample_id_groups:
-        groups = _groups_of_microbatch(sample_ids)
-        passes = _split_for_memory(groups, lens, cost)
-        splits += len(passes) - 1
-        layout.extend(passes)
-    return plan_from_layout(
+    layout = [_groups_of_microbatch(sample_ids) for sample_ids in sample_id_groups]
+    return ring_plan_from_layout(
         lens,
         cost,
         cluster,
         layout,
+        assume or RingAssumptions(),
+        sequential=True,
         solver="megatron-dcp",
-        extra={
-            "method": "megatron-dcp",
-            "scheduler_microbatches": len(sample_id_groups),
-            "memory_splits": splits,
-        },
+        extra={"method": "megatron-dcp", "scheduler_microbatches": len(sample_id_groups)},
     )

@@ -27,7 +27,9 @@ imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -287,6 +289,213 @@ def static_best_degree(
     if not per_degree:
         raise InfeasibleError(
             f"static-best: no single degree in {candidates} fits every batch under the memory "
+            "cap; use more GPUs, a larger --memory-cap-gb or --overlong drop/split"
+        )
+    best = min(sorted(per_degree), key=lambda d: sum(p.est_step_ms for p in per_degree[d]))
+    return best, per_degree
+
+
+# ---------------------------------------------------------------------- Megatron's own schedulers
+@dataclass(frozen=True)
+class RingAssumptions:
+    """How a Megatron CP group (ring attention, p2p) is costed; see docs/baselines.md.
+
+    Megatron's context parallelism passes K/V chunks around a ring and overlaps each transfer
+    with the attention of the previous chunk, so its communication is not the Ulysses all-to-all
+    our ``CostModel`` prices. The defaults are the most favourable to Megatron (the conservative
+    choice for our speedup claims): ring traffic fully hidden, one fixed cost per group.
+
+    exposed_comm: fraction of the ring's p2p time not hidden under attention (0 = fully hidden).
+    p2p_to_a2a: ring bytes per token relative to Ulysses all-to-all bytes per token for the same
+        group (MHA: K,V forward plus K,V,dK,dV backward = 6h against q,k,v,o both ways = 8h).
+    fixed_per_sequence: charge the group's fixed cost once per sub-sample pass (upstream's
+        dynamic-CP schedule runs one forward/backward per sequence) instead of once per group.
+    """
+
+    exposed_comm: float = 0.0
+    p2p_to_a2a: float = 0.75
+    fixed_per_sequence: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.exposed_comm <= 1.0 or self.p2p_to_a2a < 0.0:
+            raise InputError(
+                f"ring assumptions: exposed_comm must be in [0, 1] (got {self.exposed_comm}) "
+                f"and p2p_to_a2a >= 0 (got {self.p2p_to_a2a})"
+            )
+
+
+def ring_group_ms(
+    lengths: Sequence[int] | np.ndarray, d: int, cost: CostModel, assume: RingAssumptions
+) -> float:
+    """Time (ms) of a ring-attention CP group of ``d`` training ``lengths``, one after another."""
+    s = np.asarray(lengths, dtype=np.float64)
+    if s.size == 0:
+        return 0.0
+    compute = float(((cost.attn_ms_per_token2 * s * s + cost.linear_ms_per_token * s) / d).sum())
+    comm = 0.0
+    if d > 1 and assume.exposed_comm > 0.0:
+        comm = assume.exposed_comm * assume.p2p_to_a2a * cost.a2a_ms_per_token[d] * float(s.sum())
+    passes = int(s.size) if assume.fixed_per_sequence else 1
+    return compute + comm + passes * cost.fixed_ms(d)
+
+
+class PerSequenceMemory:
+    """Memory check for plans whose groups run their sequences in separate passes.
+
+    Upstream's dynamic-CP schedule trains each sub-sample of a group in its own forward/backward,
+    so only one sequence at a time must fit; ``Plan.problems`` takes this instead of the cost
+    model for such plans (``plan.extra['execution'] == SEQUENTIAL``).
+    """
+
+    def __init__(self, cost: CostModel) -> None:
+        self._cost = cost
+
+    def fits(self, lengths: Sequence[int], group_size: int) -> bool:
+        return all(self._cost.fits([int(x)], group_size) for x in lengths)
+
+
+SEQUENTIAL = "one-pass-per-sequence"
+
+
+def memory_model_for(plan: Plan, cost: CostModel) -> CostModel | PerSequenceMemory:
+    """The memory check that matches how ``plan`` executes (see ``PerSequenceMemory``)."""
+    return PerSequenceMemory(cost) if plan.extra.get("execution") == SEQUENTIAL else cost
+
+
+def ring_plan_from_layout(
+    lengths: Sequence[int] | np.ndarray,
+    cost: CostModel,
+    cluster: Cluster,
+    layout: Sequence[Sequence[tuple[int, Sequence[int]]]],
+    assume: RingAssumptions,
+    *,
+    sequential: bool,
+    solver: str,
+    extra: dict | None = None,
+) -> Plan:
+    """A ``Plan`` of Megatron CP groups: every micro-batch is one synchronised scheduler group.
+
+    All groups of a micro-batch finish before the next starts (upstream synchronises between
+    scheduler groups), so a micro-batch costs its slowest group, each group costed with
+    ``ring_group_ms``. ``sequential`` groups train their sequences one pass each, so only the
+    longest must fit; otherwise the whole pack must.
+    """
+    lens = np.asarray(lengths, dtype=np.int64)
+    for mb in layout:
+        for size, ids in mb:
+            glens = [int(lens[i]) for i in ids]
+            need = [max(glens)] if (sequential and glens) else glens
+            if glens and not cost.fits(need, size):
+                raise InfeasibleError(
+                    f"{solver}: a group of {size} holds {sum(need)} tokens in one pass, over its "
+                    f"memory cap of {cost.capacity(size)} tokens"
+                )
+    plan = plan_from_layout(lens, cost, cluster, layout, solver=solver, extra=extra)
+    if not sequential:  # a packed group is one forward/backward: one fixed cost
+        assume = dataclasses.replace(assume, fixed_per_sequence=False)
+    microbatches: list[MicroBatch] = []
+    for mb in plan.microbatches:
+        groups = tuple(
+            dataclasses.replace(g, est_ms=ring_group_ms(g.lengths, g.size, cost, assume))
+            for g in mb.groups
+        )
+        microbatches.append(MicroBatch(groups, max(g.est_ms for g in groups)))
+    info = {
+        **plan.extra,
+        "execution": SEQUENTIAL if sequential else "one-pass-per-group",
+        "ring_assumptions": dataclasses.asdict(assume),
+    }
+    return dataclasses.replace(
+        plan,
+        microbatches=tuple(microbatches),
+        est_step_ms=float(sum(mb.est_ms for mb in microbatches)),
+        extra=info,
+    )
+
+
+def dp_balanced_layout(
+    lengths: Sequence[int] | np.ndarray, cost: CostModel, world_size: int, cp: int
+) -> list[list[tuple[int, list[int]]]]:
+    """Megatron's ``dp_balanced`` packing scheduler, described from its behaviour.
+
+    Sequences are packed in arrival order into packs of at most ``tokens_per_rank * cp`` tokens
+    (a new pack starts when the next sequence would overflow); when the number of packs is not a
+    multiple of the DP size, the last sequence of the latest multi-sequence pack becomes a pack of
+    its own until it is; micro-batch ``i`` is packs ``i*dp .. i*dp+dp-1``, one per CP group.
+    """
+    lens = np.asarray(lengths, dtype=np.int64)
+    if lens.size == 0:
+        raise InputError("the global batch is empty; nothing to plan")
+    dp = world_size // cp
+    limit = cost.capacity(cp)
+    packs: list[list[int]] = []
+    used = 0
+    for sid, n in enumerate(lens.tolist()):
+        if packs and used + n <= limit:
+            packs[-1].append(sid)
+            used += n
+        else:
+            packs.append([sid])
+            used = n
+    short = -len(packs) % dp
+    i = len(packs) - 1
+    while short > 0:
+        if i < 0:
+            raise InfeasibleError(
+                f"dp-balanced-{cp}: {lens.size} sequences cannot fill {dp} data-parallel groups"
+            )
+        if len(packs[i]) > 1:
+            packs.append([packs[i].pop()])
+            short -= 1
+        else:
+            i -= 1
+    return [[(cp, p) for p in packs[m : m + dp]] for m in range(0, len(packs), dp)]
+
+
+def dp_balanced_plan(
+    lengths: Sequence[int] | np.ndarray,
+    cost: CostModel,
+    cluster: Cluster,
+    cp: int,
+    assume: RingAssumptions | None = None,
+) -> Plan:
+    """``dp-balanced-<cp>``: static Megatron CP of ``cp`` with arrival-order sequence packing."""
+    if cp not in homogeneous_sizes(cost, cluster, [cp]):
+        raise InputError(
+            f"dp-balanced-{cp}: the CP size must divide --gpus {cluster.world_size}, be a legal "
+            f"group size and be costed by the model; choose from {homogeneous_sizes(cost, cluster)}"
+        )
+    layout = dp_balanced_layout(lengths, cost, cluster.world_size, cp)
+    return ring_plan_from_layout(
+        lengths,
+        cost,
+        cluster,
+        layout,
+        assume or RingAssumptions(),
+        sequential=False,
+        solver=f"dp-balanced-{cp}",
+        extra={"method": f"dp-balanced-{cp}", "degree": cp},
+    )
+
+
+def dp_balanced_best_degree(
+    batches: Sequence[Sequence[int] | np.ndarray],
+    cost: CostModel,
+    cluster: Cluster,
+    sizes: Sequence[int] | None = None,
+    assume: RingAssumptions | None = None,
+) -> tuple[int, dict[int, list[Plan]]]:
+    """``dp-balanced``: the one CP size with the least total over ``batches`` (hindsight)."""
+    candidates = homogeneous_sizes(cost, cluster, sizes)
+    per_degree: dict[int, list[Plan]] = {}
+    for d in candidates:
+        try:
+            per_degree[d] = [dp_balanced_plan(b, cost, cluster, d, assume) for b in batches]
+        except InfeasibleError:
+            continue
+    if not per_degree:
+        raise InfeasibleError(
+            f"dp-balanced: no single CP size in {candidates} fits every batch under the memory "
             "cap; use more GPUs, a larger --memory-cap-gb or --overlong drop/split"
         )
     best = min(sorted(per_degree), key=lambda d: sum(p.est_step_ms for p in per_degree[d]))

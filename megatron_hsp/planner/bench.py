@@ -1,6 +1,7 @@
 """Benchmark harness: the same batches, cost model and validator for every method (torch-free).
 
-Methods: ``hsp`` (our solver), ``static-N``, ``static-best`` (hindsight), ``batchada`` and
+Methods: ``hsp`` (our solver), ``static-N``, ``static-best`` (hindsight), ``batchada``,
+``dp-balanced-N`` / ``dp-balanced`` (Megatron's packing scheduler; hindsight CP size) and
 ``lower-bound``; callers may add more (``megatron-hsp bench`` adds ``megatron-dcp``, which needs
 torch and therefore is injected from outside ``planner/``). Every plan is checked with
 ``Plan.validate(lengths, cost, world_size)``; speedups are ratios of summed estimated step
@@ -20,7 +21,14 @@ from typing import Any
 import numpy as np
 
 from megatron_hsp.planner import groupspace
-from megatron_hsp.planner.baselines import batchada_plan, static_best_degree, static_plan
+from megatron_hsp.planner.baselines import (
+    batchada_plan,
+    dp_balanced_best_degree,
+    dp_balanced_plan,
+    memory_model_for,
+    static_best_degree,
+    static_plan,
+)
 from megatron_hsp.planner.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.lengths import GlobalBatch
@@ -28,8 +36,9 @@ from megatron_hsp.planner.plan import Plan
 from megatron_hsp.planner.topology import Cluster
 
 PlanFn = Callable[[np.ndarray], Plan]
-DEFAULT_METHODS = ("hsp", "static-best", "batchada", "megatron-dcp")
+DEFAULT_METHODS = ("hsp", "static-best", "batchada", "dp-balanced", "megatron-dcp")
 _STATIC = re.compile(r"^static-(\d+)$")
+_DP_BALANCED = re.compile(r"^dp-balanced-(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -73,12 +82,12 @@ def lower_bound_fn(
 
 def parse_methods(text: str | Sequence[str]) -> list[str]:
     names = [m.strip() for m in (text.split(",") if isinstance(text, str) else text) if m.strip()]
-    known = {"hsp", "static-best", "batchada", "megatron-dcp", "lower-bound"}
-    bad = [m for m in names if m not in known and not _STATIC.match(m)]
+    known = {"hsp", "static-best", "batchada", "megatron-dcp", "dp-balanced", "lower-bound"}
+    bad = [m for m in names if m not in known and not (_STATIC.match(m) or _DP_BALANCED.match(m))]
     if bad or not names:
         raise InputError(
             f"--methods: unknown {bad or 'empty list'}; choose from hsp, static-best, static-N "
-            "(e.g. static-64), batchada, megatron-dcp, lower-bound"
+            "(e.g. static-64), batchada, megatron-dcp, dp-balanced, dp-balanced-N, lower-bound"
         )
     return list(dict.fromkeys(names))
 
@@ -121,7 +130,7 @@ class MethodResult:
 
 
 def _record(res: MethodResult, plan: Plan, lengths: np.ndarray, cost: CostModel, ms: float) -> None:
-    problems = plan.problems(lengths.tolist(), cost, plan.world_size)
+    problems = plan.problems(lengths.tolist(), memory_model_for(plan, cost), plan.world_size)
     heads = cost.head_space()
     not_runnable = [] if heads is None else groupspace.problems(plan, heads)
     res.step_ms.append(float(plan.est_step_ms))
@@ -151,12 +160,14 @@ def run_bench(
     sizes: Sequence[int] | None = None,
     extra_methods: Mapping[str, Callable[[], PlanFn]] | None = None,
     progress: Callable[[str], None] | None = None,
+    plans_sink: Mapping[str, list[Plan]] | None = None,
 ) -> dict[str, Any]:
     """Run ``methods`` on ``batches``; return docs/design.md's ``methods`` and ``summary`` blocks.
 
     ``extra_methods`` maps a name to a factory of its plan function (built only if requested),
     which is how torch-based baselines join without ``planner/`` importing torch. They run after
     the torch-free methods, so ``planner_peak_rss_mb`` is measured before torch is loaded.
+    ``plans_sink`` maps method names to lists that receive that method's plans (for pictures).
     """
     hsp = hsp or HspOptions()
     extra_methods = dict(extra_methods or {})
@@ -182,9 +193,10 @@ def run_bench(
                 res.solve_ms.append((time.perf_counter() - t0) * 1e3)
             results[name] = res
             continue
-        if name == "static-best":
+        if name in ("static-best", "dp-balanced"):
             t0 = time.perf_counter()
-            best, per_degree = static_best_degree(lengths, cost, cluster, sizes)
+            hindsight = static_best_degree if name == "static-best" else dp_balanced_best_degree
+            best, per_degree = hindsight(lengths, cost, cluster, sizes)
             elapsed = (time.perf_counter() - t0) * 1e3 / len(lengths)
             for plan, b in zip(per_degree[best], lengths, strict=True):
                 _record(res, plan, b, cost, elapsed)
@@ -202,6 +214,9 @@ def run_bench(
         elif m := _STATIC.match(name):
             degree = int(m.group(1))
             fn = lambda b, d=degree: static_plan(b, cost, cluster, d)  # noqa: E731
+        elif m := _DP_BALANCED.match(name):
+            degree = int(m.group(1))
+            fn = lambda b, d=degree: dp_balanced_plan(b, cost, cluster, d)  # noqa: E731
         elif name in extra_methods:
             fn = extra_methods[name]()
         else:
@@ -221,6 +236,8 @@ def run_bench(
                 continue
             ms = (time.perf_counter() - t0) * 1e3
             _record(res, plan, b, cost, ms)  # wall clock around the whole call
+            if plans_sink and name in plans_sink:
+                plans_sink[name].append(plan)
             statuses.append(plan.status)
             if "degree" in plan.extra:
                 degrees.append(int(plan.extra["degree"]))
@@ -259,6 +276,7 @@ def summarize(results: Mapping[str, MethodResult], planner_rss_mb: float) -> dic
         "speedup_vs_static_best": speedup("static-best"),
         "speedup_vs_batchada": speedup("batchada"),
         "speedup_vs_megatron_dcp": speedup("megatron-dcp"),
+        "speedup_vs_dp_balanced": speedup("dp-balanced"),
         "gap_to_lower_bound": (
             hsp_total / total["lower-bound"] - 1.0
             if hsp_total is not None and total.get("lower-bound")

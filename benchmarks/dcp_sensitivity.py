@@ -1,0 +1,58 @@
+"""Sensitivity of the Megatron baselines to their execution-model assumptions.
+
+Runs hsp once and ``megatron-dcp`` / ``dp-balanced`` under each ``RingAssumptions`` variant on the
+same batches (the FlexSP reproduction setting by default) and prints a Markdown table; the
+conservative row (ring traffic fully hidden, one fixed cost per group) is the README's figure.
+
+    PYTHONPATH=. python benchmarks/dcp_sensitivity.py --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_hsp.commands.common import add_common_arguments, build_setup
+from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
+from megatron_hsp.planner.baselines import RingAssumptions, dp_balanced_best_degree
+from megatron_hsp.planner.bench import HspOptions, hsp_plan_fn
+
+VARIANTS: list[tuple[str, RingAssumptions]] = [
+    ("conservative: ring hidden, fixed cost once per group", RingAssumptions()),
+    ("fixed cost per sub-sample pass", RingAssumptions(fixed_per_sequence=True)),
+    ("half the ring traffic exposed", RingAssumptions(exposed_comm=0.5)),
+    ("all ring traffic exposed", RingAssumptions(exposed_comm=1.0)),
+    (
+        "all exposed, ring bytes = Ulysses bytes",
+        RingAssumptions(exposed_comm=1.0, p2p_to_a2a=1.0),
+    ),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args(argv)
+    setup = build_setup(args)
+    batches = [setup.sampler.batch(i).lengths for i in range(args.steps)]
+    hsp = hsp_plan_fn(setup.cost, setup.cluster, HspOptions(sizes=setup.sizes))
+    hsp_total = sum(hsp(b).est_step_ms for b in batches) / 1e3
+    print(f"hsp total over {args.steps} batches: {hsp_total:.2f} s\n")
+    print("| assumption | megatron-dcp | hsp speedup | dp-balanced (best CP) | hsp speedup |")
+    print("|---|---|---|---|---|")
+    for label, assume in VARIANTS:
+        dcp = sum(
+            megatron_dcp_plan(b, setup.cost, setup.cluster, assume).est_step_ms for b in batches
+        )
+        cp, per = dp_balanced_best_degree(batches, setup.cost, setup.cluster, setup.sizes, assume)
+        dpb = sum(p.est_step_ms for p in per[cp])
+        print(
+            f"| {label} | {dcp / 1e3:.2f} s | {dcp / 1e3 / hsp_total:.2f}x | "
+            f"{dpb / 1e3:.2f} s (CP={cp}) | {dpb / 1e3 / hsp_total:.2f}x |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

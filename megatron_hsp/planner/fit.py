@@ -1,0 +1,139 @@
+"""Fitting ``megatron-hsp profile`` measurements into the planner's cost model (numpy only).
+
+The cost model is linear in its coefficients (docs/costmodel.md), so every fit here is a
+non-negative least squares on a small design matrix. A fit is refused (``InputError``) when a
+coefficient the model needs to rank schedules correctly comes out non-positive or when the fitted
+curve is not monotone in tokens, because such a model would make the planner prefer nonsense
+(e.g. longer sequences being cheaper).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_hsp.planner.errors import InputError
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Coefficients of one fit and how well they explain the samples."""
+
+    names: tuple[str, ...]
+    coef: tuple[float, ...]
+    r2: float
+    median_rel_err: float
+    max_rel_err: float
+    samples: int
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(zip(self.names, self.coef, strict=True))
+
+
+def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Exact non-negative least squares for a few columns: the best feasible column subset.
+
+    The NNLS optimum is the unconstrained least-squares solution on its support, so trying every
+    subset (2^k, k <= 6 here) and keeping the best all-non-negative one is exact and needs no
+    scipy.
+    """
+    k = a.shape[1]
+    best, best_res = np.zeros(k), float((y**2).sum())
+    for mask in range(1, 2**k):
+        cols = [j for j in range(k) if mask >> j & 1]
+        sol, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+        if (sol < 0).any():
+            continue
+        x = np.zeros(k)
+        x[cols] = sol
+        res = float(((a @ x - y) ** 2).sum())
+        if res < best_res:
+            best, best_res = x, res
+    return best
+
+
+def fit_linear(
+    columns: Mapping[str, Sequence[float]], y: Sequence[float], *, required: Sequence[str]
+) -> Fit:
+    """Fit ``y ~ sum_k c_k * columns[k]`` with ``c >= 0``; refuse if a ``required`` c is 0."""
+    names = tuple(columns)
+    a = np.column_stack([np.asarray(columns[n], dtype=np.float64) for n in names])
+    yy = np.asarray(y, dtype=np.float64)
+    if a.shape[0] < len(names) + 1:
+        raise InputError(
+            f"profile: {a.shape[0]} samples cannot fit {len(names)} coefficients; "
+            "measure more points (--points)"
+        )
+    # relative least squares: samples span orders of magnitude, and the planner needs small
+    # batches (fixed costs) as right as large ones (quadratic term)
+    w = 1.0 / np.maximum(np.abs(yy), 1e-12)
+    coef = _nnls(a * w[:, None], yy * w)
+    pred = a @ coef
+    ss_res = float(((yy - pred) ** 2).sum())
+    ss_tot = float(((yy - yy.mean()) ** 2).sum()) or 1.0
+    rel = np.abs(pred - yy) / np.maximum(np.abs(yy), 1e-12)
+    fit = Fit(
+        names,
+        tuple(float(c) for c in coef),
+        1.0 - ss_res / ss_tot,
+        float(np.median(rel)),
+        float(rel.max()),
+        int(a.shape[0]),
+    )
+    bad = [n for n, c in fit.as_dict().items() if n in required and not c > 0.0]
+    if bad:
+        raise InputError(
+            f"profile: the fit gives non-positive {bad} (measurements too noisy or the range too "
+            "narrow for those terms); measure longer batches (--max-tokens) or more repeats "
+            "(--repeats)"
+        )
+    return fit
+
+
+def check_monotone(fn: Mapping[int, float], what: str) -> None:
+    """Refuse a fitted curve (x -> y) that decreases as x grows."""
+    xs = sorted(fn)
+    for lo, hi in itertools.pairwise(xs):
+        if fn[hi] < fn[lo]:
+            raise InputError(
+                f"profile: fitted {what} is not monotone ({lo}: {fn[lo]:.4g} > {hi}: "
+                f"{fn[hi]:.4g}); measure more repeats (--repeats) or a wider range"
+            )
+
+
+def cost_model_spec(
+    name: str,
+    compute: Fit,
+    a2a: Mapping[int, Fit],
+    tokens_per_rank: int,
+    *,
+    source: str,
+) -> dict:
+    """The explicit-coefficients spec ``load_cost_model`` accepts (docs/costmodel.md).
+
+    ``compute`` has ``attn_ms_per_token2``, ``linear_ms_per_token`` and ``fixed_ms`` (per
+    micro-batch: launches, loss, backward bookkeeping); a ``seq_ms`` column (per sequence) is
+    reported by ``profile`` but the planner's separable form has no per-sequence term, so it is
+    not part of the spec. ``a2a[d]`` has ``ms_per_token`` and ``latency_ms`` per group size; the
+    latency joins that size's fixed cost.
+    """
+    c = compute.as_dict()
+    per_token = {d: f.as_dict()["ms_per_token"] for d, f in sorted(a2a.items())}
+    check_monotone({1: 0.0, **per_token}, "all-to-all ms per token against group size")
+    fixed = {1: c["fixed_ms"]}
+    for d, f in sorted(a2a.items()):
+        fixed[d] = c["fixed_ms"] + f.as_dict()["latency_ms"]
+    return {
+        "name": name,
+        "source": source,
+        "coefficients": {
+            "attn_ms_per_token2": c["attn_ms_per_token2"],
+            "linear_ms_per_token": c["linear_ms_per_token"],
+            "group_fixed_ms": fixed,
+            "a2a_ms_per_token": per_token,
+            "tokens_per_rank": int(tokens_per_rank),
+        },
+    }
