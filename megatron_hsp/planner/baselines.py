@@ -28,6 +28,7 @@ imports torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ import numpy as np
 
 from megatron_hsp.planner.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
+from megatron_hsp.planner.groupspace import largest_ulysses
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 from megatron_hsp.planner.topology import Cluster
 
@@ -314,10 +316,15 @@ class RingAssumptions:
         bound most favourable to Megatron) or "exposed" (no transfer hidden).
     fixed_per_sequence: charge the group's fixed cost once per sub-sample pass (upstream's
         dynamic-CP schedule runs one forward/backward per sequence) instead of once per group.
+    ulysses: Megatron/TE hierarchical CP (``cp_comm_type="a2a+p2p"``,
+        ``hierarchical_context_parallel_sizes``): all-to-all over this many ranks (e.g. a node),
+        ring across; a group of d runs split (u, d/u) with u the largest degree dividing
+        ``gcd(d, ulysses)`` and the query heads (``groupspace.largest_ulysses``). 1: pure p2p ring.
     """
 
     overlap: str = "cost-model"
     fixed_per_sequence: bool = False
+    ulysses: int = 1
 
     def __post_init__(self) -> None:
         if self.overlap not in RING_OVERLAP:
@@ -325,6 +332,15 @@ class RingAssumptions:
                 f"ring assumptions: overlap must be one of {sorted(RING_OVERLAP)}, "
                 f"got {self.overlap!r}"
             )
+        if self.ulysses < 1:
+            raise InputError(f"ring assumptions: ulysses must be >= 1, got {self.ulysses}")
+
+    def split(self, d: int, cost: CostModel) -> tuple[int, int]:
+        """(ulysses, ring) a Megatron CP group of ``d`` runs with under these assumptions."""
+        u = math.gcd(d, self.ulysses)
+        if cost.heads is not None:
+            u = largest_ulysses(u, cost.heads[0])
+        return u, d // u
 
 
 def ring_group_ms(
@@ -332,13 +348,13 @@ def ring_group_ms(
 ) -> float:
     """Time (ms) of a Megatron CP group of ``d`` (pure ring) training ``lengths``.
 
-    ``CostModel.group_ms`` at split ``(1, d)``; with ``fixed_per_sequence`` the fixed cost is
-    paid once per sequence (one pass each) instead of once.
+    ``CostModel.group_ms`` at split ``(1, d)`` (``assume.split``); with ``fixed_per_sequence``
+    the fixed cost is paid once per sequence (one pass each) instead of once.
     """
     s = np.asarray(lengths, dtype=np.float64)
     if s.size == 0:
         return 0.0
-    split = (1, d)
+    split = assume.split(d, cost)
     ring = RING_OVERLAP[assume.overlap]
     passes = int(s.size) if assume.fixed_per_sequence else 1
     return float(cost.seq_ms(s, d, split, ring).sum()) + passes * cost.fixed_ms(d, split)
@@ -382,7 +398,7 @@ def ring_plan_from_layout(
 
     All groups of a micro-batch finish before the next starts (upstream synchronises between
     scheduler groups), so a micro-batch costs its slowest group, each group costed with
-    ``ring_group_ms`` and recorded as pure ring (ulysses 1, ring = its size). ``sequential``
+    ``ring_group_ms`` and recorded with its split (pure ring by default). ``sequential``
     groups train their sequences one pass each, so only the longest must fit; otherwise the whole
     pack must.
     """
@@ -405,8 +421,8 @@ def ring_plan_from_layout(
             dataclasses.replace(
                 g,
                 est_ms=ring_group_ms(g.lengths, g.size, cost, assume),
-                ulysses=1,
-                ring=g.size,
+                ulysses=assume.split(g.size, cost)[0],
+                ring=assume.split(g.size, cost)[1],
             )
             for g in mb.groups
         )
