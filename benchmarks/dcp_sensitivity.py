@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_hsp.commands.common import add_common_arguments, build_setup
+from megatron_hsp.commands.common import Setup, add_common_arguments, build_setup
 from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
 from megatron_hsp.planner.baselines import RingAssumptions, dp_balanced_best_degree
 from megatron_hsp.planner.bench import HspOptions, hsp_plan_fn
@@ -40,6 +40,14 @@ def variants(gpus_per_node: int) -> list[tuple[str, RingAssumptions]]:
     ]
 
 
+def megatron_totals(setup: Setup, steps: int, assume: RingAssumptions) -> tuple[float, float, int]:
+    """(megatron-dcp total s, dp-balanced total s, its best CP) over batches 0..steps-1."""
+    batches = [setup.sampler.batch(i).lengths for i in range(steps)]
+    dcp = sum(megatron_dcp_plan(b, setup.cost, setup.cluster, assume).est_step_ms for b in batches)
+    cp, per = dp_balanced_best_degree(batches, setup.cost, setup.cluster, setup.sizes, assume)
+    return dcp / 1e3, sum(p.est_step_ms for p in per[cp]) / 1e3, cp
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_arguments(parser)
@@ -53,14 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| assumption | megatron-dcp | hsp speedup | dp-balanced (best CP) | hsp speedup |")
     print("|---|---|---|---|---|")
     for label, assume in variants(setup.cluster.gpus_per_node):
-        dcp = sum(
-            megatron_dcp_plan(b, setup.cost, setup.cluster, assume).est_step_ms for b in batches
-        )
-        cp, per = dp_balanced_best_degree(batches, setup.cost, setup.cluster, setup.sizes, assume)
-        dpb = sum(p.est_step_ms for p in per[cp])
+        dcp, dpb, cp = megatron_totals(setup, args.steps, assume)
         print(
-            f"| {label} | {dcp / 1e3:.2f} s | {dcp / 1e3 / hsp_total:.2f}x | "
-            f"{dpb / 1e3:.2f} s (CP={cp}) | {dpb / 1e3 / hsp_total:.2f}x |"
+            f"| {label} | {dcp:.2f} s | {dcp / hsp_total:.2f}x | "
+            f"{dpb:.2f} s (CP={cp}) | {dpb / hsp_total:.2f}x |"
         )
     return 0
 
