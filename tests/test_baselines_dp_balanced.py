@@ -103,3 +103,21 @@ def test_megatron_cp_priced_by_the_rule_hsp_groups_get():
     assert ring_group_ms(g, 64, flex, RingAssumptions()) == pytest.approx(
         flex.group_ms(g, 64, (1, 64))
     )
+
+
+def test_model_without_ring_figures_is_refused_not_priced_free():
+    spec = {
+        "name": "noring",
+        "coefficients": {
+            "attn_ms_per_token2": 5.0e-6,
+            "linear_ms_per_token": 0.12,
+            "a2a_ms_per_token": {2: 0.03, 4: 0.04},
+            "tokens_per_rank": 20_000,
+        },
+    }
+    cost = load_cost_model(spec, world_size=4, gpus_per_node=4)
+    with pytest.raises(InputError, match=r"no ring_step_ms_per_token .* out of --methods"):
+        dp_balanced_plan([1000] * 8, cost, Cluster(4, 4), 2)
+    # the fully-hidden bound needs no ring figure
+    hidden = dp_balanced_plan([1000] * 8, cost, Cluster(4, 4), 2, RingAssumptions("fully-hidden"))
+    assert hidden.est_step_ms > 0

@@ -403,6 +403,18 @@ def ring_plan_from_layout(
     pack must.
     """
     lens = np.asarray(lengths, dtype=np.int64)
+    unpriced = sorted(
+        {size for mb in layout for size, ids in mb if size > 1 and ids}
+        - set(cost.ring_step_ms_per_token)
+    )
+    if unpriced and assume.overlap != "fully-hidden":
+        method = solver.rsplit("-", 1)[0] if solver.startswith("dp-balanced") else solver
+        raise InputError(
+            f"{solver}: cost model {cost.name!r} has no ring_step_ms_per_token for group sizes "
+            f"{unpriced}, so Megatron's ring attention cannot be priced; add "
+            "coefficients.ring_step_ms_per_token to the cost model, or leave "
+            f"{method} out of --methods"
+        )
     for mb in layout:
         for size, ids in mb:
             glens = [int(lens[i]) for i in ids]
