@@ -404,7 +404,7 @@ def ring_plan_from_layout(
     """
     lens = np.asarray(lengths, dtype=np.int64)
     unpriced = sorted(
-        {size for mb in layout for size, ids in mb if size > 1 and ids}
+        {size for mb in layout for size, ids in mb if ids and assume.split(size, cost)[1] > 1}
         - set(cost.ring_step_ms_per_token)
     )
     if unpriced and assume.overlap != "fully-hidden":
