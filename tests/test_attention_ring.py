@@ -21,7 +21,8 @@ from test_attention_ulysses import (
 )
 
 from megatron_hsp.planner.groupspace import HeadSpace
-from megatron_hsp.runtime.ring import merge_partials, partial_attention, ring_chunk_order
+from megatron_hsp.runtime.layout import rank_tokens
+from megatron_hsp.runtime.ring import merge_partials, partial_attention
 from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
 WORLD = 4
@@ -53,16 +54,6 @@ def test_merge_of_two_key_halves_equals_full_softmax() -> None:
     assert not torch.allclose(a[0] + b[0], full)
 
 
-def test_ring_chunk_order_balances_the_causal_triangle() -> None:
-    chunks = ring_chunk_order(16, 4)
-    assert chunks[0] == [(0, 2), (14, 16)] and chunks[3] == [(6, 8), (8, 10)]
-    covered = sorted(t for pos in chunks for a, b in pos for t in range(a, b))
-    assert covered == list(range(16))
-    # Causal work of a position: sum over its tokens of (index + 1); equal for every position.
-    work = [sum(t + 1 for a, b in pos for t in range(a, b)) for pos in chunks]
-    assert len(set(work)) == 1
-
-
 def _worker(rank: int, world: int) -> dict:
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -80,8 +71,8 @@ def _worker(rank: int, world: int) -> dict:
         cu = padded_cu(docs, d)
         total = cu[-1]
         q, k, v, dout = case_tensors(len(name), total, heads, kv_heads)
-        local = total // d
-        sl = slice(group_rank * local, (group_rank + 1) * local)
+        u, r = reg.heads.split(d)
+        sl = torch.from_numpy(rank_tokens(cu, u, r, group_rank))  # dispatch's layout
         ql, kl, vl = (t[sl].clone().requires_grad_(True) for t in (q, k, v))
         _, attn = _make_core_attention(heads, kv_heads)
         cu_t = torch.tensor(cu, dtype=torch.int32)
@@ -121,7 +112,12 @@ def test_ring_and_hybrid_match_single_device() -> None:
         q, k, v = (t.double().requires_grad_(True) for t in (q, k, v))
         ref = reference_attention(q, k, v, cu, True).reshape(cu[-1], -1)
         ref.backward(dout.double())
-        got = {key: torch.cat([p[key] for p in parts]) for key in ("out", "dq", "dk", "dv")}
+        u, r = splits[name]
+        order = torch.cat([torch.from_numpy(rank_tokens(cu, u, r, i)) for i in range(d)])
+        got = {}
+        for key in ("out", "dq", "dk", "dv"):
+            joined = torch.cat([p[key] for p in parts])
+            got[key] = torch.empty_like(joined).index_copy_(0, order, joined)  # buffer order
         assert _rel(got["out"], ref) <= 1e-6, (name, _rel(got["out"], ref))
         for key, t in (("dq", q), ("dk", k), ("dv", v)):
             assert _rel(got[key], t.grad) <= 1e-5, (name, key, _rel(got[key], t.grad))

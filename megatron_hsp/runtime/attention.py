@@ -4,7 +4,8 @@ Injected through megatron-core's layer spec (``megatron_hsp.megatron.spec``), ne
 ``GPTModel``. Per micro-batch the schedule passes a ``PackedSeqParams`` (``qkv_format="thd"``)
 whose ``cp_group`` is that micro-batch's sequence-parallel group and whose ``cu_seqlens_q`` describe
 the group's WHOLE packed buffer (all documents plus a trailing padding segment, total a multiple of
-the group size ``d``); group rank ``i`` holds tokens ``[i*T/d, (i+1)*T/d)`` of it.
+the group size ``d``); group rank ``i`` holds the tokens ``layout.rank_tokens(cu, u, r, i)`` of it
+(contiguous slice ``i`` for pure Ulysses, the load-balanced 2r-chunk layout for ring degree r > 1).
 
 Data flow on one rank (``np``/``ng`` = query/KV heads per tensor-parallel rank)::
 
@@ -43,7 +44,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hsp.planner.groupspace import kv_copies
-from megatron_hsp.runtime.ring import ring_attention, ring_token_range
+from megatron_hsp.runtime.layout import ring_position_tokens
+from megatron_hsp.runtime.ring import ring_attention
 
 # ---------------------------------------------------------------------------------------------
 # Group-size rules (start-up check and the per-call check share them)
@@ -591,6 +593,7 @@ class HSPCoreAttention(MegatronModule):
             _checked_cu_seqlens(p, total, d)
             cache["checked"] = key_now
             cache.pop("positions", None)
+            cache.pop("ring_index", None)
 
         nq, nkv = query.size(1), key.size(1)
         ulysses_group, ring_group = cache.get("hybrid", (group, None))
@@ -612,9 +615,23 @@ class HSPCoreAttention(MegatronModule):
             key = key.repeat_interleave(copies, dim=1)
             value = value.repeat_interleave(copies, dim=1)
 
+        layout_ring = cache.get("layout_ring")
+        if layout_ring is not None and layout_ring != r:
+            raise ValueError(
+                f"the micro-batch was dispatched in the ring-{layout_ring} token layout but its "
+                f"group runs ring degree {r}: dispatch with the registry's split "
+                "(dispatch(..., ring_of=schedule.registry_ring(registry)))"
+            )
         q, k, v = _qkv_seq_to_head(query, key, value, ulysses_group)
-        # This rank now holds ring position j's contiguous slice of the buffer, its h/u heads.
-        lo, hi = (0, total) if r == 1 else ring_token_range(dist.get_rank(group), u, r, total)
+        # This rank now holds ring position j's tokens (load-balanced 2r-chunk layout,
+        # runtime/layout.py, the function dispatch used), for its h/u heads.
+        index = None
+        if r > 1:
+            if "ring_index" not in cache:
+                j = dist.get_rank(group) // u
+                held = ring_position_tokens(cu.detach().cpu().numpy(), r, j)
+                cache["ring_index"] = torch.from_numpy(held).to(q.device)
+            index = cache["ring_index"]
 
         if isinstance(p, HSPPackedSeqParams) and (
             p.rotary_q_freqs is not None or p.rotary_k_freqs is not None
@@ -622,7 +639,7 @@ class HSPCoreAttention(MegatronModule):
             first = "positions" not in cache  # range-check the table once per micro-batch
             if first:
                 cache["positions"] = positions_in_documents(cu, total)
-            pos = cache["positions"][lo:hi]
+            pos = cache["positions"] if index is None else cache["positions"][index]
             if p.rotary_q_freqs is not None:
                 q = apply_rope_packed(
                     q, p.rotary_q_freqs, pos, self.config, p.rotary_mscale, check_range=first
@@ -635,7 +652,6 @@ class HSPCoreAttention(MegatronModule):
         if r > 1:
             if dropout_p > 0:
                 raise NotImplementedError("HSP ring attention does not support attention dropout")
-            index = torch.arange(lo, hi, device=q.device)
             doc = torch.searchsorted(cu.to(q.device, torch.int64), index, right=True)
             out = ring_attention(q, k, v, index, doc, ring_group, self.softmax_scale)
         else:

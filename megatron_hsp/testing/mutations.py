@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 CATCH_MARGIN = 100.0
@@ -174,13 +175,23 @@ def _merge_without_lse(merge_partials: Callable) -> Callable:
     return merge
 
 
-def _reversed_chunk_order(ring_token_range: Callable) -> Callable:
-    def reversed_range(group_rank, ulysses, ring, total):
-        j = group_rank // ulysses
-        mirrored = (ring - 1 - j) * ulysses + group_rank % ulysses
-        return ring_token_range(mirrored, ulysses, ring, total)
+def _swapped_chunks(ring_position_tokens: Callable) -> Callable:
+    """Attention believes each ring position stores chunk ``2r-1-j`` of a document before chunk
+    ``j`` (dispatch stored ``j`` first): the two halves' mask and RoPE positions are swapped."""
 
-    return reversed_range
+    def swapped(cu_seqlens, ring, position):
+        held = ring_position_tokens(cu_seqlens, ring, position)
+        if ring < 2:
+            return held
+        q = (np.diff(np.asarray(cu_seqlens, dtype=np.int64)) // (2 * ring)).tolist()
+        parts, at = [], 0
+        for n in q:
+            parts += [held[at + n : at + 2 * n], held[at : at + n]]
+            at += 2 * n
+        parts.append(held[at:])
+        return np.concatenate(parts)
+
+    return swapped
 
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -233,10 +244,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "wrong-ring-chunk-order",
-        "attention assumes ring position j holds chunk r-1-j of the buffer while dispatch gave it "
-        "chunk j (mask and RoPE positions of the wrong tokens)",
-        "megatron_hsp.runtime.ring:ring_token_range",
-        _reversed_chunk_order,
+        "attention assumes each ring position stores its two chunks of a document in the opposite "
+        "order from dispatch's load-balanced layout (chunk 2r-1-j before chunk j): mask and RoPE "
+        "positions of the wrong tokens",
+        "megatron_hsp.runtime.attention:ring_position_tokens",
+        _swapped_chunks,
+        everywhere=False,
     ),
     Mutation(
         "group-gradients-not-reduced",
