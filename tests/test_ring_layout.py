@@ -32,15 +32,19 @@ def _cu(lengths: list[int], multiple: int) -> list[int]:
 
 
 def test_one_document_zigzag_by_hand() -> None:
-    held = [ring_position_tokens([0, 16], 4, j).tolist() for j in range(4)]
+    held = [ring_position_tokens([0, 16], 1, 4, j).tolist() for j in range(4)]
     assert held == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    # Hybrid u=2 x r=2: rank i holds chunks i and 7-i of 8; position j gathers ranks 2j, 2j+1.
+    assert rank_tokens([0, 16], 2, 2, 1).tolist() == [2, 3, 12, 13]
+    assert ring_position_tokens([0, 16], 2, 2, 0).tolist() == [0, 1, 14, 15, 2, 3, 12, 13]
+    assert ring_position_tokens([0, 16], 2, 2, 1).tolist() == [4, 5, 10, 11, 6, 7, 8, 9]
 
 
 def test_short_documents_are_dealt_without_padding() -> None:
     # r = 2: 2r = 4 chunks. Doc of 6: core q=1 (chunks 0,1,2,3 = tokens 0..3), tail 4,5.
     # Doc of 2 (tokens 6,7): all tail. Remainder list [4, 5, 6, 7] -> snake 0,1,1,0.
-    assert ring_position_tokens([0, 6, 8], 2, 0).tolist() == [0, 3, 4, 7]
-    assert ring_position_tokens([0, 6, 8], 2, 1).tolist() == [1, 2, 5, 6]
+    assert ring_position_tokens([0, 6, 8], 1, 2, 0).tolist() == [0, 3, 4, 7]
+    assert ring_position_tokens([0, 6, 8], 1, 2, 1).tolist() == [1, 2, 5, 6]
 
 
 @pytest.mark.parametrize("u,r", [(1, 1), (4, 1), (1, 3), (2, 3), (1, 4), (2, 2), (1, 7)])
@@ -59,10 +63,13 @@ def test_scatter_then_gather_is_identity(u: int, r: int) -> None:
         assert rank_tokens(cu, u, r, 1).tolist() == list(range(share, 2 * share))
 
 
-@pytest.mark.parametrize("lengths,r", [([65536], 4), ([40000, 9000, 3], 8), ([30001, 77], 3)])
-def test_causal_work_is_balanced_for_long_documents(lengths: list[int], r: int) -> None:
-    cu = _cu(lengths, r)
-    work = causal_pairs_per_position(cu, r)
+@pytest.mark.parametrize(
+    "lengths,u,r",
+    [([65536], 1, 4), ([40000, 9000, 3], 1, 8), ([30001, 77], 1, 3), ([50001, 999], 2, 4)],
+)
+def test_causal_work_is_balanced_for_long_documents(lengths: list[int], u: int, r: int) -> None:
+    cu = _cu(lengths, u * r)
+    work = causal_pairs_per_position(cu, u, r)
     assert sum(work) == sum(n * (n + 1) // 2 for n in np.diff(cu).tolist())
     assert max(work) / min(work) < 1.01
     # Contiguous slices, for contrast: the last position does ~2r-1 times the first's work.
@@ -76,17 +83,24 @@ def test_causal_work_is_balanced_for_long_documents(lengths: list[int], r: int) 
         assert max(contiguous) / min(contiguous) > r
 
 
-def test_te_arguments_only_when_every_segment_is_a_multiple_of_2r() -> None:
-    assert te_cp_arguments([0, 6, 8], 2, 0) is None  # 6 and 2 are not multiples of 4
-    args = te_cp_arguments([0, 8, 16, 24], 2, 1)
-    assert args is not None
-    assert args["cu_seqlens_q"].tolist() == [0, 8, 16, 24]
-    assert args["cu_seqlens_q_padded"].tolist() == [0, 8, 16, 24]
-    assert args["max_seqlen_q"] == 8 and args["local_tokens"] == 12
+def test_te_arguments_only_when_every_segment_is_a_multiple_of_2d() -> None:
+    assert te_cp_arguments([0, 6, 8], 1, 2) is None  # 6 and 2 are not multiples of 4
+    assert te_cp_arguments([0, 8], 2, 1) is None  # pure Ulysses: no CP route
+    args = te_cp_arguments([0, 8, 16, 24], 1, 2)
+    assert args is not None and args["cp_comm_type"] == "p2p"
+    fwd = args["forward"]
+    assert fwd["cu_seqlens_q"].tolist() == [0, 8, 16, 24]
+    assert fwd["cu_seqlens_q_padded"].tolist() == [0, 8, 16, 24]
+    assert fwd["max_seqlen_q"] == 8 and args["local_tokens"] == 12
     # TE's THD shard for cp rank 1 of 2: chunks 1 and 2 (of 4) of every sequence, in order.
-    assert ring_position_tokens([0, 8, 16, 24], 2, 1).tolist() == [
+    assert rank_tokens([0, 8, 16, 24], 1, 2, 1).tolist() == [
         2, 3, 4, 5, 10, 11, 12, 13, 18, 19, 20, 21,
     ]  # fmt: skip
+    hybrid = te_cp_arguments([0, 16, 32], 2, 2)
+    assert hybrid is not None and hybrid["cp_comm_type"] == "a2a+p2p"
+    assert hybrid["local_tokens"] == 8
+    # cp rank = p2p rank * a2a size + a2a rank = our group rank: rank 3 holds chunks 3 and 4.
+    assert rank_tokens([0, 16, 32], 2, 2, 3).tolist() == [6, 7, 8, 9, 22, 23, 24, 25]
 
 
 def test_dispatch_in_ring_layout_holds_every_token_once() -> None:

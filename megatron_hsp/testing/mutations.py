@@ -176,19 +176,23 @@ def _merge_without_lse(merge_partials: Callable) -> Callable:
 
 
 def _swapped_chunks(ring_position_tokens: Callable) -> Callable:
-    """Attention believes each ring position stores chunk ``2r-1-j`` of a document before chunk
-    ``j`` (dispatch stored ``j`` first): the two halves' mask and RoPE positions are swapped."""
+    """Attention believes each rank stores chunk ``2d-1-i`` of a document before chunk ``i``
+    (dispatch stored ``i`` first): the two chunks' mask and RoPE positions are swapped."""
 
-    def swapped(cu_seqlens, ring, position):
-        held = ring_position_tokens(cu_seqlens, ring, position)
+    def swapped(cu_seqlens, ulysses, ring, position):
+        held = ring_position_tokens(cu_seqlens, ulysses, ring, position)
+        d = ulysses * ring
         if ring < 2:
             return held
-        q = (np.diff(np.asarray(cu_seqlens, dtype=np.int64)) // (2 * ring)).tolist()
-        parts, at = [], 0
-        for n in q:
-            parts += [held[at + n : at + 2 * n], held[at : at + n]]
-            at += 2 * n
-        parts.append(held[at:])
+        q = (np.diff(np.asarray(cu_seqlens, dtype=np.int64)) // (2 * d)).tolist()
+        share = held.size // ulysses
+        parts = []
+        for a in range(ulysses):
+            piece, at = held[a * share : (a + 1) * share], 0
+            for n in q:
+                parts += [piece[at + n : at + 2 * n], piece[at : at + n]]
+                at += 2 * n
+            parts.append(piece[at:])
         return np.concatenate(parts)
 
     return swapped
@@ -244,8 +248,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "wrong-ring-chunk-order",
-        "attention assumes each ring position stores its two chunks of a document in the opposite "
-        "order from dispatch's load-balanced layout (chunk 2r-1-j before chunk j): mask and RoPE "
+        "attention assumes each rank stores its two chunks of a document in the opposite order "
+        "from dispatch's load-balanced layout (chunk 2d-1-i before chunk i): mask and RoPE "
         "positions of the wrong tokens",
         "megatron_hsp.runtime.attention:ring_position_tokens",
         _swapped_chunks,
