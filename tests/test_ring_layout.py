@@ -128,7 +128,8 @@ def test_dispatch_in_ring_layout_holds_every_token_once() -> None:
 def test_swapped_chunk_mutation_really_swaps() -> None:
     from megatron_hsp.testing.mutations import by_name
 
-    swapped = by_name("wrong-ring-chunk-order").wrap(ring_position_tokens)
+    (mutation,) = by_name(["wrong-ring-chunk-order"])
+    swapped = mutation.wrap(ring_position_tokens)
     # d = 2 ranks, 4 chunks of 4: rank 0 holds chunks 0 and 3; the mutation reads 3 first.
     assert ring_position_tokens([0, 16], 1, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert swapped([0, 16], 1, 2, 0).tolist() == [12, 13, 14, 15, 0, 1, 2, 3]
