@@ -158,6 +158,21 @@ def _worker(rank: int, world: int) -> dict:
         with torch.no_grad():
             out = attn(q[sl], k[sl], v[sl], None, packed_seq_params=params)
         results[name] = {"out": out, "calls": attn.backend.calls[:1]}
+    # A pack dispatched in another layout than the group runs (plan/registry split mismatch) is
+    # refused before any collective, on every rank.
+    reg = create_groups(world, sizes=[1, 4], heads=HeadSpace(3, 1), warm=False)
+    cu = padded_cu([9, 1, 4, 6], 4)
+    params = group_packed_seq_params(
+        torch.tensor(cu, dtype=torch.int32), reg.group(4, 0), reg.hybrid(4, 0)
+    )
+    params._hsp_cache["layout_ring"] = 1  # what schedule.packed_seq_params records for ring 1
+    _, attn = _make_core_attention(3, 1)
+    q, k, v, _ = case_tensors(1, cu[-1], 3, 1)
+    try:
+        attn(q[:5], k[:5], v[:5], None, packed_seq_params=params)
+        results["mismatch"] = "accepted"
+    except ValueError as err:
+        results["mismatch"] = str(err)
     return results
 
 
@@ -187,6 +202,8 @@ def test_ring_and_hybrid_match_single_device() -> None:
         assert _rel(got["out"], ref) <= 1e-6, (name, _rel(got["out"], ref))
         for key, t in (("dq", q), ("dk", k), ("dv", v)):
             assert _rel(got[key], t.grad) <= 1e-5, (name, key, _rel(got[key], t.grad))
+    for r in results:
+        assert "ring-1 token layout but its group runs ring degree 4" in r["mismatch"]
     for name, d, heads, kv_heads, docs, comm in TE_ROUTE_CASES:
         assert [r[name]["calls"] for r in results] == [[comm]] * d, name
         cu = padded_cu(docs, d)

@@ -19,8 +19,8 @@ The contract with the attention (``docs/runtime.md``, "Packed micro-batch contra
   A document of ``L`` tokens therefore contributes ``L - 1`` loss tokens, exactly what one device
   running the same packed documents trains, so the loss is the same.
 
-Everything is numpy and proportional to this rank's slice (plus ``O(#docs)``), because dispatch
-runs on the host every step.
+Everything is numpy and proportional to this rank's share (plus ``O(#docs * d)`` for the ring
+layout's remainder list), because dispatch runs on the host every step.
 """
 
 from __future__ import annotations

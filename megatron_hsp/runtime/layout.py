@@ -45,14 +45,15 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths) + np.arange(total)
 
 
-def _check(cu: np.ndarray, ring: int) -> int:
+def _check(cu: np.ndarray, ranks: int) -> int:
+    """The buffer length ``cu[-1]``; raises unless it splits evenly over ``ranks``."""
     total = int(cu[-1]) if cu.size else 0
-    if ring < 1:
-        raise ValueError(f"ring degree must be >= 1, got {ring}")
-    if total % ring:
+    if ranks < 1:
+        raise ValueError(f"the layout needs >= 1 rank, got {ranks}")
+    if total % ranks:
         raise ValueError(
-            f"group buffer of {total} tokens does not split over ring degree {ring}: dispatch "
-            f"pads it to a multiple of the group size (dispatch.padding_for)"
+            f"group buffer of {total} tokens does not split over {ranks} ranks: dispatch pads it "
+            "to a multiple of the group size (dispatch.padding_for)"
         )
     return total
 
@@ -110,12 +111,20 @@ def layout_order(cu_seqlens: Sequence[int] | np.ndarray, ulysses: int, ring: int
     )
 
 
-def scatter(values: np.ndarray, cu_seqlens, ulysses: int, ring: int, group_rank: int):
+def scatter(
+    values: np.ndarray,
+    cu_seqlens: Sequence[int] | np.ndarray,
+    ulysses: int,
+    ring: int,
+    group_rank: int,
+) -> np.ndarray:
     """This rank's share of a buffer-ordered array (first axis is the token)."""
     return values[rank_tokens(cu_seqlens, ulysses, ring, group_rank)]
 
 
-def gather(pieces: Sequence[np.ndarray], cu_seqlens, ulysses: int, ring: int) -> np.ndarray:
+def gather(
+    pieces: Sequence[np.ndarray], cu_seqlens: Sequence[int] | np.ndarray, ulysses: int, ring: int
+) -> np.ndarray:
     """Inverse of ``scatter``: every rank's share (in group-rank order) back in buffer order."""
     joined = np.concatenate(list(pieces))
     out = np.empty_like(joined)
@@ -123,7 +132,9 @@ def gather(pieces: Sequence[np.ndarray], cu_seqlens, ulysses: int, ring: int) ->
     return out
 
 
-def causal_pairs_per_position(cu_seqlens, ulysses: int, ring: int) -> list[int]:
+def causal_pairs_per_position(
+    cu_seqlens: Sequence[int] | np.ndarray, ulysses: int, ring: int
+) -> list[int]:
     """Causal attention work of each ring position: query-key pairs of its queries (own segment,
     key index <= query index). What the load balancing equalises."""
     cu = np.asarray(cu_seqlens, dtype=np.int64)
