@@ -4,7 +4,8 @@ Injected through megatron-core's layer spec (``megatron_hsp.megatron.spec``), ne
 ``GPTModel``. Per micro-batch the schedule passes a ``PackedSeqParams`` (``qkv_format="thd"``)
 whose ``cp_group`` is that micro-batch's sequence-parallel group and whose ``cu_seqlens_q`` describe
 the group's WHOLE packed buffer (all documents plus a trailing padding segment, total a multiple of
-the group size ``d``); group rank ``i`` holds tokens ``[i*T/d, (i+1)*T/d)`` of it.
+the group size ``d``); group rank ``i`` holds the tokens ``layout.rank_tokens(cu, u, r, i)`` of it
+(contiguous slice ``i`` for pure Ulysses, the load-balanced 2r-chunk layout for ring degree r > 1).
 
 Data flow on one rank (``np``/``ng`` = query/KV heads per tensor-parallel rank)::
 
@@ -30,6 +31,7 @@ import itertools
 import math
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -43,7 +45,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hsp.planner.groupspace import kv_copies
-from megatron_hsp.runtime.ring import ring_attention, ring_token_range
+from megatron_hsp.runtime.layout import rank_tokens, ring_position_tokens, te_cp_arguments
+from megatron_hsp.runtime.ring import ring_attention
 
 # ---------------------------------------------------------------------------------------------
 # Group-size rules (start-up check and the per-call check share them)
@@ -397,10 +400,12 @@ class TEAttentionBackend:
         self._config = config
         self._layer_number = layer_number
         self._dropout = dropout
-        self._modules: dict[tuple[int, int, int, float], torch.nn.Module] = {}
+        self._modules: dict[tuple[int, int, int, float, bool], torch.nn.Module] = {}
+        self._cp_stream = None
 
-    def _module(self, hq: int, hk: int, dim: int, scale: float) -> torch.nn.Module:
-        key = (hq, hk, dim, scale)
+    def _module(self, hq: int, hk: int, dim: int, scale: float, cp: bool = False):
+        # Context-parallel calls get their own modules: the CP group is module state in TE.
+        key = (hq, hk, dim, scale, cp)
         if key not in self._modules:
             import transformer_engine.pytorch as te
 
@@ -436,6 +441,51 @@ class TEAttentionBackend:
             max_seqlen_kv=max_seqlen,
             attn_mask_type="padding_causal",
         )
+        return out.reshape(q.size(0), q.size(1), q.size(2))
+
+    def context_parallel(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        group: dist.ProcessGroup,
+        ulysses_group: dist.ProcessGroup | None,
+        ring_group: dist.ProcessGroup,
+        *,
+        softmax_scale: float,
+    ) -> torch.Tensor | None:
+        """TE's own context-parallel attention for a Ulysses x ring group, or None.
+
+        UNPROVEN ON GPU (no TE run in this project yet; docs/runtime.md). Takes this rank's LOCAL
+        shard (``layout.rank_tokens``, before any all-to-all; RoPE already applied) with all
+        heads of the TP rank and returns the local output [T/d, hq, D]. TE runs the Ulysses
+        all-to-all over ``ulysses_group`` and the KV ring over ``ring_group`` itself
+        (``cp_comm_type`` "a2a+p2p"; "p2p" for pure ring). None when a segment is not a multiple
+        of ``2d`` (``layout.te_cp_arguments``): the caller then runs the torch ring path.
+        """
+        u = 1 if ulysses_group is None else ulysses_group.size()
+        r = ring_group.size()
+        args = te_cp_arguments(cu_seqlens.detach().cpu().numpy(), u, r)
+        if args is None:
+            return None
+        if not q.is_cuda:
+            raise RuntimeError("the Transformer Engine attention backend needs CUDA tensors")
+        if self._cp_stream is None:
+            self._cp_stream = torch.cuda.Stream()
+        mod = self._module(q.size(1), k.size(1), q.size(2), softmax_scale, cp=True)
+        comm = args["cp_comm_type"]
+        mod.set_context_parallel_group(
+            [ulysses_group, ring_group] if comm == "a2a+p2p" else ring_group,
+            [dist.get_global_rank(group, i) for i in range(group.size())],
+            self._cp_stream,
+            comm,
+        )
+        fwd = {
+            key: torch.from_numpy(val).to(q.device) if isinstance(val, np.ndarray) else val
+            for key, val in args["forward"].items()
+        }
+        out = mod(q.contiguous(), k.contiguous(), v.contiguous(), **fwd)
         return out.reshape(q.size(0), q.size(1), q.size(2))
 
 
@@ -591,6 +641,8 @@ class HSPCoreAttention(MegatronModule):
             _checked_cu_seqlens(p, total, d)
             cache["checked"] = key_now
             cache.pop("positions", None)
+            cache.pop("ring_index", None)
+            cache.pop("local_index", None)
 
         nq, nkv = query.size(1), key.size(1)
         ulysses_group, ring_group = cache.get("hybrid", (group, None))
@@ -612,9 +664,28 @@ class HSPCoreAttention(MegatronModule):
             key = key.repeat_interleave(copies, dim=1)
             value = value.repeat_interleave(copies, dim=1)
 
+        layout_ring = cache.get("layout_ring")
+        if layout_ring is not None and layout_ring != r:
+            raise ValueError(
+                f"the micro-batch was dispatched in the ring-{layout_ring} token layout but its "
+                f"group runs ring degree {r}: dispatch with the registry's split "
+                "(dispatch(..., ring_of=schedule.registry_ring(registry)))"
+            )
+        te_route = getattr(self.backend, "context_parallel", None) if r > 1 else None
+        if te_route is not None:
+            out = self._te_context_parallel(te_route, query, key, value, p, cache, total)
+            if out is not None:
+                return out.reshape(local, nq * self.head_dim)
         q, k, v = _qkv_seq_to_head(query, key, value, ulysses_group)
-        # This rank now holds ring position j's contiguous slice of the buffer, its h/u heads.
-        lo, hi = (0, total) if r == 1 else ring_token_range(dist.get_rank(group), u, r, total)
+        # This rank now holds ring position j's tokens (load-balanced 2d-chunk layout,
+        # runtime/layout.py, the function dispatch used), for its h/u heads.
+        index = None
+        if r > 1:
+            if "ring_index" not in cache:
+                j = dist.get_rank(group) // u
+                held = ring_position_tokens(cu.detach().cpu().numpy(), u, r, j)
+                cache["ring_index"] = torch.from_numpy(held).to(q.device)
+            index = cache["ring_index"]
 
         if isinstance(p, HSPPackedSeqParams) and (
             p.rotary_q_freqs is not None or p.rotary_k_freqs is not None
@@ -622,7 +693,7 @@ class HSPCoreAttention(MegatronModule):
             first = "positions" not in cache  # range-check the table once per micro-batch
             if first:
                 cache["positions"] = positions_in_documents(cu, total)
-            pos = cache["positions"][lo:hi]
+            pos = cache["positions"] if index is None else cache["positions"][index]
             if p.rotary_q_freqs is not None:
                 q = apply_rope_packed(
                     q, p.rotary_q_freqs, pos, self.config, p.rotary_mscale, check_range=first
@@ -635,7 +706,6 @@ class HSPCoreAttention(MegatronModule):
         if r > 1:
             if dropout_p > 0:
                 raise NotImplementedError("HSP ring attention does not support attention dropout")
-            index = torch.arange(lo, hi, device=q.device)
             doc = torch.searchsorted(cu.to(q.device, torch.int64), index, right=True)
             out = ring_attention(q, k, v, index, doc, ring_group, self.softmax_scale)
         else:
@@ -643,6 +713,39 @@ class HSPCoreAttention(MegatronModule):
             out = self._attend(q, k, v, cu, max_seqlen, dropout_p)
         out = all_to_all_head_to_seq(out, ulysses_group)
         return out.reshape(local, nq * self.head_dim)
+
+    def _te_context_parallel(self, te_route, query, key, value, p, cache, total):
+        """The backend's own context-parallel route (TE) on this rank's local shard, or None."""
+        group = p.cp_group
+        ulysses_group, ring_group = cache["hybrid"]
+        u = 1 if ulysses_group is None else ulysses_group.size()
+        cu = p.cu_seqlens_q
+        if isinstance(p, HSPPackedSeqParams) and (
+            p.rotary_q_freqs is not None or p.rotary_k_freqs is not None
+        ):
+            # RoPE is per token and head, so it can run on the local shard before TE's a2a.
+            if "positions" not in cache:
+                cache["positions"] = positions_in_documents(cu, total)
+            if "local_index" not in cache:
+                held = rank_tokens(cu.detach().cpu().numpy(), u, ring_group.size(), group.rank())
+                cache["local_index"] = torch.from_numpy(held).to(query.device)
+            pos = cache["positions"][cache["local_index"]]
+            if p.rotary_q_freqs is not None:
+                query = apply_rope_packed(
+                    query, p.rotary_q_freqs, pos, self.config, p.rotary_mscale
+                )
+            if p.rotary_k_freqs is not None:
+                key = apply_rope_packed(key, p.rotary_k_freqs, pos, self.config, p.rotary_mscale)
+        return te_route(
+            query,
+            key,
+            value,
+            cu,
+            group,
+            ulysses_group,
+            ring_group,
+            softmax_scale=self.softmax_scale,
+        )
 
 
 class HSPSelfAttention(SelfAttention):

@@ -8,28 +8,32 @@ The contract with the attention (``docs/runtime.md``, "Packed micro-batch contra
   ``T = T_real + P``.
 * ``cu_seqlens`` (int32, length ``#docs + 1``, plus one entry when ``P > 0``) describes the whole
   group buffer, padding segment included, so the attention never mixes padding with a document.
-* Slot ``i`` of the group holds the contiguous slice ``[i*T/d, (i+1)*T/d)`` of ``input_ids``,
-  ``labels``, ``loss_mask`` and ``position_ids``; a document may straddle slots.
+* Slot ``i`` of the group holds the tokens ``layout.rank_tokens(cu_seqlens, u, r, i)`` of
+  ``input_ids``, ``labels``, ``loss_mask`` and ``position_ids``, for the group's Ulysses x ring
+  split ``(u, r)``: the contiguous slice ``[i*T/d, (i+1)*T/d)`` when ``r == 1``, the
+  load-balanced ``2r``-chunk layout of every document when ``r > 1`` (``runtime/layout.py``). The
+  attention reads the same function, so the two cannot disagree; a document may straddle slots.
 * ``position_ids`` restart at 0 for every document (and for the padding segment).
 * Labels: ``labels[t] = token[t+1]`` of the same document; the last token of each document has no
   target and ``loss_mask`` 0. Padding tokens have id ``pad_id``, label ``pad_id`` and mask 0.
   A document of ``L`` tokens therefore contributes ``L - 1`` loss tokens, exactly what one device
   running the same packed documents trains, so the loss is the same.
 
-Everything is numpy and proportional to this rank's slice (plus ``O(#docs)``), because dispatch
-runs on the host every step.
+Everything is numpy and proportional to this rank's share (plus ``O(#docs * d)`` for the ring
+layout's remainder list), because dispatch runs on the host every step.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from megatron_hsp.planner.errors import InputError, PlanError
 from megatron_hsp.planner.plan import Group, Plan
+from megatron_hsp.runtime.layout import rank_tokens
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class PackedMicroBatch:
     max_seqlen: int
     group_tokens: int
     padded_tokens: int
+    ring: int = 1  # ring degree of the token layout (``layout.rank_tokens``); 1: contiguous
 
     @property
     def group_size(self) -> int:
@@ -138,9 +143,16 @@ def pack_group_slice(
     microbatch: int = 0,
     local_multiple: int = 1,
     pad_id: int = 0,
+    ring: int = 1,
 ) -> PackedMicroBatch:
-    """Pack this ``slot``'s slice of ``group``'s buffer (see the module docstring)."""
+    """Pack this ``slot``'s share of ``group``'s buffer (see the module docstring).
+
+    ``ring``: the ring degree the group's attention runs with (``groupspace.HeadSpace.split``);
+    it decides the token layout and must equal what the attention uses.
+    """
     d = group.size
+    if ring < 1 or d % ring:
+        raise InputError(f"ring degree {ring} does not divide the group size {d}")
     i = group.ranks.index(slot) if slot in group.ranks else -1
     if i < 0:
         raise InputError(f"slot {slot} is not in the group of slots {list(group.ranks)[:8]}")
@@ -164,28 +176,26 @@ def pack_group_slice(
     t_real = int(cum[-1])
     pad = padding_for(t_real, d, local_multiple)
     t_total = t_real + pad
-    share = t_total // d
-    a, b = i * share, (i + 1) * share
-    b_real = min(b, t_real)
-
-    # Real tokens of the slice: j in [a, b_real) -> document k, offset pos inside it.
-    j = np.arange(a, max(a, b_real), dtype=np.int64)
-    k = np.searchsorted(cum, j, side="right") - 1
-    pos = j - cum[k]
-    flat = starts[k] + pos
-    last = pos == lens[k] - 1
-    nxt = batch.tokens[np.minimum(flat + 1, batch.tokens.size - 1)]
-    n_pad_local = b - max(a, b_real)
-    pad_start = max(a, t_real) - t_real  # position inside the padding segment
-
-    input_ids = np.concatenate([batch.tokens[flat], np.full(n_pad_local, pad_id, np.int64)])
-    labels = np.concatenate([np.where(last, pad_id, nxt), np.full(n_pad_local, pad_id, np.int64)])
-    loss_mask = np.concatenate([(~last).astype(np.float32), np.zeros(n_pad_local, np.float32)])
-    position_ids = np.concatenate(
-        [pos, np.arange(pad_start, pad_start + n_pad_local, dtype=np.int64)]
-    )
-    doc_ids = np.concatenate([seq_ids[k], np.full(n_pad_local, -1, np.int64)])
     cu = np.append(cum, t_total) if pad else cum
+    idx = rank_tokens(cu, d // ring, ring, i)  # buffer indices this slot holds, in order
+    real = idx < t_real
+    n = max(seq_ids.size, 1)
+    k = np.minimum(np.searchsorted(cum, idx, side="right") - 1, n - 1)
+    if seq_ids.size:
+        pos = np.where(real, idx - cum[k], idx - t_real)  # padding: position in its segment
+        flat = np.where(real, starts[k] + pos, 0)
+        last = real & (pos == lens[k] - 1)
+        has_target = real & ~last
+        nxt = batch.tokens[np.minimum(flat + 1, batch.tokens.size - 1)]
+        input_ids = np.where(real, batch.tokens[flat], pad_id)
+        labels = np.where(has_target, nxt, pad_id)
+        doc_ids = np.where(real, seq_ids[k], -1)
+    else:  # an empty group: nothing to hold
+        pos = flat = idx
+        has_target = np.zeros(0, dtype=bool)
+        input_ids = labels = doc_ids = idx
+    loss_mask = has_target.astype(np.float32)
+    position_ids = pos.astype(np.int64)
     return PackedMicroBatch(
         microbatch=microbatch,
         group_ranks=tuple(group.ranks),
@@ -200,6 +210,7 @@ def pack_group_slice(
         max_seqlen=int(max(int(lens.max()) if lens.size else 0, pad)),
         group_tokens=t_real,
         padded_tokens=t_total,
+        ring=ring,
     )
 
 
@@ -210,8 +221,15 @@ def dispatch(
     *,
     local_multiple: int = 1,
     pad_id: int = 0,
+    ring_of: Callable[[Group], int] | None = None,
 ) -> list[PackedMicroBatch]:
-    """This slot's packed share of every micro-batch of ``plan``, in plan order."""
+    """This slot's packed share of every micro-batch of ``plan``, in plan order.
+
+    ``ring_of(group)``: the ring degree the runtime runs ``group`` with (the process-group
+    registry's split, ``schedule.step_inputs`` passes it); default: the split the plan recorded
+    (``Group.ring``; 0, i.e. unrecorded, means 1). The attention refuses a pack whose layout ring
+    degree differs from its own (``attention._forward_thd``).
+    """
     if not 0 <= slot < plan.world_size:
         raise InputError(f"slot {slot} is outside the plan's 0..{plan.world_size - 1}")
     return [
@@ -222,9 +240,14 @@ def dispatch(
             microbatch=m,
             local_multiple=local_multiple,
             pad_id=pad_id,
+            ring=(ring_of or _plan_ring)(mb.group_of(slot)),
         )
         for m, mb in enumerate(plan.microbatches)
     ]
+
+
+def _plan_ring(group: Group) -> int:
+    return max(1, group.ring)
 
 
 def check_token_accounting(

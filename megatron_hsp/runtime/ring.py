@@ -1,10 +1,12 @@
 """Ring attention over the ring degree ``r`` of a hybrid (Ulysses x ring) group.
 
-After the Ulysses all-to-all over ``u`` ranks, ring position ``j`` of a group holds a slice of the
-group's packed buffer for its ``h/u`` heads. Ring attention keeps the queries in place and passes
-the K/V blocks around the ring (``r - 1`` point-to-point shifts); each step computes the partial
-attention of the local queries against the visiting block, as an output plus its log-sum-exp,
-and the partials are merged exactly by log-sum-exp (``merge_partials``).
+After the Ulysses all-to-all over ``u`` ranks, ring position ``j`` of a group holds its share of
+the group's packed buffer (``layout.ring_position_tokens``: the load-balanced ``2r``-chunk
+layout, so every position does near-equal causal work) for its ``h/u`` heads. Ring attention
+keeps the queries in place and passes the K/V blocks around the ring (``r - 1`` point-to-point
+shifts); each step computes the partial attention of the local queries against the visiting
+block, as an output plus its log-sum-exp, and the partials are merged exactly by log-sum-exp
+(``merge_partials``).
 
 The mask is computed from each token's index in the group's buffer and its document, so it holds
 for any assignment of tokens to ring positions: a token attends to keys of its own document at
@@ -127,36 +129,9 @@ def ring_attention(
     return out
 
 
-def ring_token_range(group_rank: int, ulysses: int, ring: int, total: int) -> tuple[int, int]:
-    """Buffer tokens ``[lo, hi)`` that a group rank holds after the Ulysses all-to-all.
-
-    Group rank ``i`` is ring position ``i // ulysses``; dispatch gives group rank ``i`` the
-    contiguous slice ``i`` of the buffer, so the ``ulysses`` ranks of one ring position together
-    hold its contiguous ``total / ring`` tokens. Attention's mask and RoPE positions rely on this
-    agreeing with dispatch (the selftest's "wrong chunk order" mutation breaks exactly this).
-    """
-    span = total // ring
-    j = group_rank // ulysses
-    return j * span, (j + 1) * span
-
-
-def ring_chunk_order(length: int, ring: int) -> list[list[tuple[int, int]]]:
-    """Load-balanced causal chunking of one document over ``ring`` positions.
-
-    The document is cut into ``2 * ring`` near-equal chunks; position ``i`` holds chunks ``i`` and
-    ``2 * ring - 1 - i``, so every position gets one early (cheap) and one late (expensive) chunk
-    of the causal triangle. Returns, per position, its ``(start, end)`` token ranges.
-    """
-    n = 2 * ring
-    bounds = [length * c // n for c in range(n + 1)]
-    return [[(bounds[i], bounds[i + 1]), (bounds[n - 1 - i], bounds[n - i])] for i in range(ring)]
-
-
 __all__ = [
     "merge_partials",
     "partial_attention",
     "ring_attention",
-    "ring_chunk_order",
     "ring_shift",
-    "ring_token_range",
 ]

@@ -71,8 +71,11 @@ def packed_seq_params(
         cp_group=group,
         local_cp_size=pack.group_size,
     )
+    # The token layout dispatch used (``layout.rank_tokens``); attention checks it against the
+    # ring degree it runs with, so a plan/registry split mismatch fails loudly.
+    out._hsp_cache = {"layout_ring": pack.ring}
     if hybrid is not None:
-        out._hsp_cache = {"hybrid": hybrid}
+        out._hsp_cache["hybrid"] = hybrid
     return out
 
 
@@ -94,6 +97,16 @@ def to_model_inputs(
     )
 
 
+def registry_ring(registry: GroupRegistry):
+    """``dispatch``'s ``ring_of``: the ring degree the registry's sub-groups run a group with."""
+
+    def ring_of(group) -> int:
+        hybrid = registry.hybrid(group.size, group.ranks[0] // group.size)
+        return 1 if hybrid is None or hybrid[1] is None else hybrid[1].size()
+
+    return ring_of
+
+
 def step_inputs(
     batch: GlobalBatch,
     plan: Plan,
@@ -104,7 +117,9 @@ def step_inputs(
 ) -> list[ModelInputs | None]:
     """This rank's model inputs for every micro-batch of ``plan`` (None: its group trains nothing
     in that micro-batch), each bound to the plan group's process group."""
-    packs = dispatch(batch, plan, registry.slot, local_multiple=local_multiple)
+    packs = dispatch(
+        batch, plan, registry.slot, local_multiple=local_multiple, ring_of=registry_ring(registry)
+    )
     return [
         None
         if p.empty

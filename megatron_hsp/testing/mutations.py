@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 CATCH_MARGIN = 100.0
@@ -174,13 +175,27 @@ def _merge_without_lse(merge_partials: Callable) -> Callable:
     return merge
 
 
-def _reversed_chunk_order(ring_token_range: Callable) -> Callable:
-    def reversed_range(group_rank, ulysses, ring, total):
-        j = group_rank // ulysses
-        mirrored = (ring - 1 - j) * ulysses + group_rank % ulysses
-        return ring_token_range(mirrored, ulysses, ring, total)
+def _swapped_chunks(ring_position_tokens: Callable) -> Callable:
+    """Attention believes each rank stores chunk ``2d-1-i`` of a document before chunk ``i``
+    (dispatch stored ``i`` first): the two chunks' mask and RoPE positions are swapped."""
 
-    return reversed_range
+    def swapped(cu_seqlens, ulysses, ring, position):
+        held = ring_position_tokens(cu_seqlens, ulysses, ring, position)
+        d = ulysses * ring
+        if ring < 2:
+            return held
+        q = (np.diff(np.asarray(cu_seqlens, dtype=np.int64)) // (2 * d)).tolist()
+        share = held.size // ulysses
+        parts = []
+        for a in range(ulysses):
+            piece, at = held[a * share : (a + 1) * share], 0
+            for n in q:
+                parts += [piece[at + n : at + 2 * n], piece[at : at + n]]
+                at += 2 * n
+            parts.append(piece[at:])
+        return np.concatenate(parts)
+
+    return swapped
 
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -233,10 +248,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "wrong-ring-chunk-order",
-        "attention assumes ring position j holds chunk r-1-j of the buffer while dispatch gave it "
-        "chunk j (mask and RoPE positions of the wrong tokens)",
-        "megatron_hsp.runtime.ring:ring_token_range",
-        _reversed_chunk_order,
+        "attention assumes each rank stores its two chunks of a document in the opposite order "
+        "from dispatch's load-balanced layout (chunk 2d-1-i before chunk i): mask and RoPE "
+        "positions of the wrong tokens",
+        "megatron_hsp.runtime.attention:ring_position_tokens",
+        _swapped_chunks,
+        everywhere=False,
     ),
     Mutation(
         "group-gradients-not-reduced",
