@@ -16,6 +16,7 @@ Pipeline (each stage keeps the best plan so far, so the budget can cut in anywhe
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -32,7 +33,7 @@ from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 from megatron_hsp.planner.topology import Cluster
 
 BACKENDS = ("highs", "cbc")
-CHUNKINGS = ("time-lpt", "contiguous-tokens")
+CHUNKINGS = ("time-lpt", "long-grouped", "contiguous-tokens")
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,10 @@ def _chunkings(inst: Instance, m: int, kinds: tuple[str, ...]) -> list[tuple[str
     out = []
     if "time-lpt" in kinds:
         out.append((f"time-lpt/{m}", chunk_time_balanced(inst, m)))
+    if "long-grouped" in kinds:
+        grouped = chunk_long_grouped(inst, m)
+        if grouped is not None:
+            out.append((f"long-grouped/{len(grouped)}", grouped))
     if "contiguous-tokens" in kinds:
         out.append((f"contiguous-tokens/{m}", chunk_contiguous(inst, m, "tokens")))
     seen: set[tuple[tuple[int, ...], ...]] = set()
@@ -174,6 +179,78 @@ def _chunkings(inst: Instance, m: int, kinds: tuple[str, ...]) -> list[tuple[str
             seen.add(key)
             unique.append((label, chunks))
     return unique
+
+
+def chunk_long_grouped(inst: Instance, m: int) -> list[list[int]] | None:
+    """Long sequences packed by rank need, similar times together; short ones fill the gaps.
+
+    Why: when many sequences each need a multi-rank group (long-context SFT mixes, bimodal
+    batches), token-based chunkings put more long sequences in a micro-batch than its ranks can
+    hold once group sizes are rounded up to legal ones (a 100k sequence needing 17 ranks takes a
+    group of 24), so every count near the memory floor is infeasible and the solver falls back to
+    many extra micro-batches; and spreading the longest ones puts a 6 s group beside 3 s ones.
+    Here sequences that cannot run on one rank go first-fit decreasing (by best time) into
+    micro-batches by the size of the smallest group that holds each alone, so the ranks always
+    suffice and neighbours have similar times; the rest go longest first to the micro-batch whose
+    estimated makespan (its longest sequence, or its work over all ranks) grows least, within
+    the token room beside the long groups. Uses at least ``m`` micro-batches; None if a
+    micro-batch would be empty.
+    """
+    n, cap = inst.world_size, inst.cap
+    long_ids = sorted(
+        (i for i in range(len(inst.lengths)) if inst.lengths[i] > cap),
+        key=lambda i: (-inst.best[i], i),
+    )
+    chunks: list[list[int]] = []
+    ranks: list[int] = []
+    room: list[float] = []  # tokens short sequences may still take
+    crit: list[float] = []
+    work: list[float] = []
+    for i in long_ids:
+        need = inst.sizes[inst.dmin[i]]
+        slack = need * cap - inst.lengths[i]
+        for b in range(len(chunks)):
+            if ranks[b] + need <= n:
+                chunks[b].append(i)
+                ranks[b] += need
+                room[b] += slack - need * cap
+                work[b] += inst.work_min[i]
+                break
+        else:
+            chunks.append([i])
+            ranks.append(need)
+            room.append(float(n * cap) - inst.lengths[i])
+            crit.append(inst.best[i])
+            work.append(inst.work_min[i])
+    while len(chunks) < m:
+        chunks.append([])
+        ranks.append(0)
+        room.append(float(n * cap))
+        crit.append(0.0)
+        work.append(0.0)
+    base = inst.min_fixed
+    for i in sorted(
+        set(range(len(inst.lengths))) - set(long_ids), key=lambda i: (-inst.lengths[i], i)
+    ):
+        ln, w = inst.lengths[i], inst.work_min[i]
+        chosen, best_key = -1, (math.inf, math.inf)
+        for b in range(len(chunks)):
+            if room[b] < ln:
+                continue
+            before = max(crit[b], base + work[b] / n)
+            after = max(crit[b], inst.best[i], base + (work[b] + w) / n)
+            key = (after - before, work[b])
+            if key < best_key:
+                chosen, best_key = b, key
+        if chosen < 0:
+            return None
+        chunks[chosen].append(i)
+        room[chosen] -= ln
+        work[chosen] += w
+        crit[chosen] = max(crit[chosen], inst.best[i])
+    if any(not c for c in chunks):
+        return None
+    return chunks
 
 
 def _schedule_chunks(
