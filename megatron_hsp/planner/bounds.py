@@ -191,6 +191,7 @@ def lp_lower_bound_ms(
     time_limit_s: float = 20.0,
     crit_share: float = 0.05,
     price_limit_s: float = 1.0,
+    upper_ms: float | None = None,
 ) -> LpBound:
     """Configuration-LP bound of one batch (see ``instance_lp_bound``)."""
     allowed = resolve_sizes(cost, cluster, sizes)
@@ -204,6 +205,7 @@ def lp_lower_bound_ms(
         time_limit_s=time_limit_s,
         crit_share=crit_share,
         price_limit_s=price_limit_s,
+        upper_ms=upper_ms,
     )
 
 
@@ -216,6 +218,7 @@ def instance_lp_bound(
     time_limit_s: float = 20.0,
     crit_share: float = 0.05,
     price_limit_s: float = 1.0,
+    upper_ms: float | None = None,
 ) -> LpBound:
     """Step time no plan beats, from the LP relaxation of a micro-batch-pattern formulation.
 
@@ -241,10 +244,13 @@ def instance_lp_bound(
 
     (``F_p``: the pattern's fixed rank-ms; ``W``: the batch's exact ``sum work_min``, which makes
     up for the rounded-down class lengths; an empty pattern with ``M = 1`` keeps it feasible.)
-    Columns come from a pricing MILP (HiGHS). When it stops early, Farley's bound
-    ``z_RMP / (1 + max(0, z*) / M_low)`` is returned: every pattern has ``M >= M_low > 0``, so
-    the duals scaled by that factor are feasible. ``z*`` is the pricing MILP's dual bound, so the
-    result is valid whatever limit stopped it.
+    Columns come from a pricing MILP (HiGHS). When a limit stops it first, the larger of two
+    valid bounds is returned, both from the last duals (objective ``D``) and ``z*``, the pricing
+    MILP's dual bound on the best reduced value: Farley's ``D / (1 + z* / M_low)`` (every
+    pattern has ``M >= M_low > 0``, so the scaled duals are feasible), and the Lagrangian
+    ``D - m_max z*`` (a plan of ``m`` micro-batches costs at least ``D - m z*``; ``m_max`` is the
+    sequence count, or ``upper_ms / b_min`` when a plan's step time ``upper_ms`` is given, since
+    no better plan has more micro-batches than that).
     """
     import highspy
 
@@ -371,6 +377,14 @@ def instance_lp_bound(
                 counts[k] = counts.get(k, 0) + x[v]
         f_p = sum(sizes[j] * fixed[j] * round(x[gvar[j]]) for j in range(len(sizes)))
         add_column(float(x[mvar]), counts, f_p)
+    dual_obj = sum(p * c for p, c in zip(pi, count, strict=True)) + sigma * w_true
     converged = z_star <= 1e-7 * max(1.0, z_rmp)
-    bound = z_rmp if converged else z_rmp / (1.0 + z_star / m_low)
+    # A plan of m micro-batches costs at least dual_obj - m z*, and m <= upper / b_min.
+    most_mbs = len(inst.lengths)
+    if upper_ms is not None and inst.min_fixed > 0:
+        most_mbs = min(most_mbs, math.floor(upper_ms / inst.min_fixed))
+    if converged:
+        bound = min(z_rmp, dual_obj)
+    else:
+        bound = max(dual_obj / (1.0 + z_star / m_low), dual_obj - most_mbs * z_star, 0.0)
     return LpBound(bound * (1 - 1e-7), z_rmp, converged, iterations, nk)
