@@ -189,7 +189,7 @@ def lp_lower_bound_ms(
     rel_width: float = 0.05,
     max_iterations: int = 400,
     time_limit_s: float = 20.0,
-    crit_share: float = 0.05,
+    crit_share: float = 0.3,
     price_limit_s: float = 1.0,
     upper_ms: float | None = None,
 ) -> LpBound:
@@ -216,7 +216,7 @@ def instance_lp_bound(
     rel_width: float = 0.05,
     max_iterations: int = 400,
     time_limit_s: float = 20.0,
-    crit_share: float = 0.05,
+    crit_share: float = 0.3,
     price_limit_s: float = 1.0,
     upper_ms: float | None = None,
 ) -> LpBound:
@@ -255,7 +255,7 @@ def instance_lp_bound(
     import highspy
 
     t_end = time.perf_counter() + time_limit_s
-    n_ranks, cap = inst.world_size, inst.cap
+    n_ranks = inst.world_size
     sizes = inst.sizes
     order = sorted(range(len(inst.lengths)), key=lambda i: inst.lengths[i])
     classes: list[list[int]] = []
@@ -315,9 +315,11 @@ def instance_lp_bound(
     avar: dict[tuple[int, int], int] = {}
     zvar: dict[tuple[int, int], int] = {}
     best_k = [min(tk[k][j] + fixed[j] for j in fits[k]) for k in range(nk)]
-    # Only classes that could set a micro-batch's makespan keep integer counts and a critical-
-    # path binary; the rest are fractional (a relaxation: more patterns, so still a bound).
-    critical = [rep[k] > cap or best_k[k] >= crit_share * max(best_k) for k in range(nk)]
+    # Only classes whose best time is at least ``crit_share`` of the longest keep integer counts
+    # and a critical-path binary; the rest are fractional and never bind M (a relaxation: more
+    # patterns, so still a bound). 0.3 made column generation 3-4x faster than 0.05 on the suite's
+    # code-heavy-tail and bimodal batches, at the same restricted-master value.
+    critical = [best_k[k] >= crit_share * max(best_k) for k in range(nk)]
     for k in range(nk):
         for j in fits[k]:
             most = min(count[k], (n_ranks // sizes[j]) * (cost.capacity(sizes[j]) // rep[k]))

@@ -33,7 +33,7 @@ from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 from megatron_hsp.planner.topology import Cluster
 
 BACKENDS = ("highs", "cbc")
-CHUNKINGS = ("time-lpt", "long-grouped", "contiguous-tokens")
+CHUNKINGS = ("time-lpt", "contiguous-tokens", "long-grouped")
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def _greedy_candidates(
     m = counts[0]
     tried = 0
     while True:
-        for label, chunks in _chunkings(inst, m, config.chunkings):
+        for label, chunks in _chunkings(inst, cluster, m, config.chunkings, m == counts[0]):
             if best is not None and time.perf_counter() > deadline:
                 return best
             cutoff = best.total if best is not None else float("inf")
@@ -161,16 +161,20 @@ def _greedy_candidates(
     return best
 
 
-def _chunkings(inst: Instance, m: int, kinds: tuple[str, ...]) -> list[tuple[str, list[list[int]]]]:
+def _chunkings(
+    inst: Instance, cluster: Cluster, m: int, kinds: tuple[str, ...], first: bool
+) -> list[tuple[str, list[list[int]]]]:
     out = []
     if "time-lpt" in kinds:
         out.append((f"time-lpt/{m}", chunk_time_balanced(inst, m)))
-    if "long-grouped" in kinds:
-        grouped = chunk_long_grouped(inst, m)
-        if grouped is not None:
-            out.append((f"long-grouped/{len(grouped)}", grouped))
     if "contiguous-tokens" in kinds:
         out.append((f"contiguous-tokens/{m}", chunk_contiguous(inst, m, "tokens")))
+    # Its count is set by the long sequences' rank needs, not by m: build it once, at the first
+    # count, so that it costs one schedule and never delays the other candidates' counts.
+    if "long-grouped" in kinds and first:
+        grouped = chunk_long_grouped(inst, cluster, m)
+        if grouped is not None:
+            out.append((f"long-grouped/{len(grouped)}", grouped))
     seen: set[tuple[tuple[int, ...], ...]] = set()
     unique = []
     for label, chunks in out:
@@ -181,7 +185,7 @@ def _chunkings(inst: Instance, m: int, kinds: tuple[str, ...]) -> list[tuple[str
     return unique
 
 
-def chunk_long_grouped(inst: Instance, m: int) -> list[list[int]] | None:
+def chunk_long_grouped(inst: Instance, cluster: Cluster, m: int) -> list[list[int]] | None:
     """Long sequences packed by rank need, similar times together; short ones fill the gaps.
 
     Why: when many sequences each need a multi-rank group (long-context SFT mixes, bimodal
@@ -203,23 +207,29 @@ def chunk_long_grouped(inst: Instance, m: int) -> list[list[int]] | None:
     )
     chunks: list[list[int]] = []
     ranks: list[int] = []
-    room: list[float] = []  # tokens short sequences may still take
+    # Tokens short sequences may still take: only the ranks beside the long groups count, since
+    # the group builder does not reliably fill a long group's spare memory.
+    room: list[float] = []
     crit: list[float] = []
     work: list[float] = []
+    needs: list[list[GroupSpec]] = []  # one empty group per long sequence, for placement checks
     for i in long_ids:
         need = inst.sizes[inst.dmin[i]]
-        slack = need * cap - inst.lengths[i]
         for b in range(len(chunks)):
-            if ranks[b] + need <= n:
+            # Aligned rank blocks decide which mixes tile (32 + 24 does not on 64 ranks).
+            trial = [*needs[b], (need, ())]
+            if ranks[b] + need <= n and place_groups(inst, trial, cluster) is not None:
+                needs[b] = trial
                 chunks[b].append(i)
                 ranks[b] += need
-                room[b] += slack - need * cap
+                room[b] -= need * cap
                 work[b] += inst.work_min[i]
                 break
         else:
             chunks.append([i])
+            needs.append([(need, ())])
             ranks.append(need)
-            room.append(float(n * cap) - inst.lengths[i])
+            room.append(float((n - need) * cap))
             crit.append(inst.best[i])
             work.append(inst.work_min[i])
     while len(chunks) < m:
