@@ -141,7 +141,9 @@ def _greedy_candidates(
     m = counts[0]
     tried = 0
     while True:
-        for label, chunks in _chunkings(inst, cluster, m, config.chunkings, m == counts[0]):
+        for label, chunks in _chunkings(
+            inst, cluster, m, config.chunkings, m == counts[0], deadline
+        ):
             if best is not None and time.perf_counter() > deadline:
                 return best
             cutoff = best.total if best is not None else float("inf")
@@ -162,7 +164,12 @@ def _greedy_candidates(
 
 
 def _chunkings(
-    inst: Instance, cluster: Cluster, m: int, kinds: tuple[str, ...], first: bool
+    inst: Instance,
+    cluster: Cluster,
+    m: int,
+    kinds: tuple[str, ...],
+    first: bool,
+    deadline: float = math.inf,
 ) -> list[tuple[str, list[list[int]]]]:
     out = []
     if "time-lpt" in kinds:
@@ -172,7 +179,7 @@ def _chunkings(
     # Its count is set by the long sequences' rank needs, not by m: build it once, at the first
     # count, so that it costs one schedule and never delays the other candidates' counts.
     if "long-grouped" in kinds and first:
-        grouped = chunk_long_grouped(inst, cluster, m)
+        grouped = chunk_long_grouped(inst, cluster, m, deadline)
         if grouped is not None:
             out.append((f"long-grouped/{len(grouped)}", grouped))
     seen: set[tuple[tuple[int, ...], ...]] = set()
@@ -185,7 +192,9 @@ def _chunkings(
     return unique
 
 
-def chunk_long_grouped(inst: Instance, cluster: Cluster, m: int) -> list[list[int]] | None:
+def chunk_long_grouped(
+    inst: Instance, cluster: Cluster, m: int, deadline: float = math.inf
+) -> list[list[int]] | None:
     """Long sequences packed by rank need, similar times together; short ones fill the gaps.
 
     Why: when many sequences each need a multi-rank group (long-context SFT mixes, bimodal
@@ -198,13 +207,18 @@ def chunk_long_grouped(inst: Instance, cluster: Cluster, m: int) -> list[list[in
     suffice and neighbours have similar times; the rest go longest first to the micro-batch whose
     estimated makespan (its longest sequence, or its work over all ranks) grows least, within
     the token room beside the long groups. Uses at least ``m`` micro-batches; None if a
-    micro-batch would be empty.
+    micro-batch would be empty, if the long groups fit ``m`` micro-batches anyway, or past
+    ``deadline``.
     """
     n, cap = inst.world_size, inst.cap
     long_ids = sorted(
         (i for i in range(len(inst.lengths)) if inst.lengths[i] > cap),
         key=lambda i: (-inst.best[i], i),
     )
+    # Only worth building when the long sequences' own groups cannot fit the memory floor's
+    # micro-batches (otherwise token-based chunkings are feasible there and this costs time).
+    if sum(inst.sizes[inst.dmin[i]] for i in long_ids) <= n * m:
+        return None
     chunks: list[list[int]] = []
     ranks: list[int] = []
     # Tokens short sequences may still take: only the ranks beside the long groups count, since
@@ -214,6 +228,8 @@ def chunk_long_grouped(inst: Instance, cluster: Cluster, m: int) -> list[list[in
     work: list[float] = []
     needs: list[list[GroupSpec]] = []  # one empty group per long sequence, for placement checks
     for i in long_ids:
+        if time.perf_counter() > deadline:
+            return None
         need = inst.sizes[inst.dmin[i]]
         for b in range(len(chunks)):
             # Aligned rank blocks decide which mixes tile (32 + 24 does not on 64 ranks).
