@@ -143,6 +143,34 @@ def summarise(plans) -> dict[str, float]:
     }
 
 
+def lp_check(limit_s: float, budget: float) -> int:
+    """Both bounds and the LP's restricted master on the first batch of each suite distribution
+    (7b, 192k, 64 GPUs, 28 GB, 512 sequences, generators of benchmarks/suite.py, seed 0)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from suite import DISTRIBUTIONS, generate
+
+    from megatron_hsp.planner.bounds import lower_bound_ms, lp_lower_bound_ms
+
+    cluster = Cluster(64, 8)
+    cost = flexsp_cost_model("flexsp-gpt-7b", 64, 192, 28)
+    print(
+        "| distribution | hsp (s) | combinatorial (s) | LP bound (s) | LP master (s) | converged | "
+        "iterations | classes |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name in DISTRIBUTIONS[1:]:
+        b = generate(name, 512, 192_000, np.random.default_rng(0)).tolist()
+        plan = solve(b, cost, cluster, SolverConfig(time_budget_s=budget))
+        comb = lower_bound_ms(b, cost, cluster)
+        lp = lp_lower_bound_ms(b, cost, cluster, time_limit_s=limit_s, upper_ms=plan.est_step_ms)
+        print(
+            f"| {name} | {plan.est_step_ms / 1e3:.2f} | {comb / 1e3:.2f} | {lp.bound_ms / 1e3:.2f} "
+            f"| {lp.lp_ms / 1e3:.2f} | {lp.converged} | {lp.iterations} | {lp.classes} |",
+            flush=True,
+        )
+    return 0
+
+
 def xl_check(budget: float, steps: int = 3) -> int:
     """4096 GPUs, GBS 32768 (Wikipedia, 7b, 192k): is each solve shorter than its step?
 
@@ -178,9 +206,18 @@ def main() -> int:
         action="store_true",
         help="only the 4096-GPU / 32768-sequence check: solve time against the step it plans",
     )
+    ap.add_argument(
+        "--lp-check",
+        type=float,
+        metavar="SECONDS",
+        help="only the LP-bound check: column generation with this limit on one batch per "
+        "suite distribution, against the combinatorial bound and an hsp plan",
+    )
     args = ap.parse_args()
     if args.xl_only:
         return xl_check(args.budget)
+    if args.lp_check:
+        return lp_check(args.lp_check, args.budget)
     steps = 5 if args.quick else 20
     config = SolverConfig(time_budget_s=args.budget)
     raw = load_lengths()
