@@ -53,3 +53,20 @@ def test_long_grouped_beats_token_and_time_chunkings_on_a_bimodal_batch():
     with_it = solve(lengths, cost, cluster, SolverConfig(time_budget_s=5.0))
     assert with_it.extra["chunking"].startswith("long-grouped/")
     assert with_it.est_step_ms <= 0.97 * without.est_step_ms
+
+
+def test_tiny_budget_on_a_long_heavy_batch_keeps_a_packed_plan():
+    # Past the deadline with no candidate, the search falls back to one sequence per
+    # micro-batch. On long-heavy batches token-based chunkings are infeasible near the memory
+    # floor, so a loaded machine used to land there (twice the step time); the long-grouped
+    # chunking now runs first and ignores the deadline while no candidate exists.
+    cost, cluster = _setup()
+    rng = np.random.default_rng(1)
+    long = rng.random(512) < 0.3
+    x = np.where(long, rng.uniform(32_000, 192_000, 512), rng.lognormal(7.0, 0.8, 512))
+    lengths = np.clip(x, 128, 192_000).astype(int).tolist()
+    rushed = solve(lengths, cost, cluster, SolverConfig(time_budget_s=0.01))
+    relaxed = solve(lengths, cost, cluster, SolverConfig(time_budget_s=5.0))
+    assert rushed.extra["chunking"].startswith("long-grouped/")
+    assert len(rushed.microbatches) < 100
+    assert rushed.est_step_ms <= 1.1 * relaxed.est_step_ms

@@ -141,9 +141,9 @@ def _greedy_candidates(
     m = counts[0]
     tried = 0
     while True:
-        for label, chunks in _chunkings(
-            inst, cluster, m, config.chunkings, m == counts[0], deadline
-        ):
+        # The first candidate always runs, so its chunking ignores the deadline too.
+        until = deadline if best is not None else math.inf
+        for label, chunks in _chunkings(inst, cluster, m, config.chunkings, m == counts[0], until):
             if best is not None and time.perf_counter() > deadline:
                 return best
             cutoff = best.total if best is not None else float("inf")
@@ -172,16 +172,17 @@ def _chunkings(
     deadline: float = math.inf,
 ) -> list[tuple[str, list[list[int]]]]:
     out = []
-    if "time-lpt" in kinds:
-        out.append((f"time-lpt/{m}", chunk_time_balanced(inst, m)))
-    if "contiguous-tokens" in kinds:
-        out.append((f"contiguous-tokens/{m}", chunk_contiguous(inst, m, "tokens")))
     # Its count is set by the long sequences' rank needs, not by m: build it once, at the first
-    # count, so that it costs one schedule and never delays the other candidates' counts.
+    # count, and try it first: when it applies, token-based chunkings are infeasible at counts
+    # near the floor, and a loaded machine can spend the whole budget proving that.
     if "long-grouped" in kinds and first:
         grouped = chunk_long_grouped(inst, cluster, m, deadline)
         if grouped is not None:
             out.append((f"long-grouped/{len(grouped)}", grouped))
+    if "time-lpt" in kinds:
+        out.append((f"time-lpt/{m}", chunk_time_balanced(inst, m)))
+    if "contiguous-tokens" in kinds:
+        out.append((f"contiguous-tokens/{m}", chunk_contiguous(inst, m, "tokens")))
     seen: set[tuple[tuple[int, ...], ...]] = set()
     unique = []
     for label, chunks in out:
@@ -206,18 +207,18 @@ def chunk_long_grouped(
     micro-batches by the size of the smallest group that holds each alone, so the ranks always
     suffice and neighbours have similar times; the rest go longest first to the micro-batch whose
     estimated makespan (its longest sequence, or its work over all ranks) grows least, within
-    the token room beside the long groups. Uses at least ``m`` micro-batches; None if a
-    micro-batch would be empty, if the long groups fit ``m`` micro-batches anyway, or past
-    ``deadline``.
+    the token room beside the long groups. Up to ``m`` micro-batches, more if the long groups
+    need them (and one more whenever a short sequence finds no room); None if the long groups
+    fill less than half of ``m`` micro-batches' ranks, or past ``deadline``.
     """
     n, cap = inst.world_size, inst.cap
     long_ids = sorted(
         (i for i in range(len(inst.lengths)) if inst.lengths[i] > cap),
         key=lambda i: (-inst.best[i], i),
     )
-    # Only worth building when the long sequences' own groups cannot fit the memory floor's
-    # micro-batches (otherwise token-based chunkings are feasible there and this costs time).
-    if sum(inst.sizes[inst.dmin[i]] for i in long_ids) <= n * m:
+    # Only worth building when the long sequences' own groups fill more than half the memory
+    # floor's micro-batches: below that, token-based chunkings tile there and this costs time.
+    if 2 * sum(inst.sizes[inst.dmin[i]] for i in long_ids) <= n * m:
         return None
     chunks: list[list[int]] = []
     ranks: list[int] = []
@@ -268,15 +269,17 @@ def chunk_long_grouped(
             key = (after - before, work[b])
             if key < best_key:
                 chosen, best_key = b, key
-        if chosen < 0:
-            return None
+        if chosen < 0:  # the long groups left no room anywhere: a micro-batch of short ones
+            chunks.append([])
+            room.append(float(n * cap))
+            crit.append(0.0)
+            work.append(0.0)
+            chosen = len(chunks) - 1
         chunks[chosen].append(i)
         room[chosen] -= ln
         work[chosen] += w
         crit[chosen] = max(crit[chosen], inst.best[i])
-    if any(not c for c in chunks):
-        return None
-    return chunks
+    return [c for c in chunks if c]
 
 
 def _schedule_chunks(
