@@ -70,3 +70,17 @@ def test_tiny_budget_on_a_long_heavy_batch_keeps_a_packed_plan():
     assert rushed.extra["chunking"].startswith("long-grouped/")
     assert len(rushed.microbatches) < 100
     assert rushed.est_step_ms <= 1.1 * relaxed.est_step_ms
+
+
+def test_past_the_deadline_without_a_candidate_the_count_doubles():
+    # Only time-LPT, whose chunks do not tile near the memory floor on this batch: past the
+    # deadline the count doubles (one schedule each) instead of jumping to one sequence per
+    # micro-batch (512 here).
+    cost, cluster = _setup()
+    rng = np.random.default_rng(1)
+    long = rng.random(512) < 0.3
+    x = np.where(long, rng.uniform(32_000, 192_000, 512), rng.lognormal(7.0, 0.8, 512))
+    lengths = np.clip(x, 128, 192_000).astype(int).tolist()
+    plan = solve(lengths, cost, cluster, SolverConfig(time_budget_s=0.0, chunkings=("time-lpt",)))
+    assert len(plan.microbatches) <= 2 * 53 * 2
+    assert plan.extra["chunking"] != "time-lpt/512"

@@ -153,11 +153,13 @@ def _greedy_candidates(
                 best = cand
         if best is not None and m >= counts[-1]:
             return best
-        # Past the deadline with nothing yet: go straight to one sequence per micro-batch, the
-        # schedule that always fits (check_lengths guaranteed it), instead of every count between.
-        m = len(inst.lengths) if time.perf_counter() > deadline else m + 1
-        if m > len(inst.lengths):
+        # Past the deadline with nothing yet: double the count (one schedule per doubling) up to
+        # one sequence per micro-batch, the schedule that always fits (check_lengths guaranteed
+        # it). Jumping straight there made a loaded machine plan 8192 micro-batches at 1024 GPUs
+        # (70x the step time of the next feasible count).
+        if m >= len(inst.lengths):
             break
+        m = min(len(inst.lengths), 2 * m) if time.perf_counter() > deadline else m + 1
     if best is None:  # one sequence per micro-batch always fits: check_lengths guaranteed it
         raise InfeasibleError("no schedule found even with one sequence per micro-batch")
     return best
