@@ -143,12 +143,81 @@ def summarise(plans) -> dict[str, float]:
     }
 
 
+def lp_check(limit_s: float, budget: float) -> int:
+    """Both bounds and the LP's restricted master on the first batch of each suite distribution
+    (7b, 192k, 64 GPUs, 28 GB, 512 sequences, generators of benchmarks/suite.py, seed 0)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from suite import DISTRIBUTIONS, generate
+
+    from megatron_hsp.planner.bounds import lower_bound_ms, lp_lower_bound_ms
+
+    cluster = Cluster(64, 8)
+    cost = flexsp_cost_model("flexsp-gpt-7b", 64, 192, 28)
+    print(
+        "| distribution | hsp (s) | combinatorial (s) | LP bound (s) | LP master (s) | converged | "
+        "iterations | classes |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name in DISTRIBUTIONS[1:]:
+        b = generate(name, 512, 192_000, np.random.default_rng(0)).tolist()
+        plan = solve(b, cost, cluster, SolverConfig(time_budget_s=budget))
+        comb = lower_bound_ms(b, cost, cluster)
+        lp = lp_lower_bound_ms(b, cost, cluster, time_limit_s=limit_s, upper_ms=plan.est_step_ms)
+        print(
+            f"| {name} | {plan.est_step_ms / 1e3:.2f} | {comb / 1e3:.2f} | {lp.bound_ms / 1e3:.2f} "
+            f"| {lp.lp_ms / 1e3:.2f} | {lp.converged} | {lp.iterations} | {lp.classes} |",
+            flush=True,
+        )
+    return 0
+
+
+def xl_check(budget: float, steps: int = 3) -> int:
+    """4096 GPUs, GBS 32768 (Wikipedia, 7b, 192k): is each solve shorter than its step?
+
+    The background planner overlaps planning step k+1 with training step k, so a solve longer
+    than the step it plans stalls training.
+    """
+    raw = load_lengths()
+    cluster = Cluster(4096, 8)
+    cost = flexsp_cost_model("flexsp-gpt-7b", 4096, 192, 30)
+    bl = batches(flexsp_rules(raw, 4096, 192), 32768, steps, "sequential")
+    print("| batch | est. step (s) | solve wall (s) | solve CPU (s) | status | solve < step |")
+    print("|---|---|---|---|---|---|")
+    for k, b in enumerate(bl):
+        plan = solve([int(x) for x in b], cost, cluster, SolverConfig(time_budget_s=budget))
+        wall, step = plan.solve_ms / 1e3, plan.est_step_ms / 1e3
+        print(
+            f"| {k} | {step:.2f} | {wall:.2f} | {plan.extra['cpu_ms'] / 1e3:.2f} | "
+            f"{plan.status} | {'yes' if wall < step else 'NO'} |",
+            flush=True,
+        )
+    load = os.getloadavg()
+    print(f"\nbudget {budget} s; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
     ap.add_argument("--write-docs", action="store_true", help="rewrite docs/solver.md results")
     ap.add_argument("--budget", type=float, default=1.0, help="SolverConfig.time_budget_s")
+    ap.add_argument(
+        "--xl-only",
+        action="store_true",
+        help="only the 4096-GPU / 32768-sequence check: solve time against the step it plans",
+    )
+    ap.add_argument(
+        "--lp-check",
+        type=float,
+        metavar="SECONDS",
+        help="only the LP-bound check: column generation with this limit on one batch per "
+        "suite distribution, against the combinatorial bound and an hsp plan",
+    )
     args = ap.parse_args()
+    if args.xl_only:
+        return xl_check(args.budget)
+    if args.lp_check:
+        return lp_check(args.lp_check, args.budget)
     steps = 5 if args.quick else 20
     config = SolverConfig(time_budget_s=args.budget)
     raw = load_lengths()

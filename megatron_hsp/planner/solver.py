@@ -16,6 +16,7 @@ Pipeline (each stage keeps the best plan so far, so the budget can cut in anywhe
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -32,7 +33,7 @@ from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 from megatron_hsp.planner.topology import Cluster
 
 BACKENDS = ("highs", "cbc")
-CHUNKINGS = ("time-lpt", "contiguous-tokens")
+CHUNKINGS = ("time-lpt", "contiguous-tokens", "long-grouped")
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,9 @@ def _greedy_candidates(
     m = counts[0]
     tried = 0
     while True:
-        for label, chunks in _chunkings(inst, m, config.chunkings):
+        # The first candidate always runs, so its chunking ignores the deadline too.
+        until = deadline if best is not None else math.inf
+        for label, chunks in _chunkings(inst, cluster, m, config.chunkings, m == counts[0], until):
             if best is not None and time.perf_counter() > deadline:
                 return best
             cutoff = best.total if best is not None else float("inf")
@@ -150,18 +153,34 @@ def _greedy_candidates(
                 best = cand
         if best is not None and m >= counts[-1]:
             return best
-        # Past the deadline with nothing yet: go straight to one sequence per micro-batch, the
-        # schedule that always fits (check_lengths guaranteed it), instead of every count between.
-        m = len(inst.lengths) if time.perf_counter() > deadline else m + 1
-        if m > len(inst.lengths):
+        # Past the deadline with nothing yet: double the count (one schedule per doubling) up to
+        # one sequence per micro-batch, the schedule that always fits (check_lengths guaranteed
+        # it). Jumping straight there made a loaded machine plan 8192 micro-batches at 1024 GPUs
+        # (70x the step time of the next feasible count).
+        if m >= len(inst.lengths):
             break
+        m = min(len(inst.lengths), 2 * m) if time.perf_counter() > deadline else m + 1
     if best is None:  # one sequence per micro-batch always fits: check_lengths guaranteed it
         raise InfeasibleError("no schedule found even with one sequence per micro-batch")
     return best
 
 
-def _chunkings(inst: Instance, m: int, kinds: tuple[str, ...]) -> list[tuple[str, list[list[int]]]]:
+def _chunkings(
+    inst: Instance,
+    cluster: Cluster,
+    m: int,
+    kinds: tuple[str, ...],
+    first: bool,
+    deadline: float = math.inf,
+) -> list[tuple[str, list[list[int]]]]:
     out = []
+    # Its count is set by the long sequences' rank needs, not by m: build it once, at the first
+    # count, and try it first: when it applies, token-based chunkings are infeasible at counts
+    # near the floor, and a loaded machine can spend the whole budget proving that.
+    if "long-grouped" in kinds and first:
+        grouped = chunk_long_grouped(inst, cluster, m, deadline)
+        if grouped is not None:
+            out.append((f"long-grouped/{len(grouped)}", grouped))
     if "time-lpt" in kinds:
         out.append((f"time-lpt/{m}", chunk_time_balanced(inst, m)))
     if "contiguous-tokens" in kinds:
@@ -174,6 +193,95 @@ def _chunkings(inst: Instance, m: int, kinds: tuple[str, ...]) -> list[tuple[str
             seen.add(key)
             unique.append((label, chunks))
     return unique
+
+
+def chunk_long_grouped(
+    inst: Instance, cluster: Cluster, m: int, deadline: float = math.inf
+) -> list[list[int]] | None:
+    """Long sequences packed by rank need, similar times together; short ones fill the gaps.
+
+    Why: when many sequences each need a multi-rank group (long-context SFT mixes, bimodal
+    batches), token-based chunkings put more long sequences in a micro-batch than its ranks can
+    hold once group sizes are rounded up to legal ones (a 100k sequence needing 17 ranks takes a
+    group of 24), so every count near the memory floor is infeasible and the solver falls back to
+    many extra micro-batches; and spreading the longest ones puts a 6 s group beside 3 s ones.
+    Here sequences that cannot run on one rank go first-fit decreasing (by best time) into
+    micro-batches by the size of the smallest group that holds each alone, so the ranks always
+    suffice and neighbours have similar times; the rest go longest first to the micro-batch whose
+    estimated makespan (its longest sequence, or its work over all ranks) grows least, within
+    the token room beside the long groups. Up to ``m`` micro-batches, more if the long groups
+    need them (and one more whenever a short sequence finds no room); None if the long groups
+    fill less than half of ``m`` micro-batches' ranks, or past ``deadline``.
+    """
+    n, cap = inst.world_size, inst.cap
+    long_ids = sorted(
+        (i for i in range(len(inst.lengths)) if inst.lengths[i] > cap),
+        key=lambda i: (-inst.best[i], i),
+    )
+    # Only worth building when the long sequences' own groups fill more than half the memory
+    # floor's micro-batches: below that, token-based chunkings tile there and this costs time.
+    if 2 * sum(inst.sizes[inst.dmin[i]] for i in long_ids) <= n * m:
+        return None
+    chunks: list[list[int]] = []
+    ranks: list[int] = []
+    # Tokens short sequences may still take: only the ranks beside the long groups count, since
+    # the group builder does not reliably fill a long group's spare memory.
+    room: list[float] = []
+    crit: list[float] = []
+    work: list[float] = []
+    needs: list[list[GroupSpec]] = []  # one empty group per long sequence, for placement checks
+    for i in long_ids:
+        if time.perf_counter() > deadline:
+            return None
+        need = inst.sizes[inst.dmin[i]]
+        for b in range(len(chunks)):
+            # Aligned rank blocks decide which mixes tile (32 + 24 does not on 64 ranks).
+            trial = [*needs[b], (need, ())]
+            if ranks[b] + need <= n and place_groups(inst, trial, cluster) is not None:
+                needs[b] = trial
+                chunks[b].append(i)
+                ranks[b] += need
+                room[b] -= need * cap
+                work[b] += inst.work_min[i]
+                break
+        else:
+            chunks.append([i])
+            needs.append([(need, ())])
+            ranks.append(need)
+            room.append(float((n - need) * cap))
+            crit.append(inst.best[i])
+            work.append(inst.work_min[i])
+    while len(chunks) < m:
+        chunks.append([])
+        ranks.append(0)
+        room.append(float(n * cap))
+        crit.append(0.0)
+        work.append(0.0)
+    base = inst.min_fixed
+    for i in sorted(
+        set(range(len(inst.lengths))) - set(long_ids), key=lambda i: (-inst.lengths[i], i)
+    ):
+        ln, w = inst.lengths[i], inst.work_min[i]
+        chosen, best_key = -1, (math.inf, math.inf)
+        for b in range(len(chunks)):
+            if room[b] < ln:
+                continue
+            before = max(crit[b], base + work[b] / n)
+            after = max(crit[b], inst.best[i], base + (work[b] + w) / n)
+            key = (after - before, work[b])
+            if key < best_key:
+                chosen, best_key = b, key
+        if chosen < 0:  # the long groups left no room anywhere: a micro-batch of short ones
+            chunks.append([])
+            room.append(float(n * cap))
+            crit.append(0.0)
+            work.append(0.0)
+            chosen = len(chunks) - 1
+        chunks[chosen].append(i)
+        room[chosen] -= ln
+        work[chosen] += w
+        crit[chosen] = max(crit[chosen], inst.best[i])
+    return [c for c in chunks if c]
 
 
 def _schedule_chunks(

@@ -1,0 +1,86 @@
+"""The long-grouped chunking: a partition whose long groups always tile, and what it buys."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_hsp.planner.costmodel import flexsp_cost_model
+from megatron_hsp.planner.greedy import place_groups
+from megatron_hsp.planner.instance import Instance, resolve_sizes
+from megatron_hsp.planner.solver import SolverConfig, chunk_long_grouped, solve
+from megatron_hsp.planner.topology import Cluster
+
+
+def _bimodal(n: int, max_seq: int, seed: int) -> list[int]:
+    """90% short (lognormal) + 10% between max/2 and max: the suite's bimodal mix, inlined."""
+    rng = np.random.default_rng(seed)
+    long = rng.random(n) < 0.1
+    x = np.where(long, rng.uniform(max_seq / 2, max_seq, n), rng.lognormal(6.0, 0.5, n))
+    return np.clip(x, 128, max_seq).astype(int).tolist()
+
+
+def _setup():
+    cost = flexsp_cost_model("flexsp-gpt-7b", world_size=64, max_seq_k=192, memory_cap_gb=28)
+    cluster = Cluster(64, 8)
+    return cost, cluster
+
+
+def test_long_grouped_is_a_partition_whose_long_groups_tile():
+    cost, cluster = _setup()
+    lengths = _bimodal(512, 192_000, seed=3)
+    inst = Instance.build(lengths, cost, cluster, resolve_sizes(cost, cluster, None))
+    chunks = chunk_long_grouped(inst, cluster, 2)
+    assert chunks is not None
+    assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
+    for c in chunks:
+        longs = [(inst.sizes[inst.dmin[i]], ()) for i in c if inst.lengths[i] > inst.cap]
+        assert place_groups(inst, longs, cluster) is not None
+        tokens = sum(inst.lengths[i] for i in c)
+        assert tokens <= inst.world_size * inst.cap
+
+
+def test_long_grouped_beats_token_and_time_chunkings_on_a_bimodal_batch():
+    # Chosen on the suite's bimodal/sft-long-mix distributions (docs/solver.md); 5 s budget so
+    # the comparison is between searches, not between wall clocks.
+    cost, cluster = _setup()
+    lengths = _bimodal(512, 192_000, seed=0)
+    without = solve(
+        lengths,
+        cost,
+        cluster,
+        SolverConfig(time_budget_s=5.0, chunkings=("time-lpt", "contiguous-tokens")),
+    )
+    with_it = solve(lengths, cost, cluster, SolverConfig(time_budget_s=5.0))
+    assert with_it.extra["chunking"].startswith("long-grouped/")
+    assert with_it.est_step_ms <= 0.97 * without.est_step_ms
+
+
+def test_tiny_budget_on_a_long_heavy_batch_keeps_a_packed_plan():
+    # Past the deadline with no candidate, the search falls back to one sequence per
+    # micro-batch. On long-heavy batches token-based chunkings are infeasible near the memory
+    # floor, so a loaded machine used to land there (twice the step time); the long-grouped
+    # chunking now runs first and ignores the deadline while no candidate exists.
+    cost, cluster = _setup()
+    rng = np.random.default_rng(1)
+    long = rng.random(512) < 0.3
+    x = np.where(long, rng.uniform(32_000, 192_000, 512), rng.lognormal(7.0, 0.8, 512))
+    lengths = np.clip(x, 128, 192_000).astype(int).tolist()
+    rushed = solve(lengths, cost, cluster, SolverConfig(time_budget_s=0.01))
+    relaxed = solve(lengths, cost, cluster, SolverConfig(time_budget_s=5.0))
+    assert rushed.extra["chunking"].startswith("long-grouped/")
+    assert len(rushed.microbatches) < 100
+    assert rushed.est_step_ms <= 1.1 * relaxed.est_step_ms
+
+
+def test_past_the_deadline_without_a_candidate_the_count_doubles():
+    # Only time-LPT, whose chunks do not tile near the memory floor on this batch: past the
+    # deadline the count doubles (one schedule each) instead of jumping to one sequence per
+    # micro-batch (512 here).
+    cost, cluster = _setup()
+    rng = np.random.default_rng(1)
+    long = rng.random(512) < 0.3
+    x = np.where(long, rng.uniform(32_000, 192_000, 512), rng.lognormal(7.0, 0.8, 512))
+    lengths = np.clip(x, 128, 192_000).astype(int).tolist()
+    plan = solve(lengths, cost, cluster, SolverConfig(time_budget_s=0.0, chunkings=("time-lpt",)))
+    assert len(plan.microbatches) <= 2 * 53 * 2
+    assert plan.extra["chunking"] != "time-lpt/512"
