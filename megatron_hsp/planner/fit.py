@@ -56,7 +56,11 @@ def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit_linear(
-    columns: Mapping[str, Sequence[float]], y: Sequence[float], *, required: Sequence[str]
+    columns: Mapping[str, Sequence[float]],
+    y: Sequence[float],
+    *,
+    required: Sequence[str],
+    what: str = "the fit",
 ) -> Fit:
     """Fit ``y ~ sum_k c_k * columns[k]`` with ``c >= 0``; refuse if a ``required`` c is 0."""
     names = tuple(columns)
@@ -86,7 +90,7 @@ def fit_linear(
     bad = [n for n, c in fit.as_dict().items() if n in required and not c > 0.0]
     if bad:
         raise InputError(
-            f"profile: the fit gives non-positive {bad} (measurements too noisy or the range too "
+            f"profile: {what} gives non-positive {bad} (measurements too noisy or the range too "
             "narrow for those terms); measure longer batches (--max-tokens) or more repeats "
             "(--repeats)"
         )
@@ -111,6 +115,8 @@ def cost_model_spec(
     tokens_per_rank: int,
     *,
     source: str,
+    ring: Mapping[int, Fit] | None = None,
+    details: Mapping[str, float] | None = None,
 ) -> dict:
     """The explicit-coefficients spec ``load_cost_model`` accepts (docs/costmodel.md).
 
@@ -118,7 +124,10 @@ def cost_model_spec(
     micro-batch: launches, loss, backward bookkeeping); a ``seq_ms`` column (per sequence) is
     reported by ``profile`` but the planner's separable form has no per-sequence term, so it is
     not part of the spec. ``a2a[d]`` has ``ms_per_token`` and ``latency_ms`` per group size; the
-    latency joins that size's fixed cost.
+    latency joins that size's fixed cost. ``ring[d]`` (same columns, already scaled to one
+    step) gives ``ring_step_ms_per_token``; its latency is reported, not added (a group runs ring
+    steps only when the model's heads force a ring split, which a profiled spec does not fix).
+    ``details`` is stored as measured (per-sequence and per-step ms, activation MiB per token).
     """
     c = compute.as_dict()
     per_token = {d: f.as_dict()["ms_per_token"] for d, f in sorted(a2a.items())}
@@ -126,14 +135,23 @@ def cost_model_spec(
     fixed = {1: c["fixed_ms"]}
     for d, f in sorted(a2a.items()):
         fixed[d] = c["fixed_ms"] + f.as_dict()["latency_ms"]
-    return {
-        "name": name,
-        "source": source,
-        "coefficients": {
-            "attn_ms_per_token2": c["attn_ms_per_token2"],
-            "linear_ms_per_token": c["linear_ms_per_token"],
-            "group_fixed_ms": fixed,
-            "a2a_ms_per_token": per_token,
-            "tokens_per_rank": int(tokens_per_rank),
-        },
+    coefficients: dict = {
+        "attn_ms_per_token2": c["attn_ms_per_token2"],
+        "linear_ms_per_token": c["linear_ms_per_token"],
+        "group_fixed_ms": fixed,
+        "a2a_ms_per_token": per_token,
+        "tokens_per_rank": int(tokens_per_rank),
     }
+    if ring:
+        steps = {d: f.as_dict()["ms_per_token"] for d, f in sorted(ring.items())}
+        bad = [d for d, v in steps.items() if not v > 0.0]
+        if bad:
+            raise InputError(
+                f"profile: the ring step fit gives no positive per-token time for group sizes "
+                f"{bad}; measure more repeats (--repeats) or longer messages (--max-tokens)"
+            )
+        coefficients["ring_step_ms_per_token"] = steps
+    spec: dict = {"name": name, "source": source, "coefficients": coefficients}
+    if details:
+        spec["details"] = {k: float(v) for k, v in details.items()}
+    return spec
