@@ -139,6 +139,7 @@ def _fit_comm(
         [ms for _, ms in rows],
         required=("ms_per_token",),
         what=what,
+        relative=False,
     )
     c = f.as_dict()
     return type(f)(
@@ -179,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from megatron_hsp.planner.costmodel import load_cost_model
-    from megatron_hsp.planner.fit import cost_model_spec, fit_linear
+    from megatron_hsp.planner.fit import check_monotone, cost_model_spec, fit_linear
     from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
     t_start = time.perf_counter()
@@ -194,8 +195,8 @@ def run(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "batches": _batches(args.max_tokens, args.points),
         # messages are cheap next to compute: a wider range and more repeats steady the slope
-        "msg_tokens": [int(x) for x in np.geomspace(256, max(16384, args.max_tokens * 4), 6)],
-        "comm_repeats": 4 * args.repeats + 3,
+        "msg_tokens": [int(x) for x in np.geomspace(1024, max(65536, args.max_tokens * 16), 5)],
+        "comm_repeats": 2 * args.repeats + 1,
         "a2a_bytes": 4 * args.hidden,  # one fp32 hidden vector per token
         "ring_bytes": 4 * 2 * kv,  # one layer's fp32 K and V per token
     }
@@ -212,6 +213,12 @@ def run(args: argparse.Namespace) -> int:
     results = raise_rank_errors(run_distributed(_profile_worker, args.nproc, cfg, timeout_s=3600.0))
     res = results[0]
     samples = res["compute"]
+    # Measured, not fitted: a longer single sequence timed faster than a shorter one means the
+    # machine's noise exceeds the signal, and no fit of such points can rank schedules.
+    check_monotone(
+        {s.lengths[0]: s.ms for s in samples if len(s.lengths) == 1},
+        "measured forward+backward ms against sequence length",
+    )
     compute = fit_linear(
         {
             "attn_ms_per_token2": [sum(x * x for x in s.lengths) for s in samples],

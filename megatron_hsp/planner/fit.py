@@ -61,8 +61,15 @@ def fit_linear(
     *,
     required: Sequence[str],
     what: str = "the fit",
+    relative: bool = True,
 ) -> Fit:
-    """Fit ``y ~ sum_k c_k * columns[k]`` with ``c >= 0``; refuse if a ``required`` c is 0."""
+    """Fit ``y ~ sum_k c_k * columns[k]`` with ``c >= 0``; refuse if a ``required`` c is 0.
+
+    ``relative``: least squares on relative error (compute, where small batches' fixed costs
+    matter as much as large ones' quadratic term); False: absolute error (message times, where
+    small messages are latency plus scheduling noise and the per-token slope is set by the
+    large ones).
+    """
     names = tuple(columns)
     a = np.column_stack([np.asarray(columns[n], dtype=np.float64) for n in names])
     yy = np.asarray(y, dtype=np.float64)
@@ -73,7 +80,7 @@ def fit_linear(
         )
     # relative least squares: samples span orders of magnitude, and the planner needs small
     # batches (fixed costs) as right as large ones (quadratic term)
-    w = 1.0 / np.maximum(np.abs(yy), 1e-12)
+    w = 1.0 / np.maximum(np.abs(yy), 1e-12) if relative else np.ones_like(yy)
     coef = _nnls(a * w[:, None], yy * w)
     pred = a @ coef
     ss_res = float(((yy - pred) ** 2).sum())
@@ -130,8 +137,11 @@ def cost_model_spec(
     ``details`` is stored as measured (per-sequence and per-step ms, activation MiB per token).
     """
     c = compute.as_dict()
+    # No monotonicity across group sizes: per token of the group, a rank of a group of d sends
+    # (d - 1) / d^2 of it, and all groups of a size run at once, so on a shared-memory machine the
+    # measured per-token time legitimately falls with d (gloo/CPU here: 1.3e-4 ms at d=2, 5.1e-5
+    # at d=4). Monotone in tokens is what the planner needs; the positive slopes ensure it.
     per_token = {d: f.as_dict()["ms_per_token"] for d, f in sorted(a2a.items())}
-    check_monotone({1: 0.0, **per_token}, "all-to-all ms per token against group size")
     fixed = {1: c["fixed_ms"]}
     for d, f in sorted(a2a.items()):
         fixed[d] = c["fixed_ms"] + f.as_dict()["latency_ms"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -54,82 +55,6 @@ def _packed_inputs(
         "labels": torch.roll(ids, -1, dims=1),
         "packed_seq_params": params,
     }
-
-
-def measure_compute(
-    model: torch.nn.Module,
-    batches: Sequence[Sequence[int]],
-    *,
-    vocab: int,
-    group: dist.ProcessGroup,
-    device: torch.device,
-    repeats: int,
-    progress: Callable[[int, int], None] | None = None,
-) -> list[ComputeSample]:
-    """Median forward+backward ms of ``model`` on each packed batch (one warm-up run each)."""
-    out: list[ComputeSample] = []
-    for i, lengths in enumerate(batches):
-        inputs = _packed_inputs(lengths, vocab, group, device)
-        times: list[float] = []
-        for r in range(repeats + 1):
-            model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            model(**inputs).sum().backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if r:  # the first run warms caches and allocators
-                times.append((time.perf_counter() - t0) * 1e3)
-        out.append(ComputeSample(tuple(int(x) for x in lengths), float(np.median(times))))
-        if progress:
-            progress(i + 1, len(batches))
-    return out
-
-
-def measure_all_to_all(
-    rank: int,
-    world_size: int,
-    token_counts: Sequence[int],
-    bytes_per_token: int,
-    repeats: int,
-) -> dict[int, list[tuple[int, float]]]:
-    """For each group size d dividing the world (d > 1): (tokens, median ms) of an all-to-all.
-
-    Runs on an initialised process group (any backend); every rank must call it. The message is
-    what Ulysses moves per layer call for ``tokens`` tokens of the group (``bytes_per_token``,
-    float32 elements), split evenly over the group.
-    """
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else (torch.device("cpu"))
-    )
-    results: dict[int, list[tuple[int, float]]] = {}
-    d = 2
-    while d <= world_size:
-        if world_size % d == 0:
-            ranks = list(range((rank // d) * d, (rank // d) * d + d))
-            groups = [dist.new_group(list(range(s, s + d))) for s in range(0, world_size, d)]
-            group = groups[ranks[0] // d]
-            rows: list[tuple[int, float]] = []
-            for tokens in token_counts:
-                numel = max(d, (tokens // d) * bytes_per_token // 4 // d * d)
-                send = torch.ones(numel, dtype=torch.float32, device=device)
-                recv = torch.empty_like(send)
-                times: list[float] = []
-                for r in range(repeats + 1):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    dist.all_to_all_single(recv, send, group=group)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    if r:
-                        times.append((time.perf_counter() - t0) * 1e3)
-                rows.append((int(tokens), float(np.median(times))))
-            results[d] = rows
-        d *= 2
-    return results
 
 
 def _device() -> torch.device:
@@ -265,12 +190,70 @@ def measure_step_overhead(
     return float(np.median(times))
 
 
+def _time_op(op: Callable[[], None], device: torch.device, repeats: int, warmup: int) -> float:
+    """Median over ``repeats`` of the slowest rank's ms for ``op`` (a collective every rank
+    runs), after ``warmup`` untimed calls: the first calls on a new group set up connections and
+    buffers and take several times longer than the rest."""
+    times: list[float] = []
+    for r in range(warmup + repeats):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        op()
+        _sync(device)
+        ms = _max_over_ranks((time.perf_counter() - t0) * 1e3, device)
+        if r >= warmup:
+            times.append(ms)
+    return float(np.median(times))
+
+
+def _group_sizes(world_size: int) -> list[int]:
+    return [d for d in (2**k for k in range(1, world_size.bit_length())) if world_size % d == 0]
+
+
+def measure_all_to_all(
+    rank: int,
+    world_size: int,
+    token_counts: Sequence[int],
+    bytes_per_token: int,
+    repeats: int,
+    warmup: int = 3,
+) -> dict[int, list[tuple[int, float]]]:
+    """For each group size d dividing the world (d > 1): (tokens, median ms) of an all-to-all.
+
+    Every rank must call it (all groups of a size run at once, as in a step; the slowest rank's
+    time counts). The message is what Ulysses moves per call for ``tokens`` tokens of the group:
+    ``tokens / d`` tokens of ``bytes_per_token`` bytes on each rank, split evenly over the group.
+    """
+    device = _device()
+    results: dict[int, list[tuple[int, float]]] = {}
+    for d in _group_sizes(world_size):
+        groups = [dist.new_group(list(range(s, s + d))) for s in range(0, world_size, d)]
+        group = groups[rank // d]
+        rows: list[tuple[int, float]] = []
+        for tokens in token_counts:
+            numel = max(d, (tokens // d) * bytes_per_token // 4 // d * d)
+            send = torch.ones(numel, dtype=torch.float32, device=device)
+            recv = torch.empty_like(send)
+            op = partial(dist.all_to_all_single, recv, send, group=group)
+            rows.append((int(tokens), _time_op(op, device, repeats, warmup)))
+        results[d] = rows
+    return results
+
+
+def _ring_exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int) -> None:
+    ops = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+
+
 def measure_ring_step(
     rank: int,
     world_size: int,
     token_counts: Sequence[int],
     bytes_per_token: int,
     repeats: int,
+    warmup: int = 3,
 ) -> dict[int, list[tuple[int, float]]]:
     """For each group size d dividing the world (d > 1): (tokens, median ms) of one ring step.
 
@@ -280,29 +263,16 @@ def measure_ring_step(
     """
     device = _device()
     results: dict[int, list[tuple[int, float]]] = {}
-    d = 2
-    while d <= world_size:
-        if world_size % d == 0:
-            start = (rank // d) * d
-            nxt = start + (rank - start + 1) % d
-            prv = start + (rank - start - 1) % d
-            rows: list[tuple[int, float]] = []
-            for tokens in token_counts:
-                numel = max(1, (tokens // d) * bytes_per_token // 4)
-                send = torch.ones(numel, dtype=torch.float32, device=device)
-                recv = torch.empty_like(send)
-                times: list[float] = []
-                for r in range(repeats + 1):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    ops = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]
-                    for req in dist.batch_isend_irecv(ops):
-                        req.wait()
-                    _sync(device)
-                    ms = _max_over_ranks((time.perf_counter() - t0) * 1e3, device)
-                    if r:
-                        times.append(ms)
-                rows.append((int(tokens), float(np.median(times))))
-            results[d] = rows
-        d *= 2
+    for d in _group_sizes(world_size):
+        start = (rank // d) * d
+        nxt = start + (rank - start + 1) % d
+        prv = start + (rank - start - 1) % d
+        rows: list[tuple[int, float]] = []
+        for tokens in token_counts:
+            numel = max(1, (tokens // d) * bytes_per_token // 4)
+            send = torch.ones(numel, dtype=torch.float32, device=device)
+            recv = torch.empty_like(send)
+            op = partial(_ring_exchange, send, recv, nxt, prv)
+            rows.append((int(tokens), _time_op(op, device, repeats, warmup)))
+        results[d] = rows
     return results
