@@ -449,6 +449,8 @@ def run(args: argparse.Namespace) -> int:
         check_range(args.global_batch, "--global-batch", low=1)
     if args.nproc < 1 or args.nproc & (args.nproc - 1):
         raise InputError(f"--nproc must be a power of two (1, 2, 4, 8), got {args.nproc}")
+    if args.cost_model is not None:  # before the corpus is built: a bad file fails at once
+        _checked_cost_model(args.cost_model, int(os.environ.get("WORLD_SIZE", args.nproc)))
     t0 = time.perf_counter()
     if not args.verbose:
         _hide_import_warnings()
@@ -475,7 +477,7 @@ def run(args: argparse.Namespace) -> int:
         quiet=quiet,
     )
     if args.cost_model is not None:
-        cfg.cost_model = _checked_cost_model(args.cost_model, cfg.nproc)
+        cfg.cost_model = args.cost_model
     if torchrun:
         result = _run_torchrun(cfg)
         if rank != 0:
