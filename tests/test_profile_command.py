@@ -109,3 +109,20 @@ def test_refused_fit_exits_2_naming_the_flag(
     err = capsys.readouterr().err
     assert message in err and "--repeats" in err
     assert not out.exists()
+
+
+@pytest.mark.dist
+def test_demo_accepts_the_profile(profiled, tmp_path, monkeypatch):
+    import json
+
+    import megatron_hsp.megatron.data as data
+
+    few = data.stdlib_sources()[:40]
+    monkeypatch.setattr(data, "stdlib_sources", lambda: few)
+    out = tmp_path / "demo.json"
+    argv = ["demo", "--nproc", "2", "--steps", "2", "--global-batch", "4", "--compare-steps"]
+    argv += ["0", "--cache-dir", str(tmp_path), "--json", str(out), "--cost-model", profiled]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["cost_model"]["name"] == "profiled"
+    assert all(s["predicted_s"] > 0 and s["step_s"] > 0 for s in result["steps"])
