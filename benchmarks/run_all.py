@@ -40,6 +40,7 @@ def commands(out: Path) -> dict[str, list[str]]:
         "ring_cuda_check": [py, str(HERE / "ring_cuda_check.py")],
         "suite": [py, str(HERE / "suite.py"), "--steps", "1"],
         "dcp_sensitivity": [py, str(HERE / "dcp_sensitivity.py"), "--steps", "2"],
+        "ring_split_check": [py, str(HERE / "ring_split_check.py")],
     }  # fmt: skip
 
 

@@ -50,5 +50,5 @@ def test_dcp_one_pass_per_scheduler_group_and_sequential_memory():
     assert plan.extra["execution"] == "one-pass-per-sequence"
     plan.validate(lengths.tolist(), PerSequenceMemory(cost), 8)
     # exposing ring communication can only make the baseline slower
-    slower = megatron_dcp_plan(lengths, cost, cluster, RingAssumptions(exposed_comm=1.0))
+    slower = megatron_dcp_plan(lengths, cost, cluster, RingAssumptions(overlap="exposed"))
     assert slower.est_step_ms > plan.est_step_ms

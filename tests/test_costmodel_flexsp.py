@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_hsp.planner.costmodel import (
@@ -9,6 +11,7 @@ from megatron_hsp.planner.costmodel import (
     flexsp_cost_model,
     load_cost_model,
 )
+from megatron_hsp.planner.errors import InputError
 
 
 def test_default_memory_cap_is_the_one_that_reproduces_flexsp():
@@ -105,3 +108,28 @@ def test_exact_table_entries_are_used_before_interpolating():
     assert flexsp_cost_model("flexsp-gpt-13b", 64, max_seq_k=384).details["params_b"] == (
         14.03158187866211
     )
+
+
+def test_any_split_priced_by_the_one_rule():
+    """(u, r) given: all-to-all over u ranks (none for pure ring), r - 1 overlapped ring steps."""
+    m = flexsp_cost_model("flexsp-gpt-7b", 64)
+    s = 20_000
+    attn, lin = 5.128e-6 * s * s / 64, 0.1839576 * s / 64
+    step = s * 1.5 / 64 / 10.33  # pure-ring figure, every size > 1 (MHA: no KV copies)
+    assert m.seq_ms([s], 64, (1, 64))[0] == pytest.approx(
+        attn + lin + 63 * max(0, step - attn / 64)
+    )
+    # Ulysses over 8 ranks of a group of 64: the group-of-8 figure scaled by 8/64.
+    a2a8 = 2 / 8 / 96.5
+    assert m.seq_ms([s], 64, (8, 8))[0] == pytest.approx(
+        attn + lin + a2a8 * 8 / 64 * s + 7 * max(0, step - attn / 8)
+    )
+    # the default split is the same rule with split=None
+    assert m.seq_ms([s], 64)[0] == pytest.approx(m.seq_ms([s], 64, (32, 2))[0])
+    assert m.seq_ms([s], 64, (1, 64), ring="hidden")[0] == pytest.approx(attn + lin)
+    assert m.seq_ms([s], 64, (1, 64), ring="exposed")[0] == pytest.approx(attn + lin + 63 * step)
+    with pytest.raises(InputError, match="does not multiply to group size 64"):
+        m.seq_ms([s], 64, (3, 21))
+    bare = dataclasses.replace(m, ring_step_ms_per_token={})
+    with pytest.raises(InputError, match="no ring_step_ms_per_token figure for group size 64"):
+        bare.group_ms([s], 64, (1, 64))

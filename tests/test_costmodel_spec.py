@@ -119,3 +119,24 @@ def test_bad_yaml_names_the_file(tmp_path):
     path.write_text("preset: [unclosed\n")
     with pytest.raises(InputError, match=r"bad\.yaml"):
         load_cost_model(path, **KW)
+
+
+def test_split_latency_maps_load_validate_and_round_trip():
+    co = {
+        "attn_ms_per_token2": 1e-6,
+        "linear_ms_per_token": 0.1,
+        "a2a_ms_per_token": {2: 0.01, 4: 0.02},
+        "tokens_per_rank": 1000,
+        "heads": [2, 2],
+        "ring_step_ms_per_token": {2: 0.005, 4: 0.004},
+        "a2a_fixed_ms": {2: 0.5},
+        "ring_step_fixed_ms": {4: 0.25},
+    }
+    m = load_cost_model({"name": "lat", "coefficients": co}, world_size=4, gpus_per_node=4)
+    assert m.split(4) == (2, 2)
+    assert m.fixed_ms(4) == pytest.approx(0.5 + 0.25)  # a2a over 2, one ring step
+    assert m.fixed_ms(4, (1, 4)) == pytest.approx(3 * 0.25)  # pure ring: three steps, no a2a
+    assert load_cost_model(m.to_spec(), world_size=4, gpus_per_node=4) == m
+    bad = {**co, "ring_step_fixed_ms": {4: -1.0}}
+    with pytest.raises(InputError, match=r"ring_step_fixed_ms\.4 = -1\.0 must be >= 0"):
+        load_cost_model({"name": "lat", "coefficients": bad}, world_size=4, gpus_per_node=4)

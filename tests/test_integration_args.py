@@ -204,3 +204,38 @@ def test_models_hsp_attention_cannot_carry_are_refused(attr, value, flag):
         validate_hsp_args(args, env={})
     setattr(args, attr, None)
     assert validate_hsp_args(args, env={}) is not None
+
+
+def _two_size_model(tmp_path):
+    path = tmp_path / "fit.yaml"
+    path.write_text(
+        "name: fit-2-4\ncoefficients: {attn_ms_per_token2: 5.0e-5, linear_ms_per_token: 0.12, "
+        "group_fixed_ms: 30.0, a2a_ms_per_token: {2: 0.03, 4: 0.04}, tokens_per_rank: 4096}\n"
+    )
+    return str(path)
+
+
+def test_auto_sizes_narrow_to_what_the_cost_model_prices(tmp_path):
+    # A fitted model measured sizes 2 and 4 only; legal sizes on 4 ranks are 1..4. Before the
+    # check, size 3 reached the planner and the first step failed to plan.
+    args = parse([*BASE, "--hsp", "--hsp-cost-model", _two_size_model(tmp_path)], world_size=4)
+    cfg = validate_hsp_args(args, env={})
+    assert cfg.group_sizes == (1, 2, 4)
+    assert any("[3] left out" in n for n in cfg.notes)
+
+
+def test_requested_sizes_the_cost_model_cannot_price_are_refused(tmp_path):
+    model = _two_size_model(tmp_path)
+    args = parse(
+        [*BASE, "--hsp", "--hsp-cost-model", model, "--hsp-group-sizes", "1,3"], world_size=4
+    )
+    with pytest.raises(
+        HSPArgsError, match=r"--hsp-group-sizes 1,3: .*no figures for group sizes \[3\]"
+    ):
+        validate_hsp_args(args, env={})
+
+
+def test_a_cost_model_that_cannot_train_is_refused_at_startup():
+    args = parse([*BASE, "--hsp", "--hsp-cost-model", "flexsp-gpt-7b"], world_size=2)
+    with pytest.raises(HSPArgsError, match=r"--hsp-cost-model flexsp-gpt-7b: .*memory cap"):
+        validate_hsp_args(args, env={})

@@ -39,9 +39,13 @@ def test_demo_json_contract(tmp_path, monkeypatch, capsys):
             str(tmp_path),
             "--json",
             str(out),
+            "--plot",
+            str(tmp_path / "demo.png"),
         ]
     )
     assert rc == 0
+    png = (tmp_path / "demo.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     result = json.loads(out.read_text())
     steps = result["steps"]
     assert [s["step"] for s in steps] == [0, 1]

@@ -11,6 +11,7 @@ import io
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 from tests_support_args import parse
@@ -71,6 +72,8 @@ HSP_ARGS = [
     "64",
     "--eval-iters",
     "0",
+    "--hsp-cost-model",
+    str(Path(__file__).parent / "fixtures" / "cost-model-tiny.yaml"),
     "--hsp",
 ]
 

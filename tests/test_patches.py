@@ -60,6 +60,7 @@ TINY = [
     *("--global-batch-size", "4", "--eval-iters", "0", "--train-iters", "2", "--lr", "1e-3"),
     *("--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--transformer-impl", "local"),
     *("--data-path", "unused-prefix"),
+    *("--hsp-cost-model", str(ROOT / "tests" / "fixtures" / "cost-model-tiny.yaml")),
 ]
 # Stands in for pretrain() alone (the training loop is what selftest --megatron runs); it has the
 # wheel's parameter names, prints what the launcher and the patched script hand it, and returns.

@@ -76,3 +76,34 @@ def test_flexsp_presets_at_384k_on_64_gpus_are_executable() -> None:
         space = cost.head_space()
         _check(plan, space)
         assert any(g.ring > 1 for mb in plan.microbatches for g in mb.groups)
+
+
+def test_every_baseline_plan_in_bench_is_executable() -> None:
+    """``bench`` with a model that has heads: every method's plans run (Megatron CP as (1, d))."""
+    from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
+    from megatron_hsp.planner.bench import HspOptions, run_bench
+    from megatron_hsp.planner.lengths import GlobalBatch
+
+    cost = load_cost_model("flexsp-gpt-7b", world_size=64, gpus_per_node=8, max_seq_k=384)
+    cluster = Cluster(64, 8)
+    rng = np.random.default_rng(2)
+    batches = []
+    for step in range(2):
+        lens = np.concatenate([rng.integers(500, 20_000, size=60), [300_000, 120_000]])
+        batches.append(GlobalBatch(step, lens.astype(np.int64), np.arange(lens.size)))
+    methods = [
+        "hsp", "static-best", "static-64", "batchada", "dp-balanced", "dp-balanced-64",
+        "megatron-dcp",
+    ]  # fmt: skip
+    out = run_bench(
+        batches,
+        cost,
+        cluster,
+        methods,
+        hsp=HspOptions(time_budget_s=0.3),
+        extra_methods={"megatron-dcp": lambda: lambda b: megatron_dcp_plan(b, cost, cluster)},
+    )
+    assert set(out["methods"]) == set(methods)
+    for name, m in out["methods"].items():
+        assert m.get("executable") is True, (name, m.get("problems"))
+    assert out["summary"]["all_plans_executable"] is True

@@ -42,3 +42,32 @@ def test_bad_plot_paths_exit_2(tmp_path, capsys, command, name, message):
     err = capsys.readouterr().err
     assert "--plot" in err and message in err
     assert not path.is_file()
+
+
+def test_demo_plot_bad_path_fails_before_any_work(tmp_path, capsys):
+    # Exits before the corpus is built or a rank starts: a bad path costs a second, not a run.
+    assert main(["demo", "--cache-dir", str(tmp_path), "--plot", str(tmp_path / "x.jpg")]) == 2
+    assert "--plot" in capsys.readouterr().err
+
+
+def test_demo_plot_draws_loss_and_comparison(tmp_path):
+    from megatron_hsp.commands.plots import plot_demo
+
+    result = {
+        "steps": [{"step": i, "loss": 5.0 - i} for i in range(4)],
+        "config": {"nproc": 4},
+        "comparison": {
+            "static_degree": 4,
+            "speedup_measured": 1.3,
+            "batches": [
+                {
+                    "step": 3,
+                    "adaptive": {"measured_s": 1.0, "predicted_ms": 900.0},
+                    "static-4": {"measured_s": 1.3, "predicted_ms": 1200.0},
+                }
+            ],
+        },
+    }
+    out = tmp_path / "demo.png"
+    plot_demo(result, out)
+    assert _is_png(out)

@@ -14,7 +14,7 @@ from megatron_hsp.runtime.profile import ComputeSample
 
 TINY = [
     "--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--vocab", "64",
-    "--max-tokens", "512", "--points", "4", "--repeats", "2", "--nproc", "2",
+    "--max-tokens", "512", "--points", "4", "--repeats", "3", "--nproc", "2",
 ]  # fmt: skip
 
 
@@ -33,7 +33,8 @@ def test_profile_writes_every_measured_term(profiled):
     assert co["attn_ms_per_token2"] > 0 and co["linear_ms_per_token"] > 0
     assert set(co["a2a_ms_per_token"]) == {2} and co["a2a_ms_per_token"][2] > 0
     assert set(co["ring_step_ms_per_token"]) == {2} and co["ring_step_ms_per_token"][2] > 0
-    assert co["group_fixed_ms"][2] > co["group_fixed_ms"][1] > 0  # a2a latency joins size 2
+    assert co["group_fixed_ms"][2] == co["group_fixed_ms"][1] > 0  # compute's b, every size
+    assert co["a2a_fixed_ms"][2] > 0 and co["ring_step_fixed_ms"][2] > 0  # split latencies
     assert spec["details"]["act_mib_per_token"] > 0 and spec["details"]["step_ms"] > 0
     assert "2 ranks x 1 thread" in spec["source"]
 

@@ -117,6 +117,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="print the result as JSON (docs/design.md contract) instead of tables; FILE: write it",
     )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="also draw the loss curve and adaptive-vs-static step times as a PNG (needs "
+        "matplotlib, the 'plot' extra)",
+    )
 
 
 # --------------------------------------------------------------------------------- the worker
@@ -451,6 +458,11 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--nproc must be a power of two (1, 2, 4, 8), got {args.nproc}")
     if args.cost_model is not None:  # before the corpus is built: a bad file fails at once
         _checked_cost_model(args.cost_model, int(os.environ.get("WORLD_SIZE", args.nproc)))
+    plot_path = None
+    if args.plot is not None:
+        from megatron_hsp.commands.plots import check_png_path
+
+        plot_path = check_png_path(args.plot)
     t0 = time.perf_counter()
     if not args.verbose:
         _hide_import_warnings()
@@ -498,6 +510,12 @@ def run(args: argparse.Namespace) -> int:
         else:
             with open(args.json, "w") as fh:
                 fh.write(text + "\n")
+    if plot_path is not None:
+        from megatron_hsp.commands.plots import plot_demo
+
+        plot_demo(result, plot_path)
+        if args.json != "-":
+            print(f"plot: {plot_path}", file=sys.stderr)
     if args.json != "-":
         print(render(result, elapsed))
     return 0

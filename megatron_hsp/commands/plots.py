@@ -154,3 +154,41 @@ def plot_bench(
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_demo(result: Mapping[str, Any], path: Path) -> None:
+    """The demo's loss curve, and adaptive vs static groups on the same batches (measured and
+    predicted step time), side by side."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    steps = result["steps"]
+    left.plot([s["step"] for s in steps], [s["loss"] for s in steps], marker=".")
+    left.set_xlabel("step")
+    left.set_ylabel("loss (per token, whole global batch)")
+    left.set_title(f"demo loss on {result.get('config', {}).get('nproc', '?')} ranks")
+    comp = result.get("comparison") or {}
+    rows = comp.get("batches") or []
+    static = f"static-{comp['static_degree']}" if comp.get("static_degree") else None
+    if rows:
+        x = np.arange(len(rows))
+        names = ["adaptive"] + ([static] if static else [])
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            measured = [r[name]["measured_s"] for r in rows]
+            predicted = [r[name]["predicted_ms"] / 1e3 for r in rows]
+            right.bar(x + i * width, measured, width, label=f"{name} measured")
+            right.plot(x + i * width, predicted, "k_", markersize=14, label=f"{name} predicted")
+        right.set_xticks(x + width * (len(names) - 1) / 2, [str(r["step"]) for r in rows])
+        right.set_xlabel("step (same batch for every method)")
+        right.set_ylabel("step time (s)")
+        title = "adaptive vs static groups"
+        if static and comp.get("speedup_measured"):
+            title += f": measured {comp['speedup_measured']:.2f}x over {static}"
+        right.set_title(title)
+        right.legend(fontsize=7)
+    else:
+        right.text(0.5, 0.5, "no comparison steps (--compare-steps 0)", ha="center")
+        right.set_axis_off()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -213,11 +213,13 @@ def run(args: argparse.Namespace) -> int:
     results = raise_rank_errors(run_distributed(_profile_worker, args.nproc, cfg, timeout_s=3600.0))
     res = results[0]
     samples = res["compute"]
-    # Measured, not fitted: a longer single sequence timed faster than a shorter one means the
-    # machine's noise exceeds the signal, and no fit of such points can rank schedules.
+    # Measured, not fitted: a longer single sequence timed more than 10% faster than a shorter
+    # one means the machine's noise exceeds the signal, and no fit of such points can rank
+    # schedules (within 10%: short sequences whose times the fixed cost dominates).
     check_monotone(
         {s.lengths[0]: s.ms for s in samples if len(s.lengths) == 1},
         "measured forward+backward ms against sequence length",
+        tolerance=0.1,
     )
     compute = fit_linear(
         {

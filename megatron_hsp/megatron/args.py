@@ -184,6 +184,56 @@ class HSPConfig:
     notes: tuple[str, ...] = field(default=(), compare=False)
 
 
+def _sizes_the_cost_model_prices(
+    args: argparse.Namespace,
+    sizes: list[int],
+    world: int,
+    slots_per_node: int,
+    max_seq: int,
+    notes: list[str],
+) -> list[int]:
+    """Group sizes the cost model has figures for, checked once before training starts.
+
+    Why here: a fitted cost model lists the sizes it measured (say 2, 4, 8), while the legal
+    sizes include every size up to a node (3, 5, 6, 7). Left to the planner, the gap surfaced on
+    the first step as a planning failure. Sizes chosen automatically are narrowed (with a note);
+    sizes the user asked for with --hsp-group-sizes must all be priced, else a clear error.
+    """
+    from megatron_hsp.planner.costmodel import load_cost_model
+
+    try:
+        cost = load_cost_model(
+            args.hsp_cost_model,
+            world_size=world,
+            gpus_per_node=slots_per_node,
+            max_seq_k=units.tokens_to_k(max_seq),
+            memory_cap_gb=args.hsp_memory_cap_gb,
+        )
+    except InputError as exc:
+        raise HSPArgsError(f"--hsp-cost-model {args.hsp_cost_model}: {exc}") from None
+    priced = set(cost.sizes)
+    missing = [d for d in sizes if d not in priced]
+    if not missing:
+        return sizes
+    if args.hsp_group_sizes is not None:
+        raise HSPArgsError(
+            f"--hsp-group-sizes {','.join(map(str, sizes))}: cost model "
+            f"{args.hsp_cost_model!r} has no figures for group sizes {missing} (it prices "
+            f"{sorted(priced)}); leave those sizes out or use a cost model that prices them"
+        )
+    kept = [d for d in sizes if d in priced]
+    if not kept:
+        raise HSPArgsError(
+            f"--hsp-cost-model {args.hsp_cost_model}: prices none of the legal group sizes "
+            f"{sizes} on {world} ranks in nodes of {slots_per_node}; it prices {sorted(priced)}"
+        )
+    notes.append(
+        f"group sizes {missing} left out: cost model {args.hsp_cost_model!r} has no figures for "
+        f"them (it prices {sorted(priced)}); training uses {kept}"
+    )
+    return kept
+
+
 def _gpus_per_node_from_env(env: Mapping[str, str]) -> int | None:
     for key in ("LOCAL_WORLD_SIZE", "SLURM_GPUS_ON_NODE", "SLURM_NTASKS_PER_NODE"):
         raw = env.get(key, "")
@@ -404,6 +454,7 @@ def validate_hsp_args(
         raise HSPArgsError("--hsp needs --hsp-max-seq or --seq-length to size the cost model")
     if args.hsp_log_interval < 0:
         raise HSPArgsError(f"--hsp-log-interval must be >= 0 (got {args.hsp_log_interval})")
+    sizes = _sizes_the_cost_model_prices(args, sizes, sp_world, slots_per_node, int(max_seq), notes)
 
     return HSPConfig(
         cost_model=args.hsp_cost_model,

@@ -28,6 +28,7 @@ imports torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ import numpy as np
 
 from megatron_hsp.planner.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
+from megatron_hsp.planner.groupspace import largest_ulysses
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 from megatron_hsp.planner.topology import Cluster
 
@@ -296,47 +298,66 @@ def static_best_degree(
 
 
 # ---------------------------------------------------------------------- Megatron's own schedulers
+# How much of a Megatron CP group's ring traffic shows (``RingAssumptions.overlap``), mapped to
+# ``CostModel.seq_ms``'s ``ring`` knob; "cost-model" is the rule hsp's ring groups get.
+RING_OVERLAP = {"cost-model": "overlap", "fully-hidden": "hidden", "exposed": "exposed"}
+
+
 @dataclass(frozen=True)
 class RingAssumptions:
-    """How a Megatron CP group (ring attention, p2p) is costed; see docs/baselines.md.
+    """How a Megatron CP group (pure ring attention, split (1, d)) is costed; docs/baselines.md.
 
-    Megatron's context parallelism passes K/V chunks around a ring and overlaps each transfer
-    with the attention of the previous chunk, so its communication is not the Ulysses all-to-all
-    our ``CostModel`` prices. The defaults are the most favourable to Megatron (the conservative
-    choice for our speedup claims): ring traffic fully hidden, one fixed cost per group.
+    The default prices it exactly as the cost model prices any ring group, hsp's included
+    (``CostModel.group_ms(lengths, d, split=(1, d))``): same ring-step figures, same overlap of
+    each K/V transfer with the previous block's attention. The other values exist only to show
+    the sensitivity of the comparison (``benchmarks/dcp_sensitivity.py``):
 
-    exposed_comm: fraction of the ring's p2p time not hidden under attention (0 = fully hidden).
-    p2p_to_a2a: ring bytes per token relative to Ulysses all-to-all bytes per token for the same
-        group (MHA: K,V forward plus K,V,dK,dV backward = 6h against q,k,v,o both ways = 8h).
+    overlap: "cost-model" (the one rule, the headline), "fully-hidden" (ring traffic free: the
+        bound most favourable to Megatron) or "exposed" (no transfer hidden).
     fixed_per_sequence: charge the group's fixed cost once per sub-sample pass (upstream's
         dynamic-CP schedule runs one forward/backward per sequence) instead of once per group.
+    ulysses: Megatron/TE hierarchical CP (``cp_comm_type="a2a+p2p"``,
+        ``hierarchical_context_parallel_sizes``): all-to-all over this many ranks (e.g. a node),
+        ring across; a group of d runs split (u, d/u) with u the largest degree dividing
+        ``gcd(d, ulysses)`` and the query heads (``groupspace.largest_ulysses``). 1: pure p2p ring.
     """
 
-    exposed_comm: float = 0.0
-    p2p_to_a2a: float = 0.75
+    overlap: str = "cost-model"
     fixed_per_sequence: bool = False
+    ulysses: int = 1
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.exposed_comm <= 1.0 or self.p2p_to_a2a < 0.0:
+        if self.overlap not in RING_OVERLAP:
             raise InputError(
-                f"ring assumptions: exposed_comm must be in [0, 1] (got {self.exposed_comm}) "
-                f"and p2p_to_a2a >= 0 (got {self.p2p_to_a2a})"
+                f"ring assumptions: overlap must be one of {sorted(RING_OVERLAP)}, "
+                f"got {self.overlap!r}"
             )
+        if self.ulysses < 1:
+            raise InputError(f"ring assumptions: ulysses must be >= 1, got {self.ulysses}")
+
+    def split(self, d: int, cost: CostModel) -> tuple[int, int]:
+        """(ulysses, ring) a Megatron CP group of ``d`` runs with under these assumptions."""
+        u = math.gcd(d, self.ulysses)
+        if cost.heads is not None:
+            u = largest_ulysses(u, cost.heads[0])
+        return u, d // u
 
 
 def ring_group_ms(
     lengths: Sequence[int] | np.ndarray, d: int, cost: CostModel, assume: RingAssumptions
 ) -> float:
-    """Time (ms) of a ring-attention CP group of ``d`` training ``lengths``, one after another."""
+    """Time (ms) of a Megatron CP group of ``d`` (pure ring) training ``lengths``.
+
+    ``CostModel.group_ms`` at split ``(1, d)`` (``assume.split``); with ``fixed_per_sequence``
+    the fixed cost is paid once per sequence (one pass each) instead of once.
+    """
     s = np.asarray(lengths, dtype=np.float64)
     if s.size == 0:
         return 0.0
-    compute = float(((cost.attn_ms_per_token2 * s * s + cost.linear_ms_per_token * s) / d).sum())
-    comm = 0.0
-    if d > 1 and assume.exposed_comm > 0.0:
-        comm = assume.exposed_comm * assume.p2p_to_a2a * cost.a2a_ms_per_token[d] * float(s.sum())
+    split = assume.split(d, cost)
+    ring = RING_OVERLAP[assume.overlap]
     passes = int(s.size) if assume.fixed_per_sequence else 1
-    return compute + comm + passes * cost.fixed_ms(d)
+    return float(cost.seq_ms(s, d, split, ring).sum()) + passes * cost.fixed_ms(d, split)
 
 
 class PerSequenceMemory:
@@ -377,10 +398,23 @@ def ring_plan_from_layout(
 
     All groups of a micro-batch finish before the next starts (upstream synchronises between
     scheduler groups), so a micro-batch costs its slowest group, each group costed with
-    ``ring_group_ms``. ``sequential`` groups train their sequences one pass each, so only the
-    longest must fit; otherwise the whole pack must.
+    ``ring_group_ms`` and recorded with its split (pure ring by default). ``sequential``
+    groups train their sequences one pass each, so only the longest must fit; otherwise the whole
+    pack must.
     """
     lens = np.asarray(lengths, dtype=np.int64)
+    unpriced = sorted(
+        {size for mb in layout for size, ids in mb if ids and assume.split(size, cost)[1] > 1}
+        - set(cost.ring_step_ms_per_token)
+    )
+    if unpriced and assume.overlap != "fully-hidden":
+        method = solver.rsplit("-", 1)[0] if solver.startswith("dp-balanced") else solver
+        raise InputError(
+            f"{solver}: cost model {cost.name!r} has no ring_step_ms_per_token for group sizes "
+            f"{unpriced}, so Megatron's ring attention cannot be priced; add "
+            "coefficients.ring_step_ms_per_token to the cost model, or leave "
+            f"{method} out of --methods"
+        )
     for mb in layout:
         for size, ids in mb:
             glens = [int(lens[i]) for i in ids]
@@ -396,7 +430,12 @@ def ring_plan_from_layout(
     microbatches: list[MicroBatch] = []
     for mb in plan.microbatches:
         groups = tuple(
-            dataclasses.replace(g, est_ms=ring_group_ms(g.lengths, g.size, cost, assume))
+            dataclasses.replace(
+                g,
+                est_ms=ring_group_ms(g.lengths, g.size, cost, assume),
+                ulysses=assume.split(g.size, cost)[0],
+                ring=assume.split(g.size, cost)[1],
+            )
             for g in mb.groups
         )
         microbatches.append(MicroBatch(groups, max(g.est_ms for g in groups)))

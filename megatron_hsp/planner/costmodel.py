@@ -3,14 +3,18 @@
 Every model, fitted (FlexSP presets) or first-principles, reduces to the same separable form, which
 is what lets the MILP stay linear:
 
-    group_ms(lengths, d) = sum_i [ (a1 * s_i^2 + a2 * s_i) / d + c_d * s_i ] + b_d
+    group_ms(lengths, d, (u, r)) = sum_i [ (a1 * s_i^2 + a2 * s_i) / d + c_{d,u} * s_i
+                                           + (r - 1) * max(0, p_{d,u} * s_i - a1 * s_i^2 / (d r)) ]
+                                   + b_{d,u,r}
     fits(lengths, d)     = sum_i s_i / d <= tokens_per_rank
 
 a1: attention (quadratic) ms per token^2 on one rank; a2: linear-layer ms per token;
-c_d: Ulysses all-to-all ms per token for a group of d (0 for d = 1; depends on the network tier
-the group spans); b_d: fixed ms per group per micro-batch (kernel launches, a2a latency, the
+c_{d,u}: Ulysses all-to-all ms per token over u ranks of a group of d (0 for u = 1; depends on the
+network tier); p_{d,u}: one ring step's K/V p2p ms per token, hidden behind the attention block it
+overlaps; b: fixed ms per group per micro-batch (kernel launches, call latencies of the split, the
 optimizer-free per-pass overhead FlexSP fits as b1); tokens_per_rank: activation capacity left on a
-rank after model states, under the memory cap.
+rank after model states, under the memory cap. (u, r) defaults to ``HeadSpace.split`` (what hsp's
+runtime executes); Megatron's CP baselines are the same formula at (1, d).
 """
 
 from __future__ import annotations
@@ -44,9 +48,15 @@ class CostModel:
     details: Mapping[str, float] = field(default_factory=dict)
     # Query/KV heads per tensor-parallel rank; None: unknown model, every group pure Ulysses.
     heads: tuple[int, int] | None = None
-    # Ring attention: ms per token of a sequence for one ring step's K/V p2p, by group size
-    # (groups whose split has r > 1 only). See ``seq_ms``.
+    # Ring attention: ms per token of a sequence for one ring step's K/V p2p in a group of d run
+    # as pure ring (u = 1), for every size d > 1; a split with Ulysses over u scales it by the KV
+    # copies Ulysses needs (``groupspace.kv_copies``). See ``seq_ms``.
     ring_step_ms_per_token: Mapping[int, float] = field(default_factory=dict)
+    # Latency (ms per micro-batch) of a group's collective calls, charged by split: all its
+    # all-to-alls when Ulysses runs over u ranks (keyed by u), and one ring step's p2p calls
+    # (keyed by the group size, paid r - 1 times). Empty: folded into ``group_fixed_ms``.
+    a2a_fixed_ms: Mapping[int, float] = field(default_factory=dict)
+    ring_step_fixed_ms: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tokens_per_rank <= 0:
@@ -62,16 +72,36 @@ class CostModel:
         """Group sizes this model has numbers for."""
         return sorted(set(self.a2a_ms_per_token) | {1})
 
-    def _a2a(self, d: int) -> float:
-        if d == 1:
+    def _a2a(self, d: int, u: int) -> float:
+        """All-to-all ms per token of a group of ``d`` whose Ulysses degree is ``u``.
+
+        ``a2a_ms_per_token[d]`` is cached for the default split; any other ``u`` is the pure
+        Ulysses group of ``u`` scaled by ``u / d`` (each rank then holds s/d tokens, not s/u),
+        which is exactly how both builders derive the default figure.
+        """
+        if u == 1:
             return 0.0
-        try:
+        if u == self.split(d)[0] and d in self.a2a_ms_per_token:
             return self.a2a_ms_per_token[d]
+        if u in self.a2a_ms_per_token and self.split(u) == (u, 1):
+            return self.a2a_ms_per_token[u] * u / d
+        raise InputError(
+            f"cost model {self.name!r} has no all-to-all figure for Ulysses over {u} ranks in a "
+            f"group of {d}; known sizes: {self.sizes}"
+        )
+
+    def _ring_step(self, d: int, u: int) -> float:
+        """ms per token of one ring step in a group of ``d`` with Ulysses over ``u``."""
+        try:
+            step = self.ring_step_ms_per_token[d]
         except KeyError:
             raise InputError(
-                f"cost model {self.name!r} has no all-to-all figure for group size {d}; "
-                f"known sizes: {self.sizes}"
+                f"cost model {self.name!r} has no ring_step_ms_per_token figure for group size "
+                f"{d} (known: {sorted(self.ring_step_ms_per_token)}); add "
+                "coefficients.ring_step_ms_per_token for every size > 1"
             ) from None
+        hs = self.head_space()
+        return step * (hs.kv_copies(u) if hs is not None else 1)
 
     def head_space(self, max_ring: int | None = None) -> HeadSpace | None:
         """The model's heads as ``groupspace.HeadSpace`` (None when this model knows none)."""
@@ -93,26 +123,68 @@ class CostModel:
         g = self.group_fixed_ms
         return g[d] if d in g else g.get(0, 0.0)
 
+    def _resolve(self, d: int, split: tuple[int, int] | None) -> tuple[int, int]:
+        """``split`` checked against ``d`` (default: ``self.split(d)``)."""
+        if split is None:
+            return self.split(d)
+        u, r = int(split[0]), int(split[1])
+        if u < 1 or r < 1 or u * r != d:
+            raise InputError(
+                f"split ulysses {u} x ring {r} does not multiply to group size {d}; "
+                f"the default split of {d} is {self.split(d)}"
+            )
+        return u, r
+
     # ------------------------------------------------------------------ time
-    def seq_ms(self, lengths: np.ndarray | Sequence[int], d: int) -> np.ndarray:
-        """Per-sequence time (ms) in a group of ``d``, excluding the group's fixed cost."""
+    def seq_ms(
+        self,
+        lengths: np.ndarray | Sequence[int],
+        d: int,
+        split: tuple[int, int] | None = None,
+        ring: str = "overlap",
+    ) -> np.ndarray:
+        """Per-sequence time (ms) in a group of ``d`` run as ``split`` = (u, r), without b_d.
+
+        The one pricing rule for every group, hsp's or a baseline's (Megatron CP is split
+        ``(1, d)``): compute ``(a1 s^2 + a2 s)/d``, all-to-all over u ranks (zero when u = 1),
+        and r - 1 ring steps, each moving one K/V block while the rank computes attention on the
+        previous one (attn / r per step), so only the excess of transfer over compute shows.
+        ``ring`` is a sensitivity knob for baselines only: "overlap" (this rule, the default),
+        "hidden" (ring traffic free) or "exposed" (none of it overlapped).
+        """
+        u, r = self._resolve(d, split)
         s = np.asarray(lengths, dtype=np.float64)
         attn = self.attn_ms_per_token2 * s * s / d
-        out = attn + self.linear_ms_per_token * s / d + self._a2a(d) * s
-        r = self.split(d)[1]
-        if r > 1:
-            # r - 1 ring steps each move one K/V block while the rank computes attention on the
-            # previous one (attn / r per step); only the excess of transfer over compute shows.
-            step = self.ring_step_ms_per_token.get(d, 0.0) * s
-            out = out + (r - 1) * np.maximum(0.0, step - attn / r)
+        out = attn + self.linear_ms_per_token * s / d + self._a2a(d, u) * s
+        if r > 1 and ring != "hidden":
+            step = self._ring_step(d, u) * s
+            if ring == "overlap":
+                out = out + (r - 1) * np.maximum(0.0, step - attn / r)
+            elif ring == "exposed":
+                out = out + (r - 1) * step
+            else:
+                raise InputError(f"ring pricing {ring!r}: use overlap, hidden or exposed")
         return out
 
-    def group_ms(self, lengths: np.ndarray | Sequence[int], d: int) -> float:
+    def group_ms(
+        self,
+        lengths: np.ndarray | Sequence[int],
+        d: int,
+        split: tuple[int, int] | None = None,
+        ring: str = "overlap",
+    ) -> float:
         """Time (ms) of one group of ``d`` ranks training ``lengths`` in one micro-batch."""
-        return float(self.seq_ms(lengths, d).sum()) + self._fixed(d)
+        return float(self.seq_ms(lengths, d, split, ring).sum()) + self.fixed_ms(d, split)
 
-    def fixed_ms(self, d: int) -> float:
-        return self._fixed(d)
+    def fixed_ms(self, d: int, split: tuple[int, int] | None = None) -> float:
+        """Fixed ms per group per micro-batch: b_d plus the latency of the split's calls."""
+        u, r = self._resolve(d, split)
+        out = self._fixed(d)
+        if u > 1:
+            out += self.a2a_fixed_ms.get(u, 0.0)
+        if r > 1:
+            out += (r - 1) * self.ring_step_fixed_ms.get(d, 0.0)
+        return out
 
     # ------------------------------------------------------------------ memory
     def capacity(self, d: int) -> int:
@@ -148,15 +220,11 @@ class CostModel:
                 "a2a_ms_per_token": {int(k): float(v) for k, v in self.a2a_ms_per_token.items()},
                 "tokens_per_rank": int(self.tokens_per_rank),
                 **({"heads": list(self.heads)} if self.heads else {}),
-                **(
-                    {
-                        "ring_step_ms_per_token": {
-                            int(k): float(v) for k, v in self.ring_step_ms_per_token.items()
-                        }
-                    }
-                    if self.ring_step_ms_per_token
-                    else {}
-                ),
+                **{
+                    key: {int(k): float(v) for k, v in getattr(self, key).items()}
+                    for key in ("ring_step_ms_per_token", "a2a_fixed_ms", "ring_step_fixed_ms")
+                    if getattr(self, key)
+                },
             },
             "source": self.source,
             "details": {k: float(v) for k, v in self.details.items()},
@@ -279,18 +347,18 @@ def flexsp_cost_model(
     space = HeadSpace(heads, heads) if heads else None
     sizes = [d for d in cluster.legal_sizes() if d > 1]
     a2a_bytes_per_token = 4 * 2 * layers * hidden * 2
-    # Ring step: K and V (MHA, bf16) of the rank's s/d tokens, once forward, and K/V plus their
-    # gradients backward, per layer; at the size-2 (NVLink) bandwidth inside a node, the
-    # two-node figure when the ring crosses nodes (its slowest hop sets the pace).
+    # Ring step (pure ring, every size: Megatron CP groups are priced by the same figure): K and
+    # V (MHA, bf16) of the rank's s/d tokens, once forward, and K/V plus their gradients
+    # backward, per layer; at the size-2 (NVLink) bandwidth inside a node, the two-node figure
+    # when the ring crosses nodes (its slowest hop sets the pace). MHA: no KV copies for any u.
     ring_bytes_per_token = 3 * layers * 2 * hidden * 2
     a2a: dict[int, float] = {}
     ring: dict[int, float] = {}
     for d in sizes:
-        u, r = space.split(d) if space else (d, 1)
+        u = space.split(d)[0] if space else d
         a2a[d] = a2a_bytes_per_token / 2**20 / d / flexsp_bandwidth(bw, u) if u > 1 else 0.0
-        if r > 1:
-            hop = flexsp_bandwidth(bw, 2 if not cluster.crosses_node(d) else 2 * gpus_per_node)
-            ring[d] = ring_bytes_per_token / 2**20 / d / hop
+        hop = flexsp_bandwidth(bw, 2 if not cluster.crosses_node(d) else 2 * gpus_per_node)
+        ring[d] = ring_bytes_per_token / 2**20 / d / hop
     params_b = flexsp_params_b(fit, max_seq_k)
     model_states_mib = params_b * 16 * 1024 / world_size
     act = float(fit["act_mib_per_token"])
@@ -520,7 +588,9 @@ def first_principles_cost_model(
 
     Sizes: every legal size of the cluster, run as ``HeadSpace.split`` says (Ulysses over u
     ranks, ring over r); a ring step's K/V p2p shows only where it outlasts the attention block
-    it overlaps (``CostModel.seq_ms``), plus 2 * layers p2p latencies per step in b_d.
+    it overlaps (``CostModel.seq_ms``). Ring figures are for pure ring at every size (Megatron CP
+    groups are priced by them too); call latencies are kept by split: ``a2a_fixed_ms[u]`` for the
+    all-to-alls over u ranks, ``ring_step_fixed_ms[d]`` = 2 * layers p2p latencies per step.
     """
     g = gpus_per_node or hardware.gpus_per_node
     cluster = Cluster(world_size, g)
@@ -547,15 +617,20 @@ def first_principles_cost_model(
         scatter = params * training.bytes_per_grad * ring
         bw = hardware.bandwidth_gbs(cluster.crosses_node(world_size)) * 1e9
         zero3_ms = (2 * gather + scatter) / bw * 1e3 * training.zero3_exposed_fraction
+    a2a_fixed: dict[int, float] = {}
+    ring_fixed: dict[int, float] = {}
     for d in sizes:
         crosses = cluster.crosses_node(d)
         lat_us = hardware.inter_node_latency_us if crosses else hardware.latency_us
-        fixed[d] = (
-            training.microbatch_overhead_ms + zero3_ms + (calls * lat_us * 1e-3 if d > 1 else 0.0)
-        )
+        fixed[d] = training.microbatch_overhead_ms + zero3_ms
         if d == 1:
             continue
-        u, r = space.split(d)
+        a2a_fixed[d] = calls * lat_us * 1e-3
+        ring_fixed[d] = 2 * model.layers * lat_us * 1e-3
+        # One ring step, pure ring: each rank passes its s/d tokens' K/V to the next ring rank.
+        nbytes = ring_bytes_per_token(model, training, 1) / d
+        ring_ms[d] = nbytes / (hardware.bandwidth_gbs(crosses) * 1e9) * 1e3
+        u = space.split(d)[0]
         # Ulysses over u contiguous ranks, each holding s/d tokens and sending 1/u to each peer.
         per_peer = a2a_bytes_per_token(model, training, u) / (d * u) if u > 1 else 0.0
         intra = min(u, g) - 1
@@ -565,11 +640,6 @@ def first_principles_cost_model(
             inter * per_peer / (hardware.inter_node_gbs * 1e9),
         )
         a2a[d] = t * 1e3
-        if r > 1:
-            # One ring step: each rank passes its s/d tokens' K/V to the next ring rank.
-            fixed[d] += (r - 1) * 2 * model.layers * lat_us * 1e-3
-            nbytes = ring_bytes_per_token(model, training, u) / d
-            ring_ms[d] = nbytes / (hardware.bandwidth_gbs(crosses) * 1e9) * 1e3
     states = training.model_state_bytes(params, world_size)
     act = activation_bytes_per_token(model, training)
     cap_bytes = cap_gb * 2**30
@@ -599,6 +669,8 @@ def first_principles_cost_model(
         },
         heads=(space.q_heads, space.kv_heads),
         ring_step_ms_per_token=ring_ms,
+        a2a_fixed_ms=a2a_fixed,
+        ring_step_fixed_ms=ring_fixed,
     )
 
 
@@ -701,6 +773,8 @@ def _from_coefficients(name: str, co: Mapping[str, Any], cap_gb: float | None) -
         "act_mib_per_token",
         "heads",
         "ring_step_ms_per_token",
+        "a2a_fixed_ms",
+        "ring_step_fixed_ms",
     }
     unknown = sorted(set(co) - allowed)
     if unknown:
@@ -746,12 +820,9 @@ def _from_coefficients(name: str, co: Mapping[str, Any], cap_gb: float | None) -
         tokens_per_rank=tokens,
         source="explicit coefficients",
         heads=_heads(co.get("heads")),
-        ring_step_ms_per_token={
-            k: v
-            for k, v in _size_map(
-                co.get("ring_step_ms_per_token", {}), "ring_step_ms_per_token"
-            ).items()
-            if k > 1
+        **{
+            key: {k: v for k, v in _size_map(co.get(key, {}), key).items() if k > 1}
+            for key in ("ring_step_ms_per_token", "a2a_fixed_ms", "ring_step_fixed_ms")
         },
     )
 
@@ -766,6 +837,8 @@ _MAY_BE_ZERO = {
     "group_fixed_ms",
     "a2a_ms_per_token",
     "ring_step_ms_per_token",
+    "a2a_fixed_ms",
+    "ring_step_fixed_ms",
     "b1",
     "a1",
     "latency_us",
@@ -840,6 +913,8 @@ def validate_cost_model(model: CostModel) -> CostModel:
         ("group_fixed_ms", model.group_fixed_ms),
         ("a2a_ms_per_token", model.a2a_ms_per_token),
         ("ring_step_ms_per_token", model.ring_step_ms_per_token),
+        ("a2a_fixed_ms", model.a2a_fixed_ms),
+        ("ring_step_fixed_ms", model.ring_step_fixed_ms),
     ):
         for d, v in mapping.items():
             if not isinstance(d, int) or d < 0:
@@ -927,7 +1002,9 @@ def _load_unchecked(
         name: my-fit                 # explicit (fitted) coefficients
         coefficients: {attn_ms_per_token2, linear_ms_per_token, group_fixed_ms,
                        a2a_ms_per_token | a2a_bytes_per_token + a2a_gbs,
-                       tokens_per_rank | model_states_gb + act_mib_per_token}
+                       tokens_per_rank | model_states_gb + act_mib_per_token,
+                       optional: heads [q, kv], ring_step_ms_per_token {size: ms, pure ring},
+                       a2a_fixed_ms {u: ms}, ring_step_fixed_ms {size: ms per step}}
 
         name: my-gpt                 # FlexSP-style fit, scaled with the cluster like the presets
         flexsp: {layers, hidden, a1, a2, b1, act_mib_per_token, params_b: {192: .., 384: ..}}
