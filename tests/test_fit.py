@@ -70,3 +70,9 @@ def test_profile_bad_flags_exit_2(argv, message, capsys):
 
     assert main(["profile", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_monotone_tolerance_allows_noise_not_a_fall():
+    check_monotone({64: 8.1, 128: 7.8, 256: 12.0}, "t", tolerance=0.1)  # 4% dip: noise
+    with pytest.raises(InputError, match=r"64: 8\.1 > 128: 7"):
+        check_monotone({64: 8.1, 128: 7.0, 256: 12.0}, "t", tolerance=0.1)  # 14% fall

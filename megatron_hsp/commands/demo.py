@@ -58,6 +58,8 @@ class DemoConfig:
     corpus_prefix: str = ""
     quiet: bool = False
     stall_timeout_s: float = 30.0
+    # preset name, YAML/JSON file (e.g. written by `megatron-hsp profile`) or a spec mapping
+    cost_model: str | dict[str, Any] = field(default_factory=lambda: dict(DEMO_COST_MODEL))
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -85,6 +87,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="batches re-run with static groups for the side-by-side (default 3; 0: skip)",
     )
     parser.add_argument("--solver", choices=("highs", "cbc", "greedy"), default="highs")
+    parser.add_argument(
+        "--cost-model",
+        default=None,
+        metavar="FILE|PRESET",
+        help="cost model the planner uses: a YAML/JSON file (e.g. from `megatron-hsp profile`) "
+        "or a preset name (default: the demo's built-in CPU model). Each step's predicted_s in "
+        "--json is this model's estimate",
+    )
     parser.add_argument(
         "--verbose",
         action="store_true",
@@ -161,8 +171,10 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
 
     device = torch.device("cpu")
     gpus_per_node = world_size
-    cost = load_cost_model(DEMO_COST_MODEL, world_size=world_size, gpus_per_node=gpus_per_node)
-    registry = create_groups(gpus_per_node)
+    cost = load_cost_model(cfg.cost_model, world_size=world_size, gpus_per_node=gpus_per_node)
+    # Only the sizes the cost model prices: the registry offers every size up to a node (3 of 4
+    # included), which a pure-Ulysses model of 4 heads cannot run and the planner cannot cost.
+    registry = create_groups(gpus_per_node, sizes=[d for d in cost.sizes if d <= world_size])
     sizes = registry.sizes
     max_len = cost.max_trainable_length(list(sizes))
     index = DocumentIndex(cfg.corpus_prefix)
@@ -177,7 +189,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     if rank == 0:
         planner = PlannerService(
             PlannerSpec(
-                cost_model=DEMO_COST_MODEL,
+                cost_model=cfg.cost_model,
                 world_size=world_size,
                 gpus_per_node=gpus_per_node,
                 max_seq=max_len,
@@ -240,6 +252,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
                         "group_sizes": rec.group_sizes,
                         "microbatches": rec.microbatches,
                         "step_s": step_s,
+                        "predicted_s": prepared.plan.est_step_ms / 1e3,
                         "predicted_ms": rec.predicted_ms,
                         "solve_ms": rec.solve_ms,
                         "planner_wait_ms": rec.planner_wait_ms,
@@ -319,10 +332,53 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
             **{k: v for k, v in asdict(cfg).items() if k not in ("extra", "quiet")},
             "group_sizes": list(sizes),
             "max_trainable_length": max_len,
-            "cost_model": DEMO_COST_MODEL,
+            "cost_model": cost.to_spec(),
             "model": {**DEMO_MODEL, "vocab_size": DEMO_VOCAB_SIZE},
         },
     }
+
+
+# ------------------------------------------------------------------------- the model's accuracy
+WARMUP_STEPS = 2  # step 0 pays first-touch allocation and the planner's start-up
+
+
+def prediction_summary(steps: list[dict[str, Any]], cost_spec: dict[str, Any]) -> dict[str, Any]:
+    """Median relative error of ``predicted_s`` against ``step_s`` after the warm-up steps.
+
+    Why the median after warm-up: the first steps allocate buffers and warm caches, and a loaded
+    machine adds outliers either way; the median over the rest is what the planner can rely on.
+    With too few steps the warm-up shrinks so that at least one step is scored.
+    """
+    warm = min(WARMUP_STEPS, max(0, len(steps) - 1))
+    scored = steps[warm:]
+    errs = [abs(s["predicted_s"] - s["step_s"]) / s["step_s"] for s in scored if s["step_s"] > 0]
+    import statistics
+
+    return {
+        "cost_model": cost_spec.get("name", "?"),
+        "warmup_steps": warm,
+        "steps": len(errs),
+        "median_rel_err": statistics.median(errs) if errs else None,
+        "mean_predicted_over_measured": (
+            sum(s["predicted_s"] / s["step_s"] for s in scored) / len(scored) if scored else None
+        ),
+    }
+
+
+def _checked_cost_model(spec: str, nproc: int) -> str:
+    """Load ``--cost-model`` once here so a bad file or preset stops the demo before any rank
+    starts, with the flag named (exit 2)."""
+    from megatron_hsp.planner.costmodel import load_cost_model
+    from megatron_hsp.planner.errors import InputError
+
+    try:
+        load_cost_model(spec, world_size=nproc, gpus_per_node=nproc)
+    except InputError as exc:
+        msg = str(exc)
+        raise InputError(
+            msg if msg.startswith("--cost-model") else f"--cost-model {spec}: {msg}"
+        ) from None
+    return spec
 
 
 # ----------------------------------------------------------------------------------- reporting
@@ -365,6 +421,14 @@ def render(result: dict[str, Any], elapsed_s: float) -> str:
                 f"  speedup of adaptive over {s_name}: measured "
                 f"{comp['speedup_measured']:.2f}x, predicted {comp['speedup_predicted']:.2f}x"
             )
+    pred = result.get("prediction") or {}
+    if pred.get("median_rel_err") is not None:
+        lines.append("")
+        lines.append(
+            f"prediction ({pred['cost_model']}): median |predicted - measured| / measured "
+            f"{pred['median_rel_err']:.1%} over {pred['steps']} steps after "
+            f"{pred['warmup_steps']} warm-up"
+        )
     lines.append("")
     lines.append(f"data: {result['sampler']}")
     lines.append(f"done in {elapsed_s:.1f} s")
@@ -392,6 +456,8 @@ def run(args: argparse.Namespace) -> int:
         check_range(args.global_batch, "--global-batch", low=1)
     if args.nproc < 1 or args.nproc & (args.nproc - 1):
         raise InputError(f"--nproc must be a power of two (1, 2, 4, 8), got {args.nproc}")
+    if args.cost_model is not None:  # before the corpus is built: a bad file fails at once
+        _checked_cost_model(args.cost_model, int(os.environ.get("WORLD_SIZE", args.nproc)))
     plot_path = None
     if args.plot is not None:
         from megatron_hsp.commands.plots import check_png_path
@@ -422,6 +488,8 @@ def run(args: argparse.Namespace) -> int:
         corpus_prefix=str(corpus.prefix),
         quiet=quiet,
     )
+    if args.cost_model is not None:
+        cfg.cost_model = args.cost_model
     if torchrun:
         result = _run_torchrun(cfg)
         if rank != 0:
@@ -434,6 +502,7 @@ def run(args: argparse.Namespace) -> int:
             return 130
     elapsed = time.perf_counter() - t0
     result["elapsed_s"] = elapsed
+    result["prediction"] = prediction_summary(result["steps"], result["config"]["cost_model"])
     if args.json is not None:
         text = json.dumps(result, indent=2)
         if args.json == "-":

@@ -11,27 +11,40 @@ size and message size on ``--nproc`` processes; then fits the planner's cost mod
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from megatron_hsp.commands.demo import DEMO_MODEL
+    from megatron_hsp.megatron.data import DEMO_VOCAB_SIZE
+
     parser.add_argument("--out", metavar="FILE.yaml", required=True, help="cost model to write")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=256)
+    # Defaults: the demo's model, so `profile` then `demo --cost-model` measures what runs.
+    parser.add_argument("--layers", type=int, default=DEMO_MODEL["num_layers"])
+    parser.add_argument("--hidden", type=int, default=DEMO_MODEL["hidden_size"])
+    parser.add_argument("--heads", type=int, default=DEMO_MODEL["num_attention_heads"])
+    parser.add_argument("--kv-heads", type=int, default=DEMO_MODEL["num_query_groups"])
+    parser.add_argument("--vocab", type=int, default=DEMO_VOCAB_SIZE)
     parser.add_argument(
         "--max-tokens", type=int, default=4096, help="longest packed batch to time (tokens)"
     )
     parser.add_argument("--points", type=int, default=8, help="batch lengths to time")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
     parser.add_argument(
-        "--nproc", type=int, default=2, help="processes for the all-to-all measurement (>= 2)"
+        "--repeats", type=int, default=5, help="timed rounds per point (median; default 5)"
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=4,
+        help="processes measuring at once, one thread each, like the demo's ranks (>= 2; "
+        "default 4, the demo's)",
     )
     parser.add_argument(
         "--tokens-per-rank",
@@ -42,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default="profiled", help="name stored in the YAML")
 
 
-def _bar(label: str) -> object:
+def _bar(label: str) -> Callable[[int, int], None]:
     def show(done: int, total: int) -> None:
         filled = int(30 * done / total)
         end = "\n" if done == total else ""
@@ -52,10 +65,91 @@ def _bar(label: str) -> object:
     return show
 
 
-def _a2a_worker(rank: int, world_size: int, tokens: list[int], bpt: int, repeats: int) -> dict:
-    from megatron_hsp.runtime.profile import measure_all_to_all
+def _batches(max_tokens: int, points: int) -> list[list[int]]:
+    """Single sequences (tokens against tokens^2) and the same token counts as 4 and 16
+    sequences (the per-sequence cost), the packed shapes a demo micro-batch has."""
+    lengths = np.unique(np.geomspace(64, max_tokens, points).astype(int))
+    batches: list[list[int]] = [[int(n)] for n in lengths]
+    for n in lengths[len(lengths) // 2 :]:
+        for k in (4, 16):
+            if n // k >= 16:
+                batches.append([int(n) // k] * k)
+    return batches
 
-    return measure_all_to_all(rank, world_size, tokens, bpt, repeats)
+
+def _profile_worker(rank: int, world_size: int, cfg: dict) -> dict | None:
+    """One measuring rank (spawned, gloo/CPU or NCCL/GPU, one thread like the demo's ranks)."""
+    import torch
+
+    from megatron_hsp.runtime import profile as prof
+    from megatron_hsp.testing.dist import tiny_gpt_model
+
+    device = prof._device()
+    model = tiny_gpt_model(
+        num_layers=cfg["layers"],
+        hidden_size=cfg["hidden"],
+        num_attention_heads=cfg["heads"],
+        num_query_groups=cfg["kv_heads"],
+        vocab_size=cfg["vocab"],
+        max_sequence_length=cfg["max_tokens"],
+    ).to(device)
+    group = prof.own_group()
+    compute = prof.measure_compute_concurrent(
+        model,
+        cfg["batches"],
+        vocab=cfg["vocab"],
+        group=group,
+        device=device,
+        repeats=cfg["repeats"],
+        progress=_bar("compute") if rank == 0 else None,
+    )
+    act = [
+        (
+            n,
+            prof.measure_activation_bytes(
+                model, [n], vocab=cfg["vocab"], group=group, device=device
+            ),
+        )
+        for n in (cfg["max_tokens"] // 4, cfg["max_tokens"] // 2, cfg["max_tokens"])
+    ]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    step_ms = prof.measure_step_overhead(model, optimizer, device, cfg["repeats"])
+    if rank == 0:
+        print("all-to-all and ring steps ...", file=sys.stderr, flush=True)
+    a2a = prof.measure_all_to_all(
+        rank, world_size, cfg["msg_tokens"], cfg["a2a_bytes"], cfg["comm_repeats"]
+    )
+    ring = prof.measure_ring_step(
+        rank, world_size, cfg["msg_tokens"], cfg["ring_bytes"], cfg["comm_repeats"]
+    )
+    if rank != 0:
+        return None
+    return {"compute": compute, "act": act, "step_ms": step_ms, "a2a": a2a, "ring": ring}
+
+
+def _fit_comm(
+    rows: list[tuple[int, float]], per_token_scale: float, latency_scale: float, what: str
+) -> Any:
+    """Fit ``ms = latency + per_token * tokens`` and scale to one training step's calls."""
+    from megatron_hsp.planner.fit import fit_linear
+
+    tokens = [t for t, _ in rows]
+    f = fit_linear(
+        {"ms_per_token": tokens, "latency_ms": [1.0] * len(tokens)},
+        [ms for _, ms in rows],
+        required=("ms_per_token",),
+        what=what,
+        relative=False,
+    )
+    c = f.as_dict()
+    return type(f)(
+        f.names,
+        (c["ms_per_token"] * per_token_scale, c["latency_ms"] * latency_scale),
+        f.r2,
+        f.median_rel_err,
+        f.max_rel_err,
+        f.samples,
+    )
 
 
 def _check(args: argparse.Namespace) -> Path:
@@ -83,98 +177,117 @@ def _check(args: argparse.Namespace) -> Path:
 def run(args: argparse.Namespace) -> int:
     out = _check(args)
     import torch
-    import torch.distributed as dist
     import yaml
 
     from megatron_hsp.planner.costmodel import load_cost_model
-    from megatron_hsp.planner.fit import cost_model_spec, fit_linear
-    from megatron_hsp.runtime.profile import measure_compute
-    from megatron_hsp.runtime.testing import (
-        init_single_process_megatron,
-        run_distributed,
-        tiny_gpt_model,
-    )
+    from megatron_hsp.planner.fit import check_monotone, cost_model_spec, fit_linear
+    from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
     t_start = time.perf_counter()
-    init_single_process_megatron()
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model = tiny_gpt_model(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=args.heads,
-        num_query_groups=args.kv_heads,
-        vocab_size=args.vocab,
-        max_sequence_length=args.max_tokens,
-    ).to(device)
-    lengths = np.unique(np.geomspace(128, args.max_tokens, args.points).astype(int))
-    batches: list[list[int]] = [[int(n)] for n in lengths]  # one sequence: tokens vs tokens^2
-    for n in lengths[len(lengths) // 2 :]:  # same tokens in 4 sequences: per-sequence cost
-        batches.append([int(n) // 4] * 4)
-    samples = measure_compute(
-        model,
-        batches,
-        vocab=args.vocab,
-        group=dist.group.WORLD,
-        device=device,
-        repeats=args.repeats,
-        progress=_bar("compute"),
+    kv = args.hidden // args.heads * args.kv_heads
+    cfg = {
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "vocab": args.vocab,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "batches": _batches(args.max_tokens, args.points),
+        # messages are cheap next to compute: a wider range and more repeats steady the slope
+        "msg_tokens": [int(x) for x in np.geomspace(1024, max(65536, args.max_tokens * 16), 5)],
+        "comm_repeats": 2 * args.repeats + 1,
+        "a2a_bytes": 4 * args.hidden,  # one fp32 hidden vector per token
+        "ring_bytes": 4 * 2 * kv,  # one layer's fp32 K and V per token
+    }
+    print(
+        f"profile: {args.nproc} processes, 1 thread each, {len(cfg['batches'])} batches x "
+        f"{args.repeats} rounds (+2 warm-up)",
+        file=sys.stderr,
+        flush=True,
     )
-    s2 = [sum(x * x for x in s.lengths) for s in samples]
-    s1 = [sum(s.lengths) for s in samples]
+    from megatron_hsp.commands.demo import QUIET_ENV
+
+    for key, value in QUIET_ENV.items():  # Megatron's import-time warnings, once per process
+        os.environ.setdefault(key, value)
+    results = raise_rank_errors(run_distributed(_profile_worker, args.nproc, cfg, timeout_s=3600.0))
+    res = results[0]
+    samples = res["compute"]
+    # Measured, not fitted: a longer single sequence timed more than 10% faster than a shorter
+    # one means the machine's noise exceeds the signal, and no fit of such points can rank
+    # schedules (within 10%: short sequences whose times the fixed cost dominates).
+    check_monotone(
+        {s.lengths[0]: s.ms for s in samples if len(s.lengths) == 1},
+        "measured forward+backward ms against sequence length",
+        tolerance=0.1,
+    )
     compute = fit_linear(
         {
-            "attn_ms_per_token2": s2,
-            "linear_ms_per_token": s1,
+            "attn_ms_per_token2": [sum(x * x for x in s.lengths) for s in samples],
+            "linear_ms_per_token": [sum(s.lengths) for s in samples],
             "fixed_ms": [1.0] * len(samples),
             "seq_ms": [len(s.lengths) for s in samples],
         },
         [s.ms for s in samples],
         required=("attn_ms_per_token2", "linear_ms_per_token"),
+        what="the compute fit",
     )
-    kv = args.hidden // args.heads * args.kv_heads
-    per_call = 4 * args.hidden  # bytes per token of one fp32 hidden-size message
-    calls = 2 * args.layers * (2 * args.hidden + 2 * kv) / args.hidden  # fwd+bwd q,k,v,o
-    tokens = [int(x) for x in np.geomspace(256, args.max_tokens * 4, 5)]
-    print(f"all-to-all on {args.nproc} processes ...", file=sys.stderr, flush=True)
-    results = run_distributed(_a2a_worker, args.nproc, tokens, per_call, args.repeats)
-    from megatron_hsp.runtime.testing import raise_rank_errors
-
-    raise_rank_errors(results)
-    a2a = {}
-    for d in sorted(results[0]):
-        rows = [max(r[d][i][1] for r in results) for i in range(len(tokens))]
-        f = fit_linear(
-            {"ms_per_token": tokens, "latency_ms": [1.0] * len(tokens)},
-            rows,
-            required=("ms_per_token",),
-        )
-        c = f.as_dict()
-        a2a[d] = type(f)(
-            f.names,
-            (c["ms_per_token"] * calls, c["latency_ms"] * 4 * args.layers),
-            f.r2,
-            f.median_rel_err,
-            f.max_rel_err,
-            f.samples,
-        )
-    backend = "nccl/" + torch.cuda.get_device_name() if device.type == "cuda" else "gloo/cpu"
+    # Ulysses moves q,k,v (one call) and o per layer forward, the same backward: 4 calls per
+    # layer; per-token traffic in hidden-vector units (GQA-aware).
+    calls = 2 * args.layers * (2 * args.hidden + 2 * kv) / args.hidden
+    a2a = {
+        d: _fit_comm(rows, calls, 4 * args.layers, f"the all-to-all fit (d={d})")
+        for d, rows in sorted(res["a2a"].items())
+    }
+    # A ring step moves K and V forward and K, V and their gradients backward (3 layer passes,
+    # CostModel.ring_step_ms_per_token: per token of the sequence, whole step).
+    ring = {
+        d: _fit_comm(rows, 3 * args.layers, 2 * args.layers, f"the ring step fit (d={d})")
+        for d, rows in sorted(res["ring"].items())
+    }
+    act = res["act"]
+    act_fit = fit_linear(
+        {"bytes_per_token": [n for n, _ in act], "bytes_fixed": [1.0] * len(act)},
+        [b for _, b in act],
+        required=("bytes_per_token",),
+        what="the activation memory fit",
+    )
+    backend = "nccl/" + torch.cuda.get_device_name() if torch.cuda.is_available() else "gloo/cpu"
     spec = cost_model_spec(
         args.name,
         compute,
         a2a,
         args.tokens_per_rank,
+        ring=ring,
         source=f"megatron-hsp profile {time.strftime('%Y-%m-%d', time.gmtime())} on {backend}, "
-        f"model layers={args.layers} hidden={args.hidden} heads={args.heads}/{args.kv_heads}",
+        f"{args.nproc} ranks x 1 thread, model layers={args.layers} hidden={args.hidden} "
+        f"heads={args.heads}/{args.kv_heads} vocab={args.vocab}",
+        details={
+            "seq_ms": compute.as_dict()["seq_ms"],
+            "step_ms": res["step_ms"],
+            "act_mib_per_token": act_fit.as_dict()["bytes_per_token"] / 2**20,
+        },
     )
-    spec["details"] = {"seq_ms": compute.as_dict()["seq_ms"]}
     load_cost_model(spec, world_size=args.nproc)  # refuses anything the planner cannot use
     out.write_text(yaml.safe_dump(spec, sort_keys=False))
     print(f"{'fit':<12} {'samples':>7} {'R^2':>7} {'median err':>10} {'max err':>8}  coefficients")
-    for label, f in [("compute", compute), *((f"a2a d={d}", f) for d, f in a2a.items())]:
+    fits = [
+        ("compute", compute),
+        *((f"a2a d={d}", f) for d, f in a2a.items()),
+        *((f"ring d={d}", f) for d, f in ring.items()),
+        ("activation", act_fit),
+    ]
+    for label, f in fits:
         co = ", ".join(f"{k}={v:.4g}" for k, v in f.as_dict().items())
         print(
             f"{label:<12} {f.samples:>7} {f.r2:>7.3f} {f.median_rel_err:>10.1%} "
             f"{f.max_rel_err:>8.1%}  {co}"
         )
+    mib = act_fit.as_dict()["bytes_per_token"] / 2**20
+    how = "CUDA peak" if torch.cuda.is_available() else "autograd saved tensors, CPU"
+    print(
+        "per step (gradient all-reduce + optimizer, not in the planner's form): "
+        f"{res['step_ms']:.3g} ms; activation memory {mib:.4g} MiB/token ({how})"
+    )
     print(f"profile: wrote {out} in {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
     return 0

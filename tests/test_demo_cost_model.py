@@ -1,0 +1,76 @@
+"""`megatron-hsp demo --cost-model`: the planner uses the given model, each step carries its
+prediction (``predicted_s``), and the run ends with the model's median error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from megatron_hsp.cli import main
+from megatron_hsp.commands.demo import prediction_summary
+
+
+def _demo(tmp_path, monkeypatch, *extra: str) -> dict:
+    import megatron_hsp.megatron.data as data
+
+    few = data.stdlib_sources()[:40]
+    monkeypatch.setattr(data, "stdlib_sources", lambda: few)
+    out = tmp_path / "demo.json"
+    argv = ["demo", "--nproc", "2", "--steps", "2", "--global-batch", "4"]
+    argv += ["--compare-steps", "0", "--cache-dir", str(tmp_path), "--json", str(out), *extra]
+    assert main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_prediction_summary_is_the_median_after_warm_up():
+    steps = [
+        {"step_s": 1.0, "predicted_s": 3.0},  # warm-up: not scored
+        {"step_s": 1.0, "predicted_s": 5.0},  # warm-up: not scored
+        {"step_s": 1.0, "predicted_s": 1.1},
+        {"step_s": 2.0, "predicted_s": 1.0},
+        {"step_s": 1.0, "predicted_s": 1.2},
+    ]
+    s = prediction_summary(steps, {"name": "m"})
+    assert s["warmup_steps"] == 2 and s["steps"] == 3
+    assert s["median_rel_err"] == pytest.approx(0.2)
+    one = prediction_summary(steps[:1], {"name": "m"})  # too short: the one step is scored
+    assert one["warmup_steps"] == 0 and one["median_rel_err"] == pytest.approx(2.0)
+
+
+def test_bad_cost_model_exits_2_naming_the_flag(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ncoefficients: {linear_ms_per_token: 0.1}\n")
+    assert main(["demo", "--cost-model", str(bad), "--cache-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--cost-model" in err and "attn_ms_per_token2" in err
+    assert main(["demo", "--cost-model", str(tmp_path / "none.yaml")]) == 2
+    assert "--cost-model" in capsys.readouterr().err
+
+
+@pytest.mark.dist
+def test_demo_plans_and_predicts_with_the_given_model(tmp_path, monkeypatch, capsys):
+    # A model no real step matches: 1 s per micro-batch group. If the flag were ignored, the
+    # built-in model (tens of ms) would be in predicted_s.
+    spec = {
+        "name": "slow-test-model",
+        "coefficients": {
+            "attn_ms_per_token2": 1e-6,
+            "linear_ms_per_token": 0.01,
+            "group_fixed_ms": {1: 1000.0, 2: 1000.0},
+            "a2a_ms_per_token": {2: 0.001},
+            "tokens_per_rank": 1024,
+        },
+    }
+    path = tmp_path / "slow.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    result = _demo(tmp_path, monkeypatch, "--cost-model", str(path))
+    assert result["config"]["cost_model"]["name"] == "slow-test-model"
+    for s in result["steps"]:
+        assert s["predicted_s"] >= 1.0 * s["microbatches"]
+        assert s["step_s"] > 0
+    pred = result["prediction"]
+    assert pred["cost_model"] == "slow-test-model" and pred["steps"] >= 1
+    assert pred["median_rel_err"] > 0
+    assert "prediction (slow-test-model)" in capsys.readouterr().out
