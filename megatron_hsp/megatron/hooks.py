@@ -209,25 +209,20 @@ def _head_space():
 
 
 def begin_step(run: HSPRun) -> None:
-    """Prepare the step about to run: plan (waits only if the planner is late), dispatch."""
-    from megatron_hsp.runtime.dispatch import GlobalBatch, dispatch
-    from megatron_hsp.runtime.schedule import to_model_inputs
+    """Prepare the step about to run: plan (waits only if the planner is late), dispatch.
+
+    Inputs come from ``runtime.schedule.step_inputs``, the one step path the demo and the selftest
+    also use, so what the selftest proves is what Megatron trains on.
+    """
+    from megatron_hsp.runtime.dispatch import GlobalBatch
+    from megatron_hsp.runtime.schedule import step_inputs
 
     assert run.pipeline is not None
     prepared = run.pipeline.next_step()
     batch = GlobalBatch.from_documents(prepared.documents)
-    packs = dispatch(batch, prepared.plan, run.registry.slot, local_multiple=run.local_multiple)
-    run.inputs = [
-        None
-        if p.empty
-        else to_model_inputs(
-            p,
-            run.registry.group(p.group_size, p.block),
-            run.device,
-            run.registry.hybrid(p.group_size, p.block),
-        )
-        for p in packs
-    ]
+    run.inputs = step_inputs(
+        batch, prepared.plan, run.registry, run.device, local_multiple=run.local_multiple
+    )
     run.current = prepared
     run.step_started = time.perf_counter()
 
