@@ -184,14 +184,18 @@ def add_verbose_argument(parser: argparse.ArgumentParser) -> None:
 
 
 @contextmanager
-def import_warnings_summarised(verbose: bool, command: str) -> Iterator[None]:
+def import_warnings_summarised(
+    verbose: bool, command: str, children: bool = False
+) -> Iterator[None]:
     """Run a command with third-party warnings collected and summarised in one stderr line.
 
     Why: Megatron-core and torch warn at import about optional packages a CPU run does not use
     (Apex, Transformer Engine, absl): a dozen lines per process burying the command's output
     (issue 9 item 7). Every command runs inside this one helper. Warnings raised by
     ``megatron_hsp`` itself are still shown; only those from other packages are counted and
-    hidden. ``verbose`` leaves everything as Python would show it.
+    hidden. ``children``: the command spawns processes (ranks, planner) whose warnings are
+    hidden through the environment but cannot be counted here; the line is then always printed.
+    ``verbose`` leaves everything as Python would show it.
     """
     if verbose:
         yield
@@ -213,8 +217,9 @@ def import_warnings_summarised(verbose: bool, command: str) -> Iterator[None]:
                     warnings.showwarning(w.message, w.category, w.filename, w.lineno)
                 else:
                     hidden += 1
-            if hidden:
+            if hidden or children:
+                also = " (and those of child processes)" if children else ""
                 print(
-                    f"{command}: {hidden} warnings from imports hidden; --verbose shows them",
+                    f"{command}: {hidden} warnings from imports hidden{also}; --verbose shows them",
                     file=sys.stderr,
                 )

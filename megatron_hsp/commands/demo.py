@@ -367,7 +367,7 @@ def _under_torchrun() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    with import_warnings_summarised(args.verbose, "demo"):
+    with import_warnings_summarised(args.verbose, "demo", children=True):
         return _run(args)
 
 

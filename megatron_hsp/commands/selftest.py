@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with import_warnings_summarised(args.verbose, "selftest"):
+    with import_warnings_summarised(args.verbose, "selftest", children=True):
         return _run(args)
 
 
