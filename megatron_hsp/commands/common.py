@@ -206,8 +206,12 @@ def import_warnings_summarised(
     for name in NOISY_IMPORT_LOGGERS:
         logging.getLogger(name).addFilter(logged)
     with warnings.catch_warnings(record=True) as caught:
+        failed = False
         try:
             yield
+        except BaseException:
+            failed = True  # an error exits with its own one line (exit 2): no summary beside it
+            raise
         finally:
             for name in NOISY_IMPORT_LOGGERS:
                 logging.getLogger(name).removeFilter(logged)
@@ -217,7 +221,7 @@ def import_warnings_summarised(
                     warnings.showwarning(w.message, w.category, w.filename, w.lineno)
                 else:
                     hidden += 1
-            if hidden or children:
+            if (hidden or children) and not failed:
                 also = " (and those of child processes)" if children else ""
                 print(
                     f"{command}: {hidden} warnings from imports hidden{also}; --verbose shows them",
