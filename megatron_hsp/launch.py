@@ -3,13 +3,55 @@
 Runs the user's unchanged Megatron-LM script as ``__main__`` after installing the HSP entry
 points (``megatron_hsp.megatron.installer.install_entry_points``). Use it under torchrun exactly
 like the script itself: ``torchrun --nproc-per-node 8 -m megatron_hsp.launch pretrain_gpt.py ...``.
+
+SIGINT/SIGTERM stop the rank within seconds (docs/reliability.md): the background planner is
+terminated at once, the signal becomes ``SystemExit(128 + signal)`` so ``finally`` blocks and
+``atexit`` run (temporary files and directories of ``tempfile`` contexts are removed), and if
+unwinding is stuck (a collective waiting on a peer) the process exits hard after
+``SIGNAL_GRACE_S``. torchrun forwards the signal it receives to every rank process.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import runpy
+import signal
 import sys
+import threading
 from pathlib import Path
+from types import FrameType
+
+# Seconds a signalled rank may spend unwinding (closing the planner, finally blocks) before it
+# exits hard; well under torchrun's own 30 s between forwarding the signal and SIGKILL.
+SIGNAL_GRACE_S = 10.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _stop_children() -> None:
+    """Terminate this process's multiprocessing children (the background planner)."""
+    for child in multiprocessing.active_children():
+        child.terminate()
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    """Why not the default action: SIGTERM's default kills Python without ``atexit`` or
+    ``finally``, which left the planner running until its parent watchdog noticed and temporary
+    files behind. A second signal exits at once."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    name = signal.Signals(signum).name
+    print(f"megatron_hsp.launch: {name}; stopping this rank and its planner", file=sys.stderr)
+    _stop_children()
+    timer = threading.Timer(SIGNAL_GRACE_S, os._exit, (128 + signum,))
+    timer.daemon = True
+    timer.start()
+    raise SystemExit(128 + signum)
+
+
+def install_signal_handlers() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _on_signal)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_hsp.megatron.installer import install_entry_points
 
     install_entry_points()
+    install_signal_handlers()
     runpy.run_path(str(script), run_name="__main__")
     return 0
 

@@ -210,3 +210,19 @@ def test_sequential_drops_are_printed_and_error_is_honoured(capsys):
     assert rc == 2 and "--sampling sequential" in err and "--overlong drop" in err, err
     rc, _, err = run_cli(["plan", *SMALL, "--overlong", "split"], capsys)
     assert rc == 0 and "split into" in err, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--token-budget", "0"], "--token-budget"),
+        (["--global-batch", "0"], "--global-batch"),
+        (["--nproc", "3"], "--nproc must be a power of two"),
+    ],
+)
+def test_demo_flags_refused_before_anything_starts(capsys, flags, needle):
+    """``demo --token-budget 0`` used to run silently with 8192, ``--global-batch 0`` to end in a
+    traceback naming Megatron's flags; both now exit 2 naming the demo's flag, before spawning."""
+    rc, _, err = run_cli(["demo", "--steps", "1", *flags], capsys, bound_s=30)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and needle in lines[0], err

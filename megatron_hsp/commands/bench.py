@@ -9,7 +9,12 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_hsp.commands.common import add_common_arguments, build_setup, config_dict
+from megatron_hsp.commands.common import (
+    add_common_arguments,
+    build_setup,
+    config_dict,
+    import_warnings_summarised,
+)
 from megatron_hsp.planner.bench import DEFAULT_METHODS, HspOptions, PlanFn, parse_methods, run_bench
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.plan import Plan
@@ -120,6 +125,11 @@ def format_bench(result: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    with import_warnings_summarised(args.verbose, "bench"):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     out = None
     if args.plot:
         from megatron_hsp.commands.plots import check_png_path

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from megatron_hsp.planner.costmodel import CostModel, load_cost_model, preset_names
@@ -61,6 +66,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "under random",
     )
     parser.add_argument("--sampling", choices=SAMPLING_MODES, default="sequential")
+    add_verbose_argument(parser)
 
 
 @dataclass
@@ -147,3 +153,77 @@ def build_setup(args: argparse.Namespace) -> Setup:
 def config_dict(args: argparse.Namespace) -> dict:
     """Every flag, for the JSON ``config`` block."""
     return {k: v for k, v in sorted(vars(args).items()) if k != "command"}
+
+
+# Environment for a command's child processes (spawned ranks, planner): Python reads it at start,
+# so their import-time warnings are hidden too (not counted: they happen in another interpreter).
+QUIET_CHILD_ENV = {
+    "PYTHONWARNINGS": "ignore::UserWarning,ignore::DeprecationWarning,ignore::FutureWarning"
+}
+# Loggers that warn at import on a CPU machine ("No CUDA runtime is found"): counted with the rest.
+NOISY_IMPORT_LOGGERS = ("torch.utils.cpp_extension",)
+
+
+class _CountingFilter(logging.Filter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.count += 1
+        return False
+
+
+def add_verbose_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every import-time warning of Megatron-core and torch (hidden by default, "
+        "summarised in one line)",
+    )
+
+
+@contextmanager
+def import_warnings_summarised(
+    verbose: bool, command: str, children: bool = False
+) -> Iterator[None]:
+    """Run a command with third-party warnings collected and summarised in one stderr line.
+
+    Why: Megatron-core and torch warn at import about optional packages a CPU run does not use
+    (Apex, Transformer Engine, absl): a dozen lines per process burying the command's output
+    (issue 9 item 7). Every command runs inside this one helper. Warnings raised by
+    ``megatron_hsp`` itself are still shown; only those from other packages are counted and
+    hidden. ``children``: the command spawns processes (ranks, planner) whose warnings are
+    hidden through the environment but cannot be counted here; the line is then always printed.
+    ``verbose`` leaves everything as Python would show it.
+    """
+    if verbose:
+        yield
+        return
+    for key, value in QUIET_CHILD_ENV.items():
+        os.environ.setdefault(key, value)
+    logged = _CountingFilter()
+    for name in NOISY_IMPORT_LOGGERS:
+        logging.getLogger(name).addFilter(logged)
+    with warnings.catch_warnings(record=True) as caught:
+        failed = False
+        try:
+            yield
+        except BaseException:
+            failed = True  # an error exits with its own one line (exit 2): no summary beside it
+            raise
+        finally:
+            for name in NOISY_IMPORT_LOGGERS:
+                logging.getLogger(name).removeFilter(logged)
+            hidden = logged.count
+            for w in caught:
+                if f"{os.sep}megatron_hsp{os.sep}" in w.filename:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+                else:
+                    hidden += 1
+            if (hidden or children) and not failed:
+                also = " (and those of child processes)" if children else ""
+                print(
+                    f"{command}: {hidden} warnings from imports hidden{also}; --verbose shows them",
+                    file=sys.stderr,
+                )

@@ -24,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megatron_hsp.commands.common import add_verbose_argument, import_warnings_summarised
+
 # A cost model for the demo's tiny GPT on CPU ranks. The memory cap (tokens_per_rank) is what
 # makes plans heterogeneous: a document over 1024 tokens needs a group of 2, over 2048 a group of
 # 4, and longer ones are split into 4096-token pieces. At 512 tokens per rank every micro-batch
@@ -95,12 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "or a preset name (default: the demo's built-in CPU model). Each step's predicted_s in "
         "--json is this model's estimate",
     )
-    parser.add_argument(
-        "--verbose",
-        action="store_true",
-        help="show every import-time warning of Megatron-core and torch (hidden by default, "
-        "summarised in one line)",
-    )
+    add_verbose_argument(parser)
     parser.add_argument(
         "--stall-timeout",
         type=float,
@@ -441,6 +438,11 @@ def _under_torchrun() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    with import_warnings_summarised(args.verbose, "demo", children=True):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from megatron_hsp.megatron.data import build_stdlib_corpus
     from megatron_hsp.planner.errors import InputError
     from megatron_hsp.planner.units import check_range
@@ -464,8 +466,6 @@ def run(args: argparse.Namespace) -> int:
 
         plot_path = check_png_path(args.plot)
     t0 = time.perf_counter()
-    if not args.verbose:
-        _hide_import_warnings()
     torchrun = _under_torchrun()
     rank = int(os.environ.get("RANK", "0")) if torchrun else 0
     quiet = args.json == "-"
@@ -519,29 +519,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json != "-":
         print(render(result, elapsed))
     return 0
-
-
-# Environment for this process's children (fork server, ranks, planner): Python reads it at start.
-QUIET_ENV = {
-    "PYTHONWARNINGS": "ignore::UserWarning,ignore::DeprecationWarning,ignore::FutureWarning"
-}
-
-
-def _hide_import_warnings() -> None:
-    """Megatron-core and torch warn at import about optional packages this CPU demo does not
-    use (Apex, Transformer Engine, absl, CUDA): a dozen lines per process that bury the demo's
-    own output. They are hidden here and in every child; one line says so."""
-    import warnings
-
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
-    for category in (UserWarning, DeprecationWarning, FutureWarning):
-        warnings.filterwarnings("ignore", category=category)
-    print(
-        "demo: import-time warnings of Megatron-core/torch (optional Apex/TE/CUDA) are hidden; "
-        "--verbose shows them",
-        file=sys.stderr,
-    )
 
 
 def _rank_main(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:

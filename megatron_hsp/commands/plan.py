@@ -7,7 +7,11 @@ import dataclasses
 import json
 import time
 
-from megatron_hsp.commands.common import add_common_arguments, build_setup
+from megatron_hsp.commands.common import (
+    add_common_arguments,
+    build_setup,
+    import_warnings_summarised,
+)
 from megatron_hsp.planner.baselines import memory_model_for
 from megatron_hsp.planner.bench import HspOptions, hsp_plan_fn, lower_bound_fn, parse_methods
 from megatron_hsp.planner.errors import InputError
@@ -110,6 +114,11 @@ def format_plan(plan: Plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    with import_warnings_summarised(args.verbose, "plan"):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     out = None
     if args.plot:
         from megatron_hsp.commands.plots import check_png_path

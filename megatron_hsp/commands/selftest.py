@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 
+from megatron_hsp.commands.common import add_verbose_argument, import_warnings_summarised
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -30,9 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds before a hung run is killed"
     )
+    add_verbose_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    with import_warnings_summarised(args.verbose, "selftest", children=True):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from megatron_hsp.testing.mutations import MUTATIONS
     from megatron_hsp.testing.selftest import build_cases, case_table, mutation_table, run_selftest
 

@@ -51,7 +51,15 @@ def lower_bound_ms(
     return instance_lower_bound(Instance.build(checked, cost, cluster, allowed))
 
 
-def instance_lower_bound(inst: Instance) -> float:
+def instance_lower_bound(inst: Instance, deadline: float | None = None) -> float:
+    """Max of facts 1-4; past ``deadline`` (a ``time.perf_counter()`` value) a weaker bound.
+
+    Facts 1-3 are linear in the batch and always computed. Fact 4 runs per critical sequence and
+    per group size; it is a ``max`` term, so dropping a sequence's fact 4 keeps the bound valid
+    (only weaker). The deadline is checked before every group size, so the overrun is at most one
+    ``_star_in_size`` call (a bisection of 80 steps, microseconds to milliseconds: the margin
+    docs/solver.md states) plus the linear facts.
+    """
     n = inst.world_size
     b = inst.min_fixed
     m_min = max(1, math.ceil(sum(inst.lengths) / (n * inst.cap)))
@@ -65,19 +73,29 @@ def instance_lower_bound(inst: Instance) -> float:
         if 2 * inst.sizes[inst.dmin[i]] > n and ln > half_biggest
     ]
     exclusive = sum(best[i] for i in exclusive_ids) + max(0, m_min - len(exclusive_ids)) * b
-    crit_mem = max(
-        (_critical_with_memory(inst, i, m_min) for i in _most_critical(inst, best, 3)),
-        default=0.0,
-    )
+    crit_mem = 0.0
+    for i in _most_critical(inst, best, 3):
+        star_bound = _critical_with_memory(inst, i, m_min, deadline)
+        if star_bound is None:  # cut by the deadline: a minimum over part of the sizes is no bound
+            break
+        crit_mem = max(crit_mem, star_bound)
     return max(work, critical, exclusive, crit_mem)
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.perf_counter() >= deadline
 
 
 def _most_critical(inst: Instance, best: list[float], k: int) -> list[int]:
     return sorted(range(len(best)), key=lambda i: (-best[i], i))[:k]
 
 
-def _critical_with_memory(inst: Instance, star: int, m_min: int) -> float:
-    """Fact 4 for sequence ``star``; see the module docstring."""
+def _critical_with_memory(
+    inst: Instance, star: int, m_min: int, deadline: float | None = None
+) -> float | None:
+    """Fact 4 for sequence ``star`` (module docstring), or None when the deadline cut it."""
+    if _past(deadline):
+        return None
     lengths = np.asarray(inst.lengths, dtype=np.float64)
     work = np.asarray(inst.work_min, dtype=np.float64)
     # G(X): fractional knapsack of minimum work by density (ms per token), densest first. The
@@ -96,10 +114,13 @@ def _critical_with_memory(inst: Instance, star: int, m_min: int) -> float:
         return float(work_prefix[k] + frac * work[order[k]])
 
     rest_work = float(work.sum()) - inst.work_min[star]
-    return min(
-        _star_in_size(inst, star, j, m_min, rest_work, float(lengths.sum()), most_work)
-        for j in range(inst.dmin[star], len(inst.sizes))
-    )
+    total_tokens = float(lengths.sum())
+    bound = math.inf
+    for j in range(inst.dmin[star], len(inst.sizes)):
+        if _past(deadline):
+            return None
+        bound = min(bound, _star_in_size(inst, star, j, m_min, rest_work, total_tokens, most_work))
+    return bound
 
 
 def _star_in_size(

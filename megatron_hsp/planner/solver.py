@@ -87,7 +87,7 @@ def solve(
     sizes = resolve_sizes(cost, cluster, config.sizes)
     checked = check_lengths(lengths, cost, sizes)
     inst = Instance.build(checked, cost, cluster, sizes)
-    bound = instance_lower_bound(inst)
+    bound = instance_lower_bound(inst, deadline=search_deadline)
 
     phases = {"setup": time.perf_counter() - start}
     best = _greedy_candidates(inst, cluster, config, search_deadline)
