@@ -555,9 +555,14 @@ def _start_heartbeat(path: str) -> None:
     """
 
     def beat() -> None:
+        tmp = f"{path}.tmp"
         while True:
-            with open(path, "w") as fh:  # the pid lets an operator (or a test) find the rank
+            # The pid lets an operator (or a test) find the rank. Written aside and renamed: a
+            # reader never sees the file truncated mid-write (os.replace is atomic, and it
+            # updates the mtime the parent watches).
+            with open(tmp, "w") as fh:
                 fh.write(str(os.getpid()))
+            os.replace(tmp, path)
             time.sleep(HEARTBEAT_S)
 
     threading.Thread(target=beat, name="hsp-heartbeat", daemon=True).start()

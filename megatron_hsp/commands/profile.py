@@ -206,9 +206,9 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    from megatron_hsp.commands.demo import QUIET_ENV
+    from megatron_hsp.commands.common import QUIET_CHILD_ENV
 
-    for key, value in QUIET_ENV.items():  # Megatron's import-time warnings, once per process
+    for key, value in QUIET_CHILD_ENV.items():  # Megatron's import-time warnings, once per process
         os.environ.setdefault(key, value)
     results = raise_rank_errors(run_distributed(_profile_worker, args.nproc, cfg, timeout_s=3600.0))
     res = results[0]
