@@ -78,3 +78,36 @@ def test_blocks_are_aligned_disjoint_and_node_respecting(nodes: int, gpn: int, d
     if size in c.tiling_sizes():
         assert sorted(flat) == list(range(c.world_size))
     assert c.block_index(blocks[-1]) == len(blocks) - 1
+
+
+def test_planning_sizes_bound_the_search_at_thousands_of_gpus():
+    from megatron_hsp.planner.groupspace import Cluster, planning_sizes
+
+    small = Cluster(1024, 8).legal_sizes()
+    assert planning_sizes(small, 8) == small  # 135 sizes: all searched
+    legal = Cluster(4096, 8).legal_sizes()
+    got = planning_sizes(legal, 8)
+    assert len(legal) == 519 and len(got) <= 40
+    assert set(range(1, 9)) <= set(got) and {16, 32, 64, 128, 256, 512, 1024, 2048, 4096} <= set(
+        got
+    )
+    assert set(got) <= set(legal)
+    # Every legal size has a kept size at most 25% larger (rounded up to the next whole node):
+    # no sequence needs more than about 25% more ranks than the best legal size for it.
+    for d in legal:
+        assert min(k for k in got if k >= d) <= d * 1.25 + 8, d
+
+
+def test_solver_searches_the_planning_sizes_only():
+    import numpy as np
+
+    from megatron_hsp.planner.costmodel import flexsp_cost_model
+    from megatron_hsp.planner.groupspace import Cluster, planning_sizes
+    from megatron_hsp.planner.solver import SolverConfig, solve
+
+    cost = flexsp_cost_model("flexsp-gpt-7b", 4096, max_seq_k=192)
+    lengths = np.random.default_rng(0).integers(1000, 180_000, size=64)
+    plan = solve(lengths, cost, Cluster(4096, 8), SolverConfig(time_budget_s=1.0))
+    allowed = set(planning_sizes(cost.sizes, 8))
+    assert {g.size for mb in plan.microbatches for g in mb.groups} <= allowed
+    assert not plan.problems(lengths.tolist(), cost, 4096)

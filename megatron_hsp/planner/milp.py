@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import pulp
 
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.greedy import groups_makespan, place_groups
+from megatron_hsp.planner.greedy import groups_fit, groups_makespan
 from megatron_hsp.planner.instance import GroupSpec, Instance
 from megatron_hsp.planner.topology import Cluster
 
@@ -158,7 +158,7 @@ def solve_microbatch(
     counts = {key: round(var.varValue or 0) for key, var in x.items()}
     n_groups = {j: round(pulp.value(n_expr[j]) or 0) for j in range(nsz)}
     groups = _realise(inst, buckets, counts, n_groups)
-    if groups is None or place_groups(inst, groups, cluster) is None:
+    if groups is None or not groups_fit(inst, groups, cluster):
         return incumbent, None, proven
     span = groups_makespan(inst, groups)
     if span < incumbent - 1e-9:

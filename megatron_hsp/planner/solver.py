@@ -25,7 +25,8 @@ from megatron_hsp.planner.bounds import instance_lower_bound
 from megatron_hsp.planner.chunking import candidate_counts, chunk_contiguous, chunk_time_balanced
 from megatron_hsp.planner.costmodel import CostModel, validate_cost_model
 from megatron_hsp.planner.errors import InfeasibleError, InputError
-from megatron_hsp.planner.greedy import place_groups, schedule_microbatch
+from megatron_hsp.planner.greedy import RankTiler, place_groups, schedule_microbatch
+from megatron_hsp.planner.groupspace import planning_sizes
 from megatron_hsp.planner.improve import improve
 from megatron_hsp.planner.instance import GroupSpec, Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.milp import refine_microbatches, require_cbc
@@ -85,6 +86,8 @@ def solve(
     # meaningless; refuse it here too, for models built in code rather than loaded.
     validate_cost_model(cost)
     sizes = resolve_sizes(cost, cluster, config.sizes)
+    if config.sizes is None:  # a bounded search at thousands of GPUs (groupspace.planning_sizes)
+        sizes = planning_sizes(sizes, cluster.gpus_per_node)
     checked = check_lengths(lengths, cost, sizes)
     inst = Instance.build(checked, cost, cluster, sizes)
     bound = instance_lower_bound(inst, deadline=search_deadline)
@@ -229,24 +232,24 @@ def chunk_long_grouped(
     room: list[float] = []
     crit: list[float] = []
     work: list[float] = []
-    needs: list[list[GroupSpec]] = []  # one empty group per long sequence, for placement checks
+    tilers: list[RankTiler] = []  # one empty group per long sequence, for placement checks
     for i in long_ids:
         if time.perf_counter() > deadline:
             return None
         need = inst.sizes[inst.dmin[i]]
         for b in range(len(chunks)):
             # Aligned rank blocks decide which mixes tile (32 + 24 does not on 64 ranks).
-            trial = [*needs[b], (need, ())]
-            if ranks[b] + need <= n and place_groups(inst, trial, cluster) is not None:
-                needs[b] = trial
+            if ranks[b] + need <= n and tilers[b].add(need):
                 chunks[b].append(i)
                 ranks[b] += need
                 room[b] -= need * cap
                 work[b] += inst.work_min[i]
                 break
         else:
+            tiler = RankTiler(inst, cluster)
+            tiler.add(need)
+            tilers.append(tiler)
             chunks.append([i])
-            needs.append([(need, ())])
             ranks.append(need)
             room.append(float((n - need) * cap))
             crit.append(inst.best[i])
