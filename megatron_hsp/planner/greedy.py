@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections.abc import Sequence
 
 from megatron_hsp.planner.instance import GroupSpec, Instance
@@ -34,6 +35,69 @@ def groups_makespan(inst: Instance, groups: Sequence[GroupSpec]) -> float:
 
 
 # ---------------------------------------------------------------------- rank placement
+# Blocks examined at most when first fit cannot place a micro-batch's cross-node groups.
+PLACEMENT_SEARCH_STEPS = 4096
+
+
+def _assign_starts(sizes: Sequence[int], cluster: Cluster, n: int) -> list[int] | None:
+    """A legal start for each size (``sizes`` descending), or None; the ranks used come back too.
+
+    First fit, largest first (buddy allocation), decides almost every case at once. It can miss
+    mixes of cross-node sizes: on 64 ranks in nodes of 8, 32 then 24 puts 32 at rank 0, leaving
+    24 no aligned block, while 24 at 0 and 32 at 32 tile. Then a bounded depth-first search over
+    the cross-node groups' blocks (equal sizes in increasing start order), intra-node groups
+    first-fit in what is left. ``PLACEMENT_SEARCH_STEPS`` bounds it; past that, None.
+    """
+    starts = _first_fit(sizes, cluster, n, bytearray(n))
+    if starts is not None:
+        return starts
+    width = cluster.node_width
+    big = [d for d in sizes if d > width]
+    if len(big) < 2:
+        return None  # one cross-node group sits at the first start it fits either way
+    small = [d for d in sizes if d <= width]
+    used = bytearray(n)
+    chosen: list[int] = []
+    steps = [PLACEMENT_SEARCH_STEPS]
+
+    def dfs(k: int) -> list[int] | None:
+        if k == len(big):
+            rest = _first_fit(small, cluster, n, bytearray(used))
+            return None if rest is None else [*chosen, *rest]
+        d = big[k]
+        low = chosen[-1] + 1 if k and big[k - 1] == d else 0
+        free = bytes(d)
+        for start in cluster.block_starts(d):
+            steps[0] -= 1
+            if steps[0] < 0:
+                return None
+            if start < low or used[start : start + d] != free:
+                continue
+            used[start : start + d] = b"\x01" * d
+            chosen.append(start)
+            got = dfs(k + 1)
+            if got is not None:
+                return got
+            chosen.pop()
+            used[start : start + d] = bytes(d)
+        return None
+
+    return dfs(0)
+
+
+def _first_fit(sizes: Sequence[int], cluster: Cluster, n: int, used: bytearray) -> list[int] | None:
+    """First free legal block for each size in order (marks ``used``); None if one has none."""
+    cursor: dict[int, int] = {}
+    starts = []
+    for d in sizes:
+        start = _first_free_start(used, cluster, d, cursor)
+        if start < 0:
+            return None
+        used[start : start + d] = b"\x01" * d
+        starts.append(start)
+    return starts
+
+
 def groups_fit(inst: Instance, groups: Sequence[GroupSpec], cluster: Cluster) -> bool:
     """Whether ``place_groups`` would succeed, without filling the spare ranks.
 
@@ -46,14 +110,7 @@ def groups_fit(inst: Instance, groups: Sequence[GroupSpec], cluster: Cluster) ->
         return False
     if inst.buddy:
         return True
-    used = bytearray(n)
-    cursor: dict[int, int] = {}
-    for d in sorted((d for d, _ in groups), reverse=True):
-        start = _first_free_start(used, cluster, d, cursor)
-        if start < 0:
-            return False
-        used[start : start + d] = b"\x01" * d
-    return True
+    return _assign_starts(sorted((d for d, _ in groups), reverse=True), cluster, n) is not None
 
 
 class RankTiler:
@@ -61,41 +118,46 @@ class RankTiler:
 
     Why: checking each added group with ``groups_fit`` re-places every earlier group, which is
     quadratic in the groups per micro-batch (hundreds of long sequences on small groups at 4096
-    ranks took minutes). Groups added largest first land where ``groups_fit`` would put them,
-    so those are placed in the ranks left free; only a group larger than one already placed
-    re-places the whole set.
+    ranks took minutes). A group no larger than those placed goes first-fit into the ranks left
+    free, where ``groups_fit``'s first fit would put it too; only when that fails, or the group
+    is larger than one already placed, is the whole set placed again.
     """
 
     def __init__(self, inst: Instance, cluster: Cluster) -> None:
         self.inst, self.cluster = inst, cluster
         self.sizes: list[int] = []  # descending
         self.total = 0
+        self.wide = 0  # groups wider than a node: only their mixes need the search
         self.used = bytearray(inst.world_size)
         self.cursor: dict[int, int] = {}
 
     def add(self, d: int) -> bool:
         """Place a group of ``d`` ranks beside the others; False (and no change) if none fits."""
-        if self.total + d > self.inst.world_size:
+        n = self.inst.world_size
+        if self.total + d > n:
             return False
+        start = -1
+        wide = self.wide + (d > self.cluster.node_width)
         if self.inst.buddy:  # power-of-two sizes dividing N always tile (``_place_buddy``)
-            pass
+            start = 0
         elif not self.sizes or d <= self.sizes[-1]:
             start = _first_free_start(self.used, self.cluster, d, self.cursor)
-            if start < 0:
+            if start >= 0:
+                self.used[start : start + d] = b"\x01" * d
+            elif wide < 2:  # first fit is all ``_assign_starts`` would try: no search to run
                 return False
-            self.used[start : start + d] = b"\x01" * d
-        else:
+        if start < 0:
             trial = sorted([*self.sizes, d], reverse=True)
-            used = bytearray(self.inst.world_size)
-            cursor: dict[int, int] = {}
-            for size in trial:
-                start = _first_free_start(used, self.cluster, size, cursor)
-                if start < 0:
-                    return False
-                used[start : start + size] = b"\x01" * size
-            self.used, self.cursor = used, cursor
+            starts = _assign_starts(trial, self.cluster, n)
+            if starts is None:
+                return False
+            used = bytearray(n)
+            for size, at in zip(trial, starts, strict=True):
+                used[at : at + size] = b"\x01" * size
+            self.used, self.cursor = used, {}
         bisect.insort(self.sizes, d, key=lambda x: -x)
         self.total += d
+        self.wide = wide
         return True
 
 
@@ -105,22 +167,23 @@ def place_groups(
     """Give each group an aligned rank block; fill spare ranks with empty groups.
 
     Largest first into the first free aligned block (buddy allocation): always succeeds for
-    power-of-two sizes whose sum fits; other mixes may not tile, and then we return None.
+    power-of-two sizes whose sum fits; other mixes may need ``_assign_starts``'s search, and
+    some do not tile at all, and then we return None.
     """
     n = inst.world_size
     if sum(d for d, _ in groups) > n:
         return None
     if inst.buddy:
         return _place_buddy(inst, groups)
+    order = sorted(range(len(groups)), key=lambda g: (-groups[g][0], g))
+    starts = _assign_starts([groups[g][0] for g in order], cluster, n)
+    if starts is None:
+        return None
     used = bytearray(n)
     cursor: dict[int, int] = {}
     placed: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    order = sorted(range(len(groups)), key=lambda g: (-groups[g][0], g))
-    for g in order:
+    for g, start in zip(order, starts, strict=True):
         d, ids = groups[g]
-        start = _first_free_start(used, cluster, d, cursor)
-        if start < 0:
-            return None
         used[start : start + d] = b"\x01" * d
         placed.append((tuple(range(start, start + d)), tuple(sorted(ids))))
     # Spare ranks: the smallest allowed size that tiles, else single ranks.
@@ -188,16 +251,22 @@ def _first_free_start(used: bytearray, cluster: Cluster, d: int, cursor: dict[in
 
 # ---------------------------------------------------------------------- group builder
 def build_groups(
-    inst: Instance, seq_ids: Sequence[int], target: float, ranks: int | None = None
+    inst: Instance,
+    seq_ids: Sequence[int],
+    target: float,
+    ranks: int | None = None,
+    min_size: int = 1,
 ) -> list[GroupSpec] | None:
     """Groups finishing every sequence by ``target`` ms with at most ``ranks`` ranks, or None.
 
     ``seq_ids`` must be sorted longest first. Sizes that are not powers of two are only used when
-    the cluster lets them tile (``place_groups`` has the final word).
+    the cluster lets them tile (``place_groups`` has the final word). ``min_size``: no group
+    smaller (pooled memory, see ``schedule_microbatch``).
     """
     ranks = inst.world_size if ranks is None else ranks
     sizes, times, fixed, lengths, cap = inst.sizes, inst.times, inst.fixed, inst.lengths, inst.cap
     nsz = len(sizes)
+    jfloor = next((j for j, d in enumerate(sizes) if d >= min_size), nsz)
     # Per size: heap of (load_ms, group index); group state in parallel lists.
     heaps: list[list[tuple[float, int]]] = [[] for _ in range(nsz)]
     g_size: list[int] = []
@@ -210,7 +279,7 @@ def build_groups(
     # When rank-ms never falls with size, the first feasible size (ascending) is the cheapest.
     first_fit = inst.work_grows_with_size
     for i in seq_ids:
-        row, ln, jmin = times[i], lengths[i], dmin[i]
+        row, ln, jmin = times[i], lengths[i], max(dmin[i], jfloor)
         best_j, best_g, best_cost = -1, -1, float("inf")
         for j in open_js:
             if j < jmin:
@@ -271,8 +340,19 @@ def schedule_microbatch(
         # already tight, so stop bisecting at 1% there.
         rel_tol = 3e-3 if len(ids) <= 1024 else 1e-2
 
+    # Memory first: when the builder cannot fit the sequences even with no time target, short
+    # sequences on single ranks fragment the memory (three sequences of 0.6 x a rank's capacity
+    # need three ranks alone, two as one group of 2). Then pool: the smallest minimum group size
+    # that fits, at the price of an all-to-all per group. None if even that does not fit.
+    pool = 1
+    if build_groups(inst, ids, math.inf) is None:
+        pools = [d for d in inst.sizes if 1 < d <= cluster.gpus_per_node]
+        pool = next((d for d in pools if build_groups(inst, ids, math.inf, min_size=d)), 0)
+        if not pool:
+            return None
+
     def attempt(target: float) -> list[GroupSpec] | None:
-        groups = build_groups(inst, ids, target)
+        groups = build_groups(inst, ids, target, min_size=pool)
         # Power-of-two sizes dividing the world size always tile (buddy allocation); other
         # mixes need the placement check.
         if groups is None or not groups_fit(inst, groups, cluster):

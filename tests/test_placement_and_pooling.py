@@ -1,0 +1,58 @@
+"""Rank placement beyond first fit, and pooled memory for micro-batches of short sequences."""
+
+from __future__ import annotations
+
+from megatron_hsp.planner.costmodel import flexsp_cost_model
+from megatron_hsp.planner.greedy import groups_fit, place_groups, schedule_microbatch
+from megatron_hsp.planner.instance import Instance, resolve_sizes
+from megatron_hsp.planner.topology import Cluster
+
+
+def _inst(world: int, lengths: list[int]) -> tuple[Instance, Cluster]:
+    cost = flexsp_cost_model("flexsp-gpt-7b", world_size=world, max_seq_k=192, memory_cap_gb=28)
+    cluster = Cluster(world, 8)
+    return Instance.build(lengths, cost, cluster, resolve_sizes(cost, cluster, None)), cluster
+
+
+def test_cross_node_mixes_that_first_fit_misses_are_placed():
+    """64 ranks in nodes of 8: 32 then 24 first-fit puts 32 at rank 0 and 24 has no block.
+
+    24 at 0 and 32 at 32 tile; a 142k and a 99k sequence then share a micro-batch on 32 + 24
+    ranks instead of 24 + 24 with 16 ranks idle (Wikipedia-like long-context batches).
+    """
+    inst, cluster = _inst(64, [1000] * 4)
+    assert not inst.buddy
+    groups = [(32, (0,)), (24, (1,)), (8, (2,))]
+    assert groups_fit(inst, groups, cluster)
+    placed = place_groups(inst, groups, cluster)
+    assert placed is not None
+    flat = sorted(r for ranks, _ in placed for r in ranks)
+    assert flat == list(range(64))
+    by_ids = {ids: ranks for ranks, ids in placed if ids}
+    assert len(by_ids[(0,)]) == 32 and by_ids[(0,)][0] % 32 == 0
+    assert len(by_ids[(1,)]) == 24 and by_ids[(1,)][0] % 24 == 0
+    # What cannot tile still is refused: 40 + 24 on 64 (40 only starts at 0).
+    assert not groups_fit(inst, [(40, (0,)), (24, (1,))], cluster)
+    assert place_groups(inst, [(40, (0,)), (24, (1,))], cluster) is None
+
+
+def test_short_sequences_pool_memory_when_single_ranks_fragment_it():
+    """Twelve sequences of 0.6 x a rank's capacity on 8 ranks: one per rank needs 12 ranks.
+
+    Groups of two ranks hold three each (1.8 x capacity), so four groups on 8 ranks fit them
+    all; the builder used to open a single-rank group per sequence and call it infeasible.
+    """
+    probe, _ = _inst(8, [1000])
+    length = int(0.6 * probe.cap)
+    inst, cluster = _inst(8, [length] * 12)
+    got = schedule_microbatch(inst, list(range(12)), cluster)
+    assert got is not None
+    span, groups = got
+    assert sorted(i for _, ids in groups for i in ids) == list(range(12))
+    assert all(d >= 2 for d, ids in groups if ids)
+    assert sum(d for d, _ in groups) <= 8
+    for d, ids in groups:
+        assert sum(inst.lengths[i] for i in ids) <= d * inst.cap
+    # Fourteen do not fit at all: 8.4 x capacity on 8 ranks.
+    inst13, cluster = _inst(8, [length] * 14)
+    assert schedule_microbatch(inst13, list(range(14)), cluster) is None
