@@ -318,6 +318,15 @@ def build_groups(
     return [(g_size[g], tuple(g_ids[g])) for g in range(len(g_size))]
 
 
+def _pool_sizes(inst: Instance) -> list[int]:
+    """Minimum group sizes ``schedule_microbatch`` tries for pooled memory, ascending.
+
+    Sizes up to 8, then powers of two and the largest: a bounded number of builder runs
+    (each a few ms) even where hundreds of sizes are legal.
+    """
+    return [d for d in inst.sizes if d > 1 and (d <= 8 or d & (d - 1) == 0 or d == inst.sizes[-1])]
+
+
 def schedule_microbatch(
     inst: Instance,
     seq_ids: Sequence[int],
@@ -340,14 +349,19 @@ def schedule_microbatch(
         # already tight, so stop bisecting at 1% there.
         rel_tol = 3e-3 if len(ids) <= 1024 else 1e-2
 
-    # Memory first: when the builder cannot fit the sequences even with no time target, short
-    # sequences on single ranks fragment the memory (three sequences of 0.6 x a rank's capacity
-    # need three ranks alone, two as one group of 2). Then pool: the smallest minimum group size
-    # that fits, at the price of an all-to-all per group. None if even that does not fit.
+    # Memory first: when the builder cannot fit the sequences even with no time target, each
+    # sequence on the smallest group that holds it fragments the memory (three sequences of
+    # 0.6 x a rank's capacity need three ranks alone, two as one group of 2; three 115k
+    # sequences need 3 x 24 ranks alone, 64 together). Then pool: the smallest minimum group
+    # size that fits, at the price of larger groups. None if even that does not fit.
+    # Placement counts too: nine groups of 6-7 ranks need nine nodes of 8 whatever their sum.
+    def fits(min_size: int) -> bool:
+        groups = build_groups(inst, ids, math.inf, min_size=min_size)
+        return groups is not None and groups_fit(inst, groups, cluster)
+
     pool = 1
-    if build_groups(inst, ids, math.inf) is None:
-        pools = [d for d in inst.sizes if 1 < d <= cluster.gpus_per_node]
-        pool = next((d for d in pools if build_groups(inst, ids, math.inf, min_size=d)), 0)
+    if not fits(1):
+        pool = next((d for d in _pool_sizes(inst) if fits(d)), 0)
         if not pool:
             return None
 

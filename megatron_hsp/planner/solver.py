@@ -143,6 +143,7 @@ def _greedy_candidates(
     counts = candidate_counts(inst, config.extra_microbatches)
     m = counts[0]
     tried = 0
+    best_m = 0  # the count whose chunking gave ``best``
     while True:
         # The first candidate always runs, so its chunking ignores the deadline too.
         until = deadline if best is not None else math.inf
@@ -153,9 +154,15 @@ def _greedy_candidates(
             cand = _schedule_chunks(inst, cluster, chunks, label, cutoff)
             tried += 1
             if cand is not None and (best is None or cand.total < best.total - 1e-9):
-                best = cand
+                best, best_m = cand, max(m, len(chunks))
         if best is not None and m >= counts[-1]:
-            return best
+            # Past the counts near the memory floor, climb while the best is at the last count
+            # or the one before: on long-heavy batches the best count can lie well above the
+            # floor (memory-bound groups pool or expand better with fewer sequences each).
+            if best_m < m - 1 or m >= len(inst.lengths) or time.perf_counter() > deadline:
+                return best
+            m += 1
+            continue
         # Past the deadline with nothing yet: double the count (one schedule per doubling) up to
         # one sequence per micro-batch, the schedule that always fits (check_lengths guaranteed
         # it). Jumping straight there made a loaded machine plan 8192 micro-batches at 1024 GPUs
