@@ -338,7 +338,7 @@ def schedule_microbatch(
 
     Returns None when no target works (the sequences do not fit the ranks' memory together) or,
     given ``limit``, when the builder cannot finish by ``limit`` (one build call: cheap rejects
-    for local search).
+    for local search; no pooled memory there, so a move that would need it is rejected).
     """
     ids = sorted(seq_ids, key=lambda i: (-inst.lengths[i], i))
     if not ids:
@@ -360,7 +360,7 @@ def schedule_microbatch(
         return groups is not None and groups_fit(inst, groups, cluster)
 
     pool = 1
-    if not fits(1):
+    if limit is None and not fits(1):
         pool = next((d for d in _pool_sizes(inst) if fits(d)), 0)
         if not pool:
             return None
