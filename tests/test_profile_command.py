@@ -76,7 +76,7 @@ def test_megatron_hsp_cost_model_accepts_the_profile(profiled):
     assert cost.name == "profiled" and cost.sizes == [1, 2]
 
 
-def _fake_results(compute_ms: list[float], a2a_ms: list[float]):
+def _fake_results(compute_ms: list[float], a2a_ms: list[float], steps=()):
     """What the spawned ranks return, with chosen timings (no processes)."""
     lengths = [128, 256, 512, 1024]
     return [
@@ -87,6 +87,7 @@ def _fake_results(compute_ms: list[float], a2a_ms: list[float]):
             "step_ms": 5.0,
             "a2a": {2: list(zip([1024, 4096, 16384, 65536], a2a_ms, strict=True))},
             "ring": {2: [(1024, 1.0), (4096, 2.0), (16384, 5.0), (65536, 17.0)]},
+            "steps": list(steps),
         },
         None,
     ]
@@ -130,3 +131,100 @@ def test_demo_accepts_the_profile(profiled, tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert result["config"]["cost_model"]["name"] == "profiled"
     assert all(s["predicted_s"] > 0 and s["step_s"] > 0 for s in result["steps"])
+
+
+def _in_situ_steps(compute_yaml_fit: dict, extra_ms: float) -> list:
+    """Group steps whose size-2 groups take their compute share plus ``extra_ms``; size 1 takes
+    its share plus 7 ms of per-step work that every size pays (and must cancel)."""
+    from megatron_hsp.runtime.profile import GroupStepSample
+
+    a1, a2 = compute_yaml_fit["attn"], compute_yaml_fit["linear"]
+    out = []
+    for lengths in [(512,), (128,) * 4, (1024,), (256,) * 4]:
+        share = sum(a1 * n * n + a2 * n for n in lengths)
+        out.append(GroupStepSample(1, lengths, share + 7.0))
+        out.append(GroupStepSample(2, lengths, share / 2 + 7.0 + extra_ms))
+    return out
+
+
+@pytest.mark.parametrize("extra_ms", [60.0, 0.5])
+def test_ulysses_latency_is_measured_in_situ_where_it_exceeds_the_microbenchmark(
+    tmp_path, monkeypatch, capsys, extra_ms
+):
+    """Fails before the in-situ group steps: the written latency was the bare all-to-all's."""
+    import megatron_hsp.testing.dist as dist_testing
+    from megatron_hsp.planner.fit import fit_linear
+
+    compute_ms = [10.0, 20.0, 45.0, 100.0]
+    fake = _fake_results(compute_ms, [1.0, 2.0, 5.0, 17.0])
+    samples = fake[0]["compute"]
+    fit = fit_linear(
+        {
+            "attn_ms_per_token2": [sum(x * x for x in c.lengths) for c in samples],
+            "linear_ms_per_token": [sum(c.lengths) for c in samples],
+            "fixed_ms": [1.0] * len(samples),
+            "seq_ms": [len(c.lengths) for c in samples],
+        },
+        [c.ms for c in samples],
+        required=("attn_ms_per_token2", "linear_ms_per_token"),
+        what="test",
+    ).as_dict()
+    coefs = {"attn": fit["attn_ms_per_token2"], "linear": fit["linear_ms_per_token"]}
+    fake[0]["steps"] = _in_situ_steps(coefs, extra_ms)
+    monkeypatch.setattr(dist_testing, "run_distributed", lambda *a, **k: fake)
+    out = tmp_path / "x.yaml"
+    assert main(["profile", "--out", str(out), *TINY]) == 0
+    spec = yaml.safe_load(out.read_text())
+    bench_latency = spec["details"]["a2a_microbench_latency_ms_d2"]
+    slope = spec["coefficients"]["a2a_ms_per_token"][2]
+    assert slope == spec["details"]["a2a_microbench_ms_per_token_d2"]
+    got = spec["coefficients"]["a2a_fixed_ms"][2]
+    if extra_ms > bench_latency:
+        # median over the four batches of extra - slope * tokens (512, 512, 1024, 1024 tokens)
+        assert got == pytest.approx(extra_ms - slope * 768, rel=1e-6)
+        assert "a2a d=2 in situ" in capsys.readouterr().out
+    else:
+        assert got == bench_latency
+
+
+def test_in_situ_rows_cancel_what_every_size_pays():
+    from megatron_hsp.planner.fit import in_situ_overhead_rows
+
+    a1, a2 = 1e-4, 0.05
+    rows = []
+    for lengths in [(1000,), (250,) * 4, (2000,)]:
+        share = sum(a1 * n * n + a2 * n for n in lengths)
+        rows.append((1, lengths, share + 40.0))  # loss, all-reduce: every size pays it
+        rows.append((2, lengths, share / 2 + 40.0 + 3.0 + 0.01 * sum(lengths)))
+        rows.append((4, lengths, share / 4 + 40.0 + 5.0))
+    out = in_situ_overhead_rows(rows, a1, a2)
+    assert set(out) == {2, 4}
+    assert [t for t, _ in out[2]] == [1000, 1000, 2000]
+    assert [ms for _, ms in out[2]] == pytest.approx([13.0, 13.0, 23.0])
+    assert [ms for _, ms in out[4]] == pytest.approx([5.0, 5.0, 5.0])
+
+
+def test_a_step_prediction_adds_the_profiled_per_step_cost():
+    """Fails before: predictions were the plan's micro-batches alone, short of every measured
+    step by the gradient all-reduce and optimizer step the profile had measured."""
+    from megatron_hsp.megatron.observe import StepRecord
+    from megatron_hsp.planner.costmodel import load_cost_model
+    from megatron_hsp.testing.manual_plan import manual_plan
+
+    spec = {
+        "name": "p",
+        "coefficients": {
+            "attn_ms_per_token2": 1e-4,
+            "linear_ms_per_token": 0.05,
+            "group_fixed_ms": {1: 10.0, 2: 10.0},
+            "a2a_ms_per_token": {2: 0.001},
+            "tokens_per_rank": 4096,
+        },
+        "details": {"step_ms": 17.5},
+    }
+    cost = load_cost_model(spec, world_size=2)
+    assert cost.step_overhead_ms == 17.5
+    assert load_cost_model({**spec, "details": {}}, world_size=2).step_overhead_ms == 0.0
+    plan = manual_plan(2, [100, 200], [[(2, [0, 1])]])
+    rec = StepRecord.from_plan(0, plan, step_overhead_ms=cost.step_overhead_ms)
+    assert rec.predicted_ms == pytest.approx(plan.est_step_ms + 17.5)

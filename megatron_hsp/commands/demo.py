@@ -241,6 +241,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
                     measured_s=step_s,
                     solve_s=prepared.solve_s,
                     wait_s=prepared.wait_s,
+                    step_overhead_ms=cost.step_overhead_ms,
                 )
                 steps.append(
                     {
@@ -249,7 +250,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
                         "group_sizes": rec.group_sizes,
                         "microbatches": rec.microbatches,
                         "step_s": step_s,
-                        "predicted_s": prepared.plan.est_step_ms / 1e3,
+                        "predicted_s": rec.predicted_ms / 1e3,
                         "predicted_ms": rec.predicted_ms,
                         "solve_ms": rec.solve_ms,
                         "planner_wait_ms": rec.planner_wait_ms,

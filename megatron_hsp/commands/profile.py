@@ -77,11 +77,23 @@ def _batches(max_tokens: int, points: int) -> list[list[int]]:
     return batches
 
 
+def _step_batches(max_tokens: int) -> list[list[int]]:
+    """Batches for the in-situ group steps: one, and four, sequences at three token counts
+    (the upper range, where a step's communication is measurable above its noise)."""
+    out: list[list[int]] = []
+    for n in (max_tokens // 4, max_tokens // 2, max_tokens):
+        out.append([n])
+        if n >= 1024:
+            out.append([n // 4] * 4)
+    return out
+
+
 def _profile_worker(rank: int, world_size: int, cfg: dict) -> dict | None:
     """One measuring rank (spawned, gloo/CPU or NCCL/GPU, one thread like the demo's ranks)."""
     import torch
 
     from megatron_hsp.runtime import profile as prof
+    from megatron_hsp.runtime.groups import create_groups
     from megatron_hsp.testing.dist import tiny_gpt_model
 
     device = prof._device()
@@ -122,9 +134,26 @@ def _profile_worker(rank: int, world_size: int, cfg: dict) -> dict | None:
     ring = prof.measure_ring_step(
         rank, world_size, cfg["msg_tokens"], cfg["ring_bytes"], cfg["comm_repeats"]
     )
+    registry = create_groups(world_size, sizes=[1, *(d for d in a2a if d <= world_size)])
+    steps = prof.measure_group_steps(
+        model,
+        registry,
+        cfg["step_batches"],
+        vocab=cfg["vocab"],
+        device=device,
+        repeats=cfg["step_repeats"],
+        progress=_bar("ulysses groups in situ") if rank == 0 else None,
+    )
     if rank != 0:
         return None
-    return {"compute": compute, "act": act, "step_ms": step_ms, "a2a": a2a, "ring": ring}
+    return {
+        "compute": compute,
+        "act": act,
+        "step_ms": step_ms,
+        "a2a": a2a,
+        "ring": ring,
+        "steps": steps,
+    }
 
 
 def _fit_comm(
@@ -180,7 +209,12 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from megatron_hsp.planner.costmodel import load_cost_model
-    from megatron_hsp.planner.fit import check_monotone, cost_model_spec, fit_linear
+    from megatron_hsp.planner.fit import (
+        check_monotone,
+        cost_model_spec,
+        fit_linear,
+        in_situ_overhead_rows,
+    )
     from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
     t_start = time.perf_counter()
@@ -199,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
         "comm_repeats": 2 * args.repeats + 1,
         "a2a_bytes": 4 * args.hidden,  # one fp32 hidden vector per token
         "ring_bytes": 4 * 2 * kv,  # one layer's fp32 K and V per token
+        "step_batches": _step_batches(args.max_tokens),
+        "step_repeats": max(3, (args.repeats + 1) // 2),
     }
     print(
         f"profile: {args.nproc} processes, 1 thread each, {len(cfg['batches'])} batches x "
@@ -235,12 +271,37 @@ def run(args: argparse.Namespace) -> int:
     # Ulysses moves q,k,v (one call) and o per layer forward, the same backward: 4 calls per
     # layer; per-token traffic in hidden-vector units (GQA-aware).
     calls = 2 * args.layers * (2 * args.hidden + 2 * kv) / args.hidden
-    a2a = {
+    a2a_bench = {
         d: _fit_comm(rows, calls, 4 * args.layers, f"the all-to-all fit (d={d})")
         for d, rows in sorted(res["a2a"].items())
     }
-    # A ring step moves K and V forward and K, V and their gradients backward (3 layer passes,
-    # CostModel.ring_step_ms_per_token: per token of the sequence, whole step).
+    # What a Ulysses group costs beyond its compute share and the bare all-to-all, measured in
+    # situ (runtime.profile.measure_group_steps says why): the per-token slope stays the
+    # microbenchmark's (the in-situ residuals carry the compute fit's own error, tens of ms at
+    # 4096 tokens, too much for a slope), the per-micro-batch latency becomes the median of
+    # what the in-situ steps add beyond compute share + slope, where that is larger.
+    co = compute.as_dict()
+    rows_in_situ = in_situ_overhead_rows(
+        ((s.size, s.lengths, s.ms) for s in res["steps"]),
+        co["attn_ms_per_token2"],
+        co["linear_ms_per_token"],
+    )
+    a2a = dict(a2a_bench)
+    for d, rows in sorted(rows_in_situ.items()):
+        if d not in a2a_bench:
+            continue
+        b = a2a_bench[d].as_dict()
+        extra = float(np.median([ms - b["ms_per_token"] * t for t, ms in rows]))
+        if extra > b["latency_ms"]:
+            f = a2a_bench[d]
+            a2a[d] = type(f)(
+                f.names,
+                (b["ms_per_token"], extra),
+                f.r2,
+                f.median_rel_err,
+                f.max_rel_err,
+                f.samples,
+            )
     ring = {
         d: _fit_comm(rows, 3 * args.layers, 2 * args.layers, f"the ring step fit (d={d})")
         for d, rows in sorted(res["ring"].items())
@@ -263,6 +324,11 @@ def run(args: argparse.Namespace) -> int:
         f"{args.nproc} ranks x 1 thread, model layers={args.layers} hidden={args.hidden} "
         f"heads={args.heads}/{args.kv_heads} vocab={args.vocab}",
         details={
+            **{
+                f"a2a_microbench_{k}_d{d}": v
+                for d, f in a2a_bench.items()
+                for k, v in f.as_dict().items()
+            },
             "seq_ms": compute.as_dict()["seq_ms"],
             "step_ms": res["step_ms"],
             "act_mib_per_token": act_fit.as_dict()["bytes_per_token"] / 2**20,
@@ -270,23 +336,24 @@ def run(args: argparse.Namespace) -> int:
     )
     load_cost_model(spec, world_size=args.nproc)  # refuses anything the planner cannot use
     out.write_text(yaml.safe_dump(spec, sort_keys=False))
-    print(f"{'fit':<12} {'samples':>7} {'R^2':>7} {'median err':>10} {'max err':>8}  coefficients")
+    print(f"{'fit':<16} {'samples':>7} {'R^2':>7} {'median err':>10} {'max err':>8}  coefficients")
     fits = [
         ("compute", compute),
-        *((f"a2a d={d}", f) for d, f in a2a.items()),
+        *((f"a2a d={d}", f) for d, f in a2a_bench.items()),
+        *((f"a2a d={d} in situ", a2a[d]) for d in a2a if a2a[d] is not a2a_bench[d]),
         *((f"ring d={d}", f) for d, f in ring.items()),
         ("activation", act_fit),
     ]
     for label, f in fits:
         co = ", ".join(f"{k}={v:.4g}" for k, v in f.as_dict().items())
         print(
-            f"{label:<12} {f.samples:>7} {f.r2:>7.3f} {f.median_rel_err:>10.1%} "
+            f"{label:<16} {f.samples:>7} {f.r2:>7.3f} {f.median_rel_err:>10.1%} "
             f"{f.max_rel_err:>8.1%}  {co}"
         )
     mib = act_fit.as_dict()["bytes_per_token"] / 2**20
     how = "CUDA peak" if torch.cuda.is_available() else "autograd saved tensors, CPU"
     print(
-        "per step (gradient all-reduce + optimizer, not in the planner's form): "
+        "per step (gradient all-reduce + optimizer; added to step predictions, not to plans): "
         f"{res['step_ms']:.3g} ms; activation memory {mib:.4g} MiB/token ({how})"
     )
     print(f"profile: wrote {out} in {time.perf_counter() - t_start:.0f} s", file=sys.stderr)

@@ -44,6 +44,7 @@ class HSPRun:
     step_started: float = 0.0
     local_multiple: int = 1  # per-rank token count multiple (TP size under --sequence-parallel)
     device: Any = None
+    step_overhead_ms: float = 0.0  # the cost model's per-step cost, added to each prediction
 
 
 _RUN: HSPRun | None = None
@@ -102,6 +103,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         max_seq_k=tokens_to_k(cfg.max_seq),
         memory_cap_gb=cfg.memory_cap_gb,
     )
+    run.step_overhead_ms = cost.step_overhead_ms
     index = DocumentIndex(data_prefix(args))
     sampler = GlobalBatchSampler(
         index.lengths,
@@ -238,6 +240,7 @@ def end_step(run: HSPRun, loss: float | None = None) -> None:
         measured_s=time.perf_counter() - run.step_started,
         solve_s=p.solve_s if p.solve_s else None,
         wait_s=p.wait_s,
+        step_overhead_ms=run.step_overhead_ms,
     )
     run.observer.record(rec, p.plan)
 

@@ -64,6 +64,7 @@ class StepRecord:
         measured_s: float | None = None,
         solve_s: float | None = None,
         wait_s: float = 0.0,
+        step_overhead_ms: float = 0.0,
         **extra: Any,
     ) -> StepRecord:
         return cls(
@@ -73,7 +74,7 @@ class StepRecord:
             group_sizes=[mb.group_sizes for mb in plan.microbatches],
             num_sequences=plan.num_sequences,
             tokens=sum(g.tokens for mb in plan.microbatches for g in mb.groups),
-            predicted_ms=plan.est_step_ms,
+            predicted_ms=plan.est_step_ms + step_overhead_ms,
             measured_ms=None if measured_s is None else measured_s * 1e3,
             imbalance=group_imbalance(plan),
             solve_ms=plan.solve_ms if solve_s is None else solve_s * 1e3,

@@ -176,6 +176,14 @@ class CostModel:
         """Time (ms) of one group of ``d`` ranks training ``lengths`` in one micro-batch."""
         return float(self.seq_ms(lengths, d, split, ring).sum()) + self.fixed_ms(d, split)
 
+    @property
+    def step_overhead_ms(self) -> float:
+        """What a step costs once beyond its micro-batches (gradient all-reduce, optimizer step)
+        where a profile measured it (``details.step_ms``), else 0. Not part of any plan's
+        ``est_step_ms``: it is the same for every plan of a step, so it never changes which plan
+        is best, but a prediction of the step's wall time must add it."""
+        return float(self.details.get("step_ms", 0.0))
+
     def fixed_ms(self, d: int, split: tuple[int, int] | None = None) -> float:
         """Fixed ms per group per micro-batch: b_d plus the latency of the split's calls."""
         u, r = self._resolve(d, split)

@@ -10,7 +10,7 @@ curve is not monotone in tokens, because such a model would make the planner pre
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -173,3 +173,32 @@ def cost_model_spec(
     if details:
         spec["details"] = {k: float(v) for k, v in details.items()}
     return spec
+
+
+def in_situ_overhead_rows(
+    samples: Iterable[tuple[int, Sequence[int], float]],
+    attn_ms_per_token2: float,
+    linear_ms_per_token: float,
+) -> dict[int, list[tuple[int, float]]]:
+    """Per group size d > 1: (tokens, ms) that a group of d adds beyond its compute share.
+
+    ``samples`` are (d, lengths, measured ms) of one training micro-batch in which every group of
+    d trains ``lengths`` (``runtime.profile.measure_group_steps``). A group of d is priced
+    ``(a1 s^2 + a2 s) / d`` per sequence plus its communication; what the size-1 step of the
+    same lengths measures beyond its own share (loss, gradient all-reduce, per-sequence costs)
+    is common to every size and is subtracted, so the rows hold the per-size overhead alone, to
+    be fitted as ``latency + per_token * tokens`` like an all-to-all.
+    """
+    rows = list(samples)
+
+    def share(lengths: Sequence[int], d: int) -> float:
+        return sum(attn_ms_per_token2 * s * s + linear_ms_per_token * s for s in lengths) / d
+
+    base = {tuple(lengths): ms - share(lengths, 1) for d, lengths, ms in rows if d == 1}
+    out: dict[int, list[tuple[int, float]]] = {}
+    for d, lengths, ms in rows:
+        key = tuple(lengths)
+        if d == 1 or key not in base:
+            continue
+        out.setdefault(d, []).append((sum(key), ms - share(key, d) - base[key]))
+    return out

@@ -276,3 +276,88 @@ def measure_ring_step(
             rows.append((int(tokens), _time_op(op, device, repeats, warmup)))
         results[d] = rows
     return results
+
+
+@dataclass(frozen=True)
+class GroupStepSample:
+    """One timed training micro-batch in which every group of ``size`` ranks trains ``lengths``."""
+
+    size: int
+    lengths: tuple[int, ...]
+    ms: float
+
+
+def measure_group_steps(
+    model: torch.nn.Module,
+    registry: Any,
+    batches: Sequence[Sequence[int]],
+    *,
+    vocab: int,
+    device: torch.device,
+    repeats: int,
+    warmup: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[GroupStepSample]:
+    """Median ms of ``run_step`` on one micro-batch where every group of each registry size d
+    (pure Ulysses, contiguous blocks) trains its own copy of each batch.
+
+    Why, next to the all-to-all microbenchmark: a Ulysses group costs more than its compute share
+    plus the bare collective. Its ranks wait for each other four times per layer, and on a
+    machine with fewer cores than ranks a waiting rank's core goes to a peer only at the next
+    scheduler tick; there are permutes around every call too. The microbenchmark sees none of
+    that (on this 2-core machine it explained a fifth of the gap). Timing the step itself, size 1
+    included as the no-communication baseline, measures the whole per-size overhead where it
+    arises. Every rank must call this with the same arguments; round-robin over the batches, as
+    in ``measure_compute_concurrent``.
+    """
+    from megatron_hsp.planner.plan import Group, MicroBatch, Plan
+    from megatron_hsp.runtime.dispatch import GlobalBatch
+    from megatron_hsp.runtime.schedule import run_step
+
+    world = dist.get_world_size()
+    cases: list[tuple[int, tuple[int, ...], Plan, GlobalBatch]] = []
+    for d in registry.sizes:
+        if world % d:
+            continue
+        for lengths in batches:
+            seqs = [int(n) for _ in range(world // d) for n in lengths]
+            k = len(lengths)
+            groups = tuple(
+                Group(
+                    ranks=tuple(range(g * d, (g + 1) * d)),
+                    seq_ids=tuple(range(g * k, (g + 1) * k)),
+                    lengths=tuple(int(n) for n in lengths),
+                    ulysses=d,
+                    ring=1,
+                )
+                for g in range(world // d)
+            )
+            plan = Plan(
+                world_size=world,
+                gpus_per_node=registry.cluster.gpus_per_node,
+                microbatches=(MicroBatch(groups=groups),),
+                cost_model="profile",
+                solver="profile",
+                status="heuristic",
+            ).validate(lengths=seqs, world_size=world)
+            rng = np.random.default_rng(sum(seqs))
+            docs = GlobalBatch.from_documents([rng.integers(0, vocab, n) for n in seqs])
+            cases.append((d, tuple(int(n) for n in lengths), plan, docs))
+    times: list[list[float]] = [[] for _ in cases]
+    for r in range(warmup + repeats):
+        for i, (_, _, plan, docs) in enumerate(cases):
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            run_step(model, plan, docs, registry, grad_group=None, device=device)
+            _sync(device)
+            ms = _max_over_ranks((time.perf_counter() - t0) * 1e3, device)
+            if r >= warmup:
+                times[i].append(ms)
+        if progress:
+            progress(r + 1, warmup + repeats)
+    model.zero_grad(set_to_none=True)
+    return [
+        GroupStepSample(d, lengths, float(np.median(t)))
+        for (d, lengths, _, _), t in zip(cases, times, strict=True)
+    ]
