@@ -56,3 +56,22 @@ def test_short_sequences_pool_memory_when_single_ranks_fragment_it():
     # Fourteen do not fit at all: 8.4 x capacity on 8 ranks.
     inst13, cluster = _inst(8, [length] * 14)
     assert schedule_microbatch(inst13, list(range(14)), cluster) is None
+
+
+def test_a_long_sequence_does_not_strand_the_ranks_its_neighbours_need():
+    """FlexSP's pricing (pure Ulysses at every size), 64 ranks: 165k + 74k + 62k + 52k.
+
+    The builder opens, for each sequence, the smallest group that finishes it by the target: near
+    7.05 s the 165k gets 56 ranks and the others cannot fit the 8 left, so every target below the
+    32 + 32 schedule (7.69 s) used to fail. All four in one 64-rank group take 7.05 s (FlexSP's
+    released solver finds it on a code-like batch; hsp used to lose that batch by 7%).
+    """
+    cost = flexsp_cost_model("flexsp-gpt-7b", 64, 192, 28, as_published=True)
+    cluster = Cluster(64, 8)
+    lengths = [165248, 73728, 61824, 51840]
+    inst = Instance.build(lengths, cost, cluster, cost.sizes)
+    got = schedule_microbatch(inst, [0, 1, 2, 3], cluster)
+    assert got is not None
+    span, groups = got
+    assert span == cost.group_ms(lengths, 64) < 0.92 * cost.group_ms([165248], 32)
+    assert groups == [(64, (0, 1, 2, 3))]

@@ -128,3 +128,26 @@ def test_long_grouped_scales_to_thousands_of_small_long_groups():
     assert chunks is not None
     assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
     assert took < 10, took
+
+
+def test_a_first_candidate_far_above_its_floors_gets_the_next_count_past_the_deadline():
+    """1024 GPUs, the first 8192 Wikipedia lengths (embedded sample, FlexSP's padding), 30 GB.
+
+    At the memory floor's count (3) the builder fits only by pooling short sequences into two
+    512-rank groups per micro-batch: a 44 s step. With the budget spent on that count, the
+    solver returned it (6x the lower bound); count 4 gives 7.4 s. Fails before the rescue.
+    """
+    import gzip
+    from pathlib import Path
+
+    import megatron_hsp
+
+    path = Path(megatron_hsp.__file__).parent / "data" / "wikipedia_lengths_100k.txt.gz"
+    with gzip.open(path, "rt") as fh:
+        raw = np.array([int(line) for line in fh][:12000], dtype=np.int64)
+    step = 2 * 1024
+    padded = ((raw - 1) // step + 1) * step
+    lengths = padded[padded <= 192 * 1000 - step][:8192].tolist()
+    cost = flexsp_cost_model("flexsp-gpt-7b", world_size=1024, max_seq_k=192, memory_cap_gb=30)
+    plan = solve(lengths, cost, Cluster(1024, 8), SolverConfig(time_budget_s=0.01))
+    assert plan.est_step_ms < 1.3 * plan.lower_bound_ms, (plan.est_step_ms, plan.lower_bound_ms)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from megatron_hsp.planner.instance import GroupSpec, Instance
 from megatron_hsp.planner.topology import Cluster
@@ -46,7 +46,8 @@ def _assign_starts(sizes: Sequence[int], cluster: Cluster, n: int) -> list[int] 
     mixes of cross-node sizes: on 64 ranks in nodes of 8, 32 then 24 puts 32 at rank 0, leaving
     24 no aligned block, while 24 at 0 and 32 at 32 tile. Then a bounded depth-first search over
     the cross-node groups' blocks (equal sizes in increasing start order), intra-node groups
-    first-fit in what is left. ``PLACEMENT_SEARCH_STEPS`` bounds it; past that, None.
+    first-fit in what is left. ``PLACEMENT_SEARCH_STEPS`` bounds the blocks examined, each
+    intra-node group a leaf places counting as one; past that, None.
     """
     starts = _first_fit(sizes, cluster, n, bytearray(n))
     if starts is not None:
@@ -62,6 +63,11 @@ def _assign_starts(sizes: Sequence[int], cluster: Cluster, n: int) -> list[int] 
 
     def dfs(k: int) -> list[int] | None:
         if k == len(big):
+            # A leaf places every intra-node group (first fit): each counts as a block examined,
+            # or thousands of small groups per leaf at 1024 ranks made one failing search 3 s.
+            steps[0] -= len(small)
+            if steps[0] < 0:
+                return None
             rest = _first_fit(small, cluster, n, bytearray(used))
             return None if rest is None else [*chosen, *rest]
         d = big[k]
@@ -130,11 +136,15 @@ class RankTiler:
         self.wide = 0  # groups wider than a node: only their mixes need the search
         self.used = bytearray(inst.world_size)
         self.cursor: dict[int, int] = {}
+        # Sizes that did not fit: groups are only ever added, so they never will. Without this,
+        # first-fit-decreasing over micro-batches re-ran the full placement search for every
+        # long sequence against every full micro-batch (minutes at 4096 ranks, 30 GB).
+        self.failed: set[int] = set()
 
     def add(self, d: int) -> bool:
         """Place a group of ``d`` ranks beside the others; False (and no change) if none fits."""
         n = self.inst.world_size
-        if self.total + d > n:
+        if self.total + d > n or d in self.failed:
             return False
         start = -1
         wide = self.wide + (d > self.cluster.node_width)
@@ -145,11 +155,13 @@ class RankTiler:
             if start >= 0:
                 self.used[start : start + d] = b"\x01" * d
             elif wide < 2:  # first fit is all ``_assign_starts`` would try: no search to run
+                self.failed.add(d)
                 return False
         if start < 0:
             trial = sorted([*self.sizes, d], reverse=True)
             starts = _assign_starts(trial, self.cluster, n)
             if starts is None:
+                self.failed.add(d)
                 return False
             used = bytearray(n)
             for size, at in zip(trial, starts, strict=True):
@@ -365,8 +377,8 @@ def schedule_microbatch(
         if not pool:
             return None
 
-    def attempt(target: float) -> list[GroupSpec] | None:
-        groups = build_groups(inst, ids, target, min_size=pool)
+    def attempt(target: float, min_size: int = pool) -> list[GroupSpec] | None:
+        groups = build_groups(inst, ids, target, min_size=min_size)
         # Power-of-two sizes dividing the world size always tile (buddy allocation); other
         # mixes need the placement check.
         if groups is None or not groups_fit(inst, groups, cluster):
@@ -394,8 +406,35 @@ def schedule_microbatch(
         return None
     hi = groups_makespan(inst, best)
     lo = min(failed, hi)
-    # Bounded bisection: |hi| keeps the tolerance positive, and the step cap ends the search
-    # even for costs that defeat the tolerance (60 halvings exhaust float64 precision).
+    hi, best = _bisect(inst, attempt, lo, hi, best, rel_tol)
+    if limit is None:
+        # Wider groups: the builder opens, for each long sequence, the smallest group that
+        # finishes it by the target, which can strand the rest. 165k + 74k + 62k + 52k on 64
+        # ranks: at a target near 7.05 s the 165k opens a 56-rank group, leaving 8 ranks the
+        # others cannot use, so every target below the 32 + 32 schedule's 7.69 s fails, while
+        # all four in one 64-rank group take 7.05 s. Retrying with larger minimum sizes (one
+        # build rejects a size that cannot beat ``hi``) finds such schedules.
+        for d in _wider_sizes(inst, best, hi):
+            got = attempt(hi * (1.0 - rel_tol), d)
+            if got is not None:
+                hi, best = _bisect(
+                    inst, lambda t, d=d: attempt(t, d), floor, groups_makespan(inst, got), got,
+                    rel_tol,
+                )  # fmt: skip
+    return hi, best
+
+
+def _bisect(
+    inst: Instance,
+    attempt: Callable[[float], list[GroupSpec] | None],
+    lo: float,
+    hi: float,
+    best: list[GroupSpec],
+    rel_tol: float,
+) -> tuple[float, list[GroupSpec]]:
+    """Smallest makespan ``attempt`` meets between ``lo`` (failed or a floor) and ``hi`` (met by
+    ``best``). Bounded: |hi| keeps the tolerance positive, and the step cap ends the search even
+    for costs that defeat the tolerance (60 halvings exhaust float64 precision)."""
     for _ in range(60):
         if hi - lo <= rel_tol * abs(hi):
             break
@@ -406,3 +445,20 @@ def schedule_microbatch(
         else:
             best, hi = got, groups_makespan(inst, got)
     return hi, best
+
+
+def _wider_sizes(inst: Instance, groups: Sequence[GroupSpec], makespan: float) -> list[int]:
+    """Minimum group sizes worth a retry: when the group that sets ``makespan`` spans at least a
+    node, twice its size and the whole cluster (where legal and larger). Bounded: at most two
+    retries per micro-batch, none for micro-batches of small groups."""
+    index = {d: j for j, d in enumerate(inst.sizes)}
+    crit = 0  # the largest group whose time is the makespan
+    for d, ids in groups:
+        if ids:
+            j = index[d]
+            if sum(inst.times[i][j] for i in ids) + inst.fixed[j] >= makespan * (1 - 1e-9):
+                crit = max(crit, d)
+    if crit < inst.gpus_per_node:
+        return []
+    legal = set(inst.sizes)
+    return sorted({d for d in (2 * crit, inst.sizes[-1]) if d in legal and d > crit})

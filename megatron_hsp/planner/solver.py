@@ -135,6 +135,11 @@ def solve(
     return replace(plan, solve_ms=solve_ms, extra=extra)
 
 
+# A first greedy candidate more than this far above the sum of its micro-batch floors gets one
+# more count scheduled even past the deadline (``_greedy_candidates``).
+RESCUE_OVER_FLOORS = 1.5
+
+
 def _greedy_candidates(
     inst: Instance, cluster: Cluster, config: SolverConfig, deadline: float
 ) -> _Candidate:
@@ -144,17 +149,28 @@ def _greedy_candidates(
     m = counts[0]
     tried = 0
     best_m = 0  # the count whose chunking gave ``best``
+    # Past the deadline, one more count is still scheduled when the first candidate is far
+    # above its micro-batches' floors: at the memory floor's count the builder may only fit by
+    # pooling short sequences into huge groups (1024 GPUs, Wikipedia: two 512-rank groups of
+    # 1365 sequences each, a 44 s step where the next count gives 7.4 s), and a loaded machine
+    # spends the whole budget on that first count.
+    rescue = False
     while True:
         # The first candidate always runs, so its chunking ignores the deadline too.
-        until = deadline if best is not None else math.inf
+        until = deadline if best is not None and not rescue else math.inf
         for label, chunks in _chunkings(inst, cluster, m, config.chunkings, m == counts[0], until):
-            if best is not None and time.perf_counter() > deadline:
+            if best is not None and not rescue and time.perf_counter() > deadline:
                 return best
             cutoff = best.total if best is not None else float("inf")
             cand = _schedule_chunks(inst, cluster, chunks, label, cutoff)
             tried += 1
+            if tried == 1 and cand is not None:
+                floors = sum(inst.microbatch_floor(c) for c in chunks)
+                rescue = cand.total > RESCUE_OVER_FLOORS * floors
             if cand is not None and (best is None or cand.total < best.total - 1e-9):
                 best, best_m = cand, max(m, len(chunks))
+        if rescue and m > counts[0]:
+            rescue = False  # one further count done
         if best is not None and m >= counts[-1]:
             # Past the counts near the memory floor, climb while the best is at the last count
             # or the one before: on long-heavy batches the best count can lie well above the
@@ -169,7 +185,8 @@ def _greedy_candidates(
         # (70x the step time of the next feasible count).
         if m >= len(inst.lengths):
             break
-        m = min(len(inst.lengths), 2 * m) if time.perf_counter() > deadline else m + 1
+        late = time.perf_counter() > deadline and not rescue
+        m = min(len(inst.lengths), 2 * m) if late else m + 1
     if best is None:  # one sequence per micro-batch always fits: check_lengths guaranteed it
         raise InfeasibleError("no schedule found even with one sequence per micro-batch")
     return best
