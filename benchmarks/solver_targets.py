@@ -208,6 +208,50 @@ def xl_check(budget: float, steps: int = 3) -> int:
     return 0
 
 
+def scale_check(raw, args, emit) -> None:
+    """1024 GPUs, GBS 8192 (Wikipedia, 7b, 192k, 30 GB, FlexSP's padding): hsp against
+    static-best, gap, solve wall/CPU p50/p99 at the budget and at 2.5 s, planner memory."""
+    config = SolverConfig(time_budget_s=args.budget)
+    scale_steps = 3 if args.quick else 10
+    emit(f"### Scale (Wikipedia, flexsp-gpt-7b, 192k, 1024 GPUs, GBS 8192, {scale_steps} steps)")
+    emit()
+    cluster = Cluster(1024, 8)
+    cost = flexsp_cost_model("flexsp-gpt-7b", 1024, 192, 30)
+    data = flexsp_rules(raw, 1024, 192)
+    bl = batches(data, 8192, scale_steps, "sequential")
+    best, _ada = static_best_and_batchada(static_table(bl, cost, cluster))
+    plans = run_plans(bl, cost, cluster, config)
+    s = summarise(plans)
+    # Memory on its own run: tracemalloc slows allocation-heavy Python several-fold.
+    tracemalloc.start()
+    run_plans(bl[:2], cost, cluster, config)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    emit(
+        "| hsp (s) | static-best (s) | vs static-best | gap to LB | budget | status | "
+        "wall p50 / p99 (ms) | CPU p50 / p99 (ms) |"
+    )
+    emit("|---|---|---|---|---|---|---|---|")
+    for budget in (args.budget, 2.5):
+        if budget != args.budget:
+            plans = run_plans(bl, cost, cluster, SolverConfig(time_budget_s=budget))
+            s = summarise(plans)
+        statuses = ",".join(sorted({p.status for p in plans}))
+        emit(
+            f"| {s['total_s']:.2f} | {best / 1e3:.2f} | {best / 1e3 / s['total_s']:.3f}x | "
+            f"{s['gap'] * 100:.1f}% | {budget} s | {statuses} | "
+            f"{s['p50_ms']:.0f} / {s['p99_ms']:.0f} | "
+            f"{s['cpu_p50_ms']:.0f} / {s['cpu_p99_ms']:.0f} |"
+        )
+    emit()
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    emit(
+        f"Planner memory: peak Python allocations during the 1024-GPU solves {peak / 2**20:.1f} "
+        f"MiB (tracemalloc); whole benchmark process max RSS {rss_mb:.0f} MiB."
+    )
+    emit()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
@@ -225,9 +269,17 @@ def main() -> int:
         help="only the LP-bound check: column generation with this limit on one batch per "
         "suite distribution, against the combinatorial bound and an hsp plan",
     )
+    ap.add_argument(
+        "--scale-only",
+        action="store_true",
+        help="only the 1024-GPU / 8192-sequence section (10 batches, or 3 with --quick)",
+    )
     args = ap.parse_args()
     if args.xl_only:
         return xl_check(args.budget)
+    if args.scale_only:
+        scale_check(load_lengths(), args, print)
+        return 0
     if args.lp_check:
         return lp_check(args.lp_check, args.budget)
     steps = 5 if args.quick else 20
@@ -320,44 +372,7 @@ def main() -> int:
     emit()
 
     # 3. Scale: 1024 GPUs, GBS 8192.
-    scale_steps = 3 if args.quick else 10
-    emit(f"### Scale (Wikipedia, flexsp-gpt-7b, 192k, 1024 GPUs, GBS 8192, {scale_steps} steps)")
-    emit()
-    cluster = Cluster(1024, 8)
-    cost = flexsp_cost_model("flexsp-gpt-7b", 1024, 192, 30)
-    data = flexsp_rules(raw, 1024, 192)
-    bl = batches(data, 8192, scale_steps, "sequential")
-    best, ada = static_best_and_batchada(static_table(bl, cost, cluster))
-    plans = run_plans(bl, cost, cluster, config)
-    s = summarise(plans)
-    # Memory on its own run: tracemalloc slows allocation-heavy Python several-fold.
-    tracemalloc.start()
-    run_plans(bl[:2], cost, cluster, config)
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    emit(
-        "| hsp (s) | static-best (s) | vs static-best | gap to LB | budget | status | "
-        "wall p50 / p99 (ms) | CPU p50 / p99 (ms) |"
-    )
-    emit("|---|---|---|---|---|---|---|---|")
-    for budget in (args.budget, 2.5):
-        if budget != args.budget:
-            plans = run_plans(bl, cost, cluster, SolverConfig(time_budget_s=budget))
-            s = summarise(plans)
-        statuses = ",".join(sorted({p.status for p in plans}))
-        emit(
-            f"| {s['total_s']:.2f} | {best / 1e3:.2f} | {best / 1e3 / s['total_s']:.3f}x | "
-            f"{s['gap'] * 100:.1f}% | {budget} s | {statuses} | "
-            f"{s['p50_ms']:.0f} / {s['p99_ms']:.0f} | "
-            f"{s['cpu_p50_ms']:.0f} / {s['cpu_p99_ms']:.0f} |"
-        )
-    emit()
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    emit(
-        f"Planner memory: peak Python allocations during the 1024-GPU solves {peak / 2**20:.1f} "
-        f"MiB (tracemalloc); whole benchmark process max RSS {rss_mb:.0f} MiB."
-    )
-    emit()
+    scale_check(raw, args, emit)
     load = os.getloadavg()
     emit(
         f"Machine load average at the end: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "

@@ -153,22 +153,11 @@ def test_ulysses_latency_is_measured_in_situ_where_it_exceeds_the_microbenchmark
 ):
     """Fails before the in-situ group steps: the written latency was the bare all-to-all's."""
     import megatron_hsp.testing.dist as dist_testing
-    from megatron_hsp.planner.fit import fit_linear
+    from megatron_hsp.planner.fit import fit_compute
 
     compute_ms = [10.0, 20.0, 45.0, 100.0]
     fake = _fake_results(compute_ms, [1.0, 2.0, 5.0, 17.0])
-    samples = fake[0]["compute"]
-    fit = fit_linear(
-        {
-            "attn_ms_per_token2": [sum(x * x for x in c.lengths) for c in samples],
-            "linear_ms_per_token": [sum(c.lengths) for c in samples],
-            "fixed_ms": [1.0] * len(samples),
-            "seq_ms": [len(c.lengths) for c in samples],
-        },
-        [c.ms for c in samples],
-        required=("attn_ms_per_token2", "linear_ms_per_token"),
-        what="test",
-    ).as_dict()
+    fit = fit_compute((c.lengths, c.ms) for c in fake[0]["compute"]).as_dict()
     coefs = {"attn": fit["attn_ms_per_token2"], "linear": fit["linear_ms_per_token"]}
     fake[0]["steps"] = _in_situ_steps(coefs, extra_ms)
     monkeypatch.setattr(dist_testing, "run_distributed", lambda *a, **k: fake)

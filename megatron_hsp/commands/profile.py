@@ -212,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hsp.planner.fit import (
         check_monotone,
         cost_model_spec,
+        fit_compute,
+        fit_latency,
         fit_linear,
         in_situ_overhead_rows,
     )
@@ -257,17 +259,7 @@ def run(args: argparse.Namespace) -> int:
         "measured forward+backward ms against sequence length",
         tolerance=0.1,
     )
-    compute = fit_linear(
-        {
-            "attn_ms_per_token2": [sum(x * x for x in s.lengths) for s in samples],
-            "linear_ms_per_token": [sum(s.lengths) for s in samples],
-            "fixed_ms": [1.0] * len(samples),
-            "seq_ms": [len(s.lengths) for s in samples],
-        },
-        [s.ms for s in samples],
-        required=("attn_ms_per_token2", "linear_ms_per_token"),
-        what="the compute fit",
-    )
+    compute = fit_compute((s.lengths, s.ms) for s in samples)
     # Ulysses moves q,k,v (one call) and o per layer forward, the same backward: 4 calls per
     # layer; per-token traffic in hidden-vector units (GQA-aware).
     calls = 2 * args.layers * (2 * args.hidden + 2 * kv) / args.hidden
@@ -288,25 +280,10 @@ def run(args: argparse.Namespace) -> int:
     )
     a2a = dict(a2a_bench)
     for d, rows in sorted(rows_in_situ.items()):
-        if d not in a2a_bench:
-            continue
-        b = a2a_bench[d].as_dict()
-        extra = float(np.median([ms - b["ms_per_token"] * t for t, ms in rows]))
-        if extra > b["latency_ms"]:
-            # The table's quality columns for this row describe the in-situ points themselves.
-            y = np.array([ms for _, ms in rows])
-            err = np.abs(y - np.array([b["ms_per_token"] * t + extra for t, _ in rows]))
-            rel = err / np.maximum(np.abs(y), 1e-9)
-            ss = float(np.sum((y - y.mean()) ** 2))
-            f = a2a_bench[d]
-            a2a[d] = type(f)(
-                f.names,
-                (b["ms_per_token"], extra),
-                1.0 - float(np.sum(err**2)) / ss if ss > 0 else 1.0,
-                float(np.median(rel)),
-                float(np.max(rel)),
-                len(rows),
-            )
+        if d in a2a_bench:
+            in_situ = fit_latency(rows, a2a_bench[d].as_dict()["ms_per_token"])
+            if in_situ.as_dict()["latency_ms"] > a2a_bench[d].as_dict()["latency_ms"]:
+                a2a[d] = in_situ
     ring = {
         d: _fit_comm(rows, 3 * args.layers, 2 * args.layers, f"the ring step fit (d={d})")
         for d, rows in sorted(res["ring"].items())

@@ -104,6 +104,43 @@ def fit_linear(
     return fit
 
 
+def fit_compute(samples: Iterable[tuple[Sequence[int], float]]) -> Fit:
+    """The compute fit of ``profile``: ``ms = a1 * sum s^2 + a2 * sum s + b + c * sequences``
+    over (sequence lengths of one packed batch, measured forward+backward ms) samples."""
+    rows = list(samples)
+    return fit_linear(
+        {
+            "attn_ms_per_token2": [sum(x * x for x in lengths) for lengths, _ in rows],
+            "linear_ms_per_token": [sum(lengths) for lengths, _ in rows],
+            "fixed_ms": [1.0] * len(rows),
+            "seq_ms": [len(lengths) for lengths, _ in rows],
+        },
+        [ms for _, ms in rows],
+        required=("attn_ms_per_token2", "linear_ms_per_token"),
+        what="the compute fit",
+    )
+
+
+def fit_latency(rows: Sequence[tuple[int, float]], ms_per_token: float) -> Fit:
+    """``ms = latency + ms_per_token * tokens`` with the slope given: the latency is the median
+    of ``ms - ms_per_token * tokens`` over (tokens, ms) rows (robust to a few noisy points), and
+    the quality columns describe these rows."""
+    t = np.array([tokens for tokens, _ in rows], dtype=np.float64)
+    y = np.array([ms for _, ms in rows], dtype=np.float64)
+    latency = float(np.median(y - ms_per_token * t))
+    err = np.abs(y - (ms_per_token * t + latency))
+    rel = err / np.maximum(np.abs(y), 1e-9)
+    ss = float(np.sum((y - y.mean()) ** 2))
+    return Fit(
+        ("ms_per_token", "latency_ms"),
+        (float(ms_per_token), latency),
+        1.0 - float(np.sum(err**2)) / ss if ss > 0 else 1.0,
+        float(np.median(rel)),
+        float(np.max(rel)),
+        len(rows),
+    )
+
+
 def check_monotone(fn: Mapping[int, float], what: str, tolerance: float = 0.0) -> None:
     """Refuse a curve (x -> y) that decreases as x grows by more than ``tolerance`` (relative).
 

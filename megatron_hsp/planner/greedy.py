@@ -18,20 +18,25 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 
+from megatron_hsp.planner.groupspace import anchor_sizes
 from megatron_hsp.planner.instance import GroupSpec, Instance
 from megatron_hsp.planner.topology import Cluster
 
 
 # ---------------------------------------------------------------------- evaluation
+def _group_times(inst: Instance, groups: Sequence[GroupSpec]) -> list[tuple[int, float]]:
+    """(size, estimated ms) of each non-empty group."""
+    index = {d: j for j, d in enumerate(inst.sizes)}
+    return [
+        (d, sum(inst.times[i][index[d]] for i in ids) + inst.fixed[index[d]])
+        for d, ids in groups
+        if ids
+    ]
+
+
 def groups_makespan(inst: Instance, groups: Sequence[GroupSpec]) -> float:
     """Estimated time of a micro-batch: its slowest non-empty group."""
-    index = {d: j for j, d in enumerate(inst.sizes)}
-    worst = 0.0
-    for d, ids in groups:
-        if ids:
-            j = index[d]
-            worst = max(worst, sum(inst.times[i][j] for i in ids) + inst.fixed[j])
-    return worst
+    return max((ms for _, ms in _group_times(inst, groups)), default=0.0)
 
 
 # ---------------------------------------------------------------------- rank placement
@@ -331,12 +336,10 @@ def build_groups(
 
 
 def _pool_sizes(inst: Instance) -> list[int]:
-    """Minimum group sizes ``schedule_microbatch`` tries for pooled memory, ascending.
-
-    Sizes up to 8, then powers of two and the largest: a bounded number of builder runs
-    (each a few ms) even where hundreds of sizes are legal.
-    """
-    return [d for d in inst.sizes if d > 1 and (d <= 8 or d & (d - 1) == 0 or d == inst.sizes[-1])]
+    """Minimum group sizes ``schedule_microbatch`` tries for pooled memory, ascending: the
+    anchor sizes above 1 (``groupspace.anchor_sizes``), a bounded number of builder runs (each
+    a few ms) even where hundreds of sizes are legal."""
+    return [d for d in anchor_sizes(inst.sizes, inst.gpus_per_node) if d > 1]
 
 
 def schedule_microbatch(
@@ -451,13 +454,8 @@ def _wider_sizes(inst: Instance, groups: Sequence[GroupSpec], makespan: float) -
     """Minimum group sizes worth a retry: when the group that sets ``makespan`` spans at least a
     node, twice its size and the whole cluster (where legal and larger). Bounded: at most two
     retries per micro-batch, none for micro-batches of small groups."""
-    index = {d: j for j, d in enumerate(inst.sizes)}
-    crit = 0  # the largest group whose time is the makespan
-    for d, ids in groups:
-        if ids:
-            j = index[d]
-            if sum(inst.times[i][j] for i in ids) + inst.fixed[j] >= makespan * (1 - 1e-9):
-                crit = max(crit, d)
+    at_makespan = [d for d, ms in _group_times(inst, groups) if ms >= makespan * (1 - 1e-9)]
+    crit = max(at_makespan, default=0)  # the largest group whose time is the makespan
     if crit < inst.gpus_per_node:
         return []
     legal = set(inst.sizes)

@@ -153,6 +153,16 @@ class Cluster:
 PLANNING_SIZE_LIMIT = 160
 
 
+def anchor_sizes(sizes: Sequence[int], gpus_per_node: int) -> list[int]:
+    """Every size up to a node, every power of two and the largest of ``sizes``, ascending: a
+    bounded subset that keeps the intra-node choices and a geometric ladder across nodes."""
+    ordered = sorted({int(d) for d in sizes})
+    keep = {d for d in ordered if d <= gpus_per_node or d & (d - 1) == 0}
+    if ordered:
+        keep.add(ordered[-1])
+    return sorted(keep)
+
+
 def planning_sizes(
     sizes: Sequence[int], gpus_per_node: int, limit: int = PLANNING_SIZE_LIMIT
 ) -> list[int]:
@@ -169,8 +179,7 @@ def planning_sizes(
     ordered = sorted({int(d) for d in sizes})
     if len(ordered) <= limit:
         return ordered
-    keep = {d for d in ordered if d <= gpus_per_node or d & (d - 1) == 0}
-    keep.add(ordered[-1])
+    keep = set(anchor_sizes(ordered, gpus_per_node))
     last = gpus_per_node
     for d in ordered:
         if d > gpus_per_node and d >= last * 1.25:

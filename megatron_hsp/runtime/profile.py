@@ -305,7 +305,7 @@ def measure_group_steps(
     plus the bare collective. Its ranks wait for each other four times per layer, and on a
     machine with fewer cores than ranks a waiting rank's core goes to a peer only at the next
     scheduler tick; there are permutes around every call too. The microbenchmark sees none of
-    that (on this 2-core machine it explained a fifth of the gap). Timing the step itself, size 1
+    that (on this 2-core machine 11-20 ms against 20-50 ms in situ). Timing the step itself, size 1
     included as the no-communication baseline, measures the whole per-size overhead where it
     arises. Every rank must call this with the same arguments; round-robin over the batches, as
     in ``measure_compute_concurrent``.
