@@ -13,6 +13,7 @@ unwinding is stuck (a collective waiting on a peer) the process exits hard after
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing
 import os
 import runpy
@@ -54,10 +55,39 @@ def install_signal_handlers() -> None:
         signal.signal(sig, _on_signal)
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to flags whose help does not already say its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: {action.default})"
+
+
+def hsp_flags_help() -> str:
+    """The ``--hsp*`` flags with their defaults, from the one parser that defines them
+    (``megatron.args.add_hsp_args``), so this list cannot drift from what Megatron parses."""
+    from megatron_hsp.megatron.args import add_hsp_args
+
+    parser = argparse.ArgumentParser(
+        prog="... pretrain_gpt.py <megatron args>",
+        add_help=False,
+        usage=argparse.SUPPRESS,
+        formatter_class=_DefaultsFormatter,
+    )
+    return add_hsp_args(parser).format_help().strip()
+
+
+def usage() -> str:
+    """``--help``: how to launch, then the HSP flags Megatron's parser gains."""
+    return f"{__doc__.strip()}\n\n{hsp_flags_help()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
+        print(usage())
         return 0 if argv else 2
     script = Path(argv[0])
     if not script.is_file():
