@@ -463,8 +463,8 @@ def megatron_schedule(args: Any, steps: int) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------- planted bugs
 # Each plant is called on the HSP side before the run with an ExitStack (register the undo on
-# it) and may return a hook ``(model_chunks, config) -> None`` run after DDP and the optimizer
-# are built. ``PLANTED`` records what a plant chose, for the report.
+# it) and may return a hook ``(model_chunks, optimizer, config) -> None`` run after DDP and the
+# optimizer are built. ``PLANTED`` records what a plant chose, for the report.
 PLANTED: dict[str, Any] = {}
 GRAD_PLANT_SCALE = 1.0001  # a 0.01% error
 
@@ -501,13 +501,15 @@ def _plant_plan_count_everywhere_in_train_step(stack: contextlib.ExitStack) -> N
     stack.callback(undo)
 
 
-def _plant_smallest_gradient_scaled(stack: contextlib.ExitStack) -> Callable[[Any, Any], None]:
+def _plant_smallest_gradient_scaled(
+    stack: contextlib.ExitStack,
+) -> Callable[[Any, Any, Any], None]:
     """PLANTED BUG: the parameter with the smallest gradient (max |g| after the data-parallel
     reduction of step 0, agreed over ranks) gets its gradient x 1.0001 every step, after
     backward and ``finalize_model_grads``, before the optimizer: a 0.01% error where a check on
     all gradients at once would not see it."""
 
-    def hook(model: list[Any], config: Any) -> None:
+    def hook(model: list[Any], optimizer: Any, config: Any) -> None:
         import torch.distributed as dist
 
         finalize = config.finalize_model_grads_func
@@ -531,6 +533,34 @@ def _plant_smallest_gradient_scaled(stack: contextlib.ExitStack) -> Callable[[An
     return hook
 
 
+NOT_UPDATED_PARAM = "decoder.layers.0.mlp.linear_fc1.weight"
+
+
+def _plant_one_parameter_not_updated(
+    stack: contextlib.ExitStack,
+) -> Callable[[Any, Any, Any], None]:
+    """PLANTED BUG: one parameter (``NOT_UPDATED_PARAM``) is left out of the optimizer step
+    (its weights are put back after ``optimizer.step``), as a parameter missing from the
+    optimizer's groups would be. Gradients, loss, lr and grad norm stay right: only the weights
+    after the steps show it (from the second step on: the first step's lr is 0)."""
+
+    def hook(model: list[Any], optimizer: Any, config: Any) -> None:
+        param = dict(model[0].module.named_parameters())[NOT_UPDATED_PARAM]
+        step = optimizer.step
+
+        def step_without_one(*a: Any, **kw: Any) -> Any:
+            before = param.detach().clone()
+            result = step(*a, **kw)
+            with torch.no_grad():
+                param.copy_(before)
+            return result
+
+        optimizer.step = step_without_one
+        PLANTED["param"] = NOT_UPDATED_PARAM
+
+    return hook
+
+
 def _plant_reader_start_shift(stack: contextlib.ExitStack) -> None:
     """PLANTED BUG: HSP's ``DocumentReader.read`` starts one token late (an off-by-one start:
     the piece's tokens shifted by one, the last one padded with token 0)."""
@@ -550,6 +580,7 @@ PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
     "plan-count-in-lr-increment": _plant_plan_count_everywhere_in_train_step,
     "smallest-gradient-scaled-1.0001": _plant_smallest_gradient_scaled,
     "reader-start-shift": _plant_reader_start_shift,
+    "one-parameter-not-updated": _plant_one_parameter_not_updated,
 }
 
 
@@ -584,7 +615,7 @@ def _run_hsp(
         _load_weights(module, init)
         model, optimizer, scheduler, config = _wrap(args, module)
         if hook is not None:
-            hook(model, config)
+            hook(model, optimizer, config)
         data_iterator, _valid, _test = provider(None)
         run = hooks.active_run()
         heads = options.heads()
@@ -788,6 +819,8 @@ def _worker(
         rel, peak = per_param_diff(hsp["grads"][i], ref["grads"][i], ref["grads"][i])
         worst, worst_rel = _worst(rel)
         top = max(peak.values())
+        # What a single ratio over all buffers (this loop before issue 16) would have reported.
+        pooled = max(rel[n] * peak[n] for n in rel) / top
         small = min((n for n in peak if peak[n] > 0), key=lambda n: peak[n])
         smallest = smallest or small
         out.append(
@@ -806,6 +839,7 @@ def _worker(
                 "grad_norm_hsp": h["grad_norm"],
                 "grad_norm_ref": r["grad_norm"],
                 "max_rel_grad_diff": worst_rel,
+                "pooled_rel_grad_diff": pooled,
                 "worst_grad_param": worst,
                 "smallest_grad_param": small,
                 "smallest_grad_ratio": peak[small] / top,
@@ -840,7 +874,7 @@ LOSS_RTOL = 1e-6
 GRAD_RTOL = 1e-5
 # Per parameter: max |w - w_ref| / max |w_ref - w_init| (the error relative to that parameter's
 # own update over the steps).
-WEIGHT_RTOL = 1e-4
+WEIGHT_RTOL = 1e-3
 
 
 def check(steps: list[dict[str, Any]], weight_rel: float | None = None) -> list[str]:
