@@ -3,8 +3,8 @@
 Runs megatron-core 0.19.2's ``megatron.training.training.train_step`` (the wheel ships
 ``megatron/training``) on 4 gloo CPU ranks, HSP side and stock side, for every option set of
 ``DEFAULT_OPTIONS`` (plain DDP, distributed optimizer, overlapped grad reduce, TP 2 with sequence
-parallelism, pure-ring and hybrid groups), and shows that each planted bug of ``PLANTS`` is
-caught, by how much (printed: run with ``-s``).
+parallelism under Ulysses and under ring groups, pure-ring and hybrid groups), and shows that
+each planted bug of ``PLANTS`` is caught, by how much (printed: run with ``-s``).
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
     assert "ring" in _kinds(by["sizes 1,2,3"])
     assert "hybrid" in _kinds(by["distopt 6 heads"])
     assert "ulysses" in _kinds(by["tp2+sp"])
+    assert "ring" in _kinds(by["distopt tp2+sp 6 heads"])
 
 
 def _planted(plant: str, steps: int) -> dict:

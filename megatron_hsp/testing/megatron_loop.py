@@ -1,8 +1,8 @@
 """``selftest --megatron``: Megatron's own ``train_step`` with HSP installed vs the stock path, CPU.
 
 What runs, on 4 gloo CPU ranks, for each option set (``DEFAULT_OPTIONS``: plain DDP, distributed
-optimizer, overlapped grad reduce, tensor parallel 2 with ``--sequence-parallel``, pure-ring and
-hybrid Ulysses x ring groups):
+optimizer, overlapped grad reduce, tensor parallel 2 with ``--sequence-parallel`` under Ulysses
+and under ring groups, pure-ring and hybrid Ulysses x ring groups):
 
 * **HSP side, as users get it.** Megatron's real argument parser and ``validate_args`` on the
   flags a user passes plus ``--hsp ...`` (through ``hsp_extra_args_provider``); Megatron's
@@ -187,6 +187,15 @@ DEFAULT_OPTIONS = (
     # 2 sequence-parallel slots of 2 TP ranks: groups of 1 and 2 (4 query heads, 1 KV head per
     # TP rank); 100 tokens per rank fit the 200-token documents in a group of 2.
     LoopOptions(tp=2, sequence_parallel=True, tokens_per_rank=100),
+    # The same with 6 heads (3 query heads per TP rank): a group of 2 is pure ring (1 x 2); the
+    # distributed optimizer shards over the 2 data-parallel ranks.
+    LoopOptions(
+        tp=2,
+        sequence_parallel=True,
+        attention_heads=6,
+        distributed_optimizer=True,
+        tokens_per_rank=100,
+    ),
     # Sizes 1, 2 and 3 with 8 heads: a group of 3 is pure ring (1 x 3); 70 tokens per rank put
     # the 200-token documents in groups of 3.
     LoopOptions(group_sizes=(1, 2, 3), tokens_per_rank=70),
