@@ -603,7 +603,6 @@ def _run_hsp(
     plant: str | None = None,
 ) -> dict[str, Any]:
     import megatron.training.training as training
-    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_hsp.megatron import hooks, install, patches
@@ -657,7 +656,6 @@ def _run_hsp(
             "pieces": pieces,
             "grads": grads,
             "weights": weights,
-            "sp_slots": parallel_state.get_data_parallel_world_size(),
         }
 
 
