@@ -1,21 +1,31 @@
 """``selftest --megatron``: Megatron's own ``train_step`` with HSP installed equals the stock path.
 
 Runs megatron-core 0.19.2's ``megatron.training.training.train_step`` (the wheel ships
-``megatron/training``) on 4 gloo CPU ranks, HSP side and stock side, for plain DDP, the
-distributed optimizer and overlapped grad reduce; and shows that the LR-increment bug megatron-hsp
-had before issue 7 is caught.
+``megatron/training``) on 4 gloo CPU ranks, HSP side and stock side, for every option set of
+``DEFAULT_OPTIONS`` (plain DDP, distributed optimizer, overlapped grad reduce, TP 2 with sequence
+parallelism under Ulysses and under ring groups, pure-ring and hybrid groups), and shows that
+each planted bug of ``PLANTS`` is caught, by how much (printed: run with ``-s``).
 """
 
 from __future__ import annotations
 
+import contextlib
+
+import numpy as np
 import pytest
 
 from megatron_hsp.testing.megatron_loop import (
     DEFAULT_OPTIONS,
+    GRAD_PLANT_SCALE,
     GRAD_RTOL,
     LOSS_RTOL,
+    NOT_UPDATED_PARAM,
+    PLANTS,
+    WEIGHT_RTOL,
+    MegatronDocuments,
     check,
     run_megatron_loop,
+    write_corpus,
 )
 
 STEP_KEYS = {
@@ -24,41 +34,186 @@ STEP_KEYS = {
     "loss_ref",
     "lr_hsp",
     "lr_ref",
+    "lr_megatron",
     "consumed_samples_hsp",
     "consumed_samples_ref",
+    "consumed_samples_megatron",
+    "documents_hsp",
+    "samples_megatron",
     "max_rel_grad_diff",
+    "worst_grad_param",
+    "smallest_grad_param",
+    "layouts",
 }
+
+
+def _kinds(entry: dict) -> set[str]:
+    """Group kinds the entry's plans ran: single, ulysses, ring, hybrid."""
+    out = set()
+    for s in entry["steps"]:
+        for mb in s["layouts"]:
+            for g in mb:
+                u, r = g["ulysses"], g["ring"]
+                out.add(
+                    "single"
+                    if g["size"] == 1
+                    else "hybrid"
+                    if u > 1 and r > 1
+                    else "ring"
+                    if r > 1
+                    else "ulysses"
+                )
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.dist
 def test_megatron_train_step_with_hsp_matches_the_stock_path():
-    entries = run_megatron_loop(4, DEFAULT_OPTIONS, steps=3, timeout_s=500)
+    entries = run_megatron_loop(4, DEFAULT_OPTIONS, steps=3, timeout_s=600)
     assert [e["options"] for e in entries] == [o.as_dict() for o in DEFAULT_OPTIONS]
-    assert any(e["options"]["distributed_optimizer"] for e in entries)
     for e in entries:
+        print(f"{e['options']}: worst / tolerance {e['margin']:.3f}, kinds {sorted(_kinds(e))}")
         assert e["ok"], e["failures"]
+        assert e["margin"] < 0.5  # clean runs stay at least 2x inside every tolerance
+        assert e["max_rel_weight_diff_after"] <= WEIGHT_RTOL
         assert len(e["steps"]) == 3
         for s in e["steps"]:
             assert set(s) >= STEP_KEYS
-            assert s["lr_hsp"] == s["lr_ref"] and s["lr_hsp"] > 0
-            assert s["consumed_samples_hsp"] == s["consumed_samples_ref"] == 8 * (s["step"] + 1)
+            assert s["lr_hsp"] == s["lr_ref"] == s["lr_megatron"] and s["lr_hsp"] > 0
+            assert s["consumed_samples_megatron"] == 8 * (s["step"] + 1)
+            assert s["consumed_samples_hsp"] == s["consumed_samples_megatron"]
+            assert s["consumed_samples_ref"] == s["consumed_samples_megatron"]
+            assert s["documents_hsp"] == s["samples_megatron"] == 8
             assert abs(s["loss_hsp"] - s["loss_ref"]) <= LOSS_RTOL * abs(s["loss_ref"])
             assert s["max_rel_grad_diff"] <= GRAD_RTOL
             assert s["grad_norm_ref"] > 0
-        # The plans really differ from Megatron's own count (2 micro-batches per rank), so the
-        # LR increment being right is not a coincidence of equal counts.
-        assert any(s["plan_microbatches"] != 2 for s in e["steps"])
+        # The plans really differ from Megatron's own count (8 / dp micro-batches per rank), so
+        # the LR increment being right is not a coincidence of equal counts.
+        dp = 4 // e["options"]["tp"]
+        assert any(s["plan_microbatches"] != 8 // dp for s in e["steps"])
+    by = {o.label: e for o, e in zip(DEFAULT_OPTIONS, entries, strict=True)}
+    assert any(e["options"]["distributed_optimizer"] for e in entries)
+    assert any(e["options"]["tp"] == 2 and e["options"]["sequence_parallel"] for e in entries)
+    # The plans contain the group kinds the option sets are there for.
+    assert "ulysses" in _kinds(by["ddp"])
+    assert "ring" in _kinds(by["sizes 1,2,3"])
+    assert "hybrid" in _kinds(by["distopt 6 heads"])
+    assert "ulysses" in _kinds(by["tp2+sp"])
+    assert "ring" in _kinds(by["distopt tp2+sp 6 heads"])
+
+
+def _planted(plant: str, steps: int) -> dict:
+    (entry,) = run_megatron_loop(4, DEFAULT_OPTIONS[:1], steps=steps, timeout_s=400, plant=plant)
+    print(f"{plant}: caught={not entry['ok']}, worst / tolerance {entry['margin']:.3g}")
+    for f in entry["failures"]:
+        print("   ", f)
+    assert not entry["ok"]
+    return entry
 
 
 @pytest.mark.slow
 @pytest.mark.dist
 def test_the_old_lr_increment_bug_is_caught():
-    (entry,) = run_megatron_loop(
-        4, DEFAULT_OPTIONS[:1], steps=1, timeout_s=400, plant="plan-count-in-lr-increment"
+    entry = _planted("plan-count-in-lr-increment", steps=1)
+    assert any("lr hsp" in f and "Megatron's scheduler" in f for f in entry["failures"])
+    s = entry["steps"][0]
+    assert s["lr_ref"] == s["lr_megatron"] != s["lr_hsp"]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_0_01_percent_error_in_the_smallest_gradient_is_caught():
+    entry = _planted("smallest-gradient-scaled-1.0001", steps=1)
+    s = entry["steps"][0]
+    # The planted parameter is the one with the smallest gradients of the reference model...
+    assert entry["planted_param"] == s["smallest_grad_param"] == s["worst_grad_param"]
+    assert s["smallest_grad_ratio"] < 1e-2
+    # ...so a single ratio over all gradients (the check before issue 16) misses it,
+    assert s["pooled_rel_grad_diff"] <= GRAD_RTOL
+    # while the per-parameter check sees the 1e-4 error at ~10x its tolerance.
+    assert s["max_rel_grad_diff"] == pytest.approx(GRAD_PLANT_SCALE - 1, rel=0.05)
+    assert s["max_rel_grad_diff"] >= 5 * GRAD_RTOL
+    assert [f for f in entry["failures"] if "grad rel diff" in f]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_one_token_reader_shift_in_hsp_is_caught():
+    entry = _planted("reader-start-shift", steps=1)
+    failures = " ".join(entry["failures"])
+    assert "loss rel diff" in failures and "grad rel diff" in failures
+    assert entry["margin"] > 100
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_parameter_left_out_of_the_optimizer_is_caught_by_the_weights():
+    entry = _planted("one-parameter-not-updated", steps=2)
+    assert entry["worst_weight_param"] == NOT_UPDATED_PARAM
+    assert entry["max_rel_weight_diff_after"] >= 100 * WEIGHT_RTOL
+    assert [f for f in entry["failures"] if "weights after" in f]
+    assert all(s["max_rel_grad_diff"] <= GRAD_RTOL for s in entry["steps"])
+
+
+def test_every_plant_has_a_test():
+    assert set(PLANTS) == {
+        "plan-count-in-lr-increment",
+        "smallest-gradient-scaled-1.0001",
+        "reader-start-shift",
+        "one-parameter-not-updated",
+    }
+
+
+def test_the_stock_reader_is_megatrons_and_sees_a_shifted_hsp_reader(tmp_path):
+    """The stock side's tokens come from megatron-core's IndexedDataset, not DocumentReader: they
+    agree on the clean reader and disagree once DocumentReader starts one token late."""
+    from megatron_hsp.megatron.data import DocumentIndex, DocumentReader, Piece
+
+    prefix = str(tmp_path / "docs")
+    write_corpus(prefix)
+    stock = MegatronDocuments(prefix)
+    index = DocumentIndex(prefix)
+    reader = DocumentReader(index)
+    pieces = [Piece(d, 0, int(n)) for d, n in enumerate(index.lengths)] + [Piece(3, 1, 4)]
+    for p in pieces:
+        np.testing.assert_array_equal(reader.read(p), stock.read(p.doc, p.offset, p.length))
+    with contextlib.ExitStack() as stack:
+        PLANTS["reader-start-shift"](stack)
+        assert any(
+            not np.array_equal(reader.read(p), stock.read(p.doc, p.offset, p.length))
+            for p in pieces
+        )
+    with pytest.raises(RuntimeError, match="runs past its end"):
+        stock.read(0, 0, int(index.lengths[0]) + 1)
+
+
+def test_sequence_parallel_norm_marks_its_weights():
+    """Megatron's CPU norm refuses --sequence-parallel; the loop's --spec norm is torch's with the
+    ``sequence_parallel`` mark finalize_model_grads needs to sum its gradients over TP."""
+    import torch
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hsp.testing.sp_spec import SequenceParallelTorchNorm, build_local_sp_block_spec
+
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=8,
+        normalization="RMSNorm",
+        sequence_parallel=True,
+        tensor_model_parallel_size=2,
+        use_cpu_initialization=True,
     )
-    assert not entry["ok"]
-    assert any("lr" in f for f in entry["failures"]), entry["failures"]
+    with pytest.raises(AssertionError, match="sequence parallel"):
+        WrappedTorchNorm(config, 32)
+    norm = SequenceParallelTorchNorm(config, 32)
+    assert isinstance(norm, torch.nn.RMSNorm)
+    assert all(p.sequence_parallel for p in norm.parameters())
+    spec = build_local_sp_block_spec(2, "RMSNorm")
+    assert len(spec.layer_specs) == 2 and spec.layer_norm is SequenceParallelTorchNorm
+    sub = spec.layer_specs[0].submodules
+    assert sub.input_layernorm is sub.pre_mlp_layernorm is SequenceParallelTorchNorm
 
 
 def test_check_flags_each_quantity():
@@ -68,18 +223,28 @@ def test_check_flags_each_quantity():
         "loss_ref": 2.0,
         "lr_hsp": 1e-3,
         "lr_ref": 1e-3,
+        "lr_megatron": 1e-3,
         "consumed_samples_hsp": 8,
         "consumed_samples_ref": 8,
+        "consumed_samples_megatron": 8,
+        "documents_hsp": 8,
+        "samples_megatron": 8,
         "max_rel_grad_diff": 1e-7,
         "grad_norm_hsp": 0.5,
         "grad_norm_ref": 0.5,
     }
-    assert check([good]) == []
+    assert check([good], 1e-5) == []
     for key, value in [
         ("loss_hsp", 2.0 * (1 + 1e-5)),
         ("lr_hsp", 1.0000001e-3),
+        ("lr_ref", 1.0000001e-3),
         ("consumed_samples_hsp", 4),
+        ("consumed_samples_ref", 4),
+        ("documents_hsp", 7),
         ("max_rel_grad_diff", 1e-4),
         ("grad_norm_hsp", 0.51),
     ]:
-        assert len(check([{**good, key: value}])) == 1, key
+        assert len(check([{**good, key: value}], 1e-5)) == 1, key
+    # Both runs agreeing with each other but not with Megatron's own scheduler is a failure.
+    assert len(check([{**good, "lr_megatron": 2e-3}], 1e-5)) == 2
+    assert len(check([good], 2 * WEIGHT_RTOL)) == 1

@@ -24,9 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--megatron",
         action="store_true",
         help="also run Megatron's own train_step with HSP installed against the stock path on 4 "
-        "gloo ranks (plain DDP, distributed optimizer, overlapped grad reduce; "
-        "megatron_hsp/testing/megatron_loop.py) and compare loss, gradients, lr, grad norm and "
-        "consumed samples",
+        "gloo ranks (plain DDP, distributed optimizer, overlapped grad reduce, TP 2 with "
+        "--sequence-parallel, pure-ring and hybrid Ulysses x ring groups; "
+        "megatron_hsp/testing/megatron_loop.py) and compare loss, every parameter's gradient "
+        "and final weights, grad norm, and lr / consumed samples against Megatron's own "
+        "scheduler and sampler",
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument(

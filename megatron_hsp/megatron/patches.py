@@ -47,6 +47,12 @@ replaced attribute                                 why
                                                    the CPU float type ``torch.cuda.FloatTensor``
                                                    for ``clip_grad_by_total_norm_fp32``'s assert.
                                                    Placement only: no result or logic changes.
+``megatron.training.arguments``'s                  ``selftest --megatron`` only, while it parses
+``get_device_arch_version``                        flags (``testing.cpu_shims.
+(``testing.cpu_shims.cpu_device_arch_version``)    cpu_device_arch_version``): ``validate_args``
+                                                   queries ``cuda:0``'s architecture when TP > 1;
+                                                   on the CPU it answers 9 (Hopper), the branch
+                                                   that requires CUDA_DEVICE_MAX_CONNECTIONS=1.
 =================================================  ===============================================
 
 Each patch checks that the attribute exists and that its parameters have the names HSP binds by

@@ -154,3 +154,32 @@ class cpu_megatron_training:
         self._mode.__exit__(None, None, None)
         for name, fn in self._saved.items():
             setattr(torch.cuda, name, fn)
+
+
+class cpu_device_arch_version:
+    """Answer Megatron's GPU-architecture query on a machine without CUDA (``validate_args``).
+
+    megatron-core 0.19.2's ``validate_args`` asks ``get_device_arch_version()`` (the major
+    compute capability of ``cuda:0``) whenever tensor or context parallelism is on, to decide
+    whether ``CUDA_DEVICE_MAX_CONNECTIONS=1`` is required (before Blackwell, 10) or not; on a CPU
+    the query raises. Inside this context the name ``validate_args`` calls answers ``major``
+    (default 9, Hopper: the strict branch, so the run needs the variable set as a user on an H100
+    would). Nothing else changes; restored on exit, refused where CUDA exists.
+    """
+
+    def __init__(self, major: int = 9) -> None:
+        self.major = major
+
+    def __enter__(self) -> cpu_device_arch_version:
+        import megatron.training.arguments as arguments
+
+        if torch.cuda.is_available():
+            raise RuntimeError("cpu_device_arch_version is for machines without CUDA")
+        self._saved = arguments.get_device_arch_version
+        arguments.get_device_arch_version = lambda: self.major
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import megatron.training.arguments as arguments
+
+        arguments.get_device_arch_version = self._saved
