@@ -30,6 +30,47 @@ def test_reference_imports_only_device_shims_from_megatron_hsp():
     assert _hsp_imports(shims) == set()
 
 
+_REFERENCE_RUN = """
+import sys
+import numpy as np
+import torch.distributed as dist
+from megatron.core import parallel_state
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+parallel_state.initialize_model_parallel()
+from megatron.core.tensor_parallel import random as mpu_random
+mpu_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+from megatron_hsp.testing.reference import ModelShape, reference_model, reference_step
+docs = [np.arange(9) % 128, np.arange(5) % 128]
+loss, grads = reference_step(reference_model(ModelShape()), docs)
+assert loss > 0 and grads
+print(" ".join(sorted(m for m in sys.modules if m.startswith("megatron_hsp"))))
+parallel_state.destroy_model_parallel()
+dist.destroy_process_group()
+"""
+
+
+def test_reference_run_reaches_no_runtime_integration_or_planner_module():
+    """Import the reference and run a step in a fresh process: every ``megatron_hsp`` module it
+    loads must be test plumbing (``testing.reference`` itself, ``testing.cpu_shims``)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _REFERENCE_RUN],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout.split()
+    assert "megatron_hsp.testing.reference" in out, "the check would be vacuous"
+    forbidden = ("megatron_hsp.runtime", "megatron_hsp.megatron", "megatron_hsp.planner")
+    reached = [m for m in out if m.startswith(forbidden)]
+    assert not reached, f"the reference reaches code under test: {reached}"
+    plumbing = {"megatron_hsp", "megatron_hsp.testing"}  # package __init__s: docstrings only
+    reference = {"megatron_hsp.testing.reference", "megatron_hsp.testing.cpu_shims"}
+    assert set(out) <= plumbing | reference
+
+
 @pytest.fixture(scope="module")
 def megatron_cpu():
     from megatron_hsp.testing.dist import destroy_cpu_megatron, init_single_process_megatron
@@ -47,10 +88,15 @@ def test_reference_model_is_stock_megatron_core(megatron_cpu):
     model = reference_model(ModelShape())
     cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
     assert cores and all(type(c) is DotProductAttention for c in cores)
-    hsp_modules = {
-        type(m).__module__ for m in model.modules() if type(m).__module__.startswith("megatron_hsp")
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    assert type(model.rotary_pos_emb) is RotaryEmbedding  # megatron's own RoPE, no subclass
+    outside = {
+        type(m).__module__
+        for m in model.modules()
+        if not type(m).__module__.startswith(("megatron.core.", "torch."))
     }
-    assert hsp_modules <= {"megatron_hsp.testing.cpu_shims"}  # the CPU RoPE table only
+    assert outside == set()
 
 
 def test_hsp_spec_and_local_spec_have_the_same_parameters(megatron_cpu):
@@ -64,12 +110,12 @@ def test_hsp_spec_and_local_spec_have_the_same_parameters(megatron_cpu):
 
 
 def _per_token_losses(model, doc):
-    from megatron_hsp.testing.cpu_shims import cpu_attention_scores_buffer
+    from megatron_hsp.testing.cpu_shims import cpu_attention_scores_buffer, cpu_megatron_training
     from megatron_hsp.testing.reference import causal_inputs
 
     cpu_attention_scores_buffer(model.config.num_attention_heads * len(doc) ** 2)
     x = causal_inputs(doc)
-    with torch.no_grad():
+    with torch.no_grad(), cpu_megatron_training():
         return model(x["input_ids"], x["position_ids"], x["attention_mask"], labels=x["labels"])[0]
 
 

@@ -24,14 +24,26 @@ import torch.distributed as dist
 
 @dataclass
 class LossAccumulator:
-    """Running (loss sum, loss-token count) over this rank's micro-batches of one step."""
+    """Running (loss sum, loss-token count, back-propagated objective) over this rank's
+    micro-batches of one step.
+
+    ``objective`` is the sum of the very tensors ``backward`` was called on (``loss sum / N``).
+    The step reports their global sum as its loss, so a normalisation error on any rank (a wrong
+    ``N``, a rescaled slice) shows in the loss as well as in the gradients, instead of the loss
+    being recomputed on a side path that the gradients never took.
+    """
 
     loss_sum: float = 0.0
     num_tokens: int = 0
+    objective: float = 0.0
 
-    def add(self, loss_sum: torch.Tensor, num_tokens: int) -> None:
+    def add(
+        self, loss_sum: torch.Tensor, num_tokens: int, objective: torch.Tensor | None = None
+    ) -> None:
         self.loss_sum += float(loss_sum.detach())
         self.num_tokens += int(num_tokens)
+        if objective is not None:
+            self.objective += float(objective.detach())
 
 
 def microbatch_loss(
@@ -52,12 +64,14 @@ def microbatch_loss(
 
 def reduce_step_loss(
     acc: LossAccumulator, group: dist.ProcessGroup | None, device: torch.device
-) -> tuple[float, int]:
-    """Global (loss sum, loss-token count) over ``group`` (the data x context ranks of one tensor
-    parallel rank): one all-reduce of two numbers."""
-    t = torch.tensor([acc.loss_sum, float(acc.num_tokens)], dtype=torch.float64, device=device)
+) -> tuple[float, int, float]:
+    """Global (loss sum, loss-token count, objective) over ``group`` (the data x context ranks of
+    one tensor parallel rank): one all-reduce of three numbers."""
+    t = torch.tensor(
+        [acc.loss_sum, float(acc.num_tokens), acc.objective], dtype=torch.float64, device=device
+    )
     dist.all_reduce(t, group=group)
-    return float(t[0]), round(float(t[1]))
+    return float(t[0]), round(float(t[1])), float(t[2])
 
 
 def allreduce_gradients(

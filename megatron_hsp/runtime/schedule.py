@@ -201,18 +201,19 @@ def run_step(
     for m, inputs in enumerate(inputs_per_mb):
         output, loss_mask = forward_microbatch(model, inputs)
         loss_sum, num_tokens = microbatch_loss(output, loss_mask)
-        (loss_sum * scale).backward()
-        acc.add(loss_sum, int(num_tokens))
+        objective = loss_sum * scale
+        objective.backward()
+        acc.add(loss_sum, int(num_tokens), objective)
         if inputs is None:
             result.skipped_microbatches.append(m)
         else:
             result.forward_calls += 1
     result.grad_numel = allreduce_gradients(model.parameters(), grad_group)
-    total, count = reduce_step_loss(acc, grad_group, device)
+    _total, count, objective = reduce_step_loss(acc, grad_group, device)
     if count != n_global:
         raise RuntimeError(
             f"token accounting: the ranks trained {count} loss tokens but the batch has {n_global}"
         )
-    result.loss = total / max(n_global, 1)
+    result.loss = objective  # what was back-propagated: sum of token losses / N (loss.py)
     result.num_loss_tokens = count
     return result

@@ -88,6 +88,7 @@ def tiny_gpt_model(
     attention_backend: str = "torch",
     ffn_hidden_size: int | None = None,
     share_embeddings_and_output_weights: bool = False,
+    position_embedding_type: str = "rope",
     **config_overrides: Any,
 ) -> torch.nn.Module:
     """A small fp32 megatron-core ``GPTModel`` (RoPE, GQA, no dropout) with HSP attention, on CPU.
@@ -122,7 +123,7 @@ def tiny_gpt_model(
         hsp_gpt_layer_spec(use_transformer_engine=False, attention_backend=attention_backend),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
-        position_embedding_type="rope",
+        position_embedding_type=position_embedding_type,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
     )
     return use_cpu_rotary(model)

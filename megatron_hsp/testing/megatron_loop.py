@@ -263,12 +263,12 @@ def _set_megatron_globals(args: Any) -> None:
 
 
 def _stock_model(args: Any) -> torch.nn.Module:
-    """Stock megatron-core GPTModel from the flags, with megatron-core's local layer spec."""
+    """Stock megatron-core GPTModel from the flags, with megatron-core's local layer spec and its
+    own ``RotaryEmbedding`` (no CPU subclass: the loop runs inside ``cpu_megatron_training``,
+    whose device placement keeps megatron's "move the table to the GPU" on the CPU)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.training.arguments import core_transformer_config_from_args
-
-    from megatron_hsp.testing.cpu_shims import use_cpu_rotary
 
     config = core_transformer_config_from_args(args)
     torch.manual_seed(args.seed)
@@ -278,7 +278,7 @@ def _stock_model(args: Any) -> torch.nn.Module:
         spec = import_module(tuple(args.spec))
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization)
-    return use_cpu_rotary(_gpt(GPTModel, config, spec, args))
+    return _gpt(GPTModel, config, spec, args)
 
 
 def _hsp_model(args: Any) -> torch.nn.Module:

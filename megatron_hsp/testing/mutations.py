@@ -198,6 +198,72 @@ def _swapped_chunks(ring_position_tokens: Callable) -> Callable:
     return swapped
 
 
+_HALVES: dict[int, Any] = {}
+
+
+def _reduced_over_wrong_group(allreduce_gradients: Callable) -> Callable:
+    """Gradients summed over half the world (a subgroup that exists, the wrong one) instead of
+    the data x context group. Planted on every rank at once, so creating the halves with
+    ``new_subgroups`` is collective-safe; they are kept for later plants."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if world not in _HALVES:
+        _HALVES[world] = dist.new_subgroups(group_size=world // 2)[0]
+    half = _HALVES[world]
+
+    def reduce(params, group):
+        return allreduce_gradients(params, half)
+
+    return reduce
+
+
+def _position_ids_shifted(pack_group_slice: Callable) -> Callable:
+    """Dispatched position ids one back from each document's 9th token on (RoPE recomputes its
+    positions from ``cu_seqlens``, so only learned absolute position embeddings see them)."""
+
+    def shifted(*args: Any, **kwargs: Any):
+        pack = pack_group_slice(*args, **kwargs)
+        pos = pack.position_ids
+        return dataclasses.replace(pack, position_ids=pos - (pos >= 8).astype(pos.dtype))
+
+    return shifted
+
+
+def _one_rank_normalisation(microbatch_loss: Callable) -> Callable:
+    """Rank 1 normalises its slices as if they had one loss token more (``sum / (n + 1)``
+    rescaled to the step's ``1/N``): its share of the objective and gradients is off by
+    ``n/(n+1)``, every other rank is right."""
+    import torch.distributed as dist
+
+    def wrong(output_tensor: torch.Tensor, loss_mask: torch.Tensor):
+        loss_sum, num_tokens = microbatch_loss(output_tensor, loss_mask)
+        if dist.get_rank() != 1:
+            return loss_sum, num_tokens
+        n = float(num_tokens)
+        return loss_sum * (n / (n + 1.0)), num_tokens
+
+    return wrong
+
+
+GRAD_SCALE = 1.002
+
+
+def _one_parameter_scaled(allreduce_gradients: Callable) -> Callable:
+    """The gradient of ONE parameter (the smallest, a norm weight, same choice on every rank) is
+    scaled by ``GRAD_SCALE`` before the reduction; every other parameter is exact."""
+
+    def reduce(params, group):
+        params = [p for p in params if p.requires_grad]
+        if params:
+            target = min(params, key=lambda p: p.numel())
+            if target.grad is not None:
+                target.grad.mul_(GRAD_SCALE)
+        return allreduce_gradients(params, group)
+
+    return reduce
+
+
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "non-causal-attention",
@@ -261,6 +327,33 @@ MUTATIONS: tuple[Mutation, ...] = (
         "of the step's data x context gradient all-reduce",
         "megatron_hsp.runtime.loss:allreduce_gradients",
         _gradients_left_out,
+    ),
+    Mutation(
+        "gradients-reduced-over-wrong-group",
+        "the step's gradient all-reduce runs over half of the ranks (a real subgroup, not the "
+        "data x context group)",
+        "megatron_hsp.runtime.loss:allreduce_gradients",
+        _reduced_over_wrong_group,
+    ),
+    Mutation(
+        "position-ids-shifted",
+        "dispatched position ids one back from each document's 9th token on (seen by learned "
+        "absolute position embeddings)",
+        "megatron_hsp.runtime.dispatch:pack_group_slice",
+        _position_ids_shifted,
+    ),
+    Mutation(
+        "one-rank-loss-normalisation",
+        "rank 1 divides its slices' loss by one token more than they have (n + 1)",
+        "megatron_hsp.runtime.loss:microbatch_loss",
+        _one_rank_normalisation,
+    ),
+    Mutation(
+        "one-parameter-gradient-scaled",
+        f"one parameter's gradient (the smallest parameter, a norm weight) scaled by "
+        f"{GRAD_SCALE} before the reduction",
+        "megatron_hsp.runtime.loss:allreduce_gradients",
+        _one_parameter_scaled,
     ),
 )
 

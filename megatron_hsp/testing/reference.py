@@ -14,10 +14,17 @@ dispatch, forward and attention on one rank). This one uses none of it:
   that has a target in every document, divided by the number of such tokens -- Megatron's
   per-token loss of the whole global batch. Documents of one token have no target and are not run.
 
-It imports nothing from ``megatron_hsp`` except ``testing.cpu_shims`` (device placement only),
-and ``reference_model`` refuses a model holding any HSP module; ``tests/test_layering.py`` checks
-both. The distributed HSP model loads this model's initial weights by parameter name (the HSP spec
-only swaps parameter-free attention modules, so the names are the same; the loader checks).
+It imports nothing from ``megatron_hsp`` except ``testing.cpu_shims`` (device placement only:
+``cpu_megatron_training`` answers megatron's ``torch.cuda.current_device()`` requests with the CPU,
+and ``cpu_attention_scores_buffer`` pre-allocates megatron's named score buffer there). RoPE is
+megatron-core's own ``RotaryEmbedding`` instance, unmodified: its table is moved "to the GPU" by
+megatron's own code, which the placement mode keeps on the CPU. ``reference_model`` refuses a
+model holding any module defined outside megatron-core or torch;
+``tests/test_selftest_reference.py`` imports this module in a fresh process and fails if it
+reaches ``megatron_hsp.runtime``, ``megatron_hsp.megatron`` or ``megatron_hsp.planner``.
+The distributed HSP model loads this model's initial weights by
+parameter name (the HSP spec only swaps parameter-free attention modules, so the names are the
+same; the loader checks).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_hsp.testing.cpu_shims import cpu_attention_scores_buffer, use_cpu_rotary
+from megatron_hsp.testing.cpu_shims import cpu_attention_scores_buffer, cpu_megatron_training
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,9 @@ class ModelShape:
     vocab_size: int = 128
     max_sequence_length: int = 512
     seed: int = 1234
+    # megatron's "rope" (positions recomputed inside attention) or its default
+    # "learned_absolute" (an embedding table indexed by the dispatched position ids).
+    position_embedding_type: str = "rope"
 
 
 def reference_model(shape: ModelShape) -> torch.nn.Module:
@@ -77,18 +87,18 @@ def reference_model(shape: ModelShape) -> torch.nn.Module:
         get_gpt_layer_local_spec(),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_sequence_length,
-        position_embedding_type="rope",
+        position_embedding_type=shape.position_embedding_type,
     )
     foreign = sorted(
         {
             type(m).__module__ + "." + type(m).__qualname__
             for m in model.modules()
-            if type(m).__module__.startswith("megatron_hsp")
+            if not type(m).__module__.startswith(("megatron.core.", "torch."))
         }
     )
     if foreign:
         raise RuntimeError(f"the reference model must be stock megatron-core; it holds {foreign}")
-    return use_cpu_rotary(model)
+    return model
 
 
 def causal_inputs(document: np.ndarray) -> dict[str, torch.Tensor]:
@@ -131,6 +141,18 @@ def reference_step(
     cpu_attention_scores_buffer(cfg.num_attention_heads * longest * longest)
     model.zero_grad(set_to_none=True)
     total = 0.0
+    with cpu_megatron_training():  # device placement only (module docstring)
+        total = _accumulate(model, documents, num_loss_tokens)
+    grads = {
+        n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+        for n, p in model.named_parameters()
+    }
+    return total / num_loss_tokens, grads
+
+
+def _accumulate(model: torch.nn.Module, documents: Sequence[np.ndarray], num_loss_tokens: int):
+    """Forward and backward of each document alone; returns the summed token loss."""
+    total = 0.0
     for doc in documents:
         if len(doc) < 2:
             continue  # no token with a target: contributes neither loss nor gradient
@@ -141,11 +163,7 @@ def reference_step(
         loss_sum = (per_token.reshape(-1).float() * x["loss_mask"]).sum()
         (loss_sum / num_loss_tokens).backward()
         total += float(loss_sum.detach())
-    grads = {
-        n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-        for n, p in model.named_parameters()
-    }
-    return total / num_loss_tokens, grads
+    return total
 
 
 def initial_weights(model: torch.nn.Module) -> dict[str, Any]:

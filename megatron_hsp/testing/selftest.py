@@ -19,6 +19,7 @@ Tolerances (fp32): loss relative difference <= 1e-6; per parameter
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,9 +39,17 @@ from megatron_hsp.testing.reference import ModelShape
 LOSS_REL_TOL = 1e-6
 GRAD_REL_TOL = 1e-5
 GROUP_TIMEOUT = timedelta(seconds=120)
-# The cases each mutation runs: a group of all ranks and three sizes in one micro-batch (size-1
-# groups included), enough to expose every planted bug while keeping --mutations short for CI.
-MUTATION_CASES = ("one-group-of-all", "mixed-sizes-in-one-microbatch", "ring-and-hybrid-groups")
+# The cases each mutation runs: a group of all ranks, three sizes in one micro-batch (size-1
+# groups included), tensor parallel 2, pure ring and Ulysses x ring groups, and learned absolute
+# positions over a hybrid layout (which the position-id mutation needs): enough to expose every
+# planted bug at 4 and at 8 ranks while keeping --mutations short for CI.
+MUTATION_CASES = (
+    "one-group-of-all",
+    "mixed-sizes-in-one-microbatch",
+    "tp2-with-dynamic-groups",
+    "ring-and-hybrid-groups",
+    "learned-positions-hybrid-groups",
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,11 @@ class Case:
     layout: tuple[Layout, ...]
     tokens_per_rank: int | None = None  # memory-limit case: plan validated against this capacity
     data_seed: int = 0
+    # ModelShape fields this case changes (e.g. learned absolute positions, another head count).
+    shape_changes: tuple[tuple[str, Any], ...] = ()
+
+    def model_shape(self, base: ModelShape) -> ModelShape:
+        return dataclasses.replace(base, **dict(self.shape_changes))
 
     def plan(self) -> Plan:
         memory = None
@@ -247,6 +261,34 @@ def build_cases(nproc: int) -> list[Case]:
             data_seed=6,
         )
     )
+    # Megatron's default learned absolute position embeddings (the model reads the dispatched
+    # position ids; RoPE cases never do) over hybrid layouts: 6 query / 2 KV heads make a group
+    # of 4 Ulysses 2 x ring 2, of 8 Ulysses 2 x ring 4, of 5 pure ring.
+    learned = (
+        ("position_embedding_type", "learned_absolute"),
+        ("num_attention_heads", 6),
+        ("hidden_size", 36),
+    )
+    if n >= 8:
+        learned_layout: tuple[Layout, ...] = (
+            ((4, [0, 9]), (2, [1, 13]), (1, [2]), (1, [10])),
+            ((5, [3, 11]), (1, [4]), (2, [5, 6])),
+            ((8, [7, 8, 12]),),
+        )
+    else:
+        learned_layout = (((4, [0, 9, 13]),), ((2, [1, 2, 10]), (1, [3, 4]), (1, [5, 6, 11])))
+        learned_layout += (((4, [7, 8, 12]),),)
+    cases.append(
+        Case(
+            "learned-positions-hybrid-groups",
+            1,
+            n,
+            tuple(tail),
+            learned_layout,
+            data_seed=9,
+            shape_changes=learned,
+        )
+    )
     return cases
 
 
@@ -270,6 +312,7 @@ def build_model(shape: ModelShape):
         ffn_hidden_size=shape.ffn_hidden_size,
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_sequence_length,
+        position_embedding_type=shape.position_embedding_type,
         seed=shape.seed + 1,
         attention_backend="torch",
         tensor_model_parallel_size=_tp_size(),
@@ -338,30 +381,37 @@ def _compare(grads: dict[str, Any], ref_grads: dict[str, Any]) -> tuple[float, f
 
 
 def compute_reference(cases: list[Case], shape: ModelShape) -> dict[str, Any]:
-    """Initial weights, and per case the reference loss and gradients (``testing/reference.py``:
-    stock megatron-core, one document at a time, tensor parallel 1, no collective). Identical on
-    every rank: CPU initialisation from one seed."""
+    """Initial weights per model shape, and per case the reference loss and gradients
+    (``testing/reference.py``: stock megatron-core, one document at a time, tensor parallel 1,
+    no collective). Identical on every rank: CPU initialisation from one seed."""
     from megatron_hsp.testing.reference import initial_weights, reference_model, reference_step
 
-    model = reference_model(shape)
-    out: dict[str, Any] = {"weights": initial_weights(model), "cases": {}}
+    models: dict[ModelShape, Any] = {}
+    out: dict[str, Any] = {"weights": {}, "cases": {}}
     for case in cases:
-        loss, grads = reference_step(model, case.documents(shape.vocab_size))
+        case_shape = case.model_shape(shape)
+        if case_shape not in models:
+            models[case_shape] = reference_model(case_shape)
+            out["weights"][case_shape] = initial_weights(models[case_shape])
+        loss, grads = reference_step(models[case_shape], case.documents(shape.vocab_size))
         out["cases"][case.name] = {"loss": loss, "grads": grads}
     return out
 
 
 @dataclass
 class _WorkerState:
-    """The HSP model and groups of one worker, rebuilt only when the tensor-parallel size
-    changes (weights never change: a step computes gradients, no optimizer runs)."""
+    """The HSP model and groups of one worker, rebuilt only when the tensor-parallel size or the
+    case's model shape changes (weights never change: a step computes gradients, no optimizer
+    runs). Group registries are kept per (tp, heads): creating groups is collective and slow."""
 
     rank: int
     world_size: int
     shape: ModelShape
-    weights: dict[str, Any]
+    weights: dict[ModelShape, dict[str, Any]]
     model: Any = None
     registry: Any = None
+    key: tuple[int, ModelShape] | None = None
+    registries: dict[tuple[int, HeadSpace], Any] = field(default_factory=dict)
 
     def for_case(self, case: Case) -> None:
         from megatron.core import parallel_state as ps
@@ -369,19 +419,25 @@ class _WorkerState:
         from megatron_hsp.runtime.groups import create_groups_from_megatron
         from megatron_hsp.testing.dist import init_cpu_megatron
 
-        if self.model is not None and ps.get_tensor_model_parallel_world_size() == case.tp:
+        shape = case.model_shape(self.shape)
+        if self.key == (case.tp, shape):
             return
         if ps.get_tensor_model_parallel_world_size() != case.tp:
             # Re-initialise megatron's static groups (dist stays up; init_method unused).
             init_cpu_megatron(self.rank, self.world_size, "", tensor_model_parallel_size=case.tp)
-        self.model = build_model(self.shape)
-        load_full_weights(self.model, self.weights)
-        self.registry = create_groups_from_megatron(
-            self.world_size, timeout=GROUP_TIMEOUT, heads=self.heads(case.tp)
-        )
+        self.model = build_model(shape)
+        load_full_weights(self.model, self.weights[shape])
+        heads = self.heads(case)
+        if (case.tp, heads) not in self.registries:
+            self.registries[(case.tp, heads)] = create_groups_from_megatron(
+                self.world_size, timeout=GROUP_TIMEOUT, heads=heads
+            )
+        self.registry = self.registries[(case.tp, heads)]
+        self.key = (case.tp, shape)
 
-    def heads(self, tp: int) -> HeadSpace:
-        return HeadSpace.from_model(self.shape.num_attention_heads, self.shape.num_query_groups, tp)
+    def heads(self, case: Case) -> HeadSpace:
+        shape = case.model_shape(self.shape)
+        return HeadSpace.from_model(shape.num_attention_heads, shape.num_query_groups, case.tp)
 
 
 def _layouts(plan: Plan, heads: HeadSpace) -> list[list[dict[str, int]]]:
@@ -406,7 +462,7 @@ def run_case(state: _WorkerState, case: Case, reference: dict[str, Any]) -> dict
     from megatron_hsp.runtime.schedule import run_step
 
     state.for_case(case)
-    shape = state.shape
+    shape = case.model_shape(state.shape)
     t0 = time.perf_counter()
     plan = agree_on_plan(case.plan(), mode="verify")
     check_executable(
@@ -436,7 +492,7 @@ def run_case(state: _WorkerState, case: Case, reference: dict[str, Any]) -> dict
         "max_rel_grad_diff": max_rel,
         "worst_param": worst,
         "group_sizes": [mb.group_sizes for mb in plan.microbatches],
-        "layouts": _layouts(plan, state.heads(case.tp)),
+        "layouts": _layouts(plan, state.heads(case)),
         "forward_calls": res.forward_calls,
         "skipped_microbatches": res.skipped_microbatches,
         "step_s": time.perf_counter() - t0,
@@ -459,23 +515,26 @@ def distributed_worker(
     t_ref = time.perf_counter() - t_ref
     state = _WorkerState(rank, world_size, shape, reference["weights"])
     results = [run_case(state, case, reference) for case in cases]
-    mutations = []
+    rows: dict[str, dict[str, Any]] = {}
     if mutation_names is not None:
-        subset = [c for c in cases if c.name in MUTATION_CASES]
-        for mutation in by_name(mutation_names):
-            t0 = time.perf_counter()
-            undo = mutation.plant()
-            row: dict[str, Any] = {"name": mutation.name, "cases": [], "error": None}
-            try:
-                for case in subset:
+        # Case-major order: the model and groups change once per case, not once per mutation.
+        muts = by_name(mutation_names)
+        rows = {m.name: {"name": m.name, "cases": [], "error": None, "seconds": 0.0} for m in muts}
+        for case in (c for c in cases if c.name in MUTATION_CASES):
+            for mutation in muts:
+                row = rows[mutation.name]
+                if row["error"] is not None:
+                    continue  # refused already (on every rank: the same plan and data)
+                t0 = time.perf_counter()
+                undo = mutation.plant()
+                try:
                     row["cases"].append(run_case(state, case, reference))
-            except Exception as exc:  # a refusal by the real code counts (same on every rank)
-                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
-            finally:
-                undo()
-            row["seconds"] = time.perf_counter() - t0
-            mutations.append(row)
-    return {"cases": results, "mutations": mutations, "reference_s": t_ref}
+                except Exception as exc:  # a refusal by the real code counts
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                finally:
+                    undo()
+                row["seconds"] += time.perf_counter() - t0
+    return {"cases": results, "mutations": list(rows.values()), "reference_s": t_ref}
 
 
 # ---------------------------------------------------------------------------------- driver
@@ -621,13 +680,13 @@ def mutation_table(mutations: Sequence[MutationResult]) -> str:
     def num(x: float | None) -> str:
         return f"{x:9.2e}" if x is not None else f"{'-':>9s}"
 
-    lines = [f"{'mutation':30s} {'loss rel':>9s} {'grad rel':>9s} {'x tol':>9s}  verdict"]
+    lines = [f"{'mutation':36s} {'loss rel':>9s} {'grad rel':>9s} {'x tol':>9s}  verdict"]
     for m in mutations:
         verdict = "caught" if m.caught else "SURVIVED"
         if m.error:
             verdict += f" (refused: {m.error[:80]})"
         lines.append(
-            f"{m.name:30s} {num(m.loss_rel_diff)} {num(m.max_rel_grad_diff)} {num(m.margin)}  "
+            f"{m.name:36s} {num(m.loss_rel_diff)} {num(m.max_rel_grad_diff)} {num(m.margin)}  "
             f"{verdict}"
         )
     return "\n".join(lines)
