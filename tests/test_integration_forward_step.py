@@ -2,8 +2,13 @@
 
 ``hooks.begin_step`` + ``hooks.hsp_forward_step`` + its loss function are what Megatron's
 schedule calls once per planned micro-batch inside ``pretrain()``. Here they are driven directly
-(Megatron's loop itself needs CUDA, see docs/integration.md) and must give the same loss and
-gradients as the runtime's own step on the same plan and batch.
+(Megatron's loop itself runs in ``selftest --megatron``) and must give:
+
+* the loss and every parameter's gradient of the independent stock reference
+  (``testing/reference.py``: megatron-core's local spec, each document alone) -- the check;
+* the same numbers as the runtime's own ``run_step`` on the same plan and batch -- a
+  CONSISTENCY check only: the two share ``step_inputs``, ``forward_microbatch`` and
+  ``microbatch_loss``, so a bug in those would pass it and is caught by the first.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
     from megatron_hsp.runtime.groups import create_groups
     from megatron_hsp.runtime.schedule import run_step
     from megatron_hsp.testing.dist import tiny_gpt_model
+    from megatron_hsp.testing.megatron_loop import MegatronDocuments
+    from megatron_hsp.testing.reference import ModelShape, reference_model, reference_step
 
     registry = create_groups(world)
     index = DocumentIndex(prefix)
@@ -78,6 +85,18 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
         agree=lambda p: agree_on_plan(p, mode="broadcast"),
     )
     model = tiny_gpt_model(**DEMO_MODEL, vocab_size=DEMO_VOCAB_SIZE, max_sequence_length=1024)
+    # The stock reference with the same weights (the HSP spec keeps megatron's parameter names).
+    shape = ModelShape(
+        **DEMO_MODEL,
+        ffn_hidden_size=4 * DEMO_MODEL["hidden_size"],
+        vocab_size=DEMO_VOCAB_SIZE,
+        max_sequence_length=1024,
+    )
+    stock = reference_model(shape)
+    stock_params = dict(stock.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(stock_params[name])
 
     hooks.begin_step(run)
     prepared = run.current
@@ -102,6 +121,16 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
     ]
     for g in grads:
         dist.all_reduce(g)
+    # Every document of the step (``prepared.documents`` holds real tokens for this slot's
+    # sequences only), read with megatron-core's own IndexedDataset.
+    megatron_docs = MegatronDocuments(prefix)
+    everything = [megatron_docs.read(p.doc, p.offset, p.length) for p in prepared.batch.pieces]
+    stock_loss, stock_grads = reference_step(stock, everything)
+    names = [n for n, _ in model.named_parameters()]
+    stock_diff = max(
+        float((g - stock_grads[n]).norm() / (stock_grads[n].norm() + 1e-12))
+        for g, n in zip(grads, names, strict=True)
+    )
     ref = run_step(
         model,
         prepared.plan,
@@ -118,6 +147,8 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
     )
     return {
         "hook_loss": float(t[0] / t[1]),
+        "stock_loss": stock_loss,
+        "stock_max_rel_grad_diff": stock_diff,
         "ref_loss": ref.loss,
         "tokens": int(t[1]),
         "ref_tokens": ref.num_loss_tokens,
@@ -126,7 +157,7 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
     }
 
 
-def test_forward_step_hook_matches_the_runtime_step(tmp_path):
+def test_forward_step_hook_matches_stock_megatron_and_is_consistent_with_run_step(tmp_path):
     import numpy as np
 
     from megatron_hsp.megatron.data import write_indexed_dataset
@@ -137,6 +168,10 @@ def test_forward_step_hook_matches_the_runtime_step(tmp_path):
     write_indexed_dataset(prefix, [rng.integers(0, 256, n) for n in (900, 40, 300, 700, 64, 1500)])
     results = raise_rank_errors(run_distributed(_worker, 2, str(prefix), timeout_s=300))
     for r in results:
+        # the check: stock megatron-core, each document alone
+        assert r["hook_loss"] == pytest.approx(r["stock_loss"], rel=1e-6)
+        assert r["stock_max_rel_grad_diff"] < 1e-5, r["stock_max_rel_grad_diff"]
+        # consistency with the runtime's own step (shared code, see the module docstring)
         assert r["tokens"] == r["ref_tokens"]
         assert r["hook_loss"] == pytest.approx(r["ref_loss"], rel=1e-6)
         assert r["max_rel_grad_diff"] < 1e-5

@@ -100,7 +100,9 @@ def test_microbatch_loss_is_megatrons_per_token_contract():
     assert num_tokens.dtype == torch.int and int(num_tokens) == 3
 
 
-def test_allreduce_gradients_one_flat_collective(monkeypatch):
+def test_allreduce_gradients_issues_one_flat_collective_consistency(monkeypatch):
+    """Consistency only (a fake all_reduce that ignores its group): the ONE flat collective and
+    the zero-join of gradient-less parameters. The group is checked for real below."""
     import torch.distributed as dist
 
     calls = []
@@ -116,3 +118,27 @@ def test_allreduce_gradients_one_flat_collective(monkeypatch):
     assert calls == [n] and n == 3 * 2 + 2
     assert torch.equal(model.weight.grad, torch.full((2, 3), 3.0))
     assert torch.equal(model.bias.grad, torch.zeros(2))
+
+
+def _subgroup_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = halves[rank // 2]
+    model = torch.nn.Linear(3, 2)
+    model.weight.grad = torch.full_like(model.weight, float(rank + 1))
+    if rank != 0:  # rank 0 trained nothing: its bias joins with zeros
+        model.bias.grad = torch.full_like(model.bias, 10.0 * (rank + 1))
+    allreduce_gradients(model.parameters(), mine)
+    return {"weight": float(model.weight.grad[0, 0]), "bias": float(model.bias.grad[0])}
+
+
+@pytest.mark.dist
+def test_allreduce_gradients_sums_over_its_group_only_on_real_gloo_subgroups():
+    """Independent of the code's own collective calls: 4 gloo processes, two real subgroups;
+    each rank's gradient must be the sum over ITS subgroup and nothing else."""
+    from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
+
+    out = raise_rank_errors(run_distributed(_subgroup_worker, 4, timeout_s=120))
+    assert [r["weight"] for r in out] == [1 + 2, 1 + 2, 3 + 4, 3 + 4]
+    assert [r["bias"] for r in out] == [0 + 20, 0 + 20, 30 + 40, 30 + 40]

@@ -98,3 +98,43 @@ def test_caught_rule_reports_survivors():
 def test_unknown_mutation_name_is_refused():
     with pytest.raises(KeyError, match="unknown mutations"):
         by_name(["no-such-bug"])
+
+
+def test_one_parameter_scale_touches_exactly_the_smallest_parameter(monkeypatch):
+    from megatron_hsp.runtime import loss
+
+    monkeypatch.setattr(loss.dist, "all_reduce", lambda t, group=None: None)
+    params = [torch.nn.Parameter(torch.ones(4, 3)), torch.nn.Parameter(torch.ones(2))]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    (m,) = by_name(["one-parameter-gradient-scaled"])
+    undo = m.plant()
+    try:
+        loss.allreduce_gradients(params, None)
+    finally:
+        undo()
+    from megatron_hsp.testing.mutations import GRAD_SCALE
+
+    assert torch.equal(params[0].grad, torch.ones(4, 3))
+    assert torch.allclose(params[1].grad, torch.full((2,), GRAD_SCALE))
+
+
+def test_position_shift_changes_only_later_positions():
+    import numpy as np
+
+    from megatron_hsp.planner.plan import Group
+    from megatron_hsp.runtime import dispatch
+
+    (m,) = by_name(["position-ids-shifted"])
+    docs = [np.arange(12), np.arange(5)]
+    batch = dispatch.GlobalBatch.from_documents(docs)
+    group = Group(ranks=(0,), seq_ids=(0, 1), lengths=(12, 5))
+    good = dispatch.pack_group_slice(batch, group, 0)
+    undo = m.plant()
+    try:
+        bad = dispatch.pack_group_slice(batch, group, 0)
+    finally:
+        undo()
+    assert np.array_equal(good.input_ids, bad.input_ids)
+    changed = good.position_ids != bad.position_ids
+    assert changed.any() and np.all(good.position_ids[changed] >= 8)

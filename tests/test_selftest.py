@@ -1,7 +1,8 @@
 """``megatron-hsp selftest``: every case (all size 1, one group of all, {4,2,1,1}, changing
-layouts with empty groups, tp=2 x dynamic groups, 1-token documents, a document exactly at the
-memory limit) matches the independent single-device reference on 4 and 8 gloo processes, and
-``--mutations`` catches every planted bug."""
+layouts with empty groups, tp=2 x dynamic groups, ring and hybrid groups, 1-token documents, a
+document exactly at the memory limit, learned absolute positions over hybrid groups) matches the
+independent single-device reference on 4 and 8 gloo processes, and ``--mutations`` catches every
+planted bug at both rank counts (the 8-process run checks its clean cases in the same spawn)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_bad_nproc_is_a_clear_error(capsys):
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [4, 8])
+@pytest.mark.parametrize("nproc", [4])
 def test_selftest_matches_single_device(nproc):
     from megatron_hsp.testing.selftest import run_selftest
 
@@ -72,11 +73,13 @@ def test_selftest_matches_single_device(nproc):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_selftest_mutations_are_all_caught(capsys):
-    """The CLI as users run it: every planted bug misses the tolerance by >= CATCH_MARGIN."""
+@pytest.mark.parametrize("nproc", [4, 8])
+def test_selftest_mutations_are_all_caught(capsys, nproc):
+    """The CLI as users run it: every planted bug misses the tolerance by >= CATCH_MARGIN, at 4
+    and at 8 processes; the clean cases pass in the same run."""
     from megatron_hsp.testing.mutations import CATCH_MARGIN, MUTATIONS
 
-    assert cli.main(["selftest", "--nproc", "4", "--mutations", "--json"]) == 0
+    assert cli.main(["selftest", "--nproc", str(nproc), "--mutations", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] is True
     rows = {m["name"]: m for m in doc["mutations"]}
@@ -91,6 +94,10 @@ def test_selftest_mutations_are_all_caught(capsys):
             "per-sample-loss",
             "gqa-kv-head-off-by-one",
             "group-gradients-not-reduced",
+            "gradients-reduced-over-wrong-group",
+            "position-ids-shifted",
+            "one-rank-loss-normalisation",
+            "one-parameter-gradient-scaled",
         }
     )
     for name, m in rows.items():
@@ -98,5 +105,19 @@ def test_selftest_mutations_are_all_caught(capsys):
         assert m["caught"] is True, m
         worst = max(m["loss_rel_diff"] / LOSS_REL_TOL, m["max_rel_grad_diff"] / GRAD_REL_TOL)
         assert worst >= CATCH_MARGIN, (name, worst)
-    # the clean cases still pass in the same run (mutations were undone between runs)
-    assert all(set(c) == CASE_KEYS for c in doc["cases"])
+        print(f"nproc={nproc} {name}: caught at {worst:.3g} x tolerance")
+    # the one-rank normalisation error shows in the loss itself, not only in the gradients
+    norm = rows["one-rank-loss-normalisation"]
+    assert norm["loss_rel_diff"] / LOSS_REL_TOL >= CATCH_MARGIN, norm
+    # the clean cases pass in the same run (mutations were undone between runs)
+    assert all(set(c) == CASE_KEYS and c["nproc"] == nproc for c in doc["cases"])
+    assert {c["name"] for c in doc["cases"]} == {c.name for c in build_cases(nproc)}
+    for c in doc["cases"]:
+        assert c["max_rel_grad_diff"] <= GRAD_REL_TOL, c
+    mutated = {
+        layout["ulysses"] > 1 and layout["ring"] > 1
+        for c in doc["cases"]
+        for mb in c["layouts"]
+        for layout in mb
+    }
+    assert True in mutated  # a hybrid Ulysses x ring group runs at this rank count

@@ -203,17 +203,15 @@ _HALVES: dict[int, Any] = {}
 
 def _reduced_over_wrong_group(allreduce_gradients: Callable) -> Callable:
     """Gradients summed over half the world (a subgroup that exists, the wrong one) instead of
-    the data x context group. Planted on every rank at once, so creating the halves with
-    ``new_subgroups`` is collective-safe; they are kept for later plants."""
+    the data x context group. Every rank reaches the reduction at the same point, so creating
+    the halves there with ``new_subgroups`` is collective-safe; they are kept for later plants."""
     import torch.distributed as dist
 
-    world = dist.get_world_size()
-    if world not in _HALVES:
-        _HALVES[world] = dist.new_subgroups(group_size=world // 2)[0]
-    half = _HALVES[world]
-
     def reduce(params, group):
-        return allreduce_gradients(params, half)
+        world = dist.get_world_size()
+        if world not in _HALVES:
+            _HALVES[world] = dist.new_subgroups(group_size=world // 2)[0]
+        return allreduce_gradients(params, _HALVES[world])
 
     return reduce
 
