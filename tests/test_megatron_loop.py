@@ -97,7 +97,10 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
     # The plans contain the group kinds the option sets are there for.
     assert "ulysses" in _kinds(by["ddp"])
     assert "ring" in _kinds(by["sizes 1,2,3"])
-    assert "hybrid" in _kinds(by["distopt 6 heads"])
+    assert "hybrid" in _kinds(by["distopt 6 heads learned_absolute"])
+    assert by["distopt 6 heads learned_absolute"]["options"]["position_embedding_type"] == (
+        "learned_absolute"
+    )
     assert "ulysses" in _kinds(by["tp2+sp"])
     assert "ring" in _kinds(by["distopt tp2+sp 6 heads"])
 

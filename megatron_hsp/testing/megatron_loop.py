@@ -72,7 +72,7 @@ MODEL_FLAGS = [
     *("--num-layers", "2", "--ffn-hidden-size", "64"),
     *("--group-query-attention", "--num-query-groups", str(KV_GROUPS)),
     *("--seq-length", "256", "--max-position-embeddings", "512"),
-    *("--position-embedding-type", "rope", "--untie-embeddings-and-output-weights"),
+    "--untie-embeddings-and-output-weights",
     *("--micro-batch-size", "1", "--global-batch-size", str(GLOBAL_BATCH)),
     *("--train-iters", "8", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine"),
     *("--lr-warmup-iters", "2", "--lr-decay-iters", "8", "--clip-grad", "1.0"),
@@ -104,12 +104,16 @@ class LoopOptions:
     group_sizes: tuple[int, ...] | None = None
     attention_heads: int = 8
     tokens_per_rank: int = 64
+    # "rope", or Megatron's default "learned_absolute": an embedding table indexed by the
+    # position ids HSP dispatches (RoPE recomputes positions inside attention and never reads them)
+    position_embedding_type: str = "rope"
 
     def flags(self) -> list[str]:
         """Megatron flags of this option set (both sides)."""
         out = [
             *("--num-attention-heads", str(self.attention_heads)),
             *("--hidden-size", str(HEAD_DIM * self.attention_heads)),
+            *("--position-embedding-type", self.position_embedding_type),
         ]
         if self.tp > 1:
             out += ["--tensor-model-parallel-size", str(self.tp)]
@@ -162,6 +166,7 @@ class LoopOptions:
             "sequence_parallel": self.sequence_parallel,
             "group_sizes": None if self.group_sizes is None else list(self.group_sizes),
             "attention_heads": self.attention_heads,
+            "position_embedding_type": self.position_embedding_type,
         }
 
     @property
@@ -177,6 +182,8 @@ class LoopOptions:
             parts.append("sizes " + ",".join(map(str, self.group_sizes)))
         if self.attention_heads != 8:
             parts.append(f"{self.attention_heads} heads")
+        if self.position_embedding_type != "rope":
+            parts.append(self.position_embedding_type)
         return " ".join(parts) or "ddp"
 
 
@@ -199,8 +206,11 @@ DEFAULT_OPTIONS = (
     # Sizes 1, 2 and 3 with 8 heads: a group of 3 is pure ring (1 x 3); 70 tokens per rank put
     # the 200-token documents in groups of 3.
     LoopOptions(group_sizes=(1, 2, 3), tokens_per_rank=70),
-    # 6 heads: a group of 4 runs Ulysses 2 x ring 2; the distributed optimizer shards it.
-    LoopOptions(attention_heads=6, distributed_optimizer=True),
+    # 6 heads: a group of 4 runs Ulysses 2 x ring 2; the distributed optimizer shards it; with
+    # Megatron's default learned absolute positions, so the dispatched position ids are used.
+    LoopOptions(
+        attention_heads=6, distributed_optimizer=True, position_embedding_type="learned_absolute"
+    ),
 )
 
 
