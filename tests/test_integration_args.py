@@ -25,7 +25,15 @@ BASE = [
     "4096",
     "--eval-iters",
     "0",
+    "--attention-dropout",
+    "0",
 ]
+
+
+def without(argv: list[str], flag: str) -> list[str]:
+    """``argv`` less ``flag`` and its value (Megatron's default applies instead)."""
+    at = argv.index(flag)
+    return argv[:at] + argv[at + 2 :]
 
 
 def test_flags_off_by_default_and_validation_is_a_no_op():
@@ -101,6 +109,8 @@ def test_sizes_the_heads_do_not_split_run_ulysses_x_ring_and_say_so():
             "64",
             "--eval-iters",
             "0",
+            "--attention-dropout",
+            "0",
             "--hsp",
             "--hsp-group-sizes",
             "1,2,4",
@@ -115,7 +125,7 @@ def test_auto_sizes_keep_every_legal_size():
     args = parse(
         [
             *("--num-attention-heads", "6", "--global-batch-size", "8", "--seq-length", "64"),
-            *("--eval-iters", "0", "--hsp"),
+            *("--eval-iters", "0", "--attention-dropout", "0", "--hsp"),
         ]
     )
     cfg = validate_hsp_args(args, env={})
@@ -139,11 +149,19 @@ def test_context_parallel_interplay():
 
 def test_evaluation_is_refused_naming_the_flag():
     # Megatron's default --eval-iters 100 would run evaluate() on the None validation iterator.
-    default = [a for a in BASE if a not in ("--eval-iters", "0")]
+    default = without(BASE, "--eval-iters")
     with pytest.raises(HSPArgsError, match=r"--eval-iters 100 .*pass --eval-iters 0"):
         validate_hsp_args(parse([*default, "--hsp"]), env={})
     with pytest.raises(HSPArgsError, match=r"--full-validation"):
         validate_hsp_args(parse([*BASE, "--hsp", "--full-validation"]), env={})
+
+
+def test_attention_dropout_is_refused_naming_the_flag():
+    # Megatron's default --attention-dropout 0.1 would crash ring groups on the first step.
+    default = without(BASE, "--attention-dropout")
+    with pytest.raises(HSPArgsError, match=r"--attention-dropout 0\.1.*pass --attention-dropout 0"):
+        validate_hsp_args(parse([*default, "--hsp"]), env={})
+    assert validate_hsp_args(parse([*BASE, "--hsp"]), env={}) is not None
 
 
 def test_micro_batch_size_must_be_one():
@@ -157,7 +175,10 @@ def test_token_budget_sampling_and_missing_batch():
     with pytest.raises(HSPArgsError, match="--global-batch-size"):
         validate_hsp_args(
             parse(
-                ["--num-attention-heads", "8", "--seq-length", "8", "--eval-iters", "0", "--hsp"]
+                [
+                    *("--num-attention-heads", "8", "--seq-length", "8", "--eval-iters", "0"),
+                    *("--attention-dropout", "0", "--hsp"),
+                ]
             ),
             env={},
         )

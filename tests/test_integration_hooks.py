@@ -72,6 +72,8 @@ HSP_ARGS = [
     "64",
     "--eval-iters",
     "0",
+    "--attention-dropout",
+    "0",
     "--hsp-cost-model",
     str(Path(__file__).parent / "fixtures" / "cost-model-tiny.yaml"),
     "--hsp",

@@ -58,6 +58,7 @@ TINY = [
     *("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"),
     *("--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1"),
     *("--global-batch-size", "4", "--eval-iters", "0", "--train-iters", "2", "--lr", "1e-3"),
+    *("--attention-dropout", "0"),
     *("--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--transformer-impl", "local"),
     *("--data-path", "unused-prefix"),
     *("--hsp-cost-model", str(ROOT / "tests" / "fixtures" / "cost-model-tiny.yaml")),

@@ -63,7 +63,7 @@ def test_megatron_hsp_cost_model_accepts_the_profile(profiled):
     from megatron_hsp.planner.costmodel import load_cost_model
 
     base = ["--micro-batch-size", "1", "--global-batch-size", "8", "--seq-length", "2048"]
-    base += ["--eval-iters", "0"]
+    base += ["--eval-iters", "0", "--attention-dropout", "0"]
     args = parse([*base, "--hsp", "--hsp-cost-model", profiled], world_size=2)
     cfg = validate_hsp_args(args, env={})
     assert cfg.cost_model == profiled

@@ -25,6 +25,7 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", nargs="*", default=None)
     p.add_argument("--eval-iters", type=int, default=100)
     p.add_argument("--full-validation", action="store_true")
+    p.add_argument("--attention-dropout", type=float, default=0.1)
     return p
 
 

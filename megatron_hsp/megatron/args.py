@@ -349,6 +349,17 @@ def validate_hsp_args(
             "--context-parallel-size 1 (the same GPUs become HSP ranks), or drop --hsp."
         )
     sp_world = world // (tp * pp)
+    dropout = _get(args, "attention_dropout", 0.0)
+    if dropout > 0:
+        # Why refused rather than planned around: ring and hybrid groups merge per-block softmax
+        # partials (no dropout mask can be drawn consistently across blocks), torch's varlen
+        # kernel has none, and the exactness checks need deterministic attention. Long-context
+        # recipes (e.g. Llama 3) train with 0; Megatron's default is 0.1.
+        raise HSPArgsError(
+            f"--hsp does not support attention dropout (--attention-dropout {dropout:g}, "
+            "Megatron's default is 0.1): HSP's ring/hybrid attention and torch's varlen kernel "
+            "draw no dropout mask; pass --attention-dropout 0"
+        )
     eval_iters = _get(args, "eval_iters", 0) or 0
     if eval_iters > 0 or getattr(args, "full_validation", False):
         flag = (
