@@ -5,8 +5,18 @@ PY312 ?= python3.12
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The oldest torch of the supported range (pyproject.toml), in a venv of its own.
+OLD_VENV ?= .venv-torch-oldest
+OLD_PY := $(OLD_VENV)/bin/python
+OLD_STAMP := $(OLD_VENV)/.installed
+# The runtime tests that touch torch APIs whose shape changed across the range (attention
+# kernels, autograd functions, collectives, megatron-core's modules) plus the exactness selftest.
+OLDEST_TORCH_TESTS := tests/test_torch_compat.py tests/test_attention_units.py \
+	tests/test_attention_ulysses.py tests/test_attention_ring.py tests/test_attention_gpt.py \
+	tests/test_loss_normalisation.py tests/test_ring_layout.py tests/test_dispatch_packing.py \
+	tests/test_selftest.py::test_selftest_matches_single_device
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test test-oldest-torch lint format bench clean
 
 setup: $(STAMP)
 
@@ -14,7 +24,14 @@ $(STAMP): pyproject.toml
 	@command -v $(PY312) >/dev/null || { echo "error: $(PY312) not found; install Python 3.12 or pass PY312=/path/to/python3.12" >&2; exit 1; }
 	$(PY312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[runtime,dev]'
+	$(PY) -m pip install -q -e '.[runtime,dev]' -c constraints/torch-pinned.txt
+	touch $@
+
+$(OLD_STAMP): pyproject.toml constraints/torch-oldest.txt
+	@command -v $(PY312) >/dev/null || { echo "error: $(PY312) not found; install Python 3.12 or pass PY312=/path/to/python3.12" >&2; exit 1; }
+	$(PY312) -m venv $(OLD_VENV)
+	$(OLD_PY) -m pip install -q --upgrade pip
+	$(OLD_PY) -m pip install -q -e '.[runtime,dev]' -c constraints/torch-oldest.txt
 	touch $@
 
 demo: setup
@@ -31,8 +48,13 @@ format: setup
 test: setup lint
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
+# The runtime tests again on the oldest supported torch (CI runs it after `make test`).
+test-oldest-torch: $(OLD_STAMP)
+	$(OLD_PY) -c "import torch; print('oldest supported torch:', torch.__version__)"
+	$(OLD_PY) -m pytest -q -n 2 --dist loadgroup $(OLDEST_TORCH_TESTS)
+
 bench: setup
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLD_VENV) build *.egg-info .pytest_cache .ruff_cache

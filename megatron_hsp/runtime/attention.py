@@ -45,6 +45,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hsp.planner.groupspace import kv_copies
+from megatron_hsp.runtime.compat import torch_features, varlen_causal
 from megatron_hsp.runtime.layout import rank_tokens, ring_position_tokens, te_cp_arguments
 from megatron_hsp.runtime.ring import ring_attention
 
@@ -316,21 +317,22 @@ class AttentionBackend(Protocol):
 
 
 def _torch_varlen_available(q: torch.Tensor) -> bool:
+    """The flash varlen kernel serves CUDA fp16/bf16 where the installed torch has it."""
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return torch_features().varlen_attn
 
 
 class TorchAttentionBackend:
     """torch backend: flash varlen kernel on CUDA (fp16/bf16), per-document SDPA elsewhere.
 
-    The per-document path is exact fp32 math on the CPU (tests) and any dtype on CUDA; it loops
-    over documents in Python, which is fine for tests and short batches, not for production.
-    ``force_sdpa`` pins the per-document path (used to compare the two on a GPU).
+    The path is chosen by device and dtype only, never by dropout: torch's ``varlen_attn`` has no
+    dropout (hard-coded 0), so dropout > 0 on that path is an error naming the flag rather than a
+    silent switch to the slow loop (``--hsp`` refuses attention dropout at argument time). The
+    per-document path is exact fp32 math on the CPU (tests) and any dtype on CUDA; it loops over
+    documents in Python, which is fine for tests and short batches, not for production.
+    ``force_sdpa`` pins the per-document path (used to compare the two on a GPU). Version
+    differences of ``varlen_attn`` (``enable_gqa``) are handled in ``runtime/compat.py``.
     """
 
     name = "torch"
@@ -339,22 +341,14 @@ class TorchAttentionBackend:
         self.force_sdpa = force_sdpa
 
     def __call__(self, q, k, v, cu_seqlens, max_seqlen, *, softmax_scale, dropout_p):
-        if not self.force_sdpa and dropout_p == 0.0 and _torch_varlen_available(q):
-            from torch.nn.attention.varlen import varlen_attn
-
+        if not self.force_sdpa and _torch_varlen_available(q):
+            if dropout_p > 0:
+                raise NotImplementedError(
+                    f"attention dropout {dropout_p:g}: torch's varlen_attn kernel has no dropout; "
+                    "train with --attention-dropout 0 (attention_dropout=0.0)"
+                )
             cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-            return varlen_attn(
-                q.contiguous(),
-                k.contiguous(),
-                v.contiguous(),
-                cu,
-                cu,
-                max_seqlen,
-                max_seqlen,
-                scale=softmax_scale,
-                window_size=(-1, 0),  # causal
-                enable_gqa=k.size(1) != q.size(1),
-            )
+            return varlen_causal(q, k, v, cu, max_seqlen, softmax_scale)
         return self._per_document(q, k, v, cu_seqlens, softmax_scale, dropout_p)
 
     @staticmethod

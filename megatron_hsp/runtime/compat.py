@@ -1,0 +1,96 @@
+"""What the installed torch offers, detected once: the one place version differences live.
+
+Supported range: torch 2.11 (the CUDA images users are likely to have) through 2.14
+(``pyproject.toml``; CI runs the runtime tests on both ends, ``make test-oldest-torch``). Features
+are detected from the installed library, never assumed from a version number:
+
+* ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10): flash varlen attention on CUDA.
+* its ``enable_gqa`` keyword: absent in 2.11 (where query and key must have the same head count,
+  per its docstring), present in 2.14 (which raises on unequal head counts without it). Without
+  it KV heads are repeated before the call, as the per-document path does.
+* its ``return_aux`` keyword (log-sum-exp output), which ring attention needs from a flash kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TorchFeatures:
+    version: str
+    varlen_attn: bool
+    varlen_enable_gqa: bool
+    varlen_return_aux: bool
+
+
+def _varlen_function() -> Callable | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@functools.cache
+def torch_features() -> TorchFeatures:
+    fn = _varlen_function()
+    params = inspect.signature(fn).parameters if fn is not None else {}
+    return TorchFeatures(
+        version=torch.__version__,
+        varlen_attn=fn is not None,
+        varlen_enable_gqa="enable_gqa" in params,
+        varlen_return_aux="return_aux" in params,
+    )
+
+
+def varlen_causal(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+    *,
+    features: TorchFeatures | None = None,
+    fn: Callable | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention over a packed buffer through torch's ``varlen_attn``.
+
+    q: [T, hq, D], k/v: [T, hk, D] with hq % hk == 0; ``cu_seqlens`` int32 on q's device. GQA is
+    passed as ``enable_gqa`` where the installed torch has it, else KV heads are repeated
+    (query head j uses KV head j // (hq/hk), megatron's grouping). ``features``/``fn`` default to
+    the installed torch (tests pass others to check both call shapes).
+    """
+    features = features or torch_features()
+    fn = fn or _varlen_function()
+    if fn is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+    kwargs = {}
+    if k.size(1) != q.size(1):
+        if features.varlen_enable_gqa:
+            kwargs["enable_gqa"] = True
+        else:
+            rep = q.size(1) // k.size(1)
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+    return fn(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        scale=scale,
+        window_size=(-1, 0),  # causal
+        **kwargs,
+    )
+
+
+__all__ = ["TorchFeatures", "torch_features", "varlen_causal"]
