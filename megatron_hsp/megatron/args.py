@@ -15,9 +15,11 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_hsp.planner import units
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.groupspace import COMMUNICATOR_GB, DEFAULT_MAX_COMMUNICATORS
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -109,6 +111,16 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="auto|1,2,4,...",
         help="Allowed group sizes; 'auto' (default) = every size the topology and the "
         "attention heads allow.",
+    )
+    g.add_argument(
+        "--hsp-max-communicators",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Most communicators one rank may hold for HSP's groups (default "
+        f"{DEFAULT_MAX_COMMUNICATORS}; about {COMMUNICATOR_GB} GB of GPU memory each, charged "
+        "to the planner's memory cap). Group sizes past it are left out, in a fixed priority "
+        "order (1, the largest, powers of two, sizes within a node, then the rest).",
     )
     g.add_argument(
         "--hsp-overlong",
@@ -232,6 +244,71 @@ def _sizes_the_cost_model_prices(
         f"them (it prices {sorted(priced)}); training uses {kept}"
     )
     return kept
+
+
+def _communicator_budget(
+    args: argparse.Namespace,
+    sizes: list[int],
+    slots_per_node: int,
+    heads: Any,
+    notes: list[str],
+) -> tuple[list[int], float | None]:
+    """(sizes within ``--hsp-max-communicators``, the memory cap left after their communicators).
+
+    Why: a communicator per group size (and two more per hybrid size) costs 0.5-0.7 GB of GPU
+    memory each under NCCL; at 1024 GPUs every legal size would be 390 of them per rank. Sizes
+    chosen automatically are narrowed (with a note); sizes asked for with --hsp-group-sizes must
+    fit, else a clear error. The kept communicators' memory is taken off the memory cap of cost
+    models sized from one (first-principles and FlexSP presets); a fitted file's capacity was
+    measured with its communicators in place.
+    """
+    from megatron_hsp.planner.costmodel import load_cost_model
+    from megatron_hsp.planner.groupspace import (
+        COMMUNICATOR_GB,
+        DEFAULT_MAX_COMMUNICATORS,
+        communicators_per_rank,
+        sizes_within_communicator_budget,
+    )
+
+    cap = args.hsp_max_communicators
+    cap = DEFAULT_MAX_COMMUNICATORS if cap is None else cap
+    if cap < 1:
+        raise HSPArgsError(f"--hsp-max-communicators must be >= 1 (got {cap})")
+    kept = sizes_within_communicator_budget(sizes, slots_per_node, cap, heads)
+    if kept != sorted(sizes):
+        need = communicators_per_rank(sizes, heads)
+        if args.hsp_group_sizes is not None:
+            raise HSPArgsError(
+                f"--hsp-group-sizes {','.join(map(str, sizes))} needs {need} communicators per "
+                f"rank, more than --hsp-max-communicators {cap}; ask for fewer sizes or raise "
+                "the cap"
+            )
+        dropped = sorted(set(sizes) - set(kept))
+        notes.append(
+            f"group sizes {dropped} left out: all {len(sizes)} sizes would hold {need} "
+            f"communicators per rank, over --hsp-max-communicators {cap}; training uses {kept}"
+        )
+    comm_gb = communicators_per_rank(kept, heads) * COMMUNICATOR_GB
+    base = args.hsp_memory_cap_gb
+    if base is None:
+        meta_cap = load_cost_model(args.hsp_cost_model, world_size=max(kept)).details.get(
+            "memory_cap_gb"
+        )
+        base = None if meta_cap is None else float(meta_cap)
+    if base is None or comm_gb == 0:
+        return kept, args.hsp_memory_cap_gb
+    left = base - comm_gb
+    if left <= 0:
+        raise HSPArgsError(
+            f"{communicators_per_rank(kept, heads)} communicators x {COMMUNICATOR_GB} GB leave no "
+            f"memory under the {base:g} GB cap; lower --hsp-max-communicators or raise "
+            "--hsp-memory-cap-gb"
+        )
+    notes.append(
+        f"{comm_gb:g} GB per GPU charged for {communicators_per_rank(kept, heads)} "
+        f"communicators: the planner's memory cap is {left:g} GB of {base:g}"
+    )
+    return kept, left
 
 
 def _gpus_per_node_from_env(env: Mapping[str, str]) -> int | None:
@@ -405,6 +482,7 @@ def validate_hsp_args(
                 f"node, then whole nodes); legal sizes: {','.join(map(str, legal))}"
             )
         sizes = list(requested)
+    space = None
     if heads is not None:
         from megatron_hsp.planner.groupspace import HeadSpace
 
@@ -414,14 +492,6 @@ def validate_hsp_args(
                 f"--tensor-model-parallel-size {tp}"
             )
         space = HeadSpace.from_model(heads, kv_heads, tp)
-        ringed = [d for d in sizes if space.split(d)[1] > 1]
-        if ringed:
-            notes.append(
-                f"group sizes {ringed} run Ulysses x ring attention: {heads // tp} attention "
-                f"heads per tensor-parallel rank (--num-attention-heads {heads} / "
-                f"--tensor-model-parallel-size {tp}) do not split over them, so "
-                + ", ".join(f"{d} = {space.split(d)[0]} x {space.split(d)[1]}" for d in ringed)
-            )
     if kv_heads is not None and heads is not None and (kv_heads // tp) < max(sizes):
         notes.append(
             f"{kv_heads // tp} KV heads per tensor-parallel rank are fewer than the largest "
@@ -466,12 +536,22 @@ def validate_hsp_args(
     if args.hsp_log_interval < 0:
         raise HSPArgsError(f"--hsp-log-interval must be >= 0 (got {args.hsp_log_interval})")
     sizes = _sizes_the_cost_model_prices(args, sizes, sp_world, slots_per_node, int(max_seq), notes)
+    sizes, memory_cap_gb = _communicator_budget(args, sizes, slots_per_node, space, notes)
+    if space is not None:  # said once the sizes are final, so notes never contradict each other
+        ringed = [d for d in sizes if space.split(d)[1] > 1]
+        if ringed:
+            notes.append(
+                f"group sizes {ringed} run Ulysses x ring attention: {heads // tp} attention "
+                f"heads per tensor-parallel rank (--num-attention-heads {heads} / "
+                f"--tensor-model-parallel-size {tp}) do not split over them, so "
+                + ", ".join(f"{d} = {space.split(d)[0]} x {space.split(d)[1]}" for d in ringed)
+            )
 
     return HSPConfig(
         cost_model=args.hsp_cost_model,
         world_size=sp_world,
         gpus_per_node=slots_per_node,
-        memory_cap_gb=args.hsp_memory_cap_gb,
+        memory_cap_gb=memory_cap_gb,
         max_seq=int(max_seq),
         solver=args.hsp_solver,
         time_budget_s=float(args.hsp_time_budget_s),

@@ -138,7 +138,10 @@ class Cluster:
         """Process groups per TP x PP position that the runtime pre-creates for ``sizes``.
 
         One per block; with ``heads``, a hybrid block (u > 1 and r > 1) adds its ``r`` Ulysses
-        and ``u`` ring sub-groups (pure ring reuses the block's group).
+        and ``u`` ring sub-groups (pure ring reuses the block's group). Every rank holds a
+        process-group object for each (``new_group`` is collective over the world); only the
+        groups a rank is a member of and communicates on become communicators
+        (``communicators_per_rank``).
         """
         chosen = self.legal_sizes() if sizes is None else self.legal_sizes(sizes)
         total = 0
@@ -147,6 +150,59 @@ class Cluster:
             extra = u + r if u > 1 and r > 1 else 0
             total += len(self.block_starts(d)) * (1 + extra)
         return total
+
+
+# Communicators (NCCL) one rank may hold for HSP's groups, by default (``--hsp-max-communicators``).
+# Why 24: it holds, for a 32-head model in nodes of 8, size 1 (free), every power of two up to
+# 1024 and the largest size (hybrid sizes cost 3 each) plus the intra-node sizes; 16 would leave
+# a 128 -> 1024 gap at 1024 GPUs. NCCL reports 0.5-0.7 GB per communicator created without a
+# shared parent (issue 15's measurement): up to ~12-17 GB per GPU, charged to the memory cap.
+DEFAULT_MAX_COMMUNICATORS = 24
+# Device memory charged per communicator in the planner's memory model (GB), the low end of
+# NCCL's reported 0.5-0.7 GB (buffers per channel and peer; docs/runtime.md).
+COMMUNICATOR_GB = 0.5
+
+
+def communicators_for_size(size: int, heads: HeadSpace | None = None) -> int:
+    """Communicators one rank joins to run groups of ``size``: none for 1 (no collective), one
+    for its block, two more for a hybrid split (its Ulysses and its ring sub-group; pure ring
+    and pure Ulysses run on the block's own group)."""
+    if size <= 1:
+        return 0
+    u, r = heads.split(size) if heads is not None else (size, 1)
+    return 3 if u > 1 and r > 1 else 1
+
+
+def communicators_per_rank(sizes: Iterable[int], heads: HeadSpace | None = None) -> int:
+    """Communicators one rank holds when every size of ``sizes`` is in use (each rank belongs to
+    exactly one aligned block per size)."""
+    return sum(communicators_for_size(int(d), heads) for d in set(sizes))
+
+
+def sizes_within_communicator_budget(
+    sizes: Sequence[int], gpus_per_node: int, cap: int, heads: HeadSpace | None = None
+) -> list[int]:
+    """The sizes kept under a cap of ``cap`` communicators per rank, in a fixed priority order:
+    1 (free), the largest (the longest sequences need it), every power of two, every other size
+    up to a node, then whole-node sizes ascending. Deterministic, so every rank and the planner
+    agree without a collective; sizes past the cap are dropped, never created lazily mid-run."""
+    if cap < 1:
+        raise ValueError(f"communicator cap must be >= 1, got {cap}")
+    ordered = sorted({int(d) for d in sizes})
+    if not ordered:
+        return []
+    first = [d for d in ordered if d == 1] + [ordered[-1]]
+    powers = [d for d in ordered if d & (d - 1) == 0]
+    intra = [d for d in ordered if d <= gpus_per_node]
+    priority = list(dict.fromkeys([*first, *powers, *intra, *ordered]))
+    kept: list[int] = []
+    used = 0
+    for d in priority:
+        need = communicators_for_size(d, heads)
+        if used + need <= cap:
+            kept.append(d)
+            used += need
+    return sorted(kept)
 
 
 # Above this many candidate sizes the solver searches a geometric subset (``planning_sizes``).

@@ -90,6 +90,17 @@ class GroupRegistry:
     warm_s: float = 0.0
 
     @property
+    def communicators(self) -> int:
+        """Distinct groups of more than one rank this rank belongs to: the communicators its
+        collectives use (``groupspace.communicators_per_rank`` predicts the same number)."""
+        mine = {id(g): g for (size, _), g in self.groups.items() if size > 1}
+        for sub_u, sub_r in self.hybrids.values():
+            for g in (sub_u, sub_r):
+                if g is not None and g.size() > 1:
+                    mine[id(g)] = g
+        return len(mine)
+
+    @property
     def slot(self) -> int:
         """This rank's sequence-parallel slot (the "rank" plans talk about)."""
         return self.layout.coords(self.rank)[0]
@@ -133,7 +144,8 @@ class GroupRegistry:
         return (
             f"{self.created} process groups for sizes {list(self.sizes)} over "
             f"{self.layout.num_slots} slots x tp {self.layout.tensor_parallel} x pp "
-            f"{self.layout.pipeline_parallel}: created in {self.create_s * 1e3:.1f} ms, "
+            f"{self.layout.pipeline_parallel} ({self.communicators} communicators on this rank): "
+            f"created in {self.create_s * 1e3:.1f} ms, "
             f"warmed in {self.warm_s * 1e3:.1f} ms"
         )
 
@@ -212,7 +224,9 @@ def create_groups(
                     u, r = heads.split(size) if heads is not None else (size, 1)
                     if r == 1:
                         continue
-                    ulysses_sets, ring_sets = hybrid_slot_sets(slots, u, r)
+                    # Pure ring (u == 1) runs on the block's own group: no second, identical
+                    # communicator (groupspace.communicators_for_size).
+                    ulysses_sets, ring_sets = hybrid_slot_sets(slots, u, r) if u > 1 else ([], [])
                     sub_u: dist.ProcessGroup | None = None
                     sub_r: dist.ProcessGroup = pg
                     for sub in ulysses_sets:
@@ -231,7 +245,8 @@ def create_groups(
     if warm:
         t1 = time.perf_counter()
         for key in sorted(reg.groups):
-            _warm(reg.groups[key])
+            if key[0] > 1:  # a group of one rank never communicates: no communicator for it
+                _warm(reg.groups[key])
         for key in sorted(reg.hybrids):
             for sub in reg.hybrids[key]:
                 if sub is not None and sub is not reg.groups[key]:
