@@ -14,7 +14,7 @@ OLD_STAMP := $(OLD_VENV)/.installed
 OLDEST_TORCH_TESTS := tests/test_torch_compat.py tests/test_attention_units.py \
 	tests/test_attention_ulysses.py tests/test_attention_ring.py tests/test_attention_gpt.py \
 	tests/test_loss_normalisation.py tests/test_ring_layout.py tests/test_dispatch_packing.py \
-	tests/test_ring_memory.py \
+	tests/test_ring_memory.py tests/test_host_syncs.py \
 	tests/test_selftest.py::test_selftest_matches_single_device
 
 .PHONY: setup demo test test-oldest-torch lint format bench clean

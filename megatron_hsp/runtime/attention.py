@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -184,11 +185,20 @@ def _qkv_seq_to_head(q, k, v, group):
 
 @dataclasses.dataclass
 class HSPPackedSeqParams(PackedSeqParams):
-    """PackedSeqParams plus the rotary table, so RoPE runs inside the HSP core attention.
+    """megatron-core's ``PackedSeqParams`` with HSP's per-micro-batch state as declared fields
+    (the way megatron-core declares ``cp_scatter_cache``), never attributes attached at run time.
 
-    Built per layer call by ``HSPSelfAttention`` from the schedule's ``PackedSeqParams``.
+    ``hsp_micro_batch``: what every layer of one micro-batch shares, filled on the host when the
+    micro-batch is built (``schedule.packed_seq_params``: ``cu_host`` the buffer's segment
+    boundaries as Python ints, ``layout_ring`` the ring degree dispatch laid the tokens out for,
+    ``hybrid`` the (Ulysses, ring) sub-groups) and completed once, by the first layer, with the
+    per-token positions and ring indices; so no layer after the first reads a tensor back to the
+    host (``tests/test_host_syncs.py``). The same dict object is shared by the per-layer copies
+    ``wrap`` makes. ``rotary_*``: megatron's rotary table, so RoPE runs inside the HSP core
+    attention (built per layer call by ``HSPSelfAttention``).
     """
 
+    hsp_micro_batch: dict = dataclasses.field(default_factory=dict)
     rotary_q_freqs: torch.Tensor | None = None
     rotary_k_freqs: torch.Tensor | None = None
     rotary_mscale: float = 1.0
@@ -197,9 +207,14 @@ class HSPPackedSeqParams(PackedSeqParams):
     def wrap(cls, p: PackedSeqParams, q_freqs, k_freqs, mscale: float) -> HSPPackedSeqParams:
         kwargs = {f.name: getattr(p, f.name) for f in dataclasses.fields(PackedSeqParams)}
         total_tokens, seq_idx = kwargs.pop("total_tokens"), kwargs.pop("seq_idx")
-        out = cls(**kwargs, rotary_q_freqs=q_freqs, rotary_k_freqs=k_freqs, rotary_mscale=mscale)
+        out = cls(
+            **kwargs,
+            hsp_micro_batch=_micro_batch_cache(p),  # shared by every layer of the micro-batch
+            rotary_q_freqs=q_freqs,
+            rotary_k_freqs=k_freqs,
+            rotary_mscale=mscale,
+        )
         out.total_tokens, out.seq_idx = total_tokens, seq_idx  # skip __post_init__'s recompute
-        out._hsp_cache = _micro_batch_cache(p)  # shared by every layer of the micro-batch
         return out
 
 
@@ -225,7 +240,10 @@ def group_packed_seq_params(
         )
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
     cu = cu_seqlens.to(torch.int32)
-    out = PackedSeqParams(
+    state: dict = {"cu_host": [int(x) for x in cu_seqlens.tolist()]}
+    if hybrid is not None and hybrid[1] is not None and hybrid[1].size() > 1:
+        state["hybrid"] = hybrid
+    return HSPPackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
@@ -233,23 +251,17 @@ def group_packed_seq_params(
         max_seqlen_kv=longest,
         cp_group=group,
         local_cp_size=d,
+        hsp_micro_batch=state,
     )
-    if hybrid is not None and hybrid[1] is not None and hybrid[1].size() > 1:
-        _micro_batch_cache(out)["hybrid"] = hybrid
-    return out
 
 
 def _micro_batch_cache(p: PackedSeqParams) -> dict:
-    """Per-micro-batch memo stored on the schedule's PackedSeqParams object.
+    """The micro-batch's shared state (``HSPPackedSeqParams.hsp_micro_batch``).
 
-    The same object reaches every layer, so the contract check (a device->host sync on GPU) and
-    the per-token positions are computed once per micro-batch instead of once per layer.
+    A plain megatron ``PackedSeqParams`` (built by other code) gets a fresh dict: correct, but
+    then each layer re-derives what an ``HSPPackedSeqParams`` from the schedule carries.
     """
-    cache = getattr(p, "_hsp_cache", None)
-    if cache is None:
-        cache = {}
-        p._hsp_cache = cache
-    return cache
+    return p.hsp_micro_batch if isinstance(p, HSPPackedSeqParams) else {}
 
 
 def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -298,7 +310,9 @@ class AttentionBackend(Protocol):
 
     q: [T, hq, D]; k, v: [T, hk, D] with hq % hk == 0 (query head j uses KV head j // (hq/hk));
     cu_seqlens: int32 [n+1] segment boundaries, cu_seqlens[-1] == T; returns [T, hq, D].
-    Tokens attend only to earlier-or-equal tokens of their own segment.
+    Tokens attend only to earlier-or-equal tokens of their own segment. ``cu_seqlens_host``: the
+    same boundaries as Python ints, known when the micro-batch was built, so a backend that needs
+    them on the host reads no tensor back (no device sync per layer).
     """
 
     name: str
@@ -313,6 +327,7 @@ class AttentionBackend(Protocol):
         *,
         softmax_scale: float,
         dropout_p: float,
+        cu_seqlens_host: Sequence[int] | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -340,7 +355,9 @@ class TorchAttentionBackend:
     def __init__(self, force_sdpa: bool = False) -> None:
         self.force_sdpa = force_sdpa
 
-    def __call__(self, q, k, v, cu_seqlens, max_seqlen, *, softmax_scale, dropout_p):
+    def __call__(
+        self, q, k, v, cu_seqlens, max_seqlen, *, softmax_scale, dropout_p, cu_seqlens_host=None
+    ):
         if not self.force_sdpa and _torch_varlen_available(q):
             if dropout_p > 0:
                 raise NotImplementedError(
@@ -349,15 +366,15 @@ class TorchAttentionBackend:
                 )
             cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
             return varlen_causal(q, k, v, cu, max_seqlen, softmax_scale)
-        return self._per_document(q, k, v, cu_seqlens, softmax_scale, dropout_p)
+        bounds = cu_seqlens.tolist() if cu_seqlens_host is None else cu_seqlens_host
+        return self._per_document(q, k, v, bounds, softmax_scale, dropout_p)
 
     @staticmethod
-    def _per_document(q, k, v, cu_seqlens, softmax_scale, dropout_p):
+    def _per_document(q, k, v, bounds, softmax_scale, dropout_p):
         rep = q.size(1) // k.size(1)
         if rep > 1:  # GQA: query head j uses KV head j // rep (autograd sums the copies)
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        bounds = cu_seqlens.tolist()
         outs = []
         for s, e in itertools.pairwise(bounds):
             if e == s:
@@ -419,7 +436,9 @@ class TEAttentionBackend:
             )
         return self._modules[key]
 
-    def __call__(self, q, k, v, cu_seqlens, max_seqlen, *, softmax_scale, dropout_p):
+    def __call__(
+        self, q, k, v, cu_seqlens, max_seqlen, *, softmax_scale, dropout_p, cu_seqlens_host=None
+    ):
         if not q.is_cuda:
             raise RuntimeError("the Transformer Engine attention backend needs CUDA tensors")
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
@@ -593,7 +612,8 @@ class HSPCoreAttention(MegatronModule):
             return self._forward_bshd(query, key, value, dropout_p)
         return self._forward_thd(query, key, value, packed_seq_params, dropout_p)
 
-    def _attend(self, q, k, v, cu_seqlens, max_seqlen, dropout_p):
+    def _attend(self, q, k, v, cu_seqlens, max_seqlen, dropout_p, cu_host=None):
+        host = {} if cu_host is None else {"cu_seqlens_host": cu_host}
         if dropout_p > 0 and q.is_cuda and not self.config.sequence_parallel:
             # Same RNG stream choice as megatron's DotProductAttention (heads differ per TP rank).
             with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -605,9 +625,17 @@ class HSPCoreAttention(MegatronModule):
                     max_seqlen,
                     softmax_scale=self.softmax_scale,
                     dropout_p=dropout_p,
+                    **host,
                 )
         return self.backend(
-            q, k, v, cu_seqlens, max_seqlen, softmax_scale=self.softmax_scale, dropout_p=dropout_p
+            q,
+            k,
+            v,
+            cu_seqlens,
+            max_seqlen,
+            softmax_scale=self.softmax_scale,
+            dropout_p=dropout_p,
+            **host,
         )
 
     def _forward_bshd(self, query, key, value, dropout_p):
@@ -616,7 +644,7 @@ class HSPCoreAttention(MegatronModule):
         k = key.transpose(0, 1).reshape(b * s, *key.shape[2:])
         v = value.transpose(0, 1).reshape(b * s, *value.shape[2:])
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
-        out = self._attend(q, k, v, cu, s, dropout_p)
+        out = self._attend(q, k, v, cu, s, dropout_p, list(range(0, (b + 1) * s, s)))
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
     def _forward_thd(self, query, key, value, p: PackedSeqParams, dropout_p):
@@ -632,11 +660,14 @@ class HSPCoreAttention(MegatronModule):
             or cache["checked"][0] is not cu
             or (cache["checked"][1] != total)
         ):
-            _checked_cu_seqlens(p, total, d)
+            if "cu_host" not in cache:  # plain PackedSeqParams: read the bounds back once
+                cache["cu_host"] = [int(x) for x in cu.tolist()]
+            _checked_cu_seqlens(p, total, d, cache["cu_host"])
             cache["checked"] = key_now
             cache.pop("positions", None)
             cache.pop("ring_index", None)
             cache.pop("local_index", None)
+        cu_host = cache["cu_host"]
 
         nq, nkv = query.size(1), key.size(1)
         ulysses_group, ring_group = cache.get("hybrid", (group, None))
@@ -677,7 +708,7 @@ class HSPCoreAttention(MegatronModule):
         if r > 1:
             if "ring_index" not in cache:
                 j = dist.get_rank(group) // u
-                held = ring_position_tokens(cu.detach().cpu().numpy(), u, r, j)
+                held = ring_position_tokens(np.asarray(cu_host, dtype=np.int64), u, r, j)
                 cache["ring_index"] = torch.from_numpy(held).to(q.device)
             index = cache["ring_index"]
 
@@ -704,7 +735,7 @@ class HSPCoreAttention(MegatronModule):
             out = ring_attention(q, k, v, index, doc, ring_group, self.softmax_scale)
         else:
             max_seqlen = int(p.max_seqlen_q) if p.max_seqlen_q is not None else total
-            out = self._attend(q, k, v, cu, max_seqlen, dropout_p)
+            out = self._attend(q, k, v, cu, max_seqlen, dropout_p, cu_host)
         out = all_to_all_head_to_seq(out, ulysses_group)
         return out.reshape(local, nq * self.head_dim)
 
@@ -721,7 +752,8 @@ class HSPCoreAttention(MegatronModule):
             if "positions" not in cache:
                 cache["positions"] = positions_in_documents(cu, total)
             if "local_index" not in cache:
-                held = rank_tokens(cu.detach().cpu().numpy(), u, ring_group.size(), group.rank())
+                host = np.asarray(cache["cu_host"], dtype=np.int64)
+                held = rank_tokens(host, u, ring_group.size(), group.rank())
                 cache["local_index"] = torch.from_numpy(held).to(query.device)
             pos = cache["positions"][cache["local_index"]]
             if p.rotary_q_freqs is not None:
@@ -801,8 +833,13 @@ class HSPSelfAttention(SelfAttention):
         )
 
 
-def _checked_cu_seqlens(p: PackedSeqParams, total: int, d: int) -> torch.Tensor:
-    """The group buffer's segment boundaries; errors name the violated part of the contract."""
+def _checked_cu_seqlens(
+    p: PackedSeqParams, total: int, d: int, cu_host: Sequence[int]
+) -> torch.Tensor:
+    """The group buffer's segment boundaries; errors name the violated part of the contract.
+
+    Runs once per micro-batch (the first layer); ``cu_host`` are the same boundaries on the host.
+    """
     cu = p.cu_seqlens_q
     if cu is None:
         raise ValueError("THD PackedSeqParams needs cu_seqlens_q for HSP attention")
@@ -819,7 +856,7 @@ def _checked_cu_seqlens(p: PackedSeqParams, total: int, d: int) -> torch.Tensor:
                 f"HSP attention does not support per-document padding ({name} differs from "
                 f"cu_seqlens_q): put the group's padding in one trailing segment instead"
             )
-    end = int(cu[-1])
+    end = int(cu_host[-1]) if len(cu_host) else 0
     if end != total:
         raise ValueError(
             f"cu_seqlens_q must describe the group's whole packed buffer: it ends at {end} but "

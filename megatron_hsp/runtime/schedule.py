@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_hsp.planner.plan import Plan
+from megatron_hsp.runtime.attention import HSPPackedSeqParams
 from megatron_hsp.runtime.dispatch import GlobalBatch, PackedMicroBatch, dispatch
 from megatron_hsp.runtime.groups import GroupRegistry
 from megatron_hsp.runtime.loss import (
@@ -60,7 +61,17 @@ def packed_seq_params(
     ring attention; the attention reads them from the params' per-micro-batch cache.
     """
     cu = torch.from_numpy(pack.cu_seqlens).to(device)
-    out = PackedSeqParams(
+    # Host-side state every layer shares, known here without reading anything back from the
+    # device: the bounds, and the token layout dispatch used (``layout.rank_tokens``), which
+    # attention checks against the ring degree it runs with, so a plan/registry split mismatch
+    # fails loudly.
+    state: dict = {
+        "cu_host": [int(x) for x in pack.cu_seqlens],
+        "layout_ring": pack.ring,
+    }
+    if hybrid is not None:
+        state["hybrid"] = hybrid
+    return HSPPackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
@@ -70,13 +81,8 @@ def packed_seq_params(
         max_seqlen_kv=pack.max_seqlen,
         cp_group=group,
         local_cp_size=pack.group_size,
+        hsp_micro_batch=state,
     )
-    # The token layout dispatch used (``layout.rank_tokens``); attention checks it against the
-    # ring degree it runs with, so a plan/registry split mismatch fails loudly.
-    out._hsp_cache = {"layout_ring": pack.ring}
-    if hybrid is not None:
-        out._hsp_cache["hybrid"] = hybrid
-    return out
 
 
 def to_model_inputs(

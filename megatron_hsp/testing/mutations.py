@@ -94,6 +94,8 @@ def _across_documents(call: Callable) -> Callable:
     def backend_call(self, q, k, v, cu_seqlens, max_seqlen, **kwargs):
         total = int(cu_seqlens[-1])
         whole = torch.tensor([0, total], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+        if kwargs.get("cu_seqlens_host") is not None:  # the host copy of the same bounds
+            kwargs["cu_seqlens_host"] = [0, total]
         return call(self, q, k, v, whole, total, **kwargs)
 
     return backend_call
