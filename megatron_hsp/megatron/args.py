@@ -203,8 +203,9 @@ def _sizes_the_cost_model_prices(
     slots_per_node: int,
     max_seq: int,
     notes: list[str],
-) -> list[int]:
-    """Group sizes the cost model has figures for, checked once before training starts.
+) -> tuple[list[int], Any]:
+    """(group sizes the cost model has figures for, the cost model), checked once before
+    training starts.
 
     Why here: a fitted cost model lists the sizes it measured (say 2, 4, 8), while the legal
     sizes include every size up to a node (3, 5, 6, 7). Left to the planner, the gap surfaced on
@@ -226,7 +227,7 @@ def _sizes_the_cost_model_prices(
     priced = set(cost.sizes)
     missing = [d for d in sizes if d not in priced]
     if not missing:
-        return sizes
+        return sizes, cost
     if args.hsp_group_sizes is not None:
         raise HSPArgsError(
             f"--hsp-group-sizes {','.join(map(str, sizes))}: cost model "
@@ -243,7 +244,7 @@ def _sizes_the_cost_model_prices(
         f"group sizes {missing} left out: cost model {args.hsp_cost_model!r} has no figures for "
         f"them (it prices {sorted(priced)}); training uses {kept}"
     )
-    return kept
+    return kept, cost
 
 
 def _communicator_budget(
@@ -251,6 +252,7 @@ def _communicator_budget(
     sizes: list[int],
     slots_per_node: int,
     heads: Any,
+    cost: Any,
     notes: list[str],
 ) -> tuple[list[int], float | None]:
     """(sizes within ``--hsp-max-communicators``, the memory cap left after their communicators).
@@ -262,10 +264,7 @@ def _communicator_budget(
     models sized from one (first-principles and FlexSP presets); a fitted file's capacity was
     measured with its communicators in place.
     """
-    from megatron_hsp.planner.costmodel import load_cost_model
     from megatron_hsp.planner.groupspace import (
-        COMMUNICATOR_GB,
-        DEFAULT_MAX_COMMUNICATORS,
         communicators_per_rank,
         sizes_within_communicator_budget,
     )
@@ -291,10 +290,8 @@ def _communicator_budget(
     comm_gb = communicators_per_rank(kept, heads) * COMMUNICATOR_GB
     base = args.hsp_memory_cap_gb
     if base is None:
-        meta_cap = load_cost_model(args.hsp_cost_model, world_size=max(kept)).details.get(
-            "memory_cap_gb"
-        )
-        base = None if meta_cap is None else float(meta_cap)
+        model_cap = cost.details.get("memory_cap_gb")  # presets sized from a memory cap
+        base = None if model_cap is None else float(model_cap)
     if base is None or comm_gb == 0:
         return kept, args.hsp_memory_cap_gb
     left = base - comm_gb
@@ -535,8 +532,10 @@ def validate_hsp_args(
         raise HSPArgsError("--hsp needs --hsp-max-seq or --seq-length to size the cost model")
     if args.hsp_log_interval < 0:
         raise HSPArgsError(f"--hsp-log-interval must be >= 0 (got {args.hsp_log_interval})")
-    sizes = _sizes_the_cost_model_prices(args, sizes, sp_world, slots_per_node, int(max_seq), notes)
-    sizes, memory_cap_gb = _communicator_budget(args, sizes, slots_per_node, space, notes)
+    sizes, cost = _sizes_the_cost_model_prices(
+        args, sizes, sp_world, slots_per_node, int(max_seq), notes
+    )
+    sizes, memory_cap_gb = _communicator_budget(args, sizes, slots_per_node, space, cost, notes)
     if space is not None:  # said once the sizes are final, so notes never contradict each other
         ringed = [d for d in sizes if space.split(d)[1] > 1]
         if ringed:
