@@ -57,3 +57,28 @@ def test_every_command_goes_through_the_one_helper(module):
     src = inspect.getsource(module.run)
     assert "import_warnings_summarised(args.verbose" in src
     assert "filterwarnings" not in inspect.getsource(module)
+
+
+def test_highs_banner_never_reaches_stdout():
+    """Issue 18: highspy 1.16 prints its banner from C++ to fd 1 on the first ``Highs()`` of a
+    process, ahead of ``--json`` output. The lower bound (highspy directly) and the MILP (PuLP's
+    HiGHS) both go through ``planner/highs.py``; a fresh process's stdout stays clean."""
+    import subprocess
+    import sys
+
+    code = (
+        "import highspy, json\n"
+        "from megatron_hsp.planner.highs import quiet_highs\n"
+        "quiet_highs(); highspy.Highs()\n"
+        "print(json.dumps({'ok': True}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    assert out == '{"ok": true}\n', out
+    bench = subprocess.run(
+        [sys.executable, "-m", "megatron_hsp.cli", "bench", "--steps", "1", "--methods",
+         "hsp,lower-bound"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    assert "Running HiGHS" not in bench and bench.startswith("bench:"), bench[:200]

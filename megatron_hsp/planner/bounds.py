@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_hsp.planner.costmodel import CostModel
+from megatron_hsp.planner.highs import quiet_highs
 from megatron_hsp.planner.instance import Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.topology import Cluster
 
@@ -297,8 +298,7 @@ def instance_lp_bound(
     m_low = min(tk[k][j] + fixed[j] for k in range(nk) for j in fits[k])
 
     # Master LP: rows 0..nk-1 cover classes, row nk the work row.
-    master = highspy.Highs()
-    master.setOptionValue("output_flag", False)
+    master = quiet_highs()
     master.setOptionValue("threads", 1)
     for k in range(nk):
         master.addRow(float(count[k]), highspy.kHighsInf, 0, np.array([], np.int32), np.array([]))
@@ -316,8 +316,7 @@ def instance_lp_bound(
         add_column(tk[k][j] + fixed[j], {k: 1}, sizes[j] * fixed[j])
 
     # Pricing MILP, built once; only its objective changes.
-    price = highspy.Highs()
-    price.setOptionValue("output_flag", False)
+    price = quiet_highs()
     price.setOptionValue("threads", 1)
     price.setOptionValue("mip_rel_gap", 1e-6)
     inf = highspy.kHighsInf
