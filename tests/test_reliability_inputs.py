@@ -226,3 +226,30 @@ def test_demo_flags_refused_before_anything_starts(capsys, flags, needle):
     rc, _, err = run_cli(["demo", "--steps", "1", *flags], capsys, bound_s=30)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and needle in lines[0], err
+
+
+def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
+    """Issue 18: ``bench --json``, ``demo --json FILE`` and ``profile --out`` checked their path
+    only after the work (then crashed, losing it); ``profile --out`` overwrote silently."""
+    missing = str(tmp_path / "no-such-dir" / "out.json")
+    rc, _, err = run_cli(["bench", *SMALL, "--steps", "1", "--json", missing], capsys, bound_s=5)
+    assert rc == 2 and "--json" in err and "does not exist" in err, err
+    assert "running" not in err  # refused before any method ran
+    rc, _, err = run_cli(["demo", "--json", missing, "--steps", "1"], capsys, bound_s=5)
+    assert rc == 2 and "--json" in err and "does not exist" in err, err
+    existing = tmp_path / "model.yaml"
+    existing.write_text("keep me\n")
+    rc, _, err = run_cli(["profile", "--out", str(existing)], capsys, bound_s=5)
+    assert rc == 2 and "--force" in err, err
+    assert existing.read_text() == "keep me\n"
+    rc, _, err = run_cli(["bench", *SMALL, "--steps", "1", "--json", str(tmp_path)], capsys, 5)
+    assert rc == 2 and "is a directory" in err, err
+
+
+def test_bench_json_dash_is_standard_output(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, out, _ = run_cli(["bench", *SMALL, "--steps", "1", "--json", "-"], capsys, bound_s=60)
+    assert rc == 0
+    doc = json.loads(out)  # JSON only: no table, no banner
+    assert "summary" in doc
+    assert not (tmp_path / "-").exists()

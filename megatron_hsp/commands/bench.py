@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from megatron_hsp.commands.common import (
+    STDOUT,
     add_common_arguments,
     build_setup,
+    check_output_path,
     config_dict,
     import_warnings_summarised,
 )
@@ -31,7 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "megatron-dcp, lower-bound "
         "(lower-bound is added whenever hsp runs)",
     )
-    parser.add_argument("--json", metavar="OUT.json", default=None, help="write results as JSON")
+    parser.add_argument(
+        "--json",
+        metavar="OUT.json",
+        default=None,
+        help="write results as JSON to this file ('-': standard output, instead of the table)",
+    )
     parser.add_argument(
         "--plot",
         metavar="FILE.png",
@@ -130,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.json:
+        check_output_path("--json", args.json, allow_stdout=True)
     out = None
     if args.plot:
         from megatron_hsp.commands.plots import check_png_path
@@ -143,6 +152,9 @@ def _run(args: argparse.Namespace) -> int:
 
         plot_bench(result, lengths, plans, out)
         print(f"bench: wrote {out}", file=sys.stderr)
+    if args.json == STDOUT:
+        print(json.dumps(result, indent=1))
+        return 0 if result["summary"]["all_plans_valid"] else 1
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"bench: wrote {args.json}", file=sys.stderr)

@@ -23,6 +23,34 @@ from megatron_hsp.planner.lengths import (
 from megatron_hsp.planner.topology import Cluster
 from megatron_hsp.planner.units import check_range
 
+STDOUT = "-"
+
+
+def check_output_path(
+    flag: str, path: str, *, allow_stdout: bool = False, overwrite: bool = True
+) -> str:
+    """An output path checked BEFORE the work that fills it (issue 18: finished work was lost
+    on a bad path). ``-`` is standard output where the command allows it; otherwise the folder
+    must exist and be writable, the path must not be a folder, and an existing file is refused
+    when ``overwrite`` is False. Returns the path; raises ``InputError`` naming the flag."""
+    from pathlib import Path
+
+    if path == STDOUT:
+        if allow_stdout:
+            return path
+        raise InputError(f"{flag} -: this output cannot go to standard output; give a file name")
+    out = Path(path)
+    if out.is_dir():
+        raise InputError(f"{flag} {path}: is a directory; give a file name")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(f"{flag} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"{flag} {path}: directory {parent} is not writable")
+    if out.exists() and not overwrite:
+        raise InputError(f"{flag} {path}: the file exists; remove it, pick another name or --force")
+    return path
+
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(

@@ -459,6 +459,10 @@ def _run(args: argparse.Namespace) -> int:
         check_range(args.global_batch, "--global-batch", low=1)
     if args.nproc < 1 or args.nproc & (args.nproc - 1):
         raise InputError(f"--nproc must be a power of two (1, 2, 4, 8), got {args.nproc}")
+    if args.json is not None:  # before the training: a bad path must not lose a finished run
+        from megatron_hsp.commands.common import check_output_path
+
+        check_output_path("--json", args.json, allow_stdout=True)
     if args.cost_model is not None:  # before the corpus is built: a bad file fails at once
         _checked_cost_model(args.cost_model, int(os.environ.get("WORLD_SIZE", args.nproc)))
     plot_path = None

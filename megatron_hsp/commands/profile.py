@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from megatron_hsp.megatron.data import DEMO_VOCAB_SIZE
 
     parser.add_argument("--out", metavar="FILE.yaml", required=True, help="cost model to write")
+    parser.add_argument("--force", action="store_true", help="overwrite --out if the file exists")
     # Defaults: the demo's model, so `profile` then `demo --cost-model` measures what runs.
     parser.add_argument("--layers", type=int, default=DEMO_MODEL["num_layers"])
     parser.add_argument("--hidden", type=int, default=DEMO_MODEL["hidden_size"])
@@ -187,8 +188,9 @@ def _check(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     if out.suffix not in (".yaml", ".yml"):
         raise InputError(f"--out {args.out}: the cost model is YAML; give a .yaml file name")
-    if not out.parent.is_dir():
-        raise InputError(f"--out {args.out}: directory {out.parent} does not exist")
+    from megatron_hsp.commands.common import check_output_path
+
+    check_output_path("--out", args.out, overwrite=args.force)
     for flag, v, lo in (
         ("--points", args.points, 4),
         ("--repeats", args.repeats, 1),
