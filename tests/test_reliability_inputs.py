@@ -253,3 +253,47 @@ def test_bench_json_dash_is_standard_output(tmp_path, capsys, monkeypatch):
     doc = json.loads(out)  # JSON only: no table, no banner
     assert "summary" in doc
     assert not (tmp_path / "-").exists()
+
+
+@pytest.mark.parametrize("line", ["1_000", "+7", "\u0663\u0663", "1e3", "0x10"])
+def test_length_files_take_ascii_digits_only(tmp_path, capsys, line):
+    """Issue 18: ``int()`` accepted ``1_000``, ``+7`` and non-ASCII digits silently."""
+    f = tmp_path / "lengths.txt"
+    f.write_text(f"100\n{line}\n200\n", encoding="utf-8")
+    rc, _, err = run_cli(["plan", *SMALL, "--lengths", str(f)], capsys)
+    assert rc == 2 and f"{f}:2" in err and "digits 0-9 only" in err, err
+
+
+DUPLICATE_KEY = """name: dup
+coefficients:
+  attn_ms_per_token2: 1.0e-7
+  linear_ms_per_token: 0.1
+  linear_ms_per_token: 0.2
+  group_fixed_ms: 1.0
+  a2a_ms_per_token: {2: 0.1}
+  tokens_per_rank: 16000
+"""
+FRACTIONAL = DUPLICATE_KEY.replace("  linear_ms_per_token: 0.2\n", "").replace("16000", "64000.7")
+BILLION_LAUGHS = "a: &a [1,1,1,1,1,1,1,1,1]\n" + "".join(
+    f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "suffix", "needle"),
+    [
+        (DUPLICATE_KEY, ".yaml", "appears twice"),
+        ('{"name": "x", "name": "y"}', ".json", "appears twice"),
+        (BILLION_LAUGHS, ".yaml", "anchors and aliases"),
+        (FRACTIONAL, ".yaml", "whole number"),
+        ("name: [unclosed\n", ".yaml", "not valid YAML/JSON"),
+    ],
+)
+def test_cost_model_files_are_loaded_strictly(tmp_path, capsys, text, suffix, needle):
+    """Issue 18: duplicate keys (last won), a billion-laughs YAML (hung for minutes), a
+    fractional token capacity and YAML syntax errors (8 lines) now end in one line, fast."""
+    f = tmp_path / f"model{suffix}"
+    f.write_text(text)
+    rc, _, err = run_cli(["plan", *SMALL, "--cost-model", str(f)], capsys, bound_s=10)
+    assert rc == 2 and needle in err, err
+    assert len([x for x in err.splitlines() if x.strip()]) == 1, err

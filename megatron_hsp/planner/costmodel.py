@@ -727,21 +727,65 @@ _TOP_KEYS = {
 }
 
 
+# A cost model is a few hundred bytes; this bounds what a hostile file can make the parser do.
+MAX_SPEC_BYTES = 1 << 20
+
+
+def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise InputError(f"key {key!r} appears twice (the last would silently win)")
+        out[key] = value
+    return out
+
+
+def _strict_json(text: str) -> Any:
+    import json
+
+    return json.loads(text, object_pairs_hook=_no_duplicates)
+
+
+def _strict_yaml(text: str) -> Any:
+    """YAML without duplicate keys and without anchors or aliases: a 500-byte file of nested
+    aliases expands to billions of nodes (issue 18's hang), and a cost model needs none."""
+    import yaml
+
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+            raise InputError("YAML anchors and aliases are not allowed in a cost model")
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            self.flatten_mapping(node)
+            return _no_duplicates(
+                [
+                    (self.construct_object(k, deep=deep), self.construct_object(v, deep=deep))
+                    for k, v in node.value
+                ]
+            )
+
+    return yaml.load(text, Loader=StrictLoader)
+
+
 def _read_spec_file(path: Path) -> Mapping[str, Any]:
     if not path.is_file():
         raise InputError(f"--cost-model file {str(path)!r} does not exist")
+    if path.stat().st_size > MAX_SPEC_BYTES:
+        raise InputError(
+            f"--cost-model file {str(path)!r} is {path.stat().st_size} bytes; a cost model is "
+            f"at most {MAX_SPEC_BYTES} bytes"
+        )
     text = path.read_text()
     try:
-        if path.suffix == ".json":
-            import json
-
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-    except Exception as exc:  # parser errors: name the file
-        raise InputError(f"--cost-model file {str(path)!r} is not valid YAML/JSON: {exc}") from None
+        data = _strict_json(text) if path.suffix == ".json" else _strict_yaml(text)
+    except InputError as exc:
+        raise InputError(f"--cost-model file {str(path)!r}: {exc}") from None
+    except Exception as exc:  # parser errors: name the file, first line of the message only
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(
+            f"--cost-model file {str(path)!r} is not valid YAML/JSON: {first}"
+        ) from None
     if not isinstance(data, Mapping):
         raise InputError(f"--cost-model file {str(path)!r} must hold a mapping at top level")
     return data
@@ -807,7 +851,12 @@ def _from_coefficients(name: str, co: Mapping[str, Any], cap_gb: float | None) -
             "a2a_bytes_per_token plus a2a_gbs ({size: GB/s})"
         )
     if "tokens_per_rank" in co:
-        tokens = int(co["tokens_per_rank"])
+        raw = co["tokens_per_rank"]
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            raise InputError(
+                f"cost model spec: tokens_per_rank must be a whole number of tokens, got {raw!r}"
+            )
+        tokens = int(raw)
     elif "model_states_gb" in co and "act_mib_per_token" in co:
         if cap_gb is None:
             raise InputError("cost model spec: memory_cap_gb is needed with model_states_gb")

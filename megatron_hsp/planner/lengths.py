@@ -81,13 +81,15 @@ def read_text_lengths(path: str | Path) -> np.ndarray:
                 text = line.strip().lstrip("\ufeff")
                 if not text:
                     continue
-                try:
-                    n = int(text)
-                except ValueError:
+                # ASCII digits only: int() would also take "1_000", "+7", " 7" and non-ASCII
+                # digits, which no length file means (issue 18).
+                digits = text[1:] if text.startswith("-") else text
+                if not (digits.isascii() and digits.isdigit()):
                     raise InputError(
                         f"{p}:{lineno}: {text[:40]!r} is not an integer length "
-                        "(expected one positive integer per line)"
-                    ) from None
+                        "(expected one positive integer per line, digits 0-9 only)"
+                    )
+                n = int(text)
                 if n <= 0:
                     raise InputError(f"{p}:{lineno}: length {n} is not positive")
                 if n > MAX_TOKENS:
