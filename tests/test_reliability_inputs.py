@@ -297,3 +297,23 @@ def test_cost_model_files_are_loaded_strictly(tmp_path, capsys, text, suffix, ne
     rc, _, err = run_cli(["plan", *SMALL, "--cost-model", str(f)], capsys, bound_s=10)
     assert rc == 2 and needle in err, err
     assert len([x for x in err.splitlines() if x.strip()]) == 1, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["selftest", "--nproc", "16"], "--nproc 16"),  # was an IndexError traceback
+        (["profile", "--out", "OUT", "--heads", "0"], "--heads"),  # was ZeroDivisionError
+        (["profile", "--out", "OUT", "--layers", "0"], "--layers"),  # failed after measuring
+        (["profile", "--out", "OUT", "--vocab", "0"], "--vocab"),
+        (["demo", "--global-batch", "100000"], "<= 4096"),  # memory grew to GBs, then hung
+        (["demo", "--token-budget", "99999999"], "<= 262144"),
+        (["plan", "--gpus", "16384", "--gpus-per-node", "16384"], "<= 512"),  # exhausted 24 GB
+    ],
+)
+def test_out_of_range_flags_are_one_line_errors(tmp_path, capsys, argv, needle):
+    """Issue 18: tracebacks and unbounded work where one line was promised."""
+    argv = [str(tmp_path / "out.yaml") if a == "OUT" else a for a in argv]
+    rc, _, err = run_cli(argv, capsys, bound_s=10)
+    assert rc == 2 and needle in err, err
+    assert len([x for x in err.splitlines() if x.strip()]) == 1, err

@@ -24,6 +24,8 @@ from megatron_hsp.planner.topology import Cluster
 from megatron_hsp.planner.units import check_range
 
 STDOUT = "-"
+# The widest group of GPUs one fast fabric joins that this tool plans for (NVL72 is 72).
+MAX_GPUS_PER_NODE = 512
 
 
 def check_output_path(
@@ -134,7 +136,9 @@ MAX_TIME_BUDGET_S = 3600.0
 def check_numeric_flags(args: argparse.Namespace) -> None:
     """Every numeric flag in range, before any work; errors name the flag and the range."""
     check_range(args.gpus, "--gpus", low=1, high=MAX_GPUS)
-    check_range(args.gpus_per_node, "--gpus-per-node", low=1, high=MAX_GPUS)
+    # Nodes are 4-8 GPUs, racks such as NVL72 72: a "node" of thousands made every size up to
+    # it legal and exhausted memory building the size tables (issue 18).
+    check_range(args.gpus_per_node, "--gpus-per-node", low=1, high=MAX_GPUS_PER_NODE)
     check_range(args.global_batch, "--global-batch", low=1, high=10**7)
     check_range(args.seed, "--seed", low=0)
     check_range(args.time_budget, "--time-budget", low=0, low_open=True, high=MAX_TIME_BUDGET_S)

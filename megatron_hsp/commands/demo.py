@@ -42,6 +42,8 @@ DEMO_COST_MODEL: dict[str, Any] = {
         "tokens_per_rank": 1024,
     },
 }
+DEMO_MAX_TOKEN_BUDGET = 262_144  # tokens per step on CPU ranks
+DEMO_MAX_GLOBAL_BATCH = 4096  # documents per step
 DEMO_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2)
 
 
@@ -453,10 +455,12 @@ def _run(args: argparse.Namespace) -> int:
     check_range(args.seed, "--seed", low=0)
     check_range(args.stall_timeout, "--stall-timeout", low=0, low_open=True)
     # 0 is not "use the default": a zero budget or batch cannot train anything.
+    # Upper limits: the demo trains on CPU ranks; a step of millions of tokens grew memory to
+    # GBs and never finished (issue 18).
     if args.token_budget is not None:
-        check_range(args.token_budget, "--token-budget", low=1)
+        check_range(args.token_budget, "--token-budget", low=1, high=DEMO_MAX_TOKEN_BUDGET)
     if args.global_batch is not None:
-        check_range(args.global_batch, "--global-batch", low=1)
+        check_range(args.global_batch, "--global-batch", low=1, high=DEMO_MAX_GLOBAL_BATCH)
     if args.nproc < 1 or args.nproc & (args.nproc - 1):
         raise InputError(f"--nproc must be a power of two (1, 2, 4, 8), got {args.nproc}")
     if args.json is not None:  # before the training: a bad path must not lose a finished run

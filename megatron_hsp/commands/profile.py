@@ -197,6 +197,11 @@ def _check(args: argparse.Namespace) -> Path:
         ("--nproc", args.nproc, 2),
         ("--max-tokens", args.max_tokens, 256),
         ("--tokens-per-rank", args.tokens_per_rank, 1),
+        ("--layers", args.layers, 1),
+        ("--hidden", args.hidden, 1),
+        ("--heads", args.heads, 1),
+        ("--kv-heads", args.kv_heads, 1),
+        ("--vocab", args.vocab, 1),
     ):
         if v < lo:
             raise InputError(f"{flag} must be >= {lo}, got {v}")

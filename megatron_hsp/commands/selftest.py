@@ -11,9 +11,7 @@ from megatron_hsp.commands.common import add_verbose_argument, import_warnings_s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--nproc", type=int, default=4, help="gloo processes to spawn (power of two >= 4)"
-    )
+    parser.add_argument("--nproc", type=int, default=4, help="gloo processes to spawn: 4 or 8")
     parser.add_argument(
         "--mutations",
         action="store_true",
