@@ -102,3 +102,28 @@ def test_sigterm_to_the_demo_stops_every_rank_and_the_planner(tmp_path, cache):
     # quiet output: Megatron's import-time warnings are summarised in one line, not printed
     assert "UserWarning" not in err and "--verbose shows them" in err, err[-2000:]
     _assert_clean(tmp_path, pids + planner)
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+@pytest.mark.dist
+def test_sigkill_of_the_demo_leaves_no_rank_or_planner(tmp_path, cache):
+    """Issue 18: SIGKILL of the demo's main process (no cleanup runs) left its ranks and the
+    planner training; every child now dies with its parent (``runtime/lifetime.py``)."""
+    proc = _start(tmp_path, cache)
+    ranks = _rank_pids(tmp_path, proc)
+    everyone = _descendants(proc.pid)
+    assert set(ranks) <= set(everyone) and len(everyone) > len(ranks), everyone
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    end = time.monotonic() + 20
+    while time.monotonic() < end and not all(_gone(p) for p in everyone):
+        time.sleep(0.2)
+    assert all(_gone(p) for p in everyone), [p for p in everyone if not _gone(p)]

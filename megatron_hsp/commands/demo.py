@@ -536,12 +536,14 @@ def _rank_main(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:
 
     import torch
 
+    from megatron_hsp.runtime.lifetime import die_with_parent
     from megatron_hsp.testing.dist import destroy_cpu_megatron, init_cpu_megatron
 
     torch.set_num_threads(1)
     _start_heartbeat(out + ".hb")
     # SIGTERM from the parent: unwind (close the planner, leave the process groups) and exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    die_with_parent()  # and SIGTERM when the parent dies, even by SIGKILL
     try:
         init_cpu_megatron(rank, cfg.nproc, f"file://{rdzv}")
         result: Any = demo_worker(rank, cfg.nproc, cfg)
@@ -632,6 +634,7 @@ def _run_ranks(cfg: DemoConfig, timeout_s: float = 900) -> dict[str, Any]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(
         [
+            "megatron_hsp.runtime.forkserver_lifetime",  # first: the server dies with us
             "torch",
             "megatron.core.models.gpt.gpt_model",
             "megatron_hsp.runtime.schedule",

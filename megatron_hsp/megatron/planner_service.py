@@ -112,6 +112,9 @@ def _picklable(exc: BaseException) -> BaseException:
 
 def _serve(spec: PlannerSpec, requests: Any, replies: Any) -> None:
     """Child process main loop: one reply per request, in order; None stops it."""
+    from megatron_hsp.runtime.lifetime import die_with_parent
+
+    die_with_parent()  # also while solving: the idle check below only runs between requests
     try:
         planner = build_planner(spec)
     except BaseException as exc:

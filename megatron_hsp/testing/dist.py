@@ -150,6 +150,9 @@ def _worker(
 ) -> None:
     import faulthandler
 
+    from megatron_hsp.runtime.lifetime import die_with_parent
+
+    die_with_parent()  # a killed test runner leaves no rank behind
     # A stuck rank prints every thread's stack to stderr shortly before the parent gives up.
     faulthandler.dump_traceback_later(stack_dump_after_s, exit=False)
     torch.set_num_threads(1)
