@@ -260,3 +260,28 @@ def test_a_cost_model_that_cannot_train_is_refused_at_startup():
     args = parse([*BASE, "--hsp", "--hsp-cost-model", "flexsp-gpt-7b"], world_size=2)
     with pytest.raises(HSPArgsError, match=r"--hsp-cost-model flexsp-gpt-7b: .*memory cap"):
         validate_hsp_args(args, env={})
+
+
+@pytest.mark.parametrize(
+    ("attr", "value", "flag"),
+    [
+        ("fp8", "hybrid", "--fp8-format hybrid"),
+        ("fp4", "e2m1", "--fp4-format e2m1"),
+        ("cuda_graph_impl", "local", "--cuda-graph-impl local"),
+        ("enable_cuda_graph", True, "--enable-cuda-graph"),
+        ("tp_comm_overlap", True, "--tp-comm-overlap"),
+        ("use_megatron_fsdp", True, "--use-megatron-fsdp"),
+        ("sft", True, "--sft"),
+        ("dynamic_context_parallel", True, "--dynamic-context-parallel"),  # Megatron dev
+        ("sequence_packing_scheduler", "dp_balanced", "--sequence-packing-scheduler"),
+    ],
+)
+def test_features_hsp_does_not_run_are_refused_naming_the_flag(attr, value, flag):
+    """Issues 15 and 18: FP8, CUDA graphs, TP comm overlap, FSDP, SFT and Megatron dev's own
+    dynamic CP passed HSP's checks untested; each is now one line naming the flag."""
+    args = parse([*BASE, "--hsp"])
+    setattr(args, attr, value)
+    with pytest.raises(HSPArgsError, match=f"--hsp does not support {flag}"):
+        validate_hsp_args(args, env={})
+    setattr(args, attr, "none" if attr == "cuda_graph_impl" else None)  # Megatron's "off"
+    assert validate_hsp_args(args, env={}) is not None

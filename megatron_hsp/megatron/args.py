@@ -356,6 +356,40 @@ _UNCARRIED_FEATURES: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# Megatron features that change how attention or a step runs in ways HSP's per-micro-batch groups
+# do not follow (or that no check here covers yet): refused at argument time, one line each.
+# (attribute, flag, why); a value of None, False, 0 or "none" means the feature is off.
+_UNSUPPORTED_WITH_HSP: tuple[tuple[str, str, str], ...] = (
+    ("fp8", "--fp8-format", "FP8 needs TE dims divisible by 16 per call, and HSP's packed "
+     "buffers change size every micro-batch (issue 15: unproven)"),
+    ("fp4", "--fp4-format", "FP4, as FP8"),
+    ("cuda_graph_impl", "--cuda-graph-impl", "CUDA graphs capture fixed shapes and process "
+     "groups; HSP's change every micro-batch"),
+    ("enable_cuda_graph", "--enable-cuda-graph", "CUDA graphs, as --cuda-graph-impl"),
+    ("external_cuda_graph", "--external-cuda-graph", "CUDA graphs, as --cuda-graph-impl"),
+    ("tp_comm_overlap", "--tp-comm-overlap", "TE's userbuffers are sized for one fixed "
+     "sequence length; HSP's micro-batches vary"),
+    ("use_megatron_fsdp", "--use-megatron-fsdp", "Megatron FSDP is not covered by HSP's "
+     "gradient checks (selftest --megatron runs DDP and the distributed optimizer)"),
+    ("use_torch_fsdp2", "--use-torch-fsdp2", "as --use-megatron-fsdp"),
+    ("sft", "--sft", "Megatron's SFT dataset packs its own samples; HSP's sampler chooses "
+     "whole documents per step"),
+    ("dynamic_context_parallel", "--dynamic-context-parallel", "Megatron's own dynamic CP "
+     "schedules context-parallel groups per step, as --hsp does: use one of them"),
+    ("sequence_packing_scheduler", "--sequence-packing-scheduler", "Megatron's packing "
+     "scheduler builds the micro-batches that HSP's planner builds: use one of them"),
+)  # fmt: skip
+
+
+def _refuse_features_hsp_does_not_run(args: argparse.Namespace) -> None:
+    for attr, flag, why in _UNSUPPORTED_WITH_HSP:
+        value = getattr(args, attr, None)
+        if value in (None, False, 0, "none", ""):
+            continue
+        shown = "" if value is True else f" {value}"
+        raise HSPArgsError(f"--hsp does not support {flag}{shown}: {why}; drop {flag} or --hsp")
+
+
 def _refuse_specs_hsp_cannot_carry(args: argparse.Namespace) -> None:
     """HSP replaces only megatron-core ``SelfAttention``; refuse models built another way."""
     for attr, flag, what in _UNCARRIED_FEATURES:
@@ -496,6 +530,7 @@ def validate_hsp_args(
         )
 
     _refuse_specs_hsp_cannot_carry(args)
+    _refuse_features_hsp_does_not_run(args)
 
     if not getattr(args, "calculate_per_token_loss", False):
         args.calculate_per_token_loss = True
