@@ -393,7 +393,17 @@ class TorchAttentionBackend:
         return torch.cat(outs, dim=0)
 
 
-class TEAttentionBackend:
+def _drop_te_modules_from_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix + "te_modules.")]:
+        del state_dict[key]
+
+
+def _ignore_missing_te_modules(module, incompatible_keys) -> None:
+    missing = incompatible_keys.missing_keys
+    missing[:] = [k for k in missing if ".te_modules." not in k]
+
+
+class TEAttentionBackend(torch.nn.Module):
     """Transformer Engine ``DotProductAttention`` in THD format (``padding_causal`` mask).
 
     NOT exercised on this project's CPU CI: written against TE's documented API
@@ -401,6 +411,9 @@ class TEAttentionBackend:
     CUDA, output [T, hq*D]). One TE module is built lazily per (hq, hk) head layout, because the
     per-rank head count changes with the group size (TE fixes head counts at construction; the
     modules hold no parameters). TE sees no TP or CP: heads are already the group-local ones.
+    The modules are registered submodules (an ``nn.ModuleDict``; this backend is itself a
+    submodule of ``HSPCoreAttention``), so ``.eval()``/``.train()``, ``.to()`` and hooks reach
+    them; a plain dict hid them from the model (issue 15).
     """
 
     name = "te"
@@ -408,19 +421,26 @@ class TEAttentionBackend:
     def __init__(self, config: TransformerConfig, layer_number: int, dropout: float) -> None:
         import transformer_engine.pytorch as te  # noqa: F401  (fails loudly if TE is absent)
 
+        super().__init__()
         self._config = config
         self._layer_number = layer_number
         self._dropout = dropout
-        self._modules: dict[tuple[int, int, int, float, bool], torch.nn.Module] = {}
+        self.te_modules = torch.nn.ModuleDict()
         self._cp_stream = None
+        # The modules are created lazily per head layout, so a checkpoint must neither carry
+        # them (a load before the first step would not have them) nor miss them (a load after
+        # it would). They hold no parameters; TE's FP8 extra state is refused with --hsp.
+        self.register_state_dict_post_hook(_drop_te_modules_from_state_dict)
+        self.register_load_state_dict_post_hook(_ignore_missing_te_modules)
 
     def _module(self, hq: int, hk: int, dim: int, scale: float, cp: bool = False):
         # Context-parallel calls get their own modules: the CP group is module state in TE.
-        key = (hq, hk, dim, scale, cp)
-        if key not in self._modules:
+        # ModuleDict keys are strings (no dots).
+        key = f"h{hq}_k{hk}_d{dim}_s{scale!r}_cp{int(cp)}".replace(".", "p")
+        if key not in self.te_modules:
             import transformer_engine.pytorch as te
 
-            self._modules[key] = te.DotProductAttention(
+            module = te.DotProductAttention(
                 num_attention_heads=hq,
                 kv_channels=dim,
                 num_gqa_groups=hk,
@@ -434,9 +454,11 @@ class TEAttentionBackend:
                 layer_number=self._layer_number,
                 softmax_scale=scale,
             )
-        return self._modules[key]
+            module.train(self.training)  # created lazily: take the model's current mode
+            self.te_modules[key] = module
+        return self.te_modules[key]
 
-    def __call__(
+    def forward(
         self, q, k, v, cu_seqlens, max_seqlen, *, softmax_scale, dropout_p, cu_seqlens_host=None
     ):
         if not q.is_cuda:

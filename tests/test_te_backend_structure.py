@@ -1,0 +1,79 @@
+"""The Transformer Engine backend's modules are part of the model (issue 15), structurally.
+
+TE cannot run here, so a stand-in ``transformer_engine.pytorch`` module supplies a parameter-free
+``DotProductAttention`` with extra state (as TE's has): no numerics are faked or checked, only
+that the lazily built per-head-layout modules are registered submodules (``.eval()`` reaches
+them; before, a plain dict hid them) and that checkpoints neither carry them nor miss them.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+
+class _StandInDPA(torch.nn.Module):
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.kwargs = kwargs
+
+    def get_extra_state(self):
+        return {"fp8_meta": None}
+
+    def set_extra_state(self, state):
+        pass
+
+
+@pytest.fixture
+def te_stand_in(monkeypatch):
+    # megatron-core reads TE's version at import: import everything before the stand-in exists.
+    import megatron.core.transformer.transformer_config  # noqa: F401
+
+    import megatron_hsp.runtime.attention  # noqa: F401
+
+    te = types.ModuleType("transformer_engine")
+    te_pt = types.ModuleType("transformer_engine.pytorch")
+    te_pt.DotProductAttention = _StandInDPA
+    te.pytorch = te_pt
+    monkeypatch.setitem(sys.modules, "transformer_engine", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te_pt)
+
+
+def _core():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hsp.runtime.attention import TEAttentionBackend
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True
+    )
+    parent = torch.nn.Module()
+    parent.backend = TEAttentionBackend(config, layer_number=1, dropout=0.0)
+    return parent
+
+
+def test_te_modules_are_submodules_and_follow_eval(te_stand_in):
+    parent = _core()
+    backend = parent.backend
+    te_module = backend._module(4, 2, 8, 0.35)
+    assert backend._module(4, 2, 8, 0.35) is te_module  # one per head layout
+    assert any(m is te_module for m in parent.modules())
+    parent.eval()
+    assert te_module.training is False
+    parent.train()
+    assert te_module.training is True
+    later = backend._module(2, 1, 8, 0.35)  # built while training: takes the current mode
+    assert later.training is True
+
+
+def test_checkpoints_neither_carry_nor_miss_the_lazy_te_modules(te_stand_in):
+    before = _core()
+    state = before.state_dict()  # no TE module built yet
+    after = _core()
+    after.backend._module(4, 2, 8, 0.35)
+    assert not [k for k in after.state_dict() if "te_modules" in k]
+    result = after.load_state_dict(state, strict=True)  # no missing te_modules keys
+    assert not result.missing_keys and not result.unexpected_keys
