@@ -77,3 +77,16 @@ def test_checkpoints_neither_carry_nor_miss_the_lazy_te_modules(te_stand_in):
     assert not [k for k in after.state_dict() if "te_modules" in k]
     result = after.load_state_dict(state, strict=True)  # no missing te_modules keys
     assert not result.missing_keys and not result.unexpected_keys
+
+
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [("2.14.0", False), ("2.14.1+cu12", False), ("2.15.0", True), ("2.16.0.dev0", True),
+     ("3.0", True), ("1.13.0", False)],
+)  # fmt: skip
+def test_a2a_p2p_thd_is_gated_on_the_te_version(version, ok):
+    """Issue 15: TE <= 2.14 crashes on THD with ``cp_comm_type="a2a+p2p"`` (fixed in 2.15); a
+    hybrid group then runs the torch ring path instead."""
+    from megatron_hsp.runtime.attention import te_thd_a2a_p2p_supported
+
+    assert te_thd_a2a_p2p_supported(version) is ok

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -489,6 +490,7 @@ class TEAttentionBackend(torch.nn.Module):
         ring_group: dist.ProcessGroup,
         *,
         softmax_scale: float,
+        cu_seqlens_host: Sequence[int] | None = None,
     ) -> torch.Tensor | None:
         """TE's own context-parallel attention for a Ulysses x ring group, or None.
 
@@ -501,9 +503,12 @@ class TEAttentionBackend(torch.nn.Module):
         """
         u = 1 if ulysses_group is None else ulysses_group.size()
         r = ring_group.size()
-        args = te_cp_arguments(cu_seqlens.detach().cpu().numpy(), u, r)
+        host = cu_seqlens.detach().cpu().numpy() if cu_seqlens_host is None else cu_seqlens_host
+        args = te_cp_arguments(host, u, r)
         if args is None:
             return None
+        if args["cp_comm_type"] == "a2a+p2p" and not te_thd_a2a_p2p_supported():
+            return None  # TE <= 2.14 crashes on THD with a2a+p2p: the torch ring path runs it
         if not q.is_cuda:
             raise RuntimeError("the Transformer Engine attention backend needs CUDA tensors")
         if self._cp_stream is None:
@@ -516,12 +521,37 @@ class TEAttentionBackend(torch.nn.Module):
             self._cp_stream,
             comm,
         )
-        fwd = {
-            key: torch.from_numpy(val).to(q.device) if isinstance(val, np.ndarray) else val
-            for key, val in args["forward"].items()
-        }
+        # One tensor per distinct array: te_cp_arguments hands the SAME boundaries as
+        # cu_seqlens and cu_seqlens_padded (no padding between sequences), and TE must see them
+        # as the same (separate copies made TE assume padding between sequences, which rules out
+        # its flash backends).
+        on_device: dict[int, torch.Tensor] = {}
+        fwd = {}
+        for key, val in args["forward"].items():
+            if isinstance(val, np.ndarray):
+                if id(val) not in on_device:
+                    on_device[id(val)] = torch.from_numpy(val).to(q.device)
+                val = on_device[id(val)]
+            fwd[key] = val
         out = mod(q.contiguous(), k.contiguous(), v.contiguous(), **fwd)
         return out.reshape(q.size(0), q.size(1), q.size(2))
+
+
+# TE fixed THD with cp_comm_type "a2a+p2p" in 2.15 (2.14 and older crash in that path).
+TE_MIN_A2A_P2P_THD = (2, 15)
+
+
+def te_thd_a2a_p2p_supported(version: str | None = None) -> bool:
+    """Whether the installed (or given) Transformer Engine runs THD attention with
+    ``cp_comm_type="a2a+p2p"``; hybrid groups fall back to the torch ring path when not."""
+    if version is None:
+        try:
+            import transformer_engine
+        except ImportError:
+            return False
+        version = getattr(transformer_engine, "__version__", "0")
+    parts = [int(x) for x in re.findall(r"\d+", version)[:2]]
+    return tuple(parts + [0] * (2 - len(parts))) >= TE_MIN_A2A_P2P_THD
 
 
 def te_available() -> bool:
@@ -793,6 +823,7 @@ class HSPCoreAttention(MegatronModule):
             ulysses_group,
             ring_group,
             softmax_scale=self.softmax_scale,
+            cu_seqlens_host=cache.get("cu_host"),
         )
 
 
