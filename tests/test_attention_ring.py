@@ -79,7 +79,9 @@ class _GatherStandIn:
     def __call__(self, *args, **kwargs):
         return self.inner(*args, **kwargs)
 
-    def context_parallel(self, q, k, v, cu, group, ulysses_group, ring_group, *, softmax_scale):
+    def context_parallel(
+        self, q, k, v, cu, group, ulysses_group, ring_group, *, softmax_scale, cu_seqlens_host=None
+    ):
         import torch.distributed as dist
 
         u = 1 if ulysses_group is None else ulysses_group.size()
