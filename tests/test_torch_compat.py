@@ -12,7 +12,7 @@ import inspect
 import pytest
 import torch
 
-from megatron_hsp.runtime import attention, compat
+from megatron_hsp.runtime import backends, compat
 from megatron_hsp.runtime.compat import TorchFeatures, torch_features, varlen_causal
 
 
@@ -78,10 +78,10 @@ def test_backend_path_is_chosen_by_device_not_dropout(monkeypatch):
     path is taken whenever the kernel serves the device and dtype, and dropout there is an
     error naming the flag."""
     calls = []
-    monkeypatch.setattr(attention, "_torch_varlen_available", lambda q: True)
-    monkeypatch.setattr(attention, "varlen_causal", lambda q, k, v, cu, m, s: calls.append(m) or q)
+    monkeypatch.setattr(backends, "_torch_varlen_available", lambda q: True)
+    monkeypatch.setattr(backends, "varlen_causal", lambda q, k, v, cu, m, s: calls.append(m) or q)
     q, k, v, cu = _inputs(4, 2)
-    backend = attention.TorchAttentionBackend()
+    backend = backends.TorchAttentionBackend()
     backend(q, k, v, cu, 4, softmax_scale=0.5, dropout_p=0.0)
     assert calls == [4]
     with pytest.raises(NotImplementedError, match="--attention-dropout 0"):

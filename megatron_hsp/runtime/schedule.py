@@ -27,7 +27,6 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_hsp.planner.plan import Plan
-from megatron_hsp.runtime.attention import HSPPackedSeqParams
 from megatron_hsp.runtime.dispatch import GlobalBatch, PackedMicroBatch, dispatch
 from megatron_hsp.runtime.groups import GroupRegistry
 from megatron_hsp.runtime.loss import (
@@ -36,6 +35,7 @@ from megatron_hsp.runtime.loss import (
     microbatch_loss,
     reduce_step_loss,
 )
+from megatron_hsp.runtime.packed import HSPPackedSeqParams
 
 
 @dataclass

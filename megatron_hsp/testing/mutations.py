@@ -268,7 +268,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "non-causal-attention",
         "tokens attend to later tokens of their document (SDPA called with is_causal=False)",
-        "megatron_hsp.runtime.attention:F",
+        "megatron_hsp.runtime.backends:F",
         _non_causal,
         everywhere=False,
     ),
@@ -276,13 +276,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "attention-across-documents",
         "the attention backend sees one segment per group buffer, so documents attend to each "
         "other",
-        "megatron_hsp.runtime.attention:TorchAttentionBackend.__call__",
+        "megatron_hsp.runtime.backends:TorchAttentionBackend.__call__",
         _across_documents,
     ),
     Mutation(
         "rope-positions-shifted",
         "RoPE positions of each document's second half shifted back by one",
-        "megatron_hsp.runtime.attention:positions_in_documents",
+        "megatron_hsp.runtime.packed:positions_in_documents",
         _rope_shift,
     ),
     Mutation(
@@ -302,7 +302,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "gqa-kv-head-off-by-one",
         "KV heads rotated by one before the head scatter: query head j meets KV head "
         "j // (q/kv) + 1",
-        "megatron_hsp.runtime.attention:_qkv_seq_to_head",
+        "megatron_hsp.runtime.ulysses:_qkv_seq_to_head",
         _kv_heads_off_by_one,
     ),
     Mutation(

@@ -1,0 +1,178 @@
+"""The packed (THD) micro-batch as attention sees it: ``HSPPackedSeqParams`` and RoPE per document.
+
+The schedule builds one ``HSPPackedSeqParams`` per micro-batch (megatron-core's per-call seam,
+with HSP's state in declared fields); every layer reads the segment boundaries, the positions of
+each token inside its own document and the rotary table from it. ``_checked_cu_seqlens`` states
+the buffer contract and names what is violated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclasses.dataclass
+class HSPPackedSeqParams(PackedSeqParams):
+    """megatron-core's ``PackedSeqParams`` with HSP's per-micro-batch state as declared fields
+    (the way megatron-core declares ``cp_scatter_cache``), never attributes attached at run time.
+
+    ``hsp_micro_batch``: what every layer of one micro-batch shares, filled on the host when the
+    micro-batch is built (``schedule.packed_seq_params``: ``cu_host`` the buffer's segment
+    boundaries as Python ints, ``layout_ring`` the ring degree dispatch laid the tokens out for,
+    ``hybrid`` the (Ulysses, ring) sub-groups) and completed once, by the first layer, with the
+    per-token positions and ring indices; so no layer after the first reads a tensor back to the
+    host (``tests/test_host_syncs.py``). The same dict object is shared by the per-layer copies
+    ``wrap`` makes. ``rotary_*``: megatron's rotary table, so RoPE runs inside the HSP core
+    attention (built per layer call by ``HSPSelfAttention``).
+    """
+
+    hsp_micro_batch: dict = dataclasses.field(default_factory=dict)
+    rotary_q_freqs: torch.Tensor | None = None
+    rotary_k_freqs: torch.Tensor | None = None
+    rotary_mscale: float = 1.0
+
+    @classmethod
+    def wrap(cls, p: PackedSeqParams, q_freqs, k_freqs, mscale: float) -> HSPPackedSeqParams:
+        kwargs = {f.name: getattr(p, f.name) for f in dataclasses.fields(PackedSeqParams)}
+        total_tokens, seq_idx = kwargs.pop("total_tokens"), kwargs.pop("seq_idx")
+        out = cls(
+            **kwargs,
+            hsp_micro_batch=_micro_batch_cache(p),  # shared by every layer of the micro-batch
+            rotary_q_freqs=q_freqs,
+            rotary_k_freqs=k_freqs,
+            rotary_mscale=mscale,
+        )
+        out.total_tokens, out.seq_idx = total_tokens, seq_idx  # skip __post_init__'s recompute
+        return out
+
+
+def group_packed_seq_params(
+    cu_seqlens: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    hybrid: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] | None = None,
+) -> PackedSeqParams:
+    """The ``PackedSeqParams`` the HSP attention expects for one micro-batch (docs/runtime.md).
+
+    ``cu_seqlens``: int32 boundaries of the group's whole buffer (documents, then the trailing
+    padding segment), ``cu_seqlens[-1]`` a multiple of the group size. ``max_seqlen`` covers the
+    padding segment too, because it sizes megatron's RoPE table. ``hybrid``: the group's
+    (Ulysses sub-group, ring sub-group) from ``GroupRegistry.hybrid`` when its ring degree > 1;
+    None runs pure Ulysses over ``group``.
+    """
+    d = 1 if group is None else group.size()
+    total = int(cu_seqlens[-1])
+    if total % d:
+        raise ValueError(
+            f"packed buffer of {total} tokens is not a multiple of the group size {d}: pad it "
+            f"with one trailing segment of {-total % d} tokens"
+        )
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    cu = cu_seqlens.to(torch.int32)
+    state: dict = {"cu_host": [int(x) for x in cu_seqlens.tolist()]}
+    if hybrid is not None and hybrid[1] is not None and hybrid[1].size() > 1:
+        state["hybrid"] = hybrid
+    return HSPPackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        cp_group=group,
+        local_cp_size=d,
+        hsp_micro_batch=state,
+    )
+
+
+def _micro_batch_cache(p: PackedSeqParams) -> dict:
+    """The micro-batch's shared state (``HSPPackedSeqParams.hsp_micro_batch``).
+
+    A plain megatron ``PackedSeqParams`` (built by other code) gets a fresh dict: correct, but
+    then each layer re-derives what an ``HSPPackedSeqParams`` from the schedule carries.
+    """
+    return p.hsp_micro_batch if isinstance(p, HSPPackedSeqParams) else {}
+
+
+def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Position of every token inside its own segment: [0..L0-1, 0..L1-1, ...] (int64)."""
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    starts = torch.repeat_interleave(cu[:-1], lengths, output_size=total)
+    return torch.arange(total, device=cu.device) - starts
+
+
+def apply_rope_packed(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    positions: torch.Tensor,
+    config: TransformerConfig,
+    mscale: float = 1.0,
+    check_range: bool = True,
+) -> torch.Tensor:
+    """RoPE on packed ``t`` [T, h, D] with per-token positions, using megatron's unfused math.
+
+    ``freqs`` is megatron's rotary table [S, 1, 1, rot_dim] for positions 0..S-1 (what
+    ``GPTModel`` computes for THD input with S = max_seqlen). Same elementwise operations as
+    megatron's single-sequence (bshd) path, hence the same numbers as a single-device run.
+    """
+    if check_range and positions.numel() and int(positions.max()) >= freqs.size(0):
+        raise ValueError(
+            f"RoPE table covers {freqs.size(0)} positions but a packed segment reaches position "
+            f"{int(positions.max())}: PackedSeqParams.max_seqlen_q/kv must be the longest segment "
+            f"in cu_seqlens (trailing padding segment included)"
+        )
+    per_token = freqs.index_select(0, positions.to(freqs.device)).reshape(
+        positions.numel(), 1, freqs.size(-1)
+    )
+    return _apply_rotary_pos_emb_bshd(
+        t, per_token, rotary_interleaved=config.rotary_interleaved, mscale=mscale
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _checked_cu_seqlens(
+    p: PackedSeqParams, total: int, d: int, cu_host: Sequence[int]
+) -> torch.Tensor:
+    """The group buffer's segment boundaries; errors name the violated part of the contract.
+
+    Runs once per micro-batch (the first layer); ``cu_host`` are the same boundaries on the host.
+    """
+    cu = p.cu_seqlens_q
+    if cu is None:
+        raise ValueError("THD PackedSeqParams needs cu_seqlens_q for HSP attention")
+    if (
+        p.cu_seqlens_kv is not None
+        and p.cu_seqlens_kv is not cu
+        and not torch.equal(p.cu_seqlens_kv.cpu(), cu.cpu())
+    ):
+        raise ValueError("HSP self-attention needs cu_seqlens_kv == cu_seqlens_q")
+    for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        padded = getattr(p, name)
+        if padded is not None and padded is not cu and not torch.equal(padded.cpu(), cu.cpu()):
+            raise ValueError(
+                f"HSP attention does not support per-document padding ({name} differs from "
+                f"cu_seqlens_q): put the group's padding in one trailing segment instead"
+            )
+    end = int(cu_host[-1]) if len(cu_host) else 0
+    if end != total:
+        raise ValueError(
+            f"cu_seqlens_q must describe the group's whole packed buffer: it ends at {end} but "
+            f"{d} rank(s) x {total // d} local tokens = {total}"
+        )
+    return cu
+
+
+__all__ = [
+    "HSPPackedSeqParams",
+    "apply_rope_packed",
+    "group_packed_seq_params",
+    "positions_in_documents",
+]
