@@ -9,6 +9,7 @@ the buffer contract and names what is violated.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -57,33 +58,47 @@ def group_packed_seq_params(
     cu_seqlens: torch.Tensor,
     group: dist.ProcessGroup | None,
     hybrid: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] | None = None,
-) -> PackedSeqParams:
-    """The ``PackedSeqParams`` the HSP attention expects for one micro-batch (docs/runtime.md).
+    *,
+    cu_host: Sequence[int] | None = None,
+    max_seqlen: int | None = None,
+    layout_ring: int | None = None,
+) -> HSPPackedSeqParams:
+    """The ``PackedSeqParams`` the HSP attention expects for one micro-batch (docs/runtime.md);
+    the one builder (``schedule.packed_seq_params`` calls it with what dispatch knows).
 
     ``cu_seqlens``: int32 boundaries of the group's whole buffer (documents, then the trailing
     padding segment), ``cu_seqlens[-1]`` a multiple of the group size. ``max_seqlen`` covers the
     padding segment too, because it sizes megatron's RoPE table. ``hybrid``: the group's
     (Ulysses sub-group, ring sub-group) from ``GroupRegistry.hybrid`` when its ring degree > 1;
-    None runs pure Ulysses over ``group``.
+    None runs pure Ulysses over ``group``. ``cu_host``/``max_seqlen``: the same boundaries and
+    longest segment on the host when the caller has them (dispatch does), so nothing is read
+    back from the device; ``layout_ring``: the ring degree dispatch laid the tokens out for,
+    which attention checks against the degree it runs with.
     """
+    host = [int(x) for x in (cu_seqlens.tolist() if cu_host is None else cu_host)]
     d = 1 if group is None else group.size()
-    total = int(cu_seqlens[-1])
+    total = host[-1] if host else 0
     if total % d:
         raise ValueError(
             f"packed buffer of {total} tokens is not a multiple of the group size {d}: pad it "
             f"with one trailing segment of {-total % d} tokens"
         )
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    if max_seqlen is None:
+        max_seqlen = max((b - a for a, b in itertools.pairwise(host)), default=0)
     cu = cu_seqlens.to(torch.int32)
-    state: dict = {"cu_host": [int(x) for x in cu_seqlens.tolist()]}
+    state: dict = {"cu_host": host}
+    if layout_ring is not None:
+        state["layout_ring"] = layout_ring
     if hybrid is not None and hybrid[1] is not None and hybrid[1].size() > 1:
         state["hybrid"] = hybrid
     return HSPPackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
+        cu_seqlens_q_padded=cu,  # the same object: no padding between sequences
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=int(max_seqlen),
+        max_seqlen_kv=int(max_seqlen),
         cp_group=group,
         local_cp_size=d,
         hsp_micro_batch=state,

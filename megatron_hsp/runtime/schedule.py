@@ -35,7 +35,7 @@ from megatron_hsp.runtime.loss import (
     microbatch_loss,
     reduce_step_loss,
 )
-from megatron_hsp.runtime.packed import HSPPackedSeqParams
+from megatron_hsp.runtime.packed import group_packed_seq_params
 
 
 @dataclass
@@ -60,28 +60,13 @@ def packed_seq_params(
     ``hybrid``: the block's (Ulysses, ring) sub-groups (``GroupRegistry.hybrid``) when it runs
     ring attention; the attention reads them from the params' per-micro-batch cache.
     """
-    cu = torch.from_numpy(pack.cu_seqlens).to(device)
-    # Host-side state every layer shares, known here without reading anything back from the
-    # device: the bounds, and the token layout dispatch used (``layout.rank_tokens``), which
-    # attention checks against the ring degree it runs with, so a plan/registry split mismatch
-    # fails loudly.
-    state: dict = {
-        "cu_host": [int(x) for x in pack.cu_seqlens],
-        "layout_ring": pack.ring,
-    }
-    if hybrid is not None:
-        state["hybrid"] = hybrid
-    return HSPPackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cu,
-        cu_seqlens_kv_padded=cu,
-        max_seqlen_q=pack.max_seqlen,
-        max_seqlen_kv=pack.max_seqlen,
-        cp_group=group,
-        local_cp_size=pack.group_size,
-        hsp_micro_batch=state,
+    return group_packed_seq_params(
+        torch.from_numpy(pack.cu_seqlens).to(device),
+        group,
+        hybrid,
+        cu_host=pack.cu_seqlens.tolist(),  # numpy on the host: no device read-back
+        max_seqlen=pack.max_seqlen,
+        layout_ring=pack.ring,
     )
 
 
