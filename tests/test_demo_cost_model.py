@@ -13,7 +13,7 @@ from megatron_hsp.commands.demo import prediction_summary
 
 
 def _demo(tmp_path, monkeypatch, *extra: str) -> dict:
-    import megatron_hsp.megatron.data as data
+    import megatron_hsp.step.corpus as data
 
     few = data.stdlib_sources()[:40]
     monkeypatch.setattr(data, "stdlib_sources", lambda: few)

@@ -5,20 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_hsp.megatron.data import (
-    EOD_TOKEN,
-    DocumentIndex,
-    DocumentReader,
-    GlobalBatchSampler,
-    SamplerConfig,
-    build_stdlib_corpus,
-    write_indexed_dataset,
-)
-from megatron_hsp.megatron.data import (
-    split_top_level as data_split,
-)
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
+from megatron_hsp.step.corpus import EOD_TOKEN, build_stdlib_corpus, write_indexed_dataset
+from megatron_hsp.step.corpus import split_top_level as data_split
+from megatron_hsp.step.documents import DocumentIndex, DocumentReader
+from megatron_hsp.step.sampler import GlobalBatchSampler, Piece, SamplerConfig
 
 LENGTHS = [5, 1, 40, 7, 300, 12, 9, 64, 2, 130, 18, 3, 77, 26, 0, 51]
 
@@ -163,7 +155,7 @@ def test_split_piece_reads_the_right_slice(corpus):
 
 
 def test_stdlib_corpus_is_cached(tmp_path, monkeypatch):
-    import megatron_hsp.megatron.data as data
+    import megatron_hsp.step.corpus as data
 
     few = data.stdlib_sources()[:20]
     monkeypatch.setattr(data, "stdlib_sources", lambda: few)
@@ -172,7 +164,7 @@ def test_stdlib_corpus_is_cached(tmp_path, monkeypatch):
     assert c1.built and not c2.built and c1.prefix == c2.prefix
     ix = DocumentIndex(c1.prefix)
     assert len(ix) == c1.num_docs > 20  # top-level definitions, not files
-    first = DocumentReader(ix).read(data.Piece(0, 0, int(ix.lengths[0])))
+    first = DocumentReader(ix).read(Piece(0, 0, int(ix.lengths[0])))
     assert first[-1] == EOD_TOKEN
     assert few[0].read_bytes().startswith(bytes(first[:-1].astype(np.uint8)))
 

@@ -18,7 +18,7 @@ pytestmark = [
 
 
 def test_demo_json_contract(tmp_path, monkeypatch, capsys):
-    import megatron_hsp.megatron.data as data
+    import megatron_hsp.step.corpus as data
     from megatron_hsp.cli import main
 
     few = data.stdlib_sources()[:40]

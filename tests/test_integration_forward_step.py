@@ -34,19 +34,15 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
     from megatron_hsp.commands.demo import DEMO_COST_MODEL, DEMO_MODEL
     from megatron_hsp.megatron import hooks
     from megatron_hsp.megatron.args import HSPConfig
-    from megatron_hsp.megatron.data import (
-        DEMO_VOCAB_SIZE,
-        DocumentIndex,
-        DocumentReader,
-        GlobalBatchSampler,
-        SamplerConfig,
-    )
-    from megatron_hsp.megatron.pipeline import StepPipeline
-    from megatron_hsp.megatron.planner_service import PlannerService, PlannerSpec
     from megatron_hsp.runtime.agreement import agree_on_plan
     from megatron_hsp.runtime.dispatch import GlobalBatch
     from megatron_hsp.runtime.groups import create_groups
     from megatron_hsp.runtime.schedule import run_step
+    from megatron_hsp.step.corpus import DEMO_VOCAB_SIZE
+    from megatron_hsp.step.documents import DocumentIndex, DocumentReader
+    from megatron_hsp.step.pipeline import StepPipeline
+    from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
+    from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
     from megatron_hsp.testing.dist import tiny_gpt_model
     from megatron_hsp.testing.megatron_loop import MegatronDocuments
     from megatron_hsp.testing.reference import ModelShape, reference_model, reference_step
@@ -160,7 +156,7 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
 def test_forward_step_hook_matches_stock_megatron_and_is_consistent_with_run_step(tmp_path):
     import numpy as np
 
-    from megatron_hsp.megatron.data import write_indexed_dataset
+    from megatron_hsp.step.corpus import write_indexed_dataset
     from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
     rng = np.random.default_rng(0)

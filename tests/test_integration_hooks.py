@@ -17,9 +17,9 @@ import pytest
 from tests_support_args import parse
 
 from megatron_hsp.megatron import hooks, install, patches
-from megatron_hsp.megatron.observe import StepObserver, StepRecord, group_imbalance
 from megatron_hsp.planner.errors import HSPError
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
+from megatron_hsp.step.observe import StepObserver, StepRecord, group_imbalance
 
 
 @pytest.fixture()

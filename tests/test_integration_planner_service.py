@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from megatron_hsp.megatron.planner_service import PlannerService, PlannerSpec
 from megatron_hsp.planner.errors import HSPError, InfeasibleError
+from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
 
 
 def spec(**options) -> PlannerSpec:

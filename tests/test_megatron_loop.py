@@ -170,7 +170,8 @@ def test_every_plant_has_a_test():
 def test_the_stock_reader_is_megatrons_and_sees_a_shifted_hsp_reader(tmp_path):
     """The stock side's tokens come from megatron-core's IndexedDataset, not DocumentReader: they
     agree on the clean reader and disagree once DocumentReader starts one token late."""
-    from megatron_hsp.megatron.data import DocumentIndex, DocumentReader, Piece
+    from megatron_hsp.step.documents import DocumentIndex, DocumentReader
+    from megatron_hsp.step.sampler import Piece
 
     prefix = str(tmp_path / "docs")
     write_corpus(prefix)

@@ -120,7 +120,7 @@ def test_refused_fit_exits_2_naming_the_flag(
 def test_demo_accepts_the_profile(profiled, tmp_path, monkeypatch):
     import json
 
-    import megatron_hsp.megatron.data as data
+    import megatron_hsp.step.corpus as data
 
     few = data.stdlib_sources()[:40]
     monkeypatch.setattr(data, "stdlib_sources", lambda: few)
@@ -196,8 +196,8 @@ def test_in_situ_rows_cancel_what_every_size_pays():
 def test_a_step_prediction_adds_the_profiled_per_step_cost():
     """Fails before: predictions were the plan's micro-batches alone, short of every measured
     step by the gradient all-reduce and optimizer step the profile had measured."""
-    from megatron_hsp.megatron.observe import StepRecord
     from megatron_hsp.planner.costmodel import load_cost_model
+    from megatron_hsp.step.observe import StepRecord
     from megatron_hsp.testing.manual_plan import manual_plan
 
     spec = {

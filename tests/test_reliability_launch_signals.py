@@ -29,7 +29,7 @@ import json, os, sys, tempfile, time
 sys.path.insert(0, {tests!r})
 import torch
 import torch.distributed as dist
-from megatron_hsp.megatron.planner_service import PlannerService, PlannerSpec
+from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
 
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_hsp.megatron.data import GlobalBatchSampler, SamplerConfig
-from megatron_hsp.megatron.pipeline import StepPipeline
-from megatron_hsp.megatron.planner_service import PlannerService, PlannerSpec
+from megatron_hsp.step.pipeline import StepPipeline
+from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
+from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
 
 COST = {
     "name": "resume-test",

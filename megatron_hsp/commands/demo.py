@@ -149,16 +149,6 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     import torch
     import torch.distributed as dist
 
-    from megatron_hsp.megatron.data import (
-        DEMO_VOCAB_SIZE,
-        DocumentIndex,
-        DocumentReader,
-        GlobalBatchSampler,
-        SamplerConfig,
-    )
-    from megatron_hsp.megatron.observe import StepRecord, layout_summary
-    from megatron_hsp.megatron.pipeline import StepPipeline
-    from megatron_hsp.megatron.planner_service import PlannerService, PlannerSpec
     from megatron_hsp.planner.baselines import static_plan
     from megatron_hsp.planner.costmodel import load_cost_model
     from megatron_hsp.planner.errors import HSPError
@@ -166,6 +156,12 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     from megatron_hsp.runtime.dispatch import GlobalBatch
     from megatron_hsp.runtime.groups import create_groups
     from megatron_hsp.runtime.schedule import run_step
+    from megatron_hsp.step.corpus import DEMO_VOCAB_SIZE
+    from megatron_hsp.step.documents import DocumentIndex, DocumentReader
+    from megatron_hsp.step.observe import StepRecord, layout_summary
+    from megatron_hsp.step.pipeline import StepPipeline
+    from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
+    from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
     from megatron_hsp.testing.dist import tiny_gpt_model
 
     device = torch.device("cpu")
@@ -446,9 +442,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from megatron_hsp.megatron.data import build_stdlib_corpus
     from megatron_hsp.planner.errors import InputError
     from megatron_hsp.planner.units import check_range
+    from megatron_hsp.step.corpus import build_stdlib_corpus
 
     check_range(args.steps, "--steps", low=1, high=10**6)
     check_range(args.compare_steps, "--compare-steps", low=0)

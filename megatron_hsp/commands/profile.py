@@ -23,7 +23,7 @@ import numpy as np
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from megatron_hsp.commands.demo import DEMO_MODEL
-    from megatron_hsp.megatron.data import DEMO_VOCAB_SIZE
+    from megatron_hsp.step.corpus import DEMO_VOCAB_SIZE
 
     parser.add_argument("--out", metavar="FILE.yaml", required=True, help="cost model to write")
     parser.add_argument("--force", action="store_true", help="overwrite --out if the file exists")

@@ -25,10 +25,10 @@ from functools import partial
 from typing import Any
 
 from megatron_hsp.megatron.args import HSPConfig
-from megatron_hsp.megatron.observe import StepObserver, StepRecord
-from megatron_hsp.megatron.pipeline import PreparedStep, StepPipeline
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.units import tokens_to_k
+from megatron_hsp.step.observe import StepObserver, StepRecord
+from megatron_hsp.step.pipeline import PreparedStep, StepPipeline
 
 
 @dataclass
@@ -81,16 +81,12 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     import torch
     import torch.distributed as dist
 
-    from megatron_hsp.megatron.data import (
-        DocumentIndex,
-        DocumentReader,
-        GlobalBatchSampler,
-        SamplerConfig,
-    )
-    from megatron_hsp.megatron.planner_service import PlannerService, PlannerSpec
     from megatron_hsp.planner.costmodel import load_cost_model
     from megatron_hsp.runtime.agreement import agree_on_plan
     from megatron_hsp.runtime.groups import create_groups_from_megatron
+    from megatron_hsp.step.documents import DocumentIndex, DocumentReader
+    from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
+    from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
 
     cfg = run.config
     run.registry = create_groups_from_megatron(

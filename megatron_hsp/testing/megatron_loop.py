@@ -216,7 +216,7 @@ DEFAULT_OPTIONS = (
 
 def write_corpus(prefix: str, num_docs: int = 64, seed: int = 7) -> None:
     """A small indexed dataset of documents of very different lengths (2..200 tokens)."""
-    from megatron_hsp.megatron.data import write_indexed_dataset
+    from megatron_hsp.step.corpus import write_indexed_dataset
 
     rng = np.random.default_rng(seed)
     lengths = rng.choice([2, 5, 17, 40, 90, 130, 200], size=num_docs)

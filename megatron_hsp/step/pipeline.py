@@ -16,9 +16,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_hsp.megatron.data import DocumentBatch, DocumentReader, GlobalBatchSampler
-from megatron_hsp.megatron.planner_service import PlannerService
 from megatron_hsp.planner.plan import Plan
+from megatron_hsp.step.documents import DocumentReader
+from megatron_hsp.step.planner_service import PlannerService
+from megatron_hsp.step.sampler import DocumentBatch, GlobalBatchSampler
 
 
 @dataclass

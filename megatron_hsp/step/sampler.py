@@ -1,30 +1,18 @@
-"""Whole documents from a Megatron indexed dataset, sampled into global batches.
+"""Global batches of whole documents.
 
 Megatron's ``GPTDataset`` cuts the token stream into fixed ``--seq-length`` samples, which destroys
 exactly the length heterogeneity HSP exploits. Here a global batch is a set of whole documents:
-
-* ``DocumentIndex`` reads document lengths from the ``.idx`` alone (no token is touched);
-* ``GlobalBatchSampler`` draws batches from a seeded per-epoch permutation, by document count
-  (``--global-batch-size``) or by token budget (``--hsp-token-budget``), applies the overlong
-  policy (``error`` / ``drop`` / ``split``, every drop and split counted), and resumes exactly from
-  its ``state_dict`` (or by replaying ``n`` steps, which only reads lengths);
-* ``DocumentReader`` reads the tokens of the documents one rank trains, and nothing else;
-* ``build_stdlib_corpus`` writes the demo corpus (Python's own standard library, byte-level tokens)
-  with megatron-core's ``IndexedDatasetBuilder``.
+``GlobalBatchSampler`` draws batches from a seeded per-epoch permutation, by document count
+(``--global-batch-size``) or by token budget (``--hsp-token-budget``), applies the overlong policy
+(``error`` / ``drop`` / ``split``, every drop and split counted), and resumes exactly from its
+``state_dict`` (or by replaying ``n`` steps, which only reads lengths). It reads lengths only.
 """
 
 from __future__ import annotations
 
-import ast
 import hashlib
-import itertools
-import os
-import sys
-import sysconfig
-import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,37 +20,6 @@ import numpy as np
 from megatron_hsp.planner.errors import InputError
 
 OVERLONG_POLICIES = ("error", "drop", "split")
-
-
-# ---------------------------------------------------------------------------------------- index
-class DocumentIndex:
-    """Document lengths (tokens) of a Megatron indexed dataset, from its ``.idx`` file only.
-
-    A Megatron document is the run of sequences between consecutive ``document_indices``
-    (one sequence per document unless the corpus was preprocessed with ``--split-sentences``).
-    """
-
-    def __init__(self, prefix: str | os.PathLike[str]) -> None:
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-        self.prefix = str(prefix)
-        for suffix in (".idx", ".bin"):
-            if not Path(self.prefix + suffix).is_file():
-                raise InputError(
-                    f"indexed dataset {self.prefix!r}: {self.prefix + suffix} not found; pass the "
-                    "path prefix without .bin/.idx (e.g. --data-path my-corpus_text_document)"
-                )
-        # mmap=True keeps the .bin mapped, not read; only .idx arrays are touched here.
-        self.dataset = IndexedDataset(self.prefix, mmap=True)
-        seq_lengths = np.asarray(self.dataset.sequence_lengths, dtype=np.int64)
-        doc_idx = np.asarray(self.dataset.document_indices, dtype=np.int64)
-        self.first_sequence = doc_idx[:-1]
-        self.num_sequences = np.diff(doc_idx)
-        csum = np.concatenate([[0], np.cumsum(seq_lengths)])
-        self.lengths = csum[doc_idx[1:]] - csum[doc_idx[:-1]]
-
-    def __len__(self) -> int:
-        return len(self.lengths)
 
 
 # -------------------------------------------------------------------------------------- sampler
@@ -280,140 +237,3 @@ class GlobalBatchSampler:
             f"{policy}, {self.skipped_short} documents under {c.min_length} tokens skipped, "
             f"{self.dropped_tokens} tokens never trained"
         )
-
-
-# --------------------------------------------------------------------------------------- reader
-class DocumentReader:
-    """Reads the tokens of single pieces; a rank calls it only for the pieces its groups train."""
-
-    def __init__(self, index: DocumentIndex) -> None:
-        self.index = index
-        self.tokens_read = 0
-
-    def read(self, piece: Piece) -> np.ndarray:
-        ds, ix = self.index.dataset, self.index
-        first, count = int(ix.first_sequence[piece.doc]), int(ix.num_sequences[piece.doc])
-        if count == 1:
-            out = ds.get(first, offset=piece.offset, length=piece.length)
-        else:  # sentence-split corpus: concatenate the document's sequences, then cut
-            whole = np.concatenate([ds[i] for i in range(first, first + count)])
-            out = whole[piece.offset : piece.offset + piece.length]
-        self.tokens_read += len(out)
-        return np.asarray(out, dtype=np.int64)
-
-    def read_for_rank(self, batch: DocumentBatch, plan: Any, slot: int) -> dict[int, np.ndarray]:
-        """Tokens of every sequence this slot's groups train in ``plan`` (keyed by seq id)."""
-        wanted = sorted({s for mb in plan.microbatches for s in mb.group_of(slot).seq_ids})
-        return {s: self.read(batch.pieces[s]) for s in wanted}
-
-    def documents_for_rank(self, batch: DocumentBatch, plan: Any, slot: int) -> list[np.ndarray]:
-        """All of the batch's documents in seq-id order, as the runtime's ``GlobalBatch`` takes
-        them, with real tokens only where this slot trains them: the others are zero
-        placeholders of the right length (dispatch reads only the slot's own groups)."""
-        mine = self.read_for_rank(batch, plan, slot)
-        return [
-            mine[s] if s in mine else np.zeros(p.length, dtype=np.int64)
-            for s, p in enumerate(batch.pieces)
-        ]
-
-
-# --------------------------------------------------------------------------------- demo corpus
-BYTE_VOCAB = 256
-EOD_TOKEN = (
-    256  # appended to every document, as Megatron's preprocess_data.py does with --append-eod
-)
-DEMO_VOCAB_SIZE = 264  # 257 rounded up to a multiple of 8
-
-
-def stdlib_sources(limit: int | None = None) -> list[Path]:
-    """The standard library's ``.py`` files, sorted: a real, heavy-tailed corpus in every Python."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-    return files[:limit] if limit else files
-
-
-def write_indexed_dataset(prefix: str | os.PathLike[str], docs: Iterable[np.ndarray]) -> int:
-    """Write documents as a Megatron indexed dataset (``prefix.bin`` / ``prefix.idx``)."""
-    import torch
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    prefix = str(prefix)
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    n = 0
-    for doc in docs:
-        builder.add_item(torch.from_numpy(np.asarray(doc, dtype=np.int64)))
-        builder.end_document()
-        n += 1
-    builder.finalize(prefix + ".idx")
-    return n
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("MEGATRON_HSP_CACHE") or os.environ.get("XDG_CACHE_HOME")
-    return Path(base) / "megatron-hsp" if base else Path.home() / ".cache" / "megatron-hsp"
-
-
-@dataclass
-class Corpus:
-    prefix: Path
-    num_docs: int
-    source: str
-    built: bool = field(default=False)
-
-
-def split_top_level(source: bytes) -> list[bytes]:
-    """A module's source cut at its top-level ``def`` / ``class`` statements (decorators
-    included), plus the module header: the natural documents of a code corpus, heavy-tailed in
-    length from one-line helpers to thousand-line classes. Unparsable files stay whole."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return [source]
-    lines = source.splitlines(keepends=True)
-    starts = [
-        min([n.lineno, *(d.lineno for d in n.decorator_list)]) - 1
-        for n in tree.body
-        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
-    ]
-    bounds = sorted({0, *starts, len(lines)})
-    chunks = [b"".join(lines[a:b]) for a, b in itertools.pairwise(bounds)]
-    return [c for c in chunks if c.strip()]
-
-
-def build_stdlib_corpus(
-    cache_dir: str | os.PathLike[str] | None = None, *, wait: bool = False, timeout_s: float = 900
-) -> Corpus:
-    """Byte-level tokens of the standard library's top-level definitions (one document each),
-    built once per Python version; ``num_docs`` is -1 when the cached copy is reused."""
-    files = stdlib_sources()
-    sizes = sum(p.stat().st_size for p in files)
-    key = hashlib.sha256(f"v2|{sys.version}|{len(files)}|{sizes}".encode()).hexdigest()[:12]
-    out = Path(cache_dir) if cache_dir else default_cache_dir()
-    prefix = out / f"stdlib-bytes-{key}"
-    source = (
-        f"top-level definitions of the {len(files)} .py files of Python "
-        f"{sys.version.split()[0]}'s standard library, byte tokens"
-    )
-    ready = lambda: Path(str(prefix) + ".idx").is_file() and Path(str(prefix) + ".bin").is_file()  # noqa: E731
-    if wait:  # another process (local rank 0) builds it
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            if time.monotonic() > deadline:
-                raise InputError(f"corpus {prefix} was not built within {timeout_s:.0f} s")
-            time.sleep(0.5)
-    if ready():
-        return Corpus(prefix, -1, source)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".tmp-{os.getpid()}-{prefix.name}"
-
-    def docs() -> Iterator[np.ndarray]:
-        for p in files:
-            for chunk in split_top_level(p.read_bytes()):
-                data = np.frombuffer(chunk, dtype=np.uint8).astype(np.int64)
-                yield np.append(data, EOD_TOKEN)
-
-    n = write_indexed_dataset(tmp, docs())
-    # Atomic publish: concurrent builders (several ranks, two demos) never see half a file.
-    os.replace(str(tmp) + ".bin", str(prefix) + ".bin")
-    os.replace(str(tmp) + ".idx", str(prefix) + ".idx")
-    return Corpus(prefix, n, source, built=True)

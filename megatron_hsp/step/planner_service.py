@@ -32,7 +32,7 @@ from megatron_hsp.planner.units import tokens_to_k
 
 log = logging.getLogger("megatron_hsp.planner_service")
 
-DEFAULT_PLANNER = "megatron_hsp.megatron.planner_service:solve_with_planner"
+DEFAULT_PLANNER = "megatron_hsp.step.planner_service:solve_with_planner"
 
 
 @dataclass(frozen=True)

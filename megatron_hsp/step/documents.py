@@ -1,0 +1,83 @@
+"""Whole documents of a Megatron indexed dataset: their lengths, and the tokens a rank trains.
+
+* ``DocumentIndex`` reads document lengths from the ``.idx`` alone (no token is touched);
+* ``DocumentReader`` reads the tokens of the documents one rank trains, and nothing else, so a
+  rank's reads are proportional to its own share of the global batch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatron_hsp.planner.errors import InputError
+from megatron_hsp.step.sampler import DocumentBatch, Piece
+
+
+# ---------------------------------------------------------------------------------------- index
+class DocumentIndex:
+    """Document lengths (tokens) of a Megatron indexed dataset, from its ``.idx`` file only.
+
+    A Megatron document is the run of sequences between consecutive ``document_indices``
+    (one sequence per document unless the corpus was preprocessed with ``--split-sentences``).
+    """
+
+    def __init__(self, prefix: str | os.PathLike[str]) -> None:
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        self.prefix = str(prefix)
+        for suffix in (".idx", ".bin"):
+            if not Path(self.prefix + suffix).is_file():
+                raise InputError(
+                    f"indexed dataset {self.prefix!r}: {self.prefix + suffix} not found; pass the "
+                    "path prefix without .bin/.idx (e.g. --data-path my-corpus_text_document)"
+                )
+        # mmap=True keeps the .bin mapped, not read; only .idx arrays are touched here.
+        self.dataset = IndexedDataset(self.prefix, mmap=True)
+        seq_lengths = np.asarray(self.dataset.sequence_lengths, dtype=np.int64)
+        doc_idx = np.asarray(self.dataset.document_indices, dtype=np.int64)
+        self.first_sequence = doc_idx[:-1]
+        self.num_sequences = np.diff(doc_idx)
+        csum = np.concatenate([[0], np.cumsum(seq_lengths)])
+        self.lengths = csum[doc_idx[1:]] - csum[doc_idx[:-1]]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+# --------------------------------------------------------------------------------------- reader
+class DocumentReader:
+    """Reads the tokens of single pieces; a rank calls it only for the pieces its groups train."""
+
+    def __init__(self, index: DocumentIndex) -> None:
+        self.index = index
+        self.tokens_read = 0
+
+    def read(self, piece: Piece) -> np.ndarray:
+        ds, ix = self.index.dataset, self.index
+        first, count = int(ix.first_sequence[piece.doc]), int(ix.num_sequences[piece.doc])
+        if count == 1:
+            out = ds.get(first, offset=piece.offset, length=piece.length)
+        else:  # sentence-split corpus: concatenate the document's sequences, then cut
+            whole = np.concatenate([ds[i] for i in range(first, first + count)])
+            out = whole[piece.offset : piece.offset + piece.length]
+        self.tokens_read += len(out)
+        return np.asarray(out, dtype=np.int64)
+
+    def read_for_rank(self, batch: DocumentBatch, plan: Any, slot: int) -> dict[int, np.ndarray]:
+        """Tokens of every sequence this slot's groups train in ``plan`` (keyed by seq id)."""
+        wanted = sorted({s for mb in plan.microbatches for s in mb.group_of(slot).seq_ids})
+        return {s: self.read(batch.pieces[s]) for s in wanted}
+
+    def documents_for_rank(self, batch: DocumentBatch, plan: Any, slot: int) -> list[np.ndarray]:
+        """All of the batch's documents in seq-id order, as the runtime's ``GlobalBatch`` takes
+        them, with real tokens only where this slot trains them: the others are zero
+        placeholders of the right length (dispatch reads only the slot's own groups)."""
+        mine = self.read_for_rank(batch, plan, slot)
+        return [
+            mine[s] if s in mine else np.zeros(p.length, dtype=np.int64)
+            for s, p in enumerate(batch.pieces)
+        ]
