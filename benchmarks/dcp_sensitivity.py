@@ -17,7 +17,8 @@ import sys
 from megatron_hsp.commands.common import Setup, add_common_arguments, build_setup
 from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
 from megatron_hsp.planner.baselines import RingAssumptions, dp_balanced_best_degree
-from megatron_hsp.planner.bench import HspOptions, hsp_plan_fn
+from megatron_hsp.planner.bench import hsp_plan_fn
+from megatron_hsp.planner.settings import PlannerSettings
 
 
 def variants(gpus_per_node: int) -> list[tuple[str, RingAssumptions]]:
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup = build_setup(args)
     batches = [setup.sampler.batch(i).lengths for i in range(args.steps)]
-    hsp = hsp_plan_fn(setup.cost, setup.cluster, HspOptions(sizes=setup.sizes))
+    hsp = hsp_plan_fn(setup.cost, setup.cluster, PlannerSettings(sizes=setup.sizes))
     hsp_total = sum(hsp(b).est_step_ms for b in batches) / 1e3
     print(f"hsp total over {args.steps} batches: {hsp_total:.2f} s\n")
     print("| assumption | megatron-dcp | hsp speedup | dp-balanced (best CP) | hsp speedup |")

@@ -12,9 +12,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from megatron_hsp.planner.bench import HspOptions, run_bench
+from megatron_hsp.planner.bench import run_bench
 from megatron_hsp.planner.costmodel import flexsp_cost_model
 from megatron_hsp.planner.lengths import BatchSampler, read_lengths
+from megatron_hsp.planner.settings import PlannerSettings
 from megatron_hsp.planner.topology import Cluster
 
 DATA = Path("../shared/data/wikipedia_lengths.txt.gz")
@@ -28,7 +29,7 @@ def main() -> int:
     sampler = BatchSampler(read_lengths(DATA), 512, "sequential", 192_000, overlong="drop")
     batches = [sampler.batch(i) for i in range(10)]
     methods = ["hsp", "static-64", "batchada", "lower-bound"]
-    res = run_bench(batches, cost, Cluster(64, 8), methods, hsp=HspOptions())
+    res = run_bench(batches, cost, Cluster(64, 8), methods, hsp=PlannerSettings())
     for name, total in res["summary"]["total_step_s"].items():
         print(f"{name:12s} {total:8.3f} s")
     return 0

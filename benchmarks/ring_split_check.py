@@ -18,9 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_hsp.planner.bench import HspOptions, hsp_plan_fn
+from megatron_hsp.planner.bench import hsp_plan_fn
 from megatron_hsp.planner.costmodel import CostModel, load_cost_model
 from megatron_hsp.planner.lengths import BatchSampler, read_lengths
+from megatron_hsp.planner.settings import PlannerSettings
 from megatron_hsp.planner.topology import Cluster
 
 DATA = Path("../shared/data/wikipedia_lengths.txt.gz")
@@ -75,7 +76,7 @@ def main() -> int:
     cost = load_cost_model("flexsp-gpt-7b", world_size=64, gpus_per_node=8, max_seq_k=192)
     best = BestOfSplits(**{f.name: getattr(cost, f.name) for f in dataclasses.fields(cost)})
     totals = [
-        sum(hsp_plan_fn(c, cluster, HspOptions())(b).est_step_ms for b in batches) / 1e3
+        sum(hsp_plan_fn(c, cluster, PlannerSettings())(b).est_step_ms for b in batches) / 1e3
         for c in (cost, best)
     ]
     print(

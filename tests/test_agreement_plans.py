@@ -20,6 +20,8 @@ SCENARIOS = (
     "heads",
     "planner-error",
     "batch-differs",
+    "recorded-split",
+    "resolved",
 )
 
 
@@ -56,7 +58,34 @@ def _scenario(rank, scenario, reg):
         plan = agree_on_plan(_plan(0) if rank == 0 else None, mode="broadcast")
         mine = [9, 5, 3, 2, 7] if rank == 3 else LENGTHS
         agree_no_problems(plan.problems(lengths=mine, world_size=4))
+    if scenario == "recorded-split":  # the plan says ring 2; the registry made none for size 2
+        plan = _with_split(_plan(0), 2, (1, 2))
+        check_executable(agree_on_plan(plan), reg)
+    if scenario == "resolved":  # unrecorded splits take the registry's (no heads: pure Ulysses)
+        from megatron_hsp.runtime.agreement import resolve_splits
+
+        plan = resolve_splits(agree_on_plan(_plan(0)), reg)
+        check_executable(plan, reg, lengths=LENGTHS)
+        return sorted({(g.size, g.ulysses, g.ring) for mb in plan.microbatches for g in mb.groups})
     return "no error"
+
+
+def _with_split(plan, size, split):
+    import dataclasses
+
+    return dataclasses.replace(
+        plan,
+        microbatches=tuple(
+            dataclasses.replace(
+                mb,
+                groups=tuple(
+                    dataclasses.replace(g, ulysses=split[0], ring=split[1]) if g.size == size else g
+                    for g in mb.groups
+                ),
+            )
+            for mb in plan.microbatches
+        ),
+    )
 
 
 def _worker(rank, world_size):
@@ -100,12 +129,18 @@ def test_same_plan_and_broadcast_agree(results):
         ("world", "PlanError", "plan is for 8 sequence-parallel ranks but 4 are running"),
         ("missing-size", "PlanError", "group sizes [4] have no pre-created process group"),
         ("heads", "PlanError", "group sizes [2] run ring attention for this model (3 query"),
+        ("recorded-split", "PlanError", "groups (size, ulysses, ring) [(2, 1, 2)] differ"),
     ],
 )
 def test_bad_plan_raises_on_every_rank(results, scenario, error, text):
     got = [r[scenario] for r in results]
     assert {kind for kind, _ in got} == {error}, got
     assert all(text in msg for _, msg in got), got[0]
+
+
+@pytest.mark.dist
+def test_unrecorded_splits_resolve_to_the_registrys(results):
+    assert [r["resolved"] for r in results] == [("ok", [(1, 1, 1), (2, 2, 1)])] * 4
 
 
 def test_head_rules():

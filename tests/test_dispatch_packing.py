@@ -156,3 +156,62 @@ def test_packed_seq_params_match_the_attention_contract():
     assert ours.qkv_format == theirs.qkv_format == "thd"
     assert ours.local_cp_size == theirs.local_cp_size == 4
     assert torch.equal(ours.cu_seqlens_q_padded, ours.cu_seqlens_q)  # "None or equal"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 60), min_size=1, max_size=12),
+    size=st.sampled_from([1, 2, 4]),
+    mbs=st.integers(1, 3),
+)
+def test_a_ranks_share_dispatches_like_the_whole_batch(lengths, size, mbs):
+    """``GlobalBatch.for_rank`` (every length, only the slot's own documents) packs exactly what
+    the whole batch packs for that slot, and holds no token of another group's documents."""
+    batch = _batch(lengths, seed=len(lengths))
+    plan = round_robin_plan(4, lengths, size, mbs)
+    for slot in range(4):
+        mine = sorted({s for mb in plan.microbatches for s in mb.group_of(slot).seq_ids})
+        share = GlobalBatch.for_rank(lengths, {s: batch.document(s) for s in mine})
+        assert share.tokens.size == sum(lengths[s] for s in mine)
+        assert share.num_loss_tokens == batch.num_loss_tokens
+        for a, b in zip(dispatch(share, plan, slot), dispatch(batch, plan, slot), strict=True):
+            for name in ("input_ids", "labels", "loss_mask", "position_ids", "cu_seqlens"):
+                assert np.array_equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_a_share_refuses_documents_it_does_not_hold_and_bad_lengths():
+    lengths = [5, 3, 4, 2]
+    plan = manual_plan(2, lengths, [[(1, [0, 1]), (1, [2, 3])]])
+    batch = _batch(lengths)
+    share = GlobalBatch.for_rank(lengths, {0: batch.document(0), 1: batch.document(1)})
+    dispatch(share, plan, 0)
+    with pytest.raises(InputError, match=r"does not hold documents \[2, 3\]"):
+        dispatch(share, plan, 1)
+    with pytest.raises(InputError, match="document 1 has 2 tokens but the batch says 3"):
+        GlobalBatch.for_rank(lengths, {1: [1, 2]})
+    with pytest.raises(InputError, match="token accounting needs the whole batch"):
+        check_token_accounting(share, plan, {0: [], 1: []})
+
+
+def test_dispatch_lays_tokens_out_by_the_recorded_split():
+    """The layout's ring degree is the plan's recorded ``Group.ring`` (unrecorded: 1)."""
+    import dataclasses
+
+    lengths = [9, 7]
+    plan = manual_plan(4, lengths, [[(4, [0, 1])]])
+    batch = _batch(lengths)
+    assert {p.ring for p in dispatch(batch, plan, 0)} == {1}
+    (mb,) = plan.microbatches
+    ringed = dataclasses.replace(
+        plan,
+        microbatches=(
+            dataclasses.replace(
+                mb, groups=tuple(dataclasses.replace(g, ulysses=2, ring=2) for g in mb.groups)
+            ),
+        ),
+    )
+    packs = {s: dispatch(batch, ringed, s)[0] for s in range(4)}
+    assert {p.ring for p in packs.values()} == {2}
+    # Ring 2 over 4 ranks: the load-balanced chunk layout, not contiguous quarters.
+    assert not np.array_equal(packs[0].position_ids, np.arange(packs[0].position_ids.size))
+    check_token_accounting(batch, ringed, {s: [p] for s, p in packs.items()})

@@ -72,7 +72,7 @@ def test_full_config_and_forced_per_token_loss():
     cfg = validate_hsp_args(args, env={})
     assert cfg.world_size == 8 and cfg.gpus_per_node == 4
     assert cfg.group_sizes == (1, 2, 3, 4, 8)  # every size up to a node of 4, then nodes
-    assert cfg.max_seq == 192_000 and cfg.solver == "cbc" and cfg.overlong == "split"
+    assert cfg.max_seq == 192_000 and cfg.planner.solver == "cbc" and cfg.overlong == "split"
     assert cfg.global_batch_docs == 64 and cfg.token_budget is None
     assert cfg.seed == 1234
     assert args.calculate_per_token_loss is True

@@ -140,8 +140,13 @@ def test_reader_reads_only_this_ranks_documents(corpus):
         p = batch.pieces[s]
         assert np.array_equal(tokens, docs[p.doc][p.offset : p.offset + p.length])
     assert reader.tokens_read == batch.lengths[0] + batch.lengths[3]
-    full = reader.documents_for_rank(batch, plan, 1)
-    assert [len(d) for d in full] == batch.lengths and not full[1].any()
+    share = reader.batch_for_rank(batch, plan, 1)
+    # Every length, but only this slot's tokens: memory follows the slot's share.
+    assert share.lengths.tolist() == batch.lengths
+    assert share.tokens.size == batch.lengths[0] + batch.lengths[3] < batch.tokens
+    assert np.array_equal(share.document(3), mine[3])
+    with pytest.raises(InputError, match=r"does not hold documents \[1\]"):
+        share.document(1)
 
 
 def test_split_piece_reads_the_right_slice(corpus):

@@ -34,8 +34,8 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
     from megatron_hsp.commands.demo import DEMO_COST_MODEL, DEMO_MODEL
     from megatron_hsp.megatron import hooks
     from megatron_hsp.megatron.args import HSPConfig
+    from megatron_hsp.planner.settings import PlannerSettings
     from megatron_hsp.runtime.agreement import agree_on_plan
-    from megatron_hsp.runtime.dispatch import GlobalBatch
     from megatron_hsp.runtime.groups import create_groups
     from megatron_hsp.runtime.schedule import run_step
     from megatron_hsp.step.corpus import DEMO_VOCAB_SIZE
@@ -54,7 +54,13 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
     )
     planner = None
     if rank == 0:
-        spec = PlannerSpec(DEMO_COST_MODEL, world, world, 1024, sizes=(1, 2), time_budget_s=0.3)
+        spec = PlannerSpec(
+            DEMO_COST_MODEL,
+            world,
+            world,
+            1024,
+            settings=PlannerSettings(time_budget_s=0.3, sizes=(1, 2)),
+        )
         planner = PlannerService(spec, background=False)
     config = HSPConfig(
         cost_model="demo",
@@ -62,9 +68,7 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
         gpus_per_node=world,
         memory_cap_gb=None,
         max_seq=1024,
-        solver="highs",
-        time_budget_s=0.3,
-        group_sizes=(1, 2),
+        planner=PlannerSettings(time_budget_s=0.3, sizes=(1, 2)),
         overlong="split",
         global_batch_docs=None,
         token_budget=3000,
@@ -79,6 +83,7 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
         planner=planner,
         is_planning_rank=rank == 0,
         agree=lambda p: agree_on_plan(p, mode="broadcast"),
+        registry=registry,
     )
     model = tiny_gpt_model(**DEMO_MODEL, vocab_size=DEMO_VOCAB_SIZE, max_sequence_length=1024)
     # The stock reference with the same weights (the HSP spec keeps megatron's parameter names).
@@ -98,7 +103,7 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
     prepared = run.current
     n_mb = hooks.current_num_microbatches(run)
     it = hooks._MicroBatchIterator(run)
-    total_tokens = GlobalBatch.from_documents(prepared.documents).num_loss_tokens
+    total_tokens = prepared.tokens.num_loss_tokens
     model.zero_grad(set_to_none=True)
     loss_sum = torch.zeros(())
     tokens = torch.zeros((), dtype=torch.int)
@@ -117,7 +122,7 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
     ]
     for g in grads:
         dist.all_reduce(g)
-    # Every document of the step (``prepared.documents`` holds real tokens for this slot's
+    # Every document of the step (``prepared.tokens`` holds real tokens for this slot's
     # sequences only), read with megatron-core's own IndexedDataset.
     megatron_docs = MegatronDocuments(prefix)
     everything = [megatron_docs.read(p.doc, p.offset, p.length) for p in prepared.batch.pieces]
@@ -130,7 +135,7 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
     ref = run_step(
         model,
         prepared.plan,
-        GlobalBatch.from_documents(prepared.documents),
+        prepared.tokens,
         registry,
         grad_group=None,
         device=torch.device("cpu"),

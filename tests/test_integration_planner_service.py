@@ -8,6 +8,7 @@ import time
 import pytest
 
 from megatron_hsp.planner.errors import HSPError, InfeasibleError
+from megatron_hsp.planner.settings import PlannerSettings
 from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
 
 
@@ -85,7 +86,7 @@ def test_production_planner_in_the_background_process():
         world_size=8,
         gpus_per_node=8,
         max_seq=192 * 1024,
-        time_budget_s=0.5,
+        settings=PlannerSettings(time_budget_s=0.5),
     )
     lengths = [28_000, 16_000, 9_000, 6_000, 3_000, 2_000, 1_000, 500] * 2
     cost = load_cost_model("flexsp-gpt-7b", world_size=8, gpus_per_node=8, max_seq_k=192)

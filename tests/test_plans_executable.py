@@ -81,8 +81,9 @@ def test_flexsp_presets_at_384k_on_64_gpus_are_executable() -> None:
 def test_every_baseline_plan_in_bench_is_executable() -> None:
     """``bench`` with a model that has heads: every method's plans run (Megatron CP as (1, d))."""
     from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
-    from megatron_hsp.planner.bench import HspOptions, run_bench
+    from megatron_hsp.planner.bench import run_bench
     from megatron_hsp.planner.lengths import GlobalBatch
+    from megatron_hsp.planner.settings import PlannerSettings
 
     cost = load_cost_model("flexsp-gpt-7b", world_size=64, gpus_per_node=8, max_seq_k=384)
     cluster = Cluster(64, 8)
@@ -100,7 +101,7 @@ def test_every_baseline_plan_in_bench_is_executable() -> None:
         cost,
         cluster,
         methods,
-        hsp=HspOptions(time_budget_s=0.3),
+        hsp=PlannerSettings(time_budget_s=0.3),
         extra_methods={"megatron-dcp": lambda: lambda b: megatron_dcp_plan(b, cost, cluster)},
     )
     assert set(out["methods"]) == set(methods)

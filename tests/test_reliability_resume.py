@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron_hsp.planner.settings import PlannerSettings
 from megatron_hsp.step.pipeline import StepPipeline
 from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
 from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
@@ -26,12 +27,14 @@ LENGTHS = np.random.default_rng(5).integers(1, 3000, 400)
 class _NoTokens:
     """The reader is irrelevant to resume (it maps plans to tokens); return no documents."""
 
-    def documents_for_rank(self, batch, plan, slot):
-        return []
+    def batch_for_rank(self, batch, plan, slot):
+        return None
 
 
 def _pipeline() -> StepPipeline:
-    spec = PlannerSpec(COST, world_size=4, gpus_per_node=4, max_seq=4096, solver="greedy")
+    spec = PlannerSpec(
+        COST, world_size=4, gpus_per_node=4, max_seq=4096, settings=PlannerSettings("greedy")
+    )
     sampler = GlobalBatchSampler(
         LENGTHS, SamplerConfig(seed=7, max_length=4096, token_budget=6000, overlong="split")
     )

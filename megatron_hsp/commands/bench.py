@@ -17,9 +17,10 @@ from megatron_hsp.commands.common import (
     config_dict,
     import_warnings_summarised,
 )
-from megatron_hsp.planner.bench import DEFAULT_METHODS, HspOptions, PlanFn, parse_methods, run_bench
+from megatron_hsp.planner.bench import DEFAULT_METHODS, PlanFn, parse_methods, run_bench
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.plan import Plan
+from megatron_hsp.planner.settings import PlannerSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +73,7 @@ def run_from_args(
         setup.cost,
         setup.cluster,
         methods,
-        hsp=HspOptions(args.solver, args.time_budget, setup.sizes, args.seed),
+        hsp=PlannerSettings(args.solver, args.time_budget, setup.sizes, args.seed),
         sizes=setup.sizes,
         extra_methods={"megatron-dcp": lambda: _megatron_dcp(setup)},
         plans_sink={"hsp": hsp_plans} if hsp_plans is not None else None,

@@ -20,6 +20,7 @@ from megatron_hsp.planner.lengths import (
     parse_max_seq,
     read_lengths,
 )
+from megatron_hsp.planner.settings import DEFAULT_SOLVER, DEFAULT_TIME_BUDGET_S, MILP_SOLVERS
 from megatron_hsp.planner.topology import Cluster
 from megatron_hsp.planner.units import check_range
 
@@ -77,9 +78,14 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="per-GPU memory cap (default: the cost model's, 30 for flexsp-*)",
     )
-    parser.add_argument("--solver", choices=("highs", "cbc"), default="highs", help="MILP backend")
     parser.add_argument(
-        "--time-budget", type=float, default=1.0, help="hsp wall-clock budget per batch (s)"
+        "--solver", choices=MILP_SOLVERS, default=DEFAULT_SOLVER, help="MILP backend"
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=DEFAULT_TIME_BUDGET_S,
+        help="hsp wall-clock budget per batch (s)",
     )
     parser.add_argument(
         "--sizes",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatron_hsp.commands.common import add_verbose_argument, import_warnings_summarised
+from megatron_hsp.planner.settings import SOLVERS, PlannerSettings
 
 # A cost model for the demo's tiny GPT on CPU ranks. The memory cap (tokens_per_rank) is what
 # makes plans heterogeneous: a document over 1024 tokens needs a group of 2, over 2048 a group of
@@ -42,6 +44,8 @@ DEMO_COST_MODEL: dict[str, Any] = {
         "tokens_per_rank": 1024,
     },
 }
+# The demo's steps take about a second on CPU ranks: half the training default's plan budget.
+DEMO_TIME_BUDGET_S = 0.5
 DEMO_MAX_TOKEN_BUDGET = 262_144  # tokens per step on CPU ranks
 DEMO_MAX_GLOBAL_BATCH = 4096  # documents per step
 DEMO_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2)
@@ -56,8 +60,9 @@ class DemoConfig:
     seed: int = 0
     lr: float = 3e-3
     compare_steps: int = 3
-    time_budget_s: float = 0.5
-    solver: str = "highs"
+    planner: PlannerSettings = field(
+        default_factory=lambda: PlannerSettings(time_budget_s=DEMO_TIME_BUDGET_S)
+    )
     cache_dir: str | None = None
     corpus_prefix: str = ""
     quiet: bool = False
@@ -90,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="batches re-run with static groups for the side-by-side (default 3; 0: skip)",
     )
-    parser.add_argument("--solver", choices=("highs", "cbc", "greedy"), default="highs")
+    parser.add_argument("--solver", choices=SOLVERS, default="highs")
     parser.add_argument(
         "--cost-model",
         default=None,
@@ -152,16 +157,14 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     from megatron_hsp.planner.baselines import static_plan
     from megatron_hsp.planner.costmodel import load_cost_model
     from megatron_hsp.planner.errors import HSPError
-    from megatron_hsp.runtime.agreement import agree_on_plan
-    from megatron_hsp.runtime.dispatch import GlobalBatch
     from megatron_hsp.runtime.groups import create_groups
     from megatron_hsp.runtime.schedule import run_step
     from megatron_hsp.step.corpus import DEMO_VOCAB_SIZE
     from megatron_hsp.step.documents import DocumentIndex, DocumentReader
     from megatron_hsp.step.observe import StepRecord, layout_summary
-    from megatron_hsp.step.pipeline import StepPipeline
-    from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
-    from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
+    from megatron_hsp.step.pipeline import build_step_pipeline
+    from megatron_hsp.step.planner_service import PlannerSpec
+    from megatron_hsp.step.sampler import SamplerConfig
     from megatron_hsp.testing.dist import tiny_gpt_model
 
     device = torch.device("cpu")
@@ -173,35 +176,24 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     sizes = registry.sizes
     max_len = cost.max_trainable_length(list(sizes))
     index = DocumentIndex(cfg.corpus_prefix)
-    sampler_cfg = SamplerConfig(
-        seed=cfg.seed,
-        max_length=max_len,
-        global_batch_docs=cfg.global_batch,
-        token_budget=cfg.token_budget,
-        overlong="split",
-    )
-    planner = None
-    if rank == 0:
-        planner = PlannerService(
-            PlannerSpec(
-                cost_model=cfg.cost_model,
-                world_size=world_size,
-                gpus_per_node=gpus_per_node,
-                max_seq=max_len,
-                solver=cfg.solver,
-                time_budget_s=cfg.time_budget_s,
-                sizes=tuple(sizes),
-                seed=cfg.seed,
-            )
-        )
-    pipeline = StepPipeline(
-        GlobalBatchSampler(index.lengths, sampler_cfg),
-        DocumentReader(index),
-        slot=registry.slot,
-        world_size=world_size,
-        planner=planner,
-        is_planning_rank=rank == 0,
-        agree=lambda plan: agree_on_plan(plan, mode="broadcast"),
+    pipeline = build_step_pipeline(
+        PlannerSpec(
+            cost_model=cfg.cost_model,
+            world_size=world_size,
+            gpus_per_node=gpus_per_node,
+            max_seq=max_len,
+            settings=dataclasses.replace(cfg.planner, sizes=tuple(sizes), seed=cfg.seed),
+        ),
+        index,
+        SamplerConfig(
+            seed=cfg.seed,
+            max_length=max_len,
+            global_batch_docs=cfg.global_batch,
+            token_budget=cfg.token_budget,
+            overlong="split",
+        ),
+        registry,
+        rank=rank,
     )
     pipeline.prime()  # step 0 is planned while the model is built
     model = tiny_gpt_model(
@@ -222,7 +214,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
             result = run_step(
                 model,
                 prepared.plan,
-                GlobalBatch.from_documents(prepared.documents),
+                prepared.tokens,
                 registry,
                 grad_group=None,
                 device=device,
@@ -271,8 +263,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
                 )
         sampler_report = pipeline.report()  # trained batches, not the prefetched one
     finally:
-        if planner is not None:
-            planner.close()
+        pipeline.close()
 
     # Side-by-side on the same batches and the same weights: no optimizer step, so both layouts
     # see identical parameters (the model is warm from training).
@@ -297,7 +288,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
                     batch.lengths, cost, registry.cluster, degree
                 )
             for name, plan in plans.items():
-                docs = GlobalBatch.from_documents(reader.documents_for_rank(batch, plan, rank))
+                docs = reader.batch_for_rank(batch, plan, registry.slot)
                 dist.barrier()
                 t0 = time.perf_counter()
                 run_step(model, plan, docs, registry, grad_group=None, device=device)
@@ -488,7 +479,7 @@ def _run(args: argparse.Namespace) -> int:
         global_batch=args.global_batch,
         seed=args.seed,
         compare_steps=min(args.compare_steps, args.steps),
-        solver=args.solver,
+        planner=PlannerSettings(solver=args.solver, time_budget_s=DEMO_TIME_BUDGET_S),
         cache_dir=args.cache_dir,
         corpus_prefix=str(corpus.prefix),
         quiet=quiet,

@@ -13,9 +13,10 @@ from megatron_hsp.commands.common import (
     import_warnings_summarised,
 )
 from megatron_hsp.planner.baselines import memory_model_for
-from megatron_hsp.planner.bench import HspOptions, hsp_plan_fn, lower_bound_fn, parse_methods
+from megatron_hsp.planner.bench import hsp_plan_fn, lower_bound_fn, parse_methods
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.plan import Plan
+from megatron_hsp.planner.settings import PlannerSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +44,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     cost, cluster = setup.cost, setup.cluster
     t0 = time.perf_counter()
     if method == "hsp":
-        opts = HspOptions(args.solver, args.time_budget, setup.sizes, args.seed)
+        opts = PlannerSettings(args.solver, args.time_budget, setup.sizes, args.seed)
         plan = hsp_plan_fn(cost, cluster, opts)(lengths)
     elif method == "megatron-dcp":
         from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan

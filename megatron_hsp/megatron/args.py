@@ -20,10 +20,15 @@ from typing import Any
 from megatron_hsp.planner import units
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import COMMUNICATOR_GB, DEFAULT_MAX_COMMUNICATORS
+from megatron_hsp.planner.settings import (
+    DEFAULT_SOLVER,
+    DEFAULT_TIME_BUDGET_S,
+    SOLVERS,
+    PlannerSettings,
+)
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
-SOLVERS = ("highs", "cbc", "greedy")
 OVERLONG_POLICIES = ("error", "drop", "split")
 DEFAULT_COST_MODEL = "flexsp-gpt-7b"
 
@@ -97,12 +102,13 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="Longest document the cost model is sized for (e.g. 192k); default --seq-length.",
     )
-    g.add_argument("--hsp-solver", choices=SOLVERS, default="highs", help="Planner backend.")
+    g.add_argument("--hsp-solver", choices=SOLVERS, default=DEFAULT_SOLVER, help="Planner backend.")
     g.add_argument(
         "--hsp-time-budget-s",
         type=float,
-        default=1.0,
-        help="Wall-clock budget per plan; the best plan found by then is used (default 1.0).",
+        default=DEFAULT_TIME_BUDGET_S,
+        help="Wall-clock budget per plan; the best plan found by then is used (default "
+        f"{DEFAULT_TIME_BUDGET_S:g}).",
     )
     g.add_argument(
         "--hsp-group-sizes",
@@ -183,9 +189,7 @@ class HSPConfig:
     gpus_per_node: int  # slots per node (GPUs per node / tensor-parallel size)
     memory_cap_gb: float | None
     max_seq: int
-    solver: str
-    time_budget_s: float
-    group_sizes: tuple[int, ...]
+    planner: PlannerSettings  # solver, budget, allowed group sizes (always set here), seed
     overlong: str
     global_batch_docs: int | None
     token_budget: int | None
@@ -194,6 +198,12 @@ class HSPConfig:
     log_interval: int = 1
     background_planner: bool = True
     notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def group_sizes(self) -> tuple[int, ...]:
+        """The group sizes the run pre-creates and plans with."""
+        assert self.planner.sizes is not None
+        return self.planner.sizes
 
 
 def _sizes_the_cost_model_prices(
@@ -581,19 +591,23 @@ def validate_hsp_args(
                 + ", ".join(f"{d} = {space.split(d)[0]} x {space.split(d)[1]}" for d in ringed)
             )
 
+    seed = args.hsp_seed if args.hsp_seed is not None else int(_get(args, "seed", 1234))
     return HSPConfig(
         cost_model=args.hsp_cost_model,
         world_size=sp_world,
         gpus_per_node=slots_per_node,
         memory_cap_gb=memory_cap_gb,
         max_seq=int(max_seq),
-        solver=args.hsp_solver,
-        time_budget_s=float(args.hsp_time_budget_s),
-        group_sizes=tuple(sizes),
+        planner=PlannerSettings(
+            solver=args.hsp_solver,
+            time_budget_s=float(args.hsp_time_budget_s),
+            sizes=tuple(sizes),
+            seed=seed,
+        ),
         overlong=args.hsp_overlong,
         global_batch_docs=None if args.hsp_token_budget else int(gbs),
         token_budget=args.hsp_token_budget,
-        seed=args.hsp_seed if args.hsp_seed is not None else int(_get(args, "seed", 1234)),
+        seed=seed,
         plan_log=args.hsp_plan_log,
         log_interval=args.hsp_log_interval,
         background_planner=not args.hsp_sync_planner,

@@ -82,55 +82,32 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     import torch.distributed as dist
 
     from megatron_hsp.planner.costmodel import load_cost_model
-    from megatron_hsp.runtime.agreement import agree_on_plan
     from megatron_hsp.runtime.groups import create_groups_from_megatron
-    from megatron_hsp.step.documents import DocumentIndex, DocumentReader
-    from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
-    from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
+    from megatron_hsp.step.documents import DocumentIndex
+    from megatron_hsp.step.pipeline import build_step_pipeline
+    from megatron_hsp.step.planner_service import PlannerSpec
+    from megatron_hsp.step.sampler import SamplerConfig
 
     cfg = run.config
     run.registry = create_groups_from_megatron(
         cfg.gpus_per_node, sizes=cfg.group_sizes, heads=_head_space()
     )
-    cost = load_cost_model(
-        cfg.cost_model,
+    spec = PlannerSpec(
+        cost_model=cfg.cost_model,
         world_size=cfg.world_size,
         gpus_per_node=cfg.gpus_per_node,
-        max_seq_k=tokens_to_k(cfg.max_seq),
+        max_seq=cfg.max_seq,
         memory_cap_gb=cfg.memory_cap_gb,
+        settings=cfg.planner,
+    )
+    cost = load_cost_model(
+        spec.cost_model,
+        world_size=spec.world_size,
+        gpus_per_node=spec.gpus_per_node,
+        max_seq_k=tokens_to_k(spec.max_seq),
+        memory_cap_gb=spec.memory_cap_gb,
     )
     run.step_overhead_ms = cost.step_overhead_ms
-    index = DocumentIndex(data_prefix(args))
-    sampler = GlobalBatchSampler(
-        index.lengths,
-        SamplerConfig(
-            seed=cfg.seed,
-            max_length=cost.max_trainable_length(list(cfg.group_sizes)),
-            global_batch_docs=cfg.global_batch_docs,
-            token_budget=cfg.token_budget,
-            overlong=cfg.overlong,
-        ),
-    )
-    # Resume: Megatron restored args.iteration from the checkpoint; replaying that many batches
-    # reads only lengths and lands on exactly the next unseen batch.
-    sampler.fast_forward(int(getattr(args, "iteration", 0) or 0))
-    rank0 = dist.get_rank() == 0
-    planner = None
-    if rank0:
-        planner = PlannerService(
-            PlannerSpec(
-                cost_model=cfg.cost_model,
-                world_size=cfg.world_size,
-                gpus_per_node=cfg.gpus_per_node,
-                max_seq=cfg.max_seq,
-                memory_cap_gb=cfg.memory_cap_gb,
-                solver=cfg.solver,
-                time_budget_s=cfg.time_budget_s,
-                sizes=cfg.group_sizes,
-                seed=cfg.seed,
-            ),
-            background=cfg.background_planner,
-        )
     # The model's device: CUDA in training; CPU where there is none (``selftest --megatron``).
     run.device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -140,14 +117,22 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     # Megatron's sequence parallelism splits each rank's tokens over the TP group again.
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     run.local_multiple = tp if getattr(args, "sequence_parallel", False) else 1
-    return StepPipeline(
-        sampler,
-        DocumentReader(index),
-        slot=run.registry.slot,
-        world_size=cfg.world_size,
-        planner=planner,
-        is_planning_rank=rank0,
-        agree=partial(agree_on_plan, mode="broadcast"),
+    return build_step_pipeline(
+        spec,
+        DocumentIndex(data_prefix(args)),
+        SamplerConfig(
+            seed=cfg.seed,
+            max_length=cost.max_trainable_length(list(cfg.group_sizes)),
+            global_batch_docs=cfg.global_batch_docs,
+            token_budget=cfg.token_budget,
+            overlong=cfg.overlong,
+        ),
+        run.registry,
+        rank=dist.get_rank(),
+        background=cfg.background_planner,
+        # Resume: Megatron restored args.iteration from the checkpoint; replaying that many
+        # batches reads only lengths and lands on exactly the next unseen batch.
+        resume_steps=int(getattr(args, "iteration", 0) or 0),
     )
 
 
@@ -212,14 +197,12 @@ def begin_step(run: HSPRun) -> None:
     The inputs come from ``schedule.step_inputs``, the one builder ``run_step`` (demo, selftest)
     uses too, so the ring layout and process-group binding cannot differ between them.
     """
-    from megatron_hsp.runtime.dispatch import GlobalBatch
     from megatron_hsp.runtime.schedule import step_inputs
 
     assert run.pipeline is not None
     prepared = run.pipeline.next_step()
-    batch = GlobalBatch.from_documents(prepared.documents)
     run.inputs = step_inputs(
-        batch, prepared.plan, run.registry, run.device, local_multiple=run.local_multiple
+        prepared.tokens, prepared.plan, run.registry, run.device, local_multiple=run.local_multiple
     )
     run.current = prepared
     run.step_started = time.perf_counter()

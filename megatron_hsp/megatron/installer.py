@@ -55,7 +55,8 @@ def install(
         _print0(
             f"HSP on: {config.world_size} sequence-parallel ranks in nodes of "
             f"{config.gpus_per_node}, group sizes {list(config.group_sizes)}, cost model "
-            f"{config.cost_model}, solver {config.solver} ({config.time_budget_s:g} s), "
+            f"{config.cost_model}, solver {config.planner.solver} "
+            f"({config.planner.time_budget_s:g} s), "
             f"overlong={config.overlong}"
         )
         hooks.set_run(hooks.HSPRun(config=config))

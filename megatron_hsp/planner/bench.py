@@ -33,6 +33,7 @@ from megatron_hsp.planner.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.lengths import GlobalBatch
 from megatron_hsp.planner.plan import Plan
+from megatron_hsp.planner.settings import PlannerSettings
 from megatron_hsp.planner.topology import Cluster
 
 PlanFn = Callable[[np.ndarray], Plan]
@@ -41,31 +42,16 @@ _STATIC = re.compile(r"^static-(\d+)$")
 _DP_BALANCED = re.compile(r"^dp-balanced-(\d+)$")
 
 
-@dataclass(frozen=True)
-class HspOptions:
-    """What ``hsp`` passes to the solver (``megatron_hsp.planner.solver.SolverConfig``)."""
-
-    backend: str = "highs"
-    time_budget_s: float = 1.0
-    sizes: tuple[int, ...] | None = None
-    seed: int = 0
-
-
-def hsp_plan_fn(cost: CostModel, cluster: Cluster, options: HspOptions) -> PlanFn:
+def hsp_plan_fn(cost: CostModel, cluster: Cluster, settings: PlannerSettings) -> PlanFn:
     """``hsp``: the MILP planner, imported only when asked for."""
     try:
-        from megatron_hsp.planner.solver import SolverConfig, solve
+        from megatron_hsp.planner.solver import solve
     except ImportError as exc:
         raise InputError(
             f"method hsp needs megatron_hsp.planner.solver, which this build lacks ({exc}); "
             "choose another method: static-N, static-best, batchada or megatron-dcp"
         ) from None
-    config = SolverConfig(
-        backend=options.backend,
-        time_budget_s=options.time_budget_s,
-        sizes=options.sizes,
-        seed=options.seed,
-    )
+    config = settings.solver_config()
     return lambda lengths: solve([int(x) for x in lengths], cost, cluster, config)
 
 
@@ -186,7 +172,7 @@ def run_bench(
     cluster: Cluster,
     methods: Sequence[str],
     *,
-    hsp: HspOptions | None = None,
+    hsp: PlannerSettings | None = None,
     sizes: Sequence[int] | None = None,
     extra_methods: Mapping[str, Callable[[], PlanFn]] | None = None,
     progress: Callable[[str], None] | None = None,
@@ -199,7 +185,7 @@ def run_bench(
     the torch-free methods, so ``planner_peak_rss_mb`` is measured before torch is loaded.
     ``plans_sink`` maps method names to lists that receive that method's plans (for pictures).
     """
-    hsp = hsp or HspOptions()
+    hsp = hsp or PlannerSettings()
     extra_methods = dict(extra_methods or {})
     lengths = [np.asarray(b.lengths, dtype=np.int64) for b in batches]
     if not lengths:

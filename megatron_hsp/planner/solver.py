@@ -31,9 +31,10 @@ from megatron_hsp.planner.improve import improve
 from megatron_hsp.planner.instance import GroupSpec, Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.milp import refine_microbatches, require_cbc
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
+from megatron_hsp.planner.settings import DEFAULT_SOLVER, DEFAULT_TIME_BUDGET_S, MILP_SOLVERS
 from megatron_hsp.planner.topology import Cluster
 
-BACKENDS = ("highs", "cbc")
+BACKENDS = MILP_SOLVERS
 CHUNKINGS = ("time-lpt", "contiguous-tokens", "long-grouped")
 
 
@@ -41,8 +42,8 @@ CHUNKINGS = ("time-lpt", "contiguous-tokens", "long-grouped")
 class SolverConfig:
     """How hard and with what to search. Defaults suit per-step planning during training."""
 
-    backend: str = "highs"  # MILP solver: "highs" (highspy) or "cbc" (COIN-OR CBC binary)
-    time_budget_s: float = 1.0  # hard wall-clock budget for the whole solve
+    backend: str = DEFAULT_SOLVER  # MILP solver: "highs" (highspy) or "cbc" (COIN-OR CBC binary)
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S  # hard wall-clock budget for the whole solve
     sizes: tuple[int, ...] | None = None  # allowed group sizes; None: all that tile and are costed
     seed: int = 0  # MILP solver random seed
     extra_microbatches: int = 3  # counts tried above the memory minimum

@@ -10,6 +10,7 @@ same error on a mismatch or an unexecutable plan.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -115,21 +116,48 @@ def agree_no_problems(
         )
 
 
-def check_executable(
+def resolve_splits(plan: Plan, registry: GroupRegistry) -> Plan:
+    """``plan`` with every group's Ulysses x ring split recorded.
+
+    A planner that knew the model's heads recorded each group's split (``Group.ulysses/ring``);
+    one that did not (a cost model without heads) left 0, and the split is then the one the
+    registry pre-created sub-groups for (``GroupRegistry.split``). Resolved once, when the plan
+    is agreed, on every rank alike (it depends only on the agreed plan and the static setup);
+    from there on dispatch and attention read the recorded split and nothing recomputes it.
+    """
+    if all(g.ulysses for mb in plan.microbatches for g in mb.groups):
+        return plan
+    microbatches = tuple(
+        dataclasses.replace(
+            mb,
+            groups=tuple(
+                g
+                if g.ulysses
+                else dataclasses.replace(
+                    g, ulysses=registry.split(g.size)[0], ring=registry.split(g.size)[1]
+                )
+                for g in mb.groups
+            ),
+        )
+        for mb in plan.microbatches
+    )
+    return dataclasses.replace(plan, microbatches=microbatches)
+
+
+def executable_problems(
     plan: Plan,
     registry: GroupRegistry,
     *,
     num_attention_heads: int | None = None,
     num_query_groups: int | None = None,
     lengths: Sequence[int] | None = None,
-) -> None:
-    """Raise ``PlanError`` (on every rank alike: it depends only on the agreed plan and the
-    static setup) unless this runtime can execute ``plan``.
+) -> list[str]:
+    """Why this runtime cannot execute ``plan``, in sentences (empty: it can).
 
     Checks the plan's own invariants, its world size against the running sequence-parallel world
-    (data x context slots), that every group size has a pre-created process group, and -- given the
-    model's heads -- that every group's Ulysses x ring split can run and is the split the
-    registry pre-created sub-groups for.
+    (data x context slots), that every group size has a pre-created process group, that every
+    recorded Ulysses x ring split is the one the registry pre-created sub-groups for, and -- given
+    the model's heads -- that every split can run.
     """
     n_slots = registry.layout.num_slots
     problems = plan.problems(lengths=lengths, world_size=n_slots)
@@ -152,6 +180,22 @@ def check_executable(
                 f"plan made for {plan.gpus_per_node} slots per node but the job has "
                 f"{registry.cluster.gpus_per_node}; groups at slots {bad[:6]} straddle nodes"
             )
+    wrong = sorted(
+        {
+            (g.size, g.ulysses, g.ring)
+            for mb in plan.microbatches
+            for g in mb.groups
+            if g.ulysses
+            and registry.has_size(g.size)
+            and (g.ulysses, g.ring) != registry.split(g.size)
+        }
+    )
+    if wrong:
+        problems.append(
+            f"groups (size, ulysses, ring) {wrong[:6]} differ from the splits the runtime "
+            "pre-created sub-groups for (groupspace.HeadSpace.split); plan with a cost model of "
+            "this model's heads"
+        )
     if num_attention_heads is not None:
         problems += head_problems(
             plan.group_sizes_used,
@@ -175,20 +219,26 @@ def check_executable(
             )
         if registry.heads is not None:
             problems += groupspace.problems(plan, registry.heads)
-            wrong = sorted(
-                {
-                    (g.size, g.ulysses, g.ring)
-                    for mb in plan.microbatches
-                    for g in mb.groups
-                    if g.ulysses and (g.ulysses, g.ring) != registry.heads.split(g.size)
-                }
-            )
-            if wrong:
-                problems.append(
-                    f"groups (size, ulysses, ring) {wrong[:6]} differ from the splits the "
-                    "runtime pre-created sub-groups for (groupspace.HeadSpace.split); plan with "
-                    "a cost model of this model's heads"
-                )
+    return problems
+
+
+def check_executable(
+    plan: Plan,
+    registry: GroupRegistry,
+    *,
+    num_attention_heads: int | None = None,
+    num_query_groups: int | None = None,
+    lengths: Sequence[int] | None = None,
+) -> None:
+    """Raise ``PlanError`` unless this runtime can execute ``plan`` (``executable_problems``);
+    the same on every rank alike, since it depends only on the agreed plan and the setup."""
+    problems = executable_problems(
+        plan,
+        registry,
+        num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups,
+        lengths=lengths,
+    )
     if problems:
         raise PlanError(problems)
 

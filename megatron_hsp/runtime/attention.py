@@ -286,8 +286,8 @@ class HSPCoreAttention(MegatronModule):
         if layout_ring is not None and layout_ring != r:
             raise ValueError(
                 f"the micro-batch was dispatched in the ring-{layout_ring} token layout but its "
-                f"group runs ring degree {r}: dispatch with the registry's split "
-                "(dispatch(..., ring_of=schedule.registry_ring(registry)))"
+                f"group runs ring degree {r}: record the registry's split in the plan "
+                "(agreement.resolve_splits) before dispatch"
             )
         te_route = getattr(self.backend, "context_parallel", None) if r > 1 else None
         if te_route is not None:

@@ -26,7 +26,7 @@ layout's remainder list), because dispatch runs on the host every step.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,23 +38,58 @@ from megatron_hsp.runtime.layout import rank_tokens
 
 @dataclass(frozen=True)
 class GlobalBatch:
-    """The documents of one global batch, stored flat: document ``i`` is ``tokens[offsets[i]:
-    offsets[i+1]]``. Sequence ids in a ``Plan`` index these documents."""
+    """The documents of one global batch as one rank holds them.
+
+    ``offsets`` are the cumulative lengths of *every* document (the batch's token coordinates:
+    document ``i`` is ``[offsets[i], offsets[i+1])``); sequence ids in a ``Plan`` index these
+    documents. ``tokens`` holds the tokens of the documents this rank has: all of them for a
+    dense batch (``starts`` None, ``from_documents``), or only those its groups train
+    (``for_rank``), at ``tokens[starts[i] : starts[i] + L_i]`` with ``starts[i] = -1`` for a
+    document it does not hold. Why both: a rank's work per step must follow its own share of the
+    batch, not the whole global batch (a 1M-token batch over 256 ranks is 4K tokens per rank),
+    while dispatch, accounting and the loss normalisation need every document's length.
+    """
 
     tokens: np.ndarray
     offsets: np.ndarray
+    starts: np.ndarray | None = None
 
     @classmethod
     def from_documents(cls, documents: Sequence[np.ndarray | Sequence[int]]) -> GlobalBatch:
         arrays = [np.asarray(d, dtype=np.int64).reshape(-1) for d in documents]
         lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
-        if lengths.size and lengths.min() < 1:
-            empty = np.flatnonzero(lengths < 1)[:8].tolist()
-            raise InputError(f"documents {empty} are empty; every document needs >= 1 token")
+        _check_nonempty(lengths)
         offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
         return cls(tokens=tokens, offsets=offsets)
+
+    @classmethod
+    def for_rank(
+        cls, lengths: Sequence[int] | np.ndarray, held: Mapping[int, np.ndarray]
+    ) -> GlobalBatch:
+        """A rank's share: every document's length, the tokens of the documents in ``held``
+        (seq id -> tokens) only. Memory and copies are proportional to what is held."""
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        _check_nonempty(lengths)
+        offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        starts = np.full(lengths.size, -1, dtype=np.int64)
+        parts: list[np.ndarray] = []
+        at = 0
+        for s in sorted(held):
+            a = np.asarray(held[s], dtype=np.int64).reshape(-1)
+            if not 0 <= s < lengths.size:
+                raise InputError(f"held document {s} is outside the batch's 0..{lengths.size - 1}")
+            if a.size != lengths[s]:
+                raise InputError(
+                    f"document {s} has {a.size} tokens but the batch says {int(lengths[s])}"
+                )
+            starts[s] = at
+            parts.append(a)
+            at += a.size
+        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return cls(tokens=tokens, offsets=offsets, starts=starts)
 
     @property
     def num_documents(self) -> int:
@@ -73,8 +108,32 @@ class GlobalBatch:
         """Tokens with a target: ``sum(L - 1)``; the per-token loss of the step divides by this."""
         return self.num_tokens - self.num_documents
 
+    @property
+    def dense(self) -> bool:
+        return self.starts is None
+
+    def token_starts(self, seq_ids: np.ndarray) -> np.ndarray:
+        """Where each of ``seq_ids`` starts in ``tokens``; raises for a document not held."""
+        if self.starts is None:
+            return self.offsets[seq_ids]
+        out = self.starts[seq_ids]
+        if out.size and out.min() < 0:
+            missing = seq_ids[out < 0][:8].tolist()
+            raise InputError(
+                f"this rank does not hold documents {missing}: the plan gives them to its group "
+                "but the batch was read for another slot (GlobalBatch.for_rank)"
+            )
+        return out
+
     def document(self, seq_id: int) -> np.ndarray:
-        return self.tokens[self.offsets[seq_id] : self.offsets[seq_id + 1]]
+        start = int(self.token_starts(np.asarray([seq_id]))[0])
+        return self.tokens[start : start + int(self.lengths[seq_id])]
+
+
+def _check_nonempty(lengths: np.ndarray) -> None:
+    if lengths.size and lengths.min() < 1:
+        empty = np.flatnonzero(lengths < 1)[:8].tolist()
+        raise InputError(f"documents {empty} are empty; every document needs >= 1 token")
 
 
 @dataclass(frozen=True)
@@ -161,8 +220,8 @@ def pack_group_slice(
         raise PlanError(
             [f"micro-batch {microbatch}: sequence ids out of range 0..{batch.num_documents - 1}"]
         )
-    starts = batch.offsets[seq_ids]
-    lens = batch.offsets[seq_ids + 1] - starts
+    starts = batch.token_starts(seq_ids)
+    lens = batch.offsets[seq_ids + 1] - batch.offsets[seq_ids]
     if group.lengths and not np.array_equal(lens, np.asarray(group.lengths, dtype=np.int64)):
         bad = int(np.flatnonzero(lens != np.asarray(group.lengths))[0])
         raise PlanError(
@@ -221,14 +280,12 @@ def dispatch(
     *,
     local_multiple: int = 1,
     pad_id: int = 0,
-    ring_of: Callable[[Group], int] | None = None,
 ) -> list[PackedMicroBatch]:
     """This slot's packed share of every micro-batch of ``plan``, in plan order.
 
-    ``ring_of(group)``: the ring degree the runtime runs ``group`` with (the process-group
-    registry's split, ``schedule.step_inputs`` passes it); default: the split the plan recorded
-    (``Group.ring``; 0, i.e. unrecorded, means 1). The attention refuses a pack whose layout ring
-    degree differs from its own (``attention._forward_thd``).
+    Each group's token layout follows the ring degree the plan recorded (``Group.ring``; 0, i.e.
+    unrecorded, means 1: ``agreement.resolve_splits`` records the registry's split first). The
+    attention refuses a pack whose layout ring degree differs from its own.
     """
     if not 0 <= slot < plan.world_size:
         raise InputError(f"slot {slot} is outside the plan's 0..{plan.world_size - 1}")
@@ -240,14 +297,10 @@ def dispatch(
             microbatch=m,
             local_multiple=local_multiple,
             pad_id=pad_id,
-            ring=(ring_of or _plan_ring)(mb.group_of(slot)),
+            ring=max(1, mb.group_of(slot).ring),
         )
         for m, mb in enumerate(plan.microbatches)
     ]
-
-
-def _plan_ring(group: Group) -> int:
-    return max(1, group.ring)
 
 
 def check_token_accounting(
@@ -260,6 +313,8 @@ def check_token_accounting(
     id, every position but the last carries loss with the next token as label, and padding never
     carries loss.
     """
+    if not batch.dense:
+        raise InputError("token accounting needs the whole batch (GlobalBatch.from_documents)")
     missing_slots = sorted(set(range(plan.world_size)) - set(packs_by_slot))
     if missing_slots:
         raise InputError(f"token accounting needs every slot; missing {missing_slots[:8]}")

@@ -133,6 +133,11 @@ class GroupRegistry:
         self.group(size, block)  # same errors for an unknown size or a foreign block
         return self.hybrids.get((size, block))
 
+    def split(self, size: int) -> tuple[int, int]:
+        """(Ulysses degree, ring degree) this registry's sub-groups run a group of ``size`` with:
+        ``HeadSpace.split`` of the heads it was created for, pure Ulysses without heads."""
+        return (size, 1) if self.heads is None else self.heads.split(size)
+
     def group_for(self, slots: Sequence[int]) -> dist.ProcessGroup:
         """The group for a plan group's slots (an aligned block containing this rank's slot)."""
         size = len(slots)

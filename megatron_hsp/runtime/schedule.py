@@ -88,16 +88,6 @@ def to_model_inputs(
     )
 
 
-def registry_ring(registry: GroupRegistry):
-    """``dispatch``'s ``ring_of``: the ring degree the registry's sub-groups run a group with."""
-
-    def ring_of(group) -> int:
-        hybrid = registry.hybrid(group.size, group.ranks[0] // group.size)
-        return 1 if hybrid is None or hybrid[1] is None else hybrid[1].size()
-
-    return ring_of
-
-
 def step_inputs(
     batch: GlobalBatch,
     plan: Plan,
@@ -107,9 +97,19 @@ def step_inputs(
     local_multiple: int = 1,
 ) -> list[ModelInputs | None]:
     """This rank's model inputs for every micro-batch of ``plan`` (None: its group trains nothing
-    in that micro-batch), each bound to the plan group's process group."""
+    in that micro-batch), each bound to the plan group's process group.
+
+    The token layout follows each group's recorded Ulysses x ring split (``Group.ring``); a plan
+    agreed by ``step.pipeline`` already has every split recorded and checked against the registry
+    (``agreement.resolve_splits`` / ``executable_problems``). A plan that left a split unrecorded
+    (a hand-made one, a cost model without heads) gets the registry's here. The attention
+    refuses a pack whose layout differs from its sub-groups' (``packed.py``), so a recorded split
+    the registry cannot run fails loudly instead of mixing tokens.
+    """
+    from megatron_hsp.runtime.agreement import resolve_splits
+
     packs = dispatch(
-        batch, plan, registry.slot, local_multiple=local_multiple, ring_of=registry_ring(registry)
+        batch, resolve_splits(plan, registry), registry.slot, local_multiple=local_multiple
     )
     return [
         None

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.step.sampler import DocumentBatch, Piece
+
+if TYPE_CHECKING:
+    from megatron_hsp.runtime.dispatch import GlobalBatch
 
 
 # ---------------------------------------------------------------------------------------- index
@@ -72,12 +75,10 @@ class DocumentReader:
         wanted = sorted({s for mb in plan.microbatches for s in mb.group_of(slot).seq_ids})
         return {s: self.read(batch.pieces[s]) for s in wanted}
 
-    def documents_for_rank(self, batch: DocumentBatch, plan: Any, slot: int) -> list[np.ndarray]:
-        """All of the batch's documents in seq-id order, as the runtime's ``GlobalBatch`` takes
-        them, with real tokens only where this slot trains them: the others are zero
-        placeholders of the right length (dispatch reads only the slot's own groups)."""
-        mine = self.read_for_rank(batch, plan, slot)
-        return [
-            mine[s] if s in mine else np.zeros(p.length, dtype=np.int64)
-            for s, p in enumerate(batch.pieces)
-        ]
+    def batch_for_rank(self, batch: DocumentBatch, plan: Any, slot: int) -> GlobalBatch:
+        """This slot's share of ``batch`` as the runtime takes it: every sequence's length, the
+        tokens of only the sequences its groups train. Reads, copies and memory follow the
+        slot's own share, not the global batch (``GlobalBatch.for_rank``)."""
+        from megatron_hsp.runtime.dispatch import GlobalBatch
+
+        return GlobalBatch.for_rank(batch.lengths, self.read_for_rank(batch, plan, slot))

@@ -5,8 +5,14 @@ communication); only rank 0 runs the planner process, and the plan of each step 
 (``runtime.agreement``), because a time-limited MILP solve is not reproducible across ranks.
 The plan of step t+1 is submitted when step t begins, so it is solved while step t trains.
 
-Used by both ways of training: the Megatron ``pretrain()`` hooks (``hooks.py``) and the demo's own
-loop (``commands/demo.py``).
+When the plan is agreed it is checked once: its Ulysses x ring splits are recorded
+(``agreement.resolve_splits``) and everything that decides whether this runtime can execute it
+(``agreement.executable_problems``: plan invariants against this rank's batch, pre-created sizes,
+splits against the registry's sub-groups) is agreed across ranks, so a bad plan stops every rank
+with one message. Each rank then reads only the documents its own groups train.
+
+``build_step_pipeline`` is the one place a pipeline is assembled; the Megatron ``pretrain()``
+hooks (``megatron/hooks.py``) and the demo's own loop (``commands/demo.py``) both call it.
 """
 
 from __future__ import annotations
@@ -14,12 +20,17 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_hsp.planner.plan import Plan
-from megatron_hsp.step.documents import DocumentReader
-from megatron_hsp.step.planner_service import PlannerService
-from megatron_hsp.step.sampler import DocumentBatch, GlobalBatchSampler
+
+if TYPE_CHECKING:
+    from megatron_hsp.runtime.dispatch import GlobalBatch
+    from megatron_hsp.runtime.groups import GroupRegistry
+from megatron_hsp.planner.errors import PlanError
+from megatron_hsp.step.documents import DocumentIndex, DocumentReader
+from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
+from megatron_hsp.step.sampler import DocumentBatch, GlobalBatchSampler, SamplerConfig
 
 
 @dataclass
@@ -29,7 +40,7 @@ class PreparedStep:
     step: int
     batch: DocumentBatch
     plan: Plan
-    documents: list[Any]  # seq-id order; real tokens only for this slot's sequences
+    tokens: GlobalBatch  # this slot's share: every length, tokens of its own groups' sequences
     solve_s: float
     wait_s: float
     prepare_s: float
@@ -48,6 +59,7 @@ class StepPipeline:
         planner: PlannerService | None,
         is_planning_rank: bool,
         agree: Any = None,  # (plan_or_None) -> Plan, collective; None: single process
+        registry: GroupRegistry | None = None,  # records and checks splits; None: plan as is
         lookahead: int = 1,
     ) -> None:
         self.sampler = sampler
@@ -57,6 +69,7 @@ class StepPipeline:
         self.planner = planner
         self.is_planning_rank = is_planning_rank
         self.agree = agree
+        self.registry = registry
         self.lookahead = max(1, lookahead)
         self._queue: deque[tuple[DocumentBatch, dict[str, Any]]] = deque()
         if is_planning_rank and planner is None:
@@ -83,6 +96,11 @@ class StepPipeline:
             raise RuntimeError("load the pipeline state before the first step")
         self.sampler.load_state_dict(state)
 
+    def close(self) -> None:
+        """Stop the planner process (planning rank; a no-op elsewhere)."""
+        if self.planner is not None:
+            self.planner.close()
+
     def prime(self) -> None:
         """Submit the first plan(s) now, e.g. before building the model, so that the planner
         process starts and solves step 0 while the model is built."""
@@ -108,21 +126,64 @@ class StepPipeline:
                 failure = exc  # broadcast in the plan's place: every rank stops with it
         if self.agree is not None:
             plan = self.agree(failure if failure is not None else plan)
-            assert plan is not None
+        assert plan is not None
+        problems = plan.problems(lengths=batch.lengths, world_size=self.world_size)
+        if self.registry is not None:
+            from megatron_hsp.runtime.agreement import executable_problems, resolve_splits
+
+            plan = resolve_splits(plan, self.registry)
+            problems = executable_problems(plan, self.registry, lengths=batch.lengths)
+        if self.agree is not None:
             # Each rank checks the plan against ITS batch; the verdict is agreed, so a rank whose
             # batch differs stops everyone with one message instead of raising alone.
             from megatron_hsp.runtime.agreement import agree_no_problems
 
-            agree_no_problems(plan.problems(lengths=batch.lengths, world_size=self.world_size))
-        assert plan is not None
-        plan.validate(batch.lengths, world_size=self.world_size)
-        documents = self.reader.documents_for_rank(batch, plan, self.slot)
+            agree_no_problems(problems)
+        elif problems:
+            raise PlanError(problems)
+        tokens = self.reader.batch_for_rank(batch, plan, self.slot)
         return PreparedStep(
             step=batch.step,
             batch=batch,
             plan=plan,
-            documents=documents,
+            tokens=tokens,
             solve_s=solve_s,
             wait_s=wait_s,
             prepare_s=time.perf_counter() - t0,
         )
+
+
+def build_step_pipeline(
+    spec: PlannerSpec,
+    index: DocumentIndex,
+    sampler: SamplerConfig,
+    registry: GroupRegistry,
+    *,
+    rank: int,
+    background: bool = True,
+    resume_steps: int = 0,
+) -> StepPipeline:
+    """The step pipeline of one rank of a distributed run (collective use: every rank calls it).
+
+    Every rank samples the same global batches from ``index`` (``sampler``); global rank 0 runs
+    the planner (``spec``, in a background process unless ``background`` is False) and
+    broadcasts each plan; each rank reads the documents of its own groups only. ``resume_steps``
+    replays that many batches (lengths only) so training resumes at the next unseen batch.
+    """
+    from functools import partial
+
+    from megatron_hsp.runtime.agreement import agree_on_plan
+
+    batches = GlobalBatchSampler(index.lengths, sampler)
+    batches.fast_forward(resume_steps)
+    planning = rank == 0
+    return StepPipeline(
+        batches,
+        DocumentReader(index),
+        slot=registry.slot,
+        world_size=spec.world_size,
+        planner=PlannerService(spec, background=background) if planning else None,
+        is_planning_rank=planning,
+        agree=partial(agree_on_plan, mode="broadcast"),
+        registry=registry,
+    )

@@ -28,6 +28,7 @@ from typing import Any
 
 from megatron_hsp.planner.errors import HSPError
 from megatron_hsp.planner.plan import Plan
+from megatron_hsp.planner.settings import PlannerSettings
 from megatron_hsp.planner.units import tokens_to_k
 
 log = logging.getLogger("megatron_hsp.planner_service")
@@ -37,17 +38,18 @@ DEFAULT_PLANNER = "megatron_hsp.step.planner_service:solve_with_planner"
 
 @dataclass(frozen=True)
 class PlannerSpec:
-    """Everything the child needs to build its planner; picklable, no torch objects."""
+    """Everything the child needs to build its planner; picklable, no torch objects.
+
+    The problem (cost model, cluster, longest sequence, memory cap) plus the planner's knobs,
+    ``settings`` (``planner.settings.PlannerSettings``, the one type every entry point uses).
+    """
 
     cost_model: str | dict[str, Any]  # preset name, YAML/JSON path, or a spec mapping
     world_size: int
     gpus_per_node: int
     max_seq: int
     memory_cap_gb: float | None = None
-    solver: str = "highs"
-    time_budget_s: float = 1.0
-    sizes: tuple[int, ...] | None = None
-    seed: int = 0
+    settings: PlannerSettings = field(default_factory=PlannerSettings)
     # "module:function" returning a planner ``(lengths) -> Plan`` for this spec.
     factory: str = DEFAULT_PLANNER
     options: dict[str, Any] = field(default_factory=dict)
@@ -61,7 +63,7 @@ def _import(path: str) -> Callable[..., Any]:
 def solve_with_planner(spec: PlannerSpec) -> Callable[[Sequence[int]], Plan]:
     """The production planner: cost model + MILP solver from ``megatron_hsp.planner``."""
     from megatron_hsp.planner.costmodel import load_cost_model
-    from megatron_hsp.planner.solver import SolverConfig, solve
+    from megatron_hsp.planner.solver import solve
     from megatron_hsp.planner.topology import Cluster
 
     cost = load_cost_model(
@@ -72,14 +74,7 @@ def solve_with_planner(spec: PlannerSpec) -> Callable[[Sequence[int]], Plan]:
         memory_cap_gb=spec.memory_cap_gb,
     )
     cluster = Cluster(spec.world_size, spec.gpus_per_node)
-    # "greedy" is the solver's MILP-free mode (fast, status "heuristic").
-    config = SolverConfig(
-        backend="highs" if spec.solver == "greedy" else spec.solver,
-        time_budget_s=spec.time_budget_s,
-        sizes=spec.sizes,
-        seed=spec.seed,
-        use_milp=spec.solver != "greedy",
-    )
+    config = spec.settings.solver_config()
     return lambda lengths: solve(list(lengths), cost, cluster, config)
 
 
@@ -88,18 +83,18 @@ def build_planner(spec: PlannerSpec) -> Callable[[Sequence[int]], Plan]:
 
 
 def fallback_spec(spec: PlannerSpec) -> PlannerSpec:
-    """The safe fallback planner: the production cost model, greedy only, a 0.2 s budget.
+    """The safe fallback planner: the production cost model, greedy only, a short budget.
 
     Why greedy: it is the solver's bounded first phase (no MILP), so it answers in about its
     budget even when the full search is what made the plan late. A custom ``factory`` keeps its
     own planner, with the same short budget.
     """
-    return dataclasses.replace(spec, solver="greedy", time_budget_s=min(0.2, spec.time_budget_s))
+    return dataclasses.replace(spec, settings=spec.settings.fallback())
 
 
 def default_plan_deadline_s(spec: PlannerSpec) -> float:
     """Default wait for a background plan before the fallback: 20 budgets, at least 30 s."""
-    return max(30.0, 20.0 * spec.time_budget_s)
+    return max(30.0, 20.0 * spec.settings.time_budget_s)
 
 
 def _picklable(exc: BaseException) -> BaseException:
@@ -177,7 +172,7 @@ class PlannerService:
         self.plan_deadline_s = (
             default_plan_deadline_s(spec) if plan_deadline_s == -1.0 else plan_deadline_s
         )
-        self.late_log_s = max(5.0, 2.0 * spec.time_budget_s)
+        self.late_log_s = max(5.0, 2.0 * spec.settings.time_budget_s)
         self.fallbacks: list[int] = []  # steps trained with the fallback plan
         self._fallback = fallback
         self._abandoned: set[int] = set()  # steps whose late background plan is discarded
@@ -264,7 +259,7 @@ class PlannerService:
                         "step %d: plan late, waited %.1f s so far (time budget %.1f s)%s",
                         step,
                         now - t_wait,
-                        self.spec.time_budget_s,
+                        self.spec.settings.time_budget_s,
                         ""
                         if self.plan_deadline_s is None
                         else f"; the fallback plan is used after {self.plan_deadline_s:.0f} s",

@@ -1,0 +1,70 @@
+"""The planner's knobs: one type for every entry point.
+
+Megatron's ``--hsp-*`` flags (``megatron/args.py``), the demo, ``plan``/``bench`` and the
+background planner service all hand the planner the same four choices: which solver, how long it
+may search, which group sizes it may use, and its seed. They used to be re-declared in five
+dataclasses with the default budget written five times; here they are declared once, with the
+defaults, and turned into the solver's own ``SolverConfig`` in one place (``solver_config``).
+
+What is *not* a knob lives elsewhere: the cluster (``topology.Cluster``) and the cost model
+(``costmodel.load_cost_model``), which describe the problem rather than how to search it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatron_hsp.planner.errors import InputError
+
+if TYPE_CHECKING:
+    from megatron_hsp.planner.solver import SolverConfig
+
+# "greedy" is the solver's MILP-free mode (fast, plan status "heuristic"); the others name the
+# MILP backend.
+SOLVERS = ("highs", "cbc", "greedy")
+MILP_SOLVERS = ("highs", "cbc")
+DEFAULT_SOLVER = "highs"
+# Wall-clock budget per plan: the step it plans runs for seconds, and the plan of step t+1 is
+# solved while step t trains (``step/planner_service.py``).
+DEFAULT_TIME_BUDGET_S = 1.0
+# The fallback planner's budget when a background plan is late (greedy only, so it answers in
+# about this long whatever made the full search slow).
+FALLBACK_TIME_BUDGET_S = 0.2
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """How the planner searches: solver, wall-clock budget, allowed group sizes, seed."""
+
+    solver: str = DEFAULT_SOLVER
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S
+    sizes: tuple[int, ...] | None = None  # None: every size the cluster and cost model allow
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.solver not in SOLVERS:
+            raise InputError(f"solver {self.solver!r}: choose one of {', '.join(SOLVERS)}")
+        if not self.time_budget_s > 0:
+            raise InputError(f"the planner's time budget must be > 0 s (got {self.time_budget_s})")
+        if self.sizes is not None:
+            object.__setattr__(self, "sizes", tuple(int(d) for d in self.sizes))
+
+    def solver_config(self) -> SolverConfig:
+        """The solver's own configuration for these settings (the one place they map)."""
+        from megatron_hsp.planner.solver import SolverConfig
+
+        return SolverConfig(
+            backend=DEFAULT_SOLVER if self.solver == "greedy" else self.solver,
+            time_budget_s=self.time_budget_s,
+            sizes=self.sizes,
+            seed=self.seed,
+            use_milp=self.solver != "greedy",
+        )
+
+    def fallback(self) -> PlannerSettings:
+        """The safe fallback when a plan is late: greedy only, a short budget."""
+        return dataclasses.replace(
+            self, solver="greedy", time_budget_s=min(FALLBACK_TIME_BUDGET_S, self.time_budget_s)
+        )
