@@ -1,5 +1,9 @@
 """``megatron-hsp selftest --nproc N [--mutations] [--json]``: distributed HSP steps vs an
-independent single-device reference (CPU), optionally with the planted-bug suite."""
+independent single-device reference (CPU), optionally with the planted-bug suite.
+
+Under ``torchrun`` it is the acceptance kit instead (``testing/acceptance.py``): the launched
+processes, NCCL on their GPUs (gloo with ``--device cpu``), fp32 and bf16 against the fp32
+reference (docs/gpu-validation.md)."""
 
 from __future__ import annotations
 
@@ -30,6 +34,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument(
+        "--dtype",
+        default=None,
+        metavar="fp32,bf16",
+        help="under torchrun: the dtypes the HSP model runs in, each against the fp32 reference "
+        "(default fp32,bf16 on CUDA, fp32 on the CPU)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="under torchrun: where the launched processes run (default cuda when visible)",
+    )
+    parser.add_argument(
+        "--plant",
+        default=None,
+        metavar="MUTATION",
+        help="under torchrun: plant this bug (a name from megatron_hsp/testing/mutations.py, e.g. "
+        "wrong-ring-merge) for the whole run; the kit must then report NOT ACCEPTED",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds before a hung run is killed"
     )
     add_verbose_argument(parser)
@@ -41,6 +65,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from megatron_hsp.planner.errors import InputError
+    from megatron_hsp.testing.acceptance import main as acceptance_main
+    from megatron_hsp.testing.acceptance import under_torchrun
+
+    if under_torchrun():
+        if args.mutations or args.megatron:
+            raise InputError(
+                "--mutations and --megatron run on spawned CPU processes: run them without "
+                "torchrun (megatron-hsp selftest --nproc 4 --mutations --megatron)"
+            )
+        return acceptance_main(args.dtype, args.device, args.json, args.plant)
+    if args.dtype is not None or args.device is not None or args.plant is not None:
+        raise InputError(
+            "--dtype, --device and --plant apply under torchrun (the acceptance kit) only"
+        )
     from megatron_hsp.testing.mutations import MUTATIONS
     from megatron_hsp.testing.selftest import build_cases, case_table, mutation_table, run_selftest
 

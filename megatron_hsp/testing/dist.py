@@ -52,19 +52,55 @@ def init_cpu_megatron(
     ``init_method`` is a ``file://`` or ``tcp://`` URL shared by all ranks. Idempotent for the
     process: a second call with the process group already up only (re)initialises megatron.
     """
+    init_megatron(
+        rank,
+        world_size,
+        init_method,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        seed=seed,
+    )
+
+
+def init_megatron(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    *,
+    device: torch.device | None = None,
+    tensor_model_parallel_size: int = 1,
+    seed: int = 1234,
+) -> None:
+    """torch.distributed and megatron ``parallel_state`` on ``device`` (default: the CPU).
+
+    CPU: gloo and the CPU-safe RNG tracker (module docstring). CUDA: NCCL with the device bound
+    at ``init_process_group`` (``device_id``), so the sub-groups HSP creates are split from the
+    world communicator where torch supports it instead of each being a full new communicator, and
+    megatron's own ``model_parallel_cuda_manual_seed``. Idempotent like ``init_cpu_megatron``.
+    """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mpu_random
 
+    cuda = device is not None and torch.device(device).type == "cuda"
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+        kwargs: dict[str, Any] = {"device_id": torch.device(device)} if cuda else {}
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            **kwargs,
+        )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         create_gloo_process_groups=False,
     )
-    # CPU-safe replacement for model_parallel_cuda_manual_seed (see module docstring).
-    mpu_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    if cuda:
+        mpu_random.model_parallel_cuda_manual_seed(seed)
+    else:
+        # CPU-safe replacement for model_parallel_cuda_manual_seed (see module docstring).
+        mpu_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.manual_seed(seed)
 
 
@@ -89,12 +125,15 @@ def tiny_gpt_model(
     ffn_hidden_size: int | None = None,
     share_embeddings_and_output_weights: bool = False,
     position_embedding_type: str = "rope",
+    device: torch.device | str = "cpu",
     **config_overrides: Any,
 ) -> torch.nn.Module:
-    """A small fp32 megatron-core ``GPTModel`` (RoPE, GQA, no dropout) with HSP attention, on CPU.
+    """A small megatron-core ``GPTModel`` (RoPE, GQA, no dropout) with HSP attention.
 
     Identical weights on every rank for the same ``seed`` (CPU initialisation), so distributed
-    runs can be compared with a single-process reference built the same way.
+    runs can be compared with a single-process reference built the same way. fp32 unless
+    ``config_overrides`` set ``params_dtype``/``bf16``; on ``device`` (a CUDA device keeps
+    megatron's own RoPE class, the CPU gets the placement shim of ``cpu_shims``).
     """
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -126,7 +165,9 @@ def tiny_gpt_model(
         position_embedding_type=position_embedding_type,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
     )
-    return use_cpu_rotary(model)
+    if torch.device(device).type == "cpu":
+        return use_cpu_rotary(model)
+    return model.to(device)
 
 
 def destroy_cpu_megatron() -> None:

@@ -583,16 +583,17 @@ def _plant_one_parameter_not_updated(
 def _plant_reader_start_shift(stack: contextlib.ExitStack) -> None:
     """PLANTED BUG: HSP's ``DocumentReader.read`` starts one token late (an off-by-one start:
     the piece's tokens shifted by one, the last one padded with token 0)."""
-    from megatron_hsp.megatron import data
+    from megatron_hsp.step.documents import DocumentReader
+    from megatron_hsp.step.sampler import Piece
 
-    original = data.DocumentReader.read
+    original = DocumentReader.read
 
     def read(self: Any, piece: Any) -> np.ndarray:
-        shifted = original(self, data.Piece(piece.doc, piece.offset + 1, piece.length - 1))
+        shifted = original(self, Piece(piece.doc, piece.offset + 1, piece.length - 1))
         return np.append(shifted, 0)
 
-    data.DocumentReader.read = read
-    stack.callback(setattr, data.DocumentReader, "read", original)
+    DocumentReader.read = read
+    stack.callback(setattr, DocumentReader, "read", original)
 
 
 PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {

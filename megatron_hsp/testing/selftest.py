@@ -296,8 +296,9 @@ def build_cases(nproc: int) -> list[Case]:
 # ---------------------------------------------------------------------------------- model
 
 
-def build_model(shape: ModelShape):
-    """The HSP side: megatron-core ``GPTModel`` with the HSP attention spec, CPU, fp32.
+def build_model(shape: ModelShape, device: Any = "cpu", dtype: str = "fp32"):
+    """The HSP side: megatron-core ``GPTModel`` with the HSP attention spec (CPU fp32 unless the
+    acceptance kit asks for a device and bf16).
 
     Untied embeddings (GPTModel's default), so the output layer's gradient is compared on its
     own; the TP size comes from megatron's parallel state (the tp=2 case). Initialised from
@@ -318,7 +319,19 @@ def build_model(shape: ModelShape):
         attention_backend="torch",
         tensor_model_parallel_size=_tp_size(),
         calculate_per_token_loss=True,
+        device=device,
+        **_dtype_config(dtype),
     )
+
+
+def _dtype_config(dtype: str) -> dict[str, Any]:
+    import torch
+
+    if dtype == "fp32":
+        return {}
+    if dtype == "bf16":
+        return {"bf16": True, "params_dtype": torch.bfloat16}
+    raise InputError(f"dtype {dtype!r}: choose fp32 or bf16")
 
 
 def _tp_size() -> int:
@@ -362,7 +375,7 @@ def full_gradients(model) -> dict[str, Any]:
             parts = [torch.empty_like(g) for _ in range(tp)]
             dist.all_gather(parts, g.contiguous(), group=ps.get_tensor_model_parallel_group())
             g = torch.cat(parts, dim=p.partition_dim)
-        out[name] = g.detach().clone()
+        out[name] = g.detach().float().cpu()  # compared with the fp32 host-CPU reference
     return out
 
 
@@ -412,21 +425,29 @@ class _WorkerState:
     model: Any = None
     registry: Any = None
     key: tuple[int, ModelShape] | None = None
+    device: Any = None  # None: the CPU (the selftest); a CUDA device under the acceptance kit
+    dtype: str = "fp32"
     registries: dict[tuple[int, HeadSpace], Any] = field(default_factory=dict)
 
     def for_case(self, case: Case) -> None:
         from megatron.core import parallel_state as ps
 
         from megatron_hsp.runtime.groups import create_groups_from_megatron
-        from megatron_hsp.testing.dist import init_cpu_megatron
+        from megatron_hsp.testing.dist import init_megatron
 
         shape = case.model_shape(self.shape)
         if self.key == (case.tp, shape):
             return
         if ps.get_tensor_model_parallel_world_size() != case.tp:
             # Re-initialise megatron's static groups (dist stays up; init_method unused).
-            init_cpu_megatron(self.rank, self.world_size, "", tensor_model_parallel_size=case.tp)
-        self.model = build_model(shape)
+            init_megatron(
+                self.rank,
+                self.world_size,
+                "",
+                device=self.device,
+                tensor_model_parallel_size=case.tp,
+            )
+        self.model = build_model(shape, self.device or "cpu", self.dtype)
         load_full_weights(self.model, self.weights[shape])
         heads = self.heads(case)
         if (case.tp, heads) not in self.registries:
@@ -479,7 +500,7 @@ def run_case(state: _WorkerState, case: Case, reference: dict[str, Any]) -> dict
         GlobalBatch.from_documents(case.documents(shape.vocab_size)),
         state.registry,
         grad_group=ps.get_data_parallel_group(with_context_parallel=True),
-        device=torch.device("cpu"),
+        device=torch.device(state.device or "cpu"),
     )
     grads = full_gradients(state.model)
     ref = reference["cases"][case.name]
