@@ -87,3 +87,39 @@ def test_backend_path_is_chosen_by_device_not_dropout(monkeypatch):
     with pytest.raises(NotImplementedError, match="--attention-dropout 0"):
         backend(q, k, v, cu, 4, softmax_scale=0.5, dropout_p=0.1)
     assert calls == [4]  # no silent per-document fallback either
+
+
+def test_communicator_split_contract_of_this_torch():
+    """``groups.bind_world_device`` relies on torch splitting new NCCL groups from the default
+    group once it has a ``bound_device_id`` (settable), and on ``init_process_group`` taking
+    ``device_id``; checked against this torch's own source (both ends of the supported range run
+    this test). NCCL itself cannot run here: docs/gpu-validation.md lists it as unproven."""
+    import inspect
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    prop = dist.ProcessGroup.__dict__["bound_device_id"]
+    assert isinstance(prop, property) and prop.fset is not None
+    helper = inspect.getsource(c10d._new_process_group_helper)
+    assert "_get_default_group().bound_device_id" in helper and "split_from" in helper
+    assert callable(c10d._get_split_source)
+    assert "device_id" in inspect.signature(dist.init_process_group).parameters
+
+
+def test_bind_world_device_leaves_gloo_alone():
+    from megatron_hsp.runtime.groups import bind_world_device
+    from megatron_hsp.testing.dist import destroy_cpu_megatron, init_single_process_megatron
+
+    init_single_process_megatron()
+    try:
+        assert bind_world_device() is None
+        assert dist_default_bound() is None
+    finally:
+        destroy_cpu_megatron()
+
+
+def dist_default_bound():
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_group().bound_device_id

@@ -182,6 +182,7 @@ def create_groups(
     timeout: timedelta | None = None,
     warm: bool = True,
     heads: HeadSpace | None = None,
+    bind_device: bool = True,
 ) -> GroupRegistry:
     """Create (collectively, on every rank) and warm every aligned sequence-parallel group.
 
@@ -193,6 +194,8 @@ def create_groups(
     (``HeadSpace.split``); a block with ring > 1 and Ulysses > 1 also gets its ``ring`` Ulysses
     sub-groups and ``ulysses`` ring sub-groups (pure ring reuses the block's own group), so every
     process group exists before the first step. ``Cluster.process_group_count`` bounds the blocks.
+    ``bind_device`` first binds this rank's CUDA device to the world group under NCCL
+    (``bind_world_device``), so these groups are communicator splits, not new communicators.
     """
     if not dist.is_initialized():
         raise InputError("torch.distributed is not initialised; call init_process_group first")
@@ -206,6 +209,8 @@ def create_groups(
             f"group sizes {bad} do not tile {cluster.world_size} sequence-parallel slots in nodes "
             f"of {cluster.gpus_per_node}; legal sizes: {cluster.legal_sizes()}"
         )
+    if bind_device:
+        bind_world_device()
     rank = dist.get_rank()
     my_slot, my_tp, my_pp = layout.coords(rank)
     reg = GroupRegistry(cluster=cluster, layout=layout, rank=rank, sizes=chosen, heads=heads)
@@ -259,6 +264,32 @@ def create_groups(
         reg.warm_s = time.perf_counter() - t1
     log.info("megatron-hsp: %s", reg.summary())
     return reg
+
+
+def bind_world_device() -> torch.device | None:
+    """Bind this rank's CUDA device to the world process group, so that the groups created after
+    it are split from the world communicator instead of each bootstrapping a full one.
+
+    Why: Megatron's ``initialize`` (megatron-core 0.19) computes the device but does not pass
+    ``device_id`` to ``init_process_group``, and torch splits a new NCCL group from its parent
+    (``ncclCommSplit``: shared resources, no new bootstrap) only when the default group has a
+    ``bound_device_id`` (``distributed_c10d._new_process_group_helper``: "only split when we know
+    the default PG has already started communicator initialization"). One all-reduce on the
+    world makes sure it has, then the device is bound. Every rank calls this at the same point
+    (before HSP's groups), so the no-color splits of non-members stay matched. NCCL only; a
+    no-op where the device is bound already (``init_process_group(device_id=...)``) or the
+    backend is not NCCL. Returns the bound device, or None.
+    """
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return None
+    world = dist.distributed_c10d._get_default_group()
+    if world.bound_device_id is not None:
+        return world.bound_device_id
+    device = torch.device("cuda", torch.cuda.current_device())
+    started = torch.ones(1, device=device)
+    dist.all_reduce(started)
+    world.bound_device_id = device
+    return device
 
 
 def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
