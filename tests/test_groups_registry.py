@@ -40,10 +40,31 @@ def _registry(rank, sizes):
     return {"created": reg.created, "slot": reg.slot, "members": members, "sizes": reg.sizes}
 
 
+def _lazy(rank):
+    """A lazy registry creates nothing until ``ensure``; then exactly the asked sizes."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hsp.runtime.groups import create_groups_from_megatron
+
+    reg = create_groups_from_megatron(4, timeout=timedelta(seconds=60), lazy=True)
+    out = {"before": (reg.created, sorted(reg.groups)), "pending": sorted(reg.pending)}
+    try:
+        reg.group(2, rank // 2)
+    except InputError as exc:
+        out["early"] = str(exc)
+    out["made"] = reg.ensure([4, 2, 2])
+    out["again"] = reg.ensure([2])
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=reg.group(2, rank // 2))
+    out["after"] = (reg.created, sorted(reg.groups), float(t), sorted(reg.pending))
+    return out
+
+
 def _worker(rank, world_size):
     from megatron_hsp.testing.dist import init_cpu_megatron
 
-    out = {"tp1": _registry(rank, None)}
+    out = {"tp1": _registry(rank, None), "lazy": _lazy(rank)}
     try:
         _registry(rank, [5])
         out["bad"] = "no error"
@@ -91,3 +112,16 @@ def test_groups_tp2_use_same_tp_rank(results):
 @pytest.mark.dist
 def test_bad_size_fails_on_every_rank(results):
     assert all("group sizes [5] do not tile 4" in r["bad"] for r in results)
+
+
+@pytest.mark.dist
+def test_lazy_registry_creates_only_the_sizes_plans_use(results):
+    for rank, res in enumerate(results):
+        r = res["lazy"]
+        assert r["before"] == (0, []) and r["pending"] == [1, 2, 3, 4]
+        assert "size 2 are not created yet (lazy registry)" in r["early"]
+        assert r["made"] == [2, 4] and r["again"] == []
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        created, keys, total, pending = r["after"]
+        assert created == 2 + 1 and keys == [(2, rank // 2), (4, 0)]
+        assert total == float(sum(pair)) and pending == [1, 3]

@@ -172,7 +172,9 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     cost = load_cost_model(cfg.cost_model, world_size=world_size, gpus_per_node=gpus_per_node)
     # Only the sizes the cost model prices: the registry offers every size up to a node (3 of 4
     # included), which a pure-Ulysses model of 4 heads cannot run and the planner cannot cost.
-    registry = create_groups(gpus_per_node, sizes=[d for d in cost.sizes if d <= world_size])
+    registry = create_groups(
+        gpus_per_node, sizes=[d for d in cost.sizes if d <= world_size], lazy=True
+    )
     sizes = registry.sizes
     max_len = cost.max_trainable_length(list(sizes))
     index = DocumentIndex(cfg.corpus_prefix)

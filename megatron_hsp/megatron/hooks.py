@@ -89,8 +89,9 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     from megatron_hsp.step.sampler import SamplerConfig
 
     cfg = run.config
+    # Lazy: a size's communicators are created the first time an agreed plan uses it.
     run.registry = create_groups_from_megatron(
-        cfg.gpus_per_node, sizes=cfg.group_sizes, heads=_head_space()
+        cfg.gpus_per_node, sizes=cfg.group_sizes, heads=_head_space(), lazy=True
     )
     spec = PlannerSpec(
         cost_model=cfg.cost_model,

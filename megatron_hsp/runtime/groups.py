@@ -88,6 +88,26 @@ class GroupRegistry:
     created: int = 0
     create_s: float = 0.0
     warm_s: float = 0.0
+    # Sizes allowed but not created yet (``create_groups(lazy=True)``): ``ensure`` creates them,
+    # collectively, the first time an agreed plan uses them.
+    pending: set[int] = field(default_factory=set)
+    new_group_kwargs: dict[str, object] = field(default_factory=dict)
+    warm: bool = True
+
+    def ensure(self, sizes: Iterable[int]) -> list[int]:
+        """Create the process groups of every size in ``sizes`` not created yet; returns them.
+
+        Collective over the world: every rank must call it with the same sizes at the same point.
+        Where it is called from guarantees that: right before a step, with the sizes of the
+        plan every rank agreed on (``schedule.step_inputs``), in ascending order. A size used
+        once stays created, so the groups a run holds are the ones its plans used, never more
+        than the allowed sizes (whose communicators the planner's memory cap is charged for).
+        """
+        todo = sorted(self.pending.intersection(int(d) for d in sizes))
+        for size in todo:
+            _create_size(self, size)
+            self.pending.discard(size)
+        return todo
 
     @property
     def communicators(self) -> int:
@@ -113,6 +133,12 @@ class GroupRegistry:
         try:
             return self.groups[(size, block)]
         except KeyError:
+            if size in self.pending:
+                raise InputError(
+                    f"the process groups of size {size} are not created yet (lazy registry): "
+                    "GroupRegistry.ensure creates them, on every rank, before the step that "
+                    "uses them"
+                ) from None
             if size not in self.sizes:
                 raise InputError(
                     f"no process group of size {size} was pre-created (sizes: {list(self.sizes)}); "
@@ -183,6 +209,7 @@ def create_groups(
     warm: bool = True,
     heads: HeadSpace | None = None,
     bind_device: bool = True,
+    lazy: bool = False,
 ) -> GroupRegistry:
     """Create (collectively, on every rank) and warm every aligned sequence-parallel group.
 
@@ -196,6 +223,9 @@ def create_groups(
     process group exists before the first step. ``Cluster.process_group_count`` bounds the blocks.
     ``bind_device`` first binds this rank's CUDA device to the world group under NCCL
     (``bind_world_device``), so these groups are communicator splits, not new communicators.
+    ``lazy`` creates nothing now: each size's groups are created by ``GroupRegistry.ensure`` the
+    first time an agreed plan uses it (the step, every rank alike), so a run holds communicators
+    only for the sizes its plans use.
     """
     if not dist.is_initialized():
         raise InputError("torch.distributed is not initialised; call init_process_group first")
@@ -211,59 +241,71 @@ def create_groups(
         )
     if bind_device:
         bind_world_device()
-    rank = dist.get_rank()
-    my_slot, my_tp, my_pp = layout.coords(rank)
-    reg = GroupRegistry(cluster=cluster, layout=layout, rank=rank, sizes=chosen, heads=heads)
-    kwargs = {}
+    reg = GroupRegistry(
+        cluster=cluster,
+        layout=layout,
+        rank=dist.get_rank(),
+        sizes=chosen,
+        heads=heads,
+        warm=warm,
+    )
     if backend is not None:
-        kwargs["backend"] = backend
+        reg.new_group_kwargs["backend"] = backend
     if timeout is not None:
-        kwargs["timeout"] = timeout
-    t0 = time.perf_counter()
-    # Same nested order on every rank: size, block, pipeline stage, tensor-parallel rank.
-    for size in chosen:
-        for block, slots in enumerate(cluster.aligned_blocks(size)):
-            for pp in range(pipeline_parallel):
-                for tp in range(tensor_parallel):
-                    ranks = layout.slot_ranks(slots, tp, pp)
-                    pg = dist.new_group(ranks, **kwargs)
-                    reg.created += 1
-                    mine = tp == my_tp and pp == my_pp and my_slot in slots
-                    if mine:
-                        reg.groups[(size, block)] = pg
-                    u, r = heads.split(size) if heads is not None else (size, 1)
-                    if r == 1:
-                        continue
-                    # Pure ring (u == 1) runs on the block's own group: no second, identical
-                    # communicator (groupspace.communicators_for_size).
-                    ulysses_sets, ring_sets = hybrid_slot_sets(slots, u, r) if u > 1 else ([], [])
-                    sub_u: dist.ProcessGroup | None = None
-                    sub_r: dist.ProcessGroup = pg
-                    for sub in ulysses_sets:
-                        g = dist.new_group(layout.slot_ranks(sub, tp, pp), **kwargs)
-                        reg.created += 1
-                        if mine and my_slot in sub:
-                            sub_u = g
-                    for sub in ring_sets:
-                        g = dist.new_group(layout.slot_ranks(sub, tp, pp), **kwargs)
-                        reg.created += 1
-                        if mine and my_slot in sub:
-                            sub_r = g
-                    if mine:
-                        reg.hybrids[(size, block)] = (sub_u, sub_r)
-    reg.create_s = time.perf_counter() - t0
-    if warm:
-        t1 = time.perf_counter()
-        for key in sorted(reg.groups):
-            if key[0] > 1:  # a group of one rank never communicates: no communicator for it
-                _warm(reg.groups[key])
-        for key in sorted(reg.hybrids):
-            for sub in reg.hybrids[key]:
-                if sub is not None and sub is not reg.groups[key]:
-                    _warm(sub)
-        reg.warm_s = time.perf_counter() - t1
+        reg.new_group_kwargs["timeout"] = timeout
+    reg.pending = set(chosen)
+    if not lazy:
+        reg.ensure(chosen)
     log.info("megatron-hsp: %s", reg.summary())
     return reg
+
+
+def _create_size(reg: GroupRegistry, size: int) -> None:
+    """Create (collectively) and warm every group of ``size``: each aligned block, per pipeline
+    stage and tensor-parallel rank, plus the Ulysses/ring sub-groups of a hybrid split.
+    Same nested order on every rank: block, pipeline stage, tensor-parallel rank."""
+    layout, kwargs = reg.layout, reg.new_group_kwargs
+    my_slot, my_tp, my_pp = layout.coords(reg.rank)
+    t0 = time.perf_counter()
+    fresh: list[dist.ProcessGroup] = []
+    for block, slots in enumerate(reg.cluster.aligned_blocks(size)):
+        for pp in range(layout.pipeline_parallel):
+            for tp in range(layout.tensor_parallel):
+                ranks = layout.slot_ranks(slots, tp, pp)
+                pg = dist.new_group(ranks, **kwargs)
+                reg.created += 1
+                mine = tp == my_tp and pp == my_pp and my_slot in slots
+                if mine:
+                    reg.groups[(size, block)] = pg
+                    if size > 1:  # a group of one rank never communicates: no communicator
+                        fresh.append(pg)
+                u, r = reg.split(size)
+                if r == 1:
+                    continue
+                # Pure ring (u == 1) runs on the block's own group: no second, identical
+                # communicator (groupspace.communicators_for_size).
+                ulysses_sets, ring_sets = hybrid_slot_sets(slots, u, r) if u > 1 else ([], [])
+                sub_u: dist.ProcessGroup | None = None
+                sub_r: dist.ProcessGroup = pg
+                for sub in ulysses_sets:
+                    g = dist.new_group(layout.slot_ranks(sub, tp, pp), **kwargs)
+                    reg.created += 1
+                    if mine and my_slot in sub:
+                        sub_u = g
+                for sub in ring_sets:
+                    g = dist.new_group(layout.slot_ranks(sub, tp, pp), **kwargs)
+                    reg.created += 1
+                    if mine and my_slot in sub:
+                        sub_r = g
+                if mine:
+                    reg.hybrids[(size, block)] = (sub_u, sub_r)
+                    fresh += [g for g in (sub_u, sub_r) if g is not None and g is not pg]
+    reg.create_s += time.perf_counter() - t0
+    if reg.warm:
+        t1 = time.perf_counter()
+        for g in fresh:
+            _warm(g)
+        reg.warm_s += time.perf_counter() - t1
 
 
 def bind_world_device() -> torch.device | None:

@@ -104,10 +104,12 @@ def step_inputs(
     (``agreement.resolve_splits`` / ``executable_problems``). A plan that left a split unrecorded
     (a hand-made one, a cost model without heads) gets the registry's here. The attention
     refuses a pack whose layout differs from its sub-groups' (``packed.py``), so a recorded split
-    the registry cannot run fails loudly instead of mixing tokens.
+    the registry cannot run fails loudly instead of mixing tokens. Sizes a lazy registry has not
+    created yet are created here first: every rank calls this with the same agreed plan.
     """
     from megatron_hsp.runtime.agreement import resolve_splits
 
+    registry.ensure(plan.group_sizes_used)  # lazy registry: every rank, same agreed sizes
     packs = dispatch(
         batch, resolve_splits(plan, registry), registry.slot, local_multiple=local_multiple
     )
