@@ -215,3 +215,38 @@ def test_dispatch_lays_tokens_out_by_the_recorded_split():
     # Ring 2 over 4 ranks: the load-balanced chunk layout, not contiguous quarters.
     assert not np.array_equal(packs[0].position_ids, np.arange(packs[0].position_ids.size))
     check_token_accounting(batch, ringed, {s: [p] for s, p in packs.items()})
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+    split=st.sampled_from([(1, 4), (2, 2)]),
+)
+def test_te_layout_pads_each_ring_document_to_twice_the_group(lengths, split):
+    """``te_layout``: every document of a ring group gets a segment that is a multiple of 2d (what
+    TE's THD context parallelism needs, ``layout.te_cp_arguments``); the padding carries no loss
+    and every real token is still held and trained exactly once."""
+    import dataclasses
+
+    from megatron_hsp.runtime.layout import te_cp_arguments
+
+    u, r = split
+    plan = manual_plan(4, lengths, [[(4, list(range(len(lengths))))]])
+    (mb,) = plan.microbatches
+    group = dataclasses.replace(mb.groups[0], ulysses=u, ring=r)
+    plan = dataclasses.replace(plan, microbatches=(dataclasses.replace(mb, groups=(group,)),))
+    batch = _batch(lengths)
+    packs = {s: dispatch(batch, plan, s, te_layout=True) for s in range(4)}
+    cu = packs[0][0].cu_seqlens
+    assert np.all(np.diff(cu) % 8 == 0)  # 2 x d, d = 4
+    assert te_cp_arguments(cu, u, r) is not None
+    assert packs[0][0].group_tokens == sum(lengths)
+    assert sum(p[0].loss_mask.sum() for p in packs.values()) == sum(lengths) - len(lengths)
+    check_token_accounting(batch, plan, packs)
+
+
+def test_te_layout_leaves_ulysses_groups_unpadded():
+    lengths = [5, 3]
+    plan = manual_plan(2, lengths, [[(2, [0, 1])]])
+    packs = dispatch(_batch(lengths), plan, 0, te_layout=True)
+    assert packs[0].cu_seqlens.tolist() == [0, 5, 8]

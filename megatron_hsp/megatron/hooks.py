@@ -45,6 +45,7 @@ class HSPRun:
     local_multiple: int = 1  # per-rank token count multiple (TP size under --sequence-parallel)
     device: Any = None
     step_overhead_ms: float = 0.0  # the cost model's per-step cost, added to each prediction
+    te_layout: bool = False  # pad ring groups' documents for TE's context parallelism
 
 
 _RUN: HSPRun | None = None
@@ -118,6 +119,11 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     # Megatron's sequence parallelism splits each rank's tokens over the TP group again.
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     run.local_multiple = tp if getattr(args, "sequence_parallel", False) else 1
+    # The layer spec's "auto" backend is Transformer Engine wherever TE and CUDA are present
+    # (runtime.backends.make_backend); its context-parallel route needs padded documents.
+    from megatron_hsp.runtime.backends import te_available
+
+    run.te_layout = te_available()
     return build_step_pipeline(
         spec,
         DocumentIndex(data_prefix(args)),
@@ -203,7 +209,12 @@ def begin_step(run: HSPRun) -> None:
     assert run.pipeline is not None
     prepared = run.pipeline.next_step()
     run.inputs = step_inputs(
-        prepared.tokens, prepared.plan, run.registry, run.device, local_multiple=run.local_multiple
+        prepared.tokens,
+        prepared.plan,
+        run.registry,
+        run.device,
+        local_multiple=run.local_multiple,
+        te_layout=run.te_layout,
     )
     run.current = prepared
     run.step_started = time.perf_counter()

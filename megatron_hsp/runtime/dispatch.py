@@ -203,11 +203,20 @@ def pack_group_slice(
     local_multiple: int = 1,
     pad_id: int = 0,
     ring: int = 1,
+    doc_multiple: int = 1,
 ) -> PackedMicroBatch:
     """Pack this ``slot``'s share of ``group``'s buffer (see the module docstring).
 
     ``ring``: the ring degree the group's attention runs with (``groupspace.HeadSpace.split``);
     it decides the token layout and must equal what the attention uses.
+
+    ``doc_multiple``: pad every document's segment to a multiple of this (Transformer Engine's
+    THD context parallelism needs each sequence a multiple of ``2 x cp``; ``te_doc_multiple``).
+    The padding tokens sit at the END of their document's segment, so under the causal mask no
+    real token attends to them; they carry ``pad_id``, no loss and position id 0, so they add
+    nothing to the loss or to any gradient: the step stays exact (the selftest checks it).
+    ``cu_seqlens`` then bounds the padded segments, and TE gets one array for its padded and
+    unpadded boundaries (``layout.te_cp_arguments``), which keeps its flash backends usable.
     """
     d = group.size
     if ring < 1 or d % ring:
@@ -230,18 +239,24 @@ def pack_group_slice(
                 f"{group.lengths[bad]} in the plan but {int(lens[bad])} in the batch"
             ]
         )
+    if doc_multiple < 1:
+        raise InputError(f"doc_multiple must be >= 1 (got {doc_multiple})")
+    seg = -(-lens // doc_multiple) * doc_multiple  # each document's segment, padded
     cum = np.zeros(seq_ids.size + 1, dtype=np.int64)
-    np.cumsum(lens, out=cum[1:])
-    t_real = int(cum[-1])
-    pad = padding_for(t_real, d, local_multiple)
-    t_total = t_real + pad
+    np.cumsum(seg, out=cum[1:])
+    t_docs = int(cum[-1])
+    pad = padding_for(t_docs, d, local_multiple)
+    t_total = t_docs + pad
     cu = np.append(cum, t_total) if pad else cum
     idx = rank_tokens(cu, d // ring, ring, i)  # buffer indices this slot holds, in order
-    real = idx < t_real
     n = max(seq_ids.size, 1)
     k = np.minimum(np.searchsorted(cum, idx, side="right") - 1, n - 1)
+    in_docs = idx < t_docs
     if seq_ids.size:
-        pos = np.where(real, idx - cum[k], idx - t_real)  # padding: position in its segment
+        offset = idx - cum[k]
+        real = in_docs & (offset < lens[k])
+        # Padding: its position in the trailing segment; 0 inside a document's own padding.
+        pos = np.where(real, offset, np.where(in_docs, 0, idx - t_docs))
         flat = np.where(real, starts[k] + pos, 0)
         last = real & (pos == lens[k] - 1)
         has_target = real & ~last
@@ -266,8 +281,8 @@ def pack_group_slice(
         position_ids=position_ids,
         doc_ids=doc_ids,
         cu_seqlens=cu.astype(np.int32),
-        max_seqlen=int(max(int(lens.max()) if lens.size else 0, pad)),
-        group_tokens=t_real,
+        max_seqlen=int(max(int(seg.max()) if seg.size else 0, pad)),
+        group_tokens=int(lens.sum()),
         padded_tokens=t_total,
         ring=ring,
     )
@@ -280,8 +295,12 @@ def dispatch(
     *,
     local_multiple: int = 1,
     pad_id: int = 0,
+    te_layout: bool = False,
 ) -> list[PackedMicroBatch]:
     """This slot's packed share of every micro-batch of ``plan``, in plan order.
+
+    ``te_layout``: pad each document of a ring group as Transformer Engine's context parallelism
+    needs (``te_doc_multiple``), so its own route can run the group.
 
     Each group's token layout follows the ring degree the plan recorded (``Group.ring``; 0, i.e.
     unrecorded, means 1: ``agreement.resolve_splits`` records the registry's split first). The
@@ -298,9 +317,18 @@ def dispatch(
             local_multiple=local_multiple,
             pad_id=pad_id,
             ring=max(1, mb.group_of(slot).ring),
+            doc_multiple=te_doc_multiple(mb.group_of(slot)) if te_layout else 1,
         )
         for m, mb in enumerate(plan.microbatches)
     ]
+
+
+def te_doc_multiple(group: Group) -> int:
+    """What each document of ``group`` is padded to for TE's THD context parallelism: ``2 x d``
+    for a group that runs ring attention (TE's CP rank ``c`` holds chunks ``c`` and
+    ``2cp - 1 - c`` of every sequence, ``layout.te_cp_arguments``), 1 otherwise (Ulysses-only
+    groups run TE's plain varlen attention after HSP's all-to-all, which needs no padding)."""
+    return 2 * group.size if group.ring > 1 else 1
 
 
 def check_token_accounting(

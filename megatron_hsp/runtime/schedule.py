@@ -95,6 +95,7 @@ def step_inputs(
     device: torch.device,
     *,
     local_multiple: int = 1,
+    te_layout: bool = False,
 ) -> list[ModelInputs | None]:
     """This rank's model inputs for every micro-batch of ``plan`` (None: its group trains nothing
     in that micro-batch), each bound to the plan group's process group.
@@ -106,12 +107,18 @@ def step_inputs(
     refuses a pack whose layout differs from its sub-groups' (``packed.py``), so a recorded split
     the registry cannot run fails loudly instead of mixing tokens. Sizes a lazy registry has not
     created yet are created here first: every rank calls this with the same agreed plan.
+    ``te_layout`` pads each document of a ring group for Transformer Engine's own context-parallel
+    route (``dispatch.te_doc_multiple``); the step is exact either way.
     """
     from megatron_hsp.runtime.agreement import resolve_splits
 
     registry.ensure(plan.group_sizes_used)  # lazy registry: every rank, same agreed sizes
     packs = dispatch(
-        batch, resolve_splits(plan, registry), registry.slot, local_multiple=local_multiple
+        batch,
+        resolve_splits(plan, registry),
+        registry.slot,
+        local_multiple=local_multiple,
+        te_layout=te_layout,
     )
     return [
         None
@@ -170,6 +177,7 @@ def run_step(
     grad_group: dist.ProcessGroup | None,
     device: torch.device,
     local_multiple: int = 1,
+    te_layout: bool = False,
 ) -> StepResult:
     """Forward/backward every micro-batch of ``plan`` on this rank, then one gradient all-reduce.
 
@@ -186,7 +194,9 @@ def run_step(
     n_global = batch.num_loss_tokens
     scale = 1.0 / max(n_global, 1)
     t0 = time.perf_counter()
-    inputs_per_mb = step_inputs(batch, plan, registry, device, local_multiple=local_multiple)
+    inputs_per_mb = step_inputs(
+        batch, plan, registry, device, local_multiple=local_multiple, te_layout=te_layout
+    )
     dispatch_ms = (time.perf_counter() - t0) * 1e3
     model.zero_grad(set_to_none=True)
     acc = LossAccumulator()

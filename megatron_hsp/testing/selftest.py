@@ -65,6 +65,10 @@ class Case:
     data_seed: int = 0
     # ModelShape fields this case changes (e.g. learned absolute positions, another head count).
     shape_changes: tuple[tuple[str, Any], ...] = ()
+    # Dispatch in Transformer Engine's layout: every document of a ring group padded to 2 x d
+    # (``dispatch.te_doc_multiple``); here the torch backend runs it, so the padding's exactness
+    # is checked against the reference.
+    te_layout: bool = False
 
     def model_shape(self, base: ModelShape) -> ModelShape:
         return dataclasses.replace(base, **dict(self.shape_changes))
@@ -233,6 +237,20 @@ def build_cases(nproc: int) -> list[Case]:
                 data_seed=7,
             )
         )
+    # Transformer Engine's layout (each document of a ring group padded to 2 x d inside its own
+    # segment) run by the torch backend: a pure ring of 3 and, on 8, Ulysses 2 x ring 3.
+    te_groups: Layout = ((6, [0, 3, 9]), (2, [1, 13])) if n >= 8 else ((3, [0, 3, 9]), (1, [1, 13]))
+    cases.append(
+        Case(
+            "te-layout-padded-documents",
+            1,
+            n,
+            tuple(tail),
+            (te_groups, ((n, [2, 4, 5, 6, 7, 8, 10, 11, 12]),)),
+            data_seed=10,
+            te_layout=True,
+        )
+    )
     # 1-token documents: alone in a group of all ranks (1 real token, n-1 padding), next to long
     # ones, and alone on a single rank.
     one_tok = (1, 1, 29, 1, 6, 1)
@@ -501,6 +519,7 @@ def run_case(state: _WorkerState, case: Case, reference: dict[str, Any]) -> dict
         state.registry,
         grad_group=ps.get_data_parallel_group(with_context_parallel=True),
         device=torch.device(state.device or "cpu"),
+        te_layout=case.te_layout,
     )
     grads = full_gradients(state.model)
     ref = reference["cases"][case.name]
