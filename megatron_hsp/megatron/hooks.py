@@ -26,7 +26,6 @@ from typing import Any
 
 from megatron_hsp.megatron.args import HSPConfig
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.units import tokens_to_k
 from megatron_hsp.step.observe import StepObserver, StepRecord
 from megatron_hsp.step.pipeline import PreparedStep, StepPipeline
 
@@ -82,7 +81,6 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     import torch
     import torch.distributed as dist
 
-    from megatron_hsp.planner.costmodel import load_cost_model
     from megatron_hsp.runtime.groups import create_groups_from_megatron
     from megatron_hsp.step.documents import DocumentIndex
     from megatron_hsp.step.pipeline import build_step_pipeline
@@ -102,13 +100,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         memory_cap_gb=cfg.memory_cap_gb,
         settings=cfg.planner,
     )
-    cost = load_cost_model(
-        spec.cost_model,
-        world_size=spec.world_size,
-        gpus_per_node=spec.gpus_per_node,
-        max_seq_k=tokens_to_k(spec.max_seq),
-        memory_cap_gb=spec.memory_cap_gb,
-    )
+    cost = spec.load_cost_model()
     run.step_overhead_ms = cost.step_overhead_ms
     # The model's device: CUDA in training; CPU where there is none (``selftest --megatron``).
     run.device = (

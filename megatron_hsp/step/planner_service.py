@@ -54,6 +54,19 @@ class PlannerSpec:
     factory: str = DEFAULT_PLANNER
     options: dict[str, Any] = field(default_factory=dict)
 
+    def load_cost_model(self):
+        """The cost model this spec names, sized for its cluster, longest sequence and cap (the
+        one loader the planner process and the training process both use)."""
+        from megatron_hsp.planner.costmodel import load_cost_model
+
+        return load_cost_model(
+            self.cost_model,
+            world_size=self.world_size,
+            gpus_per_node=self.gpus_per_node,
+            max_seq_k=tokens_to_k(self.max_seq),
+            memory_cap_gb=self.memory_cap_gb,
+        )
+
 
 def _import(path: str) -> Callable[..., Any]:
     module, _, name = path.partition(":")
@@ -62,17 +75,10 @@ def _import(path: str) -> Callable[..., Any]:
 
 def solve_with_planner(spec: PlannerSpec) -> Callable[[Sequence[int]], Plan]:
     """The production planner: cost model + MILP solver from ``megatron_hsp.planner``."""
-    from megatron_hsp.planner.costmodel import load_cost_model
     from megatron_hsp.planner.solver import solve
     from megatron_hsp.planner.topology import Cluster
 
-    cost = load_cost_model(
-        spec.cost_model,
-        world_size=spec.world_size,
-        gpus_per_node=spec.gpus_per_node,
-        max_seq_k=tokens_to_k(spec.max_seq),
-        memory_cap_gb=spec.memory_cap_gb,
-    )
+    cost = spec.load_cost_model()
     cluster = Cluster(spec.world_size, spec.gpus_per_node)
     config = spec.settings.solver_config()
     return lambda lengths: solve(list(lengths), cost, cluster, config)
