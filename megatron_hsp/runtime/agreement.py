@@ -217,8 +217,8 @@ def executable_problems(
                 f"heads {registry.heads}; create them with create_groups(..., heads=...) of the "
                 "model's heads"
             )
-        if registry.heads is not None:
-            problems += groupspace.problems(plan, registry.heads)
+    if registry.heads is not None:  # every split runs for the heads the groups were made for
+        problems += groupspace.problems(plan, registry.heads)
     return problems
 
 

@@ -22,15 +22,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from megatron_hsp.planner.plan import Plan
-
-if TYPE_CHECKING:
-    from megatron_hsp.runtime.dispatch import GlobalBatch
-    from megatron_hsp.runtime.groups import GroupRegistry
 from megatron_hsp.planner.errors import PlanError
+from megatron_hsp.planner.plan import Plan
 from megatron_hsp.step.documents import DocumentIndex, DocumentReader
 from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
 from megatron_hsp.step.sampler import DocumentBatch, GlobalBatchSampler, SamplerConfig
+
+if TYPE_CHECKING:  # the runtime layer imports torch; the pipeline reaches it only at run time
+    from megatron_hsp.runtime.dispatch import GlobalBatch
+    from megatron_hsp.runtime.groups import GroupRegistry
 
 
 @dataclass
