@@ -20,7 +20,7 @@ need CUDA (docs/integration.md says what only a GPU run shows).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -45,6 +45,8 @@ class HSPRun:
     local_multiple: int = 1  # per-rank token count multiple (TP size under --sequence-parallel)
     device: Any = None
     step_overhead_ms: float = 0.0  # the cost model's per-step cost, added to each prediction
+    data: Any = None  # datasets.HSPData: which datasets feed which split (set by ``install``)
+    evaluation: dict[str, Any] = field(default_factory=dict)  # split -> _EvalIterator
 
 
 _RUN: HSPRun | None = None
@@ -59,36 +61,23 @@ def set_run(run: HSPRun | None) -> None:
     _RUN = run
 
 
-def data_prefix(args: Any) -> str:
-    """The one indexed-dataset prefix HSP trains on (``--data-path PREFIX`` or ``1.0 PREFIX``)."""
-    paths = list(getattr(args, "data_path", None) or [])
-    if len(paths) == 2:
-        try:
-            float(paths[0])
-            paths = paths[1:]
-        except ValueError:
-            pass
-    if len(paths) != 1:
-        raise InputError(
-            f"--hsp trains on one indexed dataset: give --data-path PREFIX (got {paths or None}); "
-            "blends and per-split paths are not supported yet"
-        )
-    return paths[0]
-
-
 def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
-    """Collective: creates the HSP process groups and (rank 0) the planner process."""
+    """Collective: creates the HSP process groups, (rank 0) the planner process, the training
+    pipeline and, for the validation and test splits that have documents, their evaluation
+    iterators (``run.evaluation``)."""
     import torch
     import torch.distributed as dist
 
+    from megatron_hsp.megatron.datasets import build_split_sampler, hsp_data_from_args
     from megatron_hsp.planner.costmodel import load_cost_model
     from megatron_hsp.runtime.agreement import agree_on_plan
     from megatron_hsp.runtime.groups import create_groups_from_megatron
-    from megatron_hsp.step.documents import DocumentIndex, DocumentReader
+    from megatron_hsp.step.documents import BlendedDocumentReader, DocumentIndex
     from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
-    from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
+    from megatron_hsp.step.sampler import SamplerConfig
 
     cfg = run.config
+    data = run.data if run.data is not None else hsp_data_from_args(args)
     run.registry = create_groups_from_megatron(
         cfg.gpus_per_node, sizes=cfg.group_sizes, heads=_head_space()
     )
@@ -100,17 +89,22 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         memory_cap_gb=cfg.memory_cap_gb,
     )
     run.step_overhead_ms = cost.step_overhead_ms
-    index = DocumentIndex(data_prefix(args))
-    sampler = GlobalBatchSampler(
-        index.lengths,
-        SamplerConfig(
-            seed=cfg.seed,
-            max_length=cost.max_trainable_length(list(cfg.group_sizes)),
-            global_batch_docs=cfg.global_batch_docs,
-            token_budget=cfg.token_budget,
-            overlong=cfg.overlong,
-        ),
+    mmap = bool(getattr(args, "mmap_bin_files", True))
+    indices = {p: DocumentIndex(p, mmap=mmap) for p in data.prefixes}
+    reader = BlendedDocumentReader([indices[p] for p in data.prefixes])
+    base = SamplerConfig(
+        seed=cfg.seed,
+        max_length=cost.max_trainable_length(list(cfg.group_sizes)),
+        global_batch_docs=cfg.global_batch_docs,
+        token_budget=cfg.token_budget,
+        overlong=cfg.overlong,
     )
+    sampler = build_split_sampler(data, "train", indices, base)
+    if sampler is None:
+        raise InputError(
+            "the training split has no documents: --split gives it a share of 0 or the "
+            "datasets are too small for it; give training a share (e.g. --split 969,30,1)"
+        )
     # Resume: Megatron restored args.iteration from the checkpoint; replaying that many batches
     # reads only lengths and lands on exactly the next unseen batch.
     sampler.fast_forward(int(getattr(args, "iteration", 0) or 0))
@@ -140,15 +134,107 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     # Megatron's sequence parallelism splits each rank's tokens over the TP group again.
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     run.local_multiple = tp if getattr(args, "sequence_parallel", False) else 1
-    return StepPipeline(
-        sampler,
-        DocumentReader(index),
-        slot=run.registry.slot,
-        world_size=cfg.world_size,
-        planner=planner,
-        is_planning_rank=rank0,
-        agree=partial(agree_on_plan, mode="broadcast"),
-    )
+
+    def pipeline(split_sampler: Any, split_planner: Any) -> StepPipeline:
+        return StepPipeline(
+            split_sampler,
+            reader,
+            slot=run.registry.slot,
+            world_size=cfg.world_size,
+            planner=split_planner,
+            is_planning_rank=rank0,
+            agree=partial(agree_on_plan, mode="broadcast"),
+        )
+
+    run.evaluation = {}
+    eval_iters = getattr(args, "eval_iters", 0) or 0
+    eval_batch = getattr(args, "eval_global_batch_size", None) or cfg.global_batch_docs
+    for key, split in enumerate(("valid", "test"), start=1):
+        if eval_iters <= 0:
+            break
+        # Its own sampler over its own documents, its own state: evaluation never draws from,
+        # or moves, the training sampler. By count: Megatron's eval global batch.
+        split_config = replace(
+            base, global_batch_docs=None if cfg.token_budget else int(eval_batch)
+        )
+        split_sampler = build_split_sampler(data, split, indices, split_config)
+        if split_sampler is None:
+            continue
+        if split == "valid":
+            # Megatron resumes validation at args.consumed_valid_samples (restored from the
+            # checkpoint); each evaluation iteration counted one eval global batch.
+            done = int(getattr(args, "consumed_valid_samples", 0) or 0) // max(1, int(eval_batch))
+            split_sampler.fast_forward(done)
+        split_planner = None if planner is None else _SplitPlanner(planner, key)
+        run.evaluation[split] = _EvalIterator(run, split, pipeline(split_sampler, split_planner))
+    return pipeline(sampler, planner)
+
+
+class _SplitPlanner:
+    """The one planner process, for the batches of an evaluation split.
+
+    Why not a second planner process: it would double the processes and memory of planning for
+    a few batches per evaluation. The split's steps get keys apart from training's (negative:
+    valid ``-(2s+1)``, test ``-(2s+2)``), so a pending training plan and an evaluation plan
+    never collide; a planner log line about step -3 is validation batch 1."""
+
+    def __init__(self, planner: Any, split_key: int) -> None:
+        self.planner = planner
+        self.split_key = split_key
+
+    def _key(self, step: int) -> int:
+        return -(2 * step + self.split_key)
+
+    def submit(self, step: int, lengths: Any) -> None:
+        self.planner.submit(self._key(step), lengths)
+
+    def result(self, step: int) -> Any:
+        return self.planner.result(self._key(step))
+
+    def close(self) -> None:
+        """The training pipeline's planner is closed by its owner."""
+
+
+class _EvalIterator:
+    """The external validation/test iterator Megatron's ``evaluate()`` passes to the schedule.
+
+    Each call of the schedule with this iterator is one evaluation batch: the patched
+    ``get_forward_backward_func`` (``patches.py``) calls ``begin()`` (next batch of this
+    split's own sampler, its plan, this rank's inputs) and runs the plan's micro-batch count;
+    ``hsp_forward_step`` then pulls the micro-batches from here."""
+
+    def __init__(self, run: HSPRun, split: str, pipeline: StepPipeline) -> None:
+        self.run = run
+        self.split = split
+        self.pipeline = pipeline
+        self.inputs: list[Any] = []
+        self.current: PreparedStep | None = None
+        self.batches = 0
+
+    def begin(self) -> int:
+        """Prepare the next evaluation batch; returns its plan's micro-batch count."""
+        self.current, self.inputs = _prepare(self.run, self.pipeline)
+        self.batches += 1
+        return len(self.current.plan.microbatches)
+
+    def __iter__(self) -> _EvalIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if not self.inputs:
+            raise RuntimeError(
+                f"megatron-hsp: evaluation on the {self.split} split asked for more "
+                "micro-batches than its plan has; get_forward_backward_func is not patched "
+                "(was megatron_hsp.megatron.install called before pretrain()?)"
+            )
+        return self.inputs.pop(0)
+
+
+def eval_iterator_of(data_iterator: Any) -> _EvalIterator | None:
+    """The HSP evaluation iterator behind what ``evaluate()`` hands the schedule (Megatron
+    wraps external iterators in ``RerunDataIterator``), else None."""
+    inner = getattr(data_iterator, "iterable", data_iterator)
+    return inner if isinstance(inner, _EvalIterator) else None
 
 
 class _MicroBatchIterator:
@@ -171,7 +257,9 @@ class _MicroBatchIterator:
 
 
 def hsp_datasets_provider(train_val_test_num_samples: Any, vp_stage: Any = None) -> tuple:
-    """``train_valid_test_datasets_provider`` for ``pretrain()``: HSP's iterator, no eval sets."""
+    """``train_valid_test_datasets_provider`` for ``pretrain()``: HSP's training iterator and,
+    when ``--eval-iters`` > 0 and the split has documents, the validation and test iterators
+    (None otherwise: Megatron then skips that evaluation, as for an empty split)."""
     from megatron.training import get_args
 
     run = active_run()
@@ -186,7 +274,8 @@ def hsp_datasets_provider(train_val_test_num_samples: Any, vp_stage: Any = None)
         run.observer = StepObserver.from_megatron(
             log_interval=run.config.log_interval, plan_log=run.config.plan_log
         )
-    return _MicroBatchIterator(run), None, None
+    valid, test = run.evaluation.get("valid"), run.evaluation.get("test")
+    return _MicroBatchIterator(run), valid, test
 
 
 hsp_datasets_provider.is_distributed = True  # every rank builds it: group creation is collective
@@ -206,8 +295,9 @@ def _head_space():
     return HeadSpace.from_model(args.num_attention_heads, kv, tp)
 
 
-def begin_step(run: HSPRun) -> None:
-    """Prepare the step about to run: plan (waits only if the planner is late), dispatch.
+def _prepare(run: HSPRun, pipeline: StepPipeline) -> tuple[PreparedStep, list[Any]]:
+    """The pipeline's next step (plan: waits only if the planner is late) and this rank's
+    model inputs for it.
 
     The inputs come from ``schedule.step_inputs``, the one builder ``run_step`` (demo, selftest)
     uses too, so the ring layout and process-group binding cannot differ between them.
@@ -215,13 +305,18 @@ def begin_step(run: HSPRun) -> None:
     from megatron_hsp.runtime.dispatch import GlobalBatch
     from megatron_hsp.runtime.schedule import step_inputs
 
-    assert run.pipeline is not None
-    prepared = run.pipeline.next_step()
+    prepared = pipeline.next_step()
     batch = GlobalBatch.from_documents(prepared.documents)
-    run.inputs = step_inputs(
+    inputs = step_inputs(
         batch, prepared.plan, run.registry, run.device, local_multiple=run.local_multiple
     )
-    run.current = prepared
+    return prepared, inputs
+
+
+def begin_step(run: HSPRun) -> None:
+    """Prepare the training step about to run: plan, dispatch."""
+    assert run.pipeline is not None
+    run.current, run.inputs = _prepare(run, run.pipeline)
     run.step_started = time.perf_counter()
 
 
