@@ -209,12 +209,12 @@ class _EvalIterator:
         self.pipeline = pipeline
         self.inputs: list[Any] = []
         self.current: PreparedStep | None = None
-        self.batches = 0
+        self.batches: list[Any] = []  # every batch evaluated (``DocumentBatch``), for reports
 
     def begin(self) -> int:
         """Prepare the next evaluation batch; returns its plan's micro-batch count."""
         self.current, self.inputs = _prepare(self.run, self.pipeline)
-        self.batches += 1
+        self.batches.append(self.current.batch)
         return len(self.current.plan.microbatches)
 
     def __iter__(self) -> _EvalIterator:

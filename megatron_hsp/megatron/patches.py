@@ -237,6 +237,14 @@ def apply_training_patches() -> None:
             def forward_backward_func(*fa, **fkw):
                 evaluation = hooks.eval_iterator_of(fkw.get("data_iterator"))
                 if evaluation is not None:
+                    if fkw.get("collect_non_loss_data"):
+                        # evaluate() makes this call on the last rank only; planning a batch is
+                        # collective, so it would hang every other rank.
+                        raise HSPError(
+                            "--hsp evaluation does not support pretrain()'s "
+                            "process_non_loss_data_func (it runs one more batch on the last "
+                            "rank only); pass process_non_loss_data_func=None"
+                        )
                     fkw["num_microbatches"] = evaluation.begin()
                 return schedule(*fa, **fkw)
 
