@@ -1375,6 +1375,22 @@ def loop_table(entries: Sequence[dict[str, Any]]) -> str:
             f"{name:<22} weights after: {e['max_rel_weight_diff_after']:.1e} "
             f"({e['worst_weight_param']}); worst / tolerance {e['margin']:.3g}"
         )
+        for ev in e.get("evaluations", []):
+            lines.append(
+                f"{name:<22} {ev['split']} evaluation after step {ev['after_step']}: loss "
+                f"{ev['loss_hsp']:.7f} / {ev['loss_ref']:.7f}, consumed valid samples "
+                f"{ev['consumed_valid_samples_hsp']}/{ev['consumed_valid_samples_ref']}/"
+                f"{ev['consumed_valid_samples_megatron']}"
+            )
+        if e.get("blend"):
+            b = e["blend"]
+            lines.append(
+                f"{name:<22} blend: token shares "
+                + " / ".join(f"{x:.3f}" for x in b["token_shares"])
+                + " for weights "
+                + " / ".join(f"{x:g}" for x in b["weights"])
+                + f" ({b['worst_deviation_in_documents']:.2f} documents off)"
+            )
         lines.extend(f"  FAIL {name}: {f}" for f in e["failures"])
     return "\n".join(lines)
 
