@@ -196,3 +196,17 @@ def test_blended_reader_reads_each_dataset_and_split_samplers_stay_in_their_docu
     fp = data_fingerprint(data, indices)
     other = hsp_data_from_args(_with(data_path=["0.5", a, "0.5", b], split="7,1,1"))
     assert data_fingerprint(other, indices) != fp
+
+
+def test_resume_with_other_data_is_refused_naming_the_flags(tmp_path):
+    """Resume replays ``args.iteration`` batches: a --load whose record holds another data
+    fingerprint stops naming the flags; the same data, or a fresh start, passes."""
+    from megatron_hsp.megatron.hooks import DATA_RECORD, check_and_record_data
+
+    ckpt = str(tmp_path / "ckpt")
+    check_and_record_data(argparse.Namespace(save=ckpt, load=None, iteration=0), "aaa/1")
+    assert (tmp_path / "ckpt" / DATA_RECORD).is_file()
+    check_and_record_data(argparse.Namespace(save=ckpt, load=ckpt, iteration=5), "aaa/1")
+    check_and_record_data(argparse.Namespace(save=None, load=ckpt, iteration=0), "bbb/1")
+    with pytest.raises(InputError, match=r"--load .*other data or sampling flags.*--split"):
+        check_and_record_data(argparse.Namespace(save=ckpt, load=ckpt, iteration=5), "bbb/1")

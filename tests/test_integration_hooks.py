@@ -192,3 +192,43 @@ def test_observer_writes_plan_log_and_writers(tmp_path):
     assert wb.seen["hsp/planner_wait_ms"] == pytest.approx(2.0)
     # micro-batch 2: groups of 4 and 2 ms -> 1 ms idle of 4; micro-batch 1: one group, none
     assert group_imbalance(plan) == pytest.approx(1.0 / 14.0)
+
+
+def test_evaluation_schedule_runs_the_plans_count_only_for_hsp_eval_iterators(
+    stand_in_megatron_training, corpus
+):
+    """``evaluate()`` calls the schedule by keyword with its own count (eval global batch /
+    (mbs x dp)); with HSP's validation iterator (wrapped by Megatron in RerunDataIterator) the
+    patched ``get_forward_backward_func`` prepares the split's next batch and runs its plan's
+    count; other iterators pass through; a split without documents (iterator None) runs
+    nothing."""
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    training, calls = stand_in_megatron_training
+    install(parse([*HSP_ARGS, "--data-path", corpus], world_size=2), "theirs", "theirs")
+    run = hooks.active_run()
+    began = []
+
+    class Pipeline:
+        def next_step(self):
+            began.append(1)
+            return types.SimpleNamespace(plan=plan2(), batch="batch", documents=[])
+
+    evaluation = hooks._EvalIterator(run, "valid", Pipeline())
+
+    def begin():  # the real begin() dispatches tokens; only the count matters here
+        n = len(Pipeline().next_step().plan.microbatches)
+        evaluation.batches.append("batch")
+        return n
+
+    evaluation.begin = begin
+    schedule = training.get_forward_backward_func()
+    schedule(data_iterator=RerunDataIterator(evaluation), num_microbatches=4, forward_only=True)
+    schedule(data_iterator=iter([]), num_microbatches=4, forward_only=True)
+    assert schedule(data_iterator=None, num_microbatches=4, forward_only=True) == []
+    assert calls == [("eval schedule", 2), ("eval schedule", 4)]
+    assert evaluation.batches == ["batch"] and began == [1]
+    with pytest.raises(HSPError, match="process_non_loss_data_func"):
+        schedule(data_iterator=evaluation, num_microbatches=4, collect_non_loss_data=True)
+    with pytest.raises(RuntimeError, match="evaluation on the valid split asked for more"):
+        next(evaluation)

@@ -68,7 +68,11 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     import torch
     import torch.distributed as dist
 
-    from megatron_hsp.megatron.datasets import build_split_sampler, hsp_data_from_args
+    from megatron_hsp.megatron.datasets import (
+        build_split_sampler,
+        data_fingerprint,
+        hsp_data_from_args,
+    )
     from megatron_hsp.planner.costmodel import load_cost_model
     from megatron_hsp.runtime.agreement import agree_on_plan
     from megatron_hsp.runtime.groups import create_groups_from_megatron
@@ -106,7 +110,9 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
             "datasets are too small for it; give training a share (e.g. --split 969,30,1)"
         )
     # Resume: Megatron restored args.iteration from the checkpoint; replaying that many batches
-    # reads only lengths and lands on exactly the next unseen batch.
+    # reads only lengths and lands on exactly the next unseen batch, if the data and sampling
+    # flags are those the checkpoint trained with (checked against --load's record).
+    check_and_record_data(args, data_fingerprint(data, indices) + "/" + sampler.fingerprint)
     sampler.fast_forward(int(getattr(args, "iteration", 0) or 0))
     rank0 = dist.get_rank() == 0
     planner = None
@@ -159,6 +165,12 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         )
         split_sampler = build_split_sampler(data, split, indices, split_config)
         if split_sampler is None:
+            if rank0:
+                print(
+                    f"[megatron-hsp] the {split} split has no documents (--split, or no "
+                    f"--{split}-data-path): Megatron's {split} evaluations are skipped",
+                    flush=True,
+                )
             continue
         if split == "valid":
             # Megatron resumes validation at args.consumed_valid_samples (restored from the
@@ -168,6 +180,42 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         split_planner = None if planner is None else _SplitPlanner(planner, key)
         run.evaluation[split] = _EvalIterator(run, split, pipeline(split_sampler, split_planner))
     return pipeline(sampler, planner)
+
+
+DATA_RECORD = "hsp_data.json"
+
+
+def check_and_record_data(args: Any, fingerprint: str) -> None:
+    """Resume guard: a run that loads a checkpoint (``--load``, ``args.iteration`` > 0) must
+    sample what the saving run sampled, since resume replays ``args.iteration`` batches.
+
+    Megatron's checkpoint has no room for HSP state, so rank 0 records the fingerprint of the
+    data (every dataset's document lengths, each split's sources, weights and ``--split``) and
+    of the training sampler's flags in ``<--save>/hsp_data.json``; a resumed run compares it
+    with ``<--load>/hsp_data.json`` and stops, naming the flags, when they differ. A checkpoint
+    directory without the record (written before it existed) is resumed without the check.
+    """
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    load, save = getattr(args, "load", None), getattr(args, "save", None)
+    if load and int(getattr(args, "iteration", 0) or 0) > 0:
+        record = Path(load) / DATA_RECORD
+        if record.is_file():
+            saved = json.loads(record.read_text()).get("fingerprint")
+            if saved != fingerprint:
+                raise InputError(
+                    f"--load {load}: its checkpoint was trained on other data or sampling flags "
+                    f"(fingerprint {saved}, now {fingerprint}); resuming would replay other "
+                    "batches. Resume with the same --data-path (or --train/valid/test-data-path) "
+                    "and weights, --split, --seed/--hsp-seed, --global-batch-size or "
+                    "--hsp-token-budget, --hsp-overlong and cost model"
+                )
+    if save and (not dist.is_initialized() or dist.get_rank() == 0):
+        Path(save).mkdir(parents=True, exist_ok=True)
+        (Path(save) / DATA_RECORD).write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
 
 
 class _SplitPlanner:

@@ -236,6 +236,15 @@ def apply_training_patches() -> None:
             # with an HSP evaluation iterator is changed.
             def forward_backward_func(*fa, **fkw):
                 evaluation = hooks.eval_iterator_of(fkw.get("data_iterator"))
+                if (
+                    evaluation is None
+                    and fkw.get("forward_only")
+                    and fkw.get("data_iterator") is None
+                    and hooks.active_run() is not None
+                ):
+                    # evaluate() on a split without documents (HSP's provider said so): no
+                    # batch to plan, no loss; Megatron reports nothing for it.
+                    return []
                 if evaluation is not None:
                     if fkw.get("collect_non_loss_data"):
                         # evaluate() makes this call on the last rank only; planning a batch is
