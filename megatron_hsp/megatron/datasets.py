@@ -235,7 +235,7 @@ def hsp_data_from_args(args: argparse.Namespace) -> HSPData:
                 SplitSource(p, weights[i] if weights else None, None)
                 for i, p in enumerate(prefixes)
             )
-        if "train" not in splits and not getattr(args, "skip_train", False):
+        if "train" not in splits:
             raise HSPArgsError(
                 "--valid-data-path/--test-data-path without --train-data-path: give "
                 "--train-data-path (weights and prefixes, as --data-path)"

@@ -36,6 +36,16 @@ falls in it), the learning rate and consumed samples against Megatron's own valu
 documents trained against Megatron's sample count, and the grad norm; after the steps, each
 parameter's weights.
 
+Issue 18's option set adds, on both sides: Megatron's own ``evaluate()`` on the validation split
+after every step and on the test split at the end (HSP: planned batches of the splits' own
+samplers through the patched ``get_forward_backward_func``; stock: the same documents as
+``[1, L]`` samples, unpatched), a two-dataset blend (``--data-path 0.4 A 0.6 B``, the stock side
+reading both with ``IndexedDataset``), and a restart of the HSP side after step 2 (everything HSP
+holds is rebuilt from the flags and the values ``load_checkpoint`` restores into ``args``; the
+stock side runs through). Checked besides: every batch trained or evaluated is an uninterrupted
+run's, lies in Megatron's own split of its dataset, and the blend's token shares follow its
+weights (``_data_checks``).
+
 What ``train()`` does around ``train_step`` is not run (it is one long function without a seam).
 The few lines this loop needs from it are reproduced and named: the ``config`` hooks
 ``train()`` sets before its loop (``grad_scale_func``, ``no_sync_func``/``grad_sync_func`` under
