@@ -136,7 +136,7 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
 
 def _planted(plant: str, steps: int, options: int = 0) -> dict:
     (entry,) = run_megatron_loop(
-        4, DEFAULT_OPTIONS[options : options + 1], steps=steps, timeout_s=400, plant=plant
+        4, DEFAULT_OPTIONS[options : options + 1], steps=steps, timeout_s=900, plant=plant
     )
     print(f"{plant}: caught={not entry['ok']}, worst / tolerance {entry['margin']:.3g}")
     for f in entry["failures"]:
