@@ -2,15 +2,18 @@
 
 Megatron seams used (no patch needed):
 * ``train_valid_test_datasets_provider`` -> ``hsp_datasets_provider``: returns an *external* data
-  iterator (``--dataloader-type external``) that yields this rank's planned micro-batches;
+  iterator (``--dataloader-type external``) that yields this rank's planned micro-batches, and
+  the validation and test iterators Megatron's ``evaluate()`` pulls planned batches from (each
+  split sampled by its own sampler over Megatron's data flags, ``datasets.py``);
 * ``forward_step_func`` -> ``hsp_forward_step``: runs the GPT model on one packed THD micro-batch
   whose ``PackedSeqParams.cp_group`` is the plan's group for this rank, per-token loss;
 * the layer spec (``--spec megatron_hsp.megatron.layer_spec hsp_layer_spec``) puts HSP attention
   in every layer.
 
-The one thing without a seam (a per-step hook that also hands the schedule the plan's micro-batch
-count) is the ``train_step`` patch in ``patches.py``; it calls ``begin_step`` /
-``current_num_microbatches`` here.
+The two things without a seam (a per-step hook that also hands the schedule the plan's
+micro-batch count, and the same per evaluation batch) are the ``train_step`` and
+``get_forward_backward_func`` patches in ``patches.py``; they call ``begin_step`` /
+``current_num_microbatches`` and ``eval_iterator_of(...).begin()`` here.
 
 ``selftest --megatron`` (``testing/megatron_loop.py``) runs this module under Megatron's own
 ``train_step`` on gloo CPU ranks against the stock path; ``pretrain()``/``train()`` themselves
@@ -175,7 +178,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         if split == "valid":
             # Megatron resumes validation at args.consumed_valid_samples (restored from the
             # checkpoint); each evaluation iteration counted one eval global batch.
-            done = int(getattr(args, "consumed_valid_samples", 0) or 0) // max(1, int(eval_batch))
+            done = int(getattr(args, "consumed_valid_samples", 0) or 0) // int(eval_batch or 1)
             split_sampler.fast_forward(done)
         split_planner = None if planner is None else _SplitPlanner(planner, key)
         run.evaluation[split] = _EvalIterator(run, split, pipeline(split_sampler, split_planner))
