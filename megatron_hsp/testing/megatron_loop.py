@@ -91,7 +91,8 @@ MODEL_FLAGS = [
     *("--micro-batch-size", "1", "--global-batch-size", str(GLOBAL_BATCH)),
     *("--train-iters", "8", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine"),
     *("--lr-warmup-iters", "2", "--lr-decay-iters", "8", "--clip-grad", "1.0"),
-    *("--eval-iters", "0", "--transformer-impl", "local", "--use-cpu-initialization"),
+    *("--eval-iters", "0", "--eval-interval", "1000"),  # pretrain() divides by the interval
+    *("--transformer-impl", "local", "--use-cpu-initialization"),
     *("--no-gradient-accumulation-fusion", "--attention-dropout", "0", "--hidden-dropout", "0"),
     *("--no-bias-dropout-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion"),
     *("--no-persist-layer-norm", "--calculate-per-token-loss", "--seed", "1234"),
@@ -745,7 +746,10 @@ def _start_hsp(argv: list[str], restored: dict[str, Any] | None = None) -> tuple
     from megatron_hsp.megatron import install
 
     args = _megatron_args(argv)
-    for key, value in (restored or {}).items():
+    # What setup_model_and_optimizer leaves in args before the data iterators are built: a
+    # fresh run starts at iteration 0 (load_checkpoint without --load), a restart where it left.
+    fresh = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
+    for key, value in {**fresh, **(restored or {})}.items():
         setattr(args, key, value)
     _set_megatron_globals(args)
     provider, forward_step = install(args, None, None)
@@ -753,17 +757,13 @@ def _start_hsp(argv: list[str], restored: dict[str, Any] | None = None) -> tuple
 
 
 def _hsp_iterators(provider: Any) -> tuple[Any, Any, Any]:
-    """The provider's three iterators; validation and test wrapped in megatron-core's
-    ``RerunDataIterator`` as Megatron wraps an external loader's
-    (``build_train_valid_test_data_iterators``)."""
-    from megatron.core.rerun_state_machine import RerunDataIterator
+    """The training, validation and test iterators as ``pretrain()`` builds them from the
+    provider: Megatron's own ``build_train_valid_test_data_iterators`` (sample counts, the
+    ``is_distributed`` provider called on every rank, external loaders passed through and
+    wrapped in ``RerunDataIterator``, ``do_valid``/``do_test`` agreed over ranks)."""
+    import megatron.training.training as training
 
-    train, valid, test = provider(None)
-    return (
-        train,
-        None if valid is None else RerunDataIterator(valid),
-        None if test is None else RerunDataIterator(test),
-    )
+    return training.build_train_valid_test_data_iterators(provider)
 
 
 def _uninterrupted(run: Any, steps: int) -> dict[str, list[list[tuple[int, int, int]]]]:
