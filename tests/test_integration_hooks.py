@@ -47,6 +47,15 @@ def stand_in_megatron_training(monkeypatch):
         return {"lm loss": 2.5}, False
 
     training.train_step = train_step
+
+    def get_forward_backward_func(*a, **kw):
+        def schedule(**skw):
+            calls.append(("eval schedule", skw["num_microbatches"]))
+            return [{"lm loss": 1.0}]
+
+        return schedule
+
+    training.get_forward_backward_func = get_forward_backward_func
     pkg.training = training
     monkeypatch.setitem(sys.modules, "megatron.training", pkg)
     monkeypatch.setitem(sys.modules, "megatron.training.training", training)
@@ -61,6 +70,19 @@ def plan2() -> Plan:
         (Group((0,), (1,), (30,), est_ms=4.0), Group((1,), (2,), (10,), est_ms=2.0)), est_ms=4.0
     )
     return Plan(2, 2, (mb1, mb2), est_step_ms=14.0, solve_ms=3.0, solver="highs")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """A small indexed dataset (``--data-path``): install() checks its files at argument time."""
+    import numpy as np
+
+    from megatron_hsp.step.corpus import write_indexed_dataset
+
+    prefix = str(tmp_path_factory.mktemp("hooks") / "docs")
+    rng = np.random.default_rng(0)
+    write_indexed_dataset(prefix, [rng.integers(0, 100, n) for n in (5, 9, 30, 2, 17, 40)])
+    return prefix
 
 
 HSP_ARGS = [
@@ -87,9 +109,9 @@ def test_without_hsp_nothing_changes():
     assert patches.applied() == [] and hooks.active_run() is None
 
 
-def test_install_needs_megatron_training_and_says_so(monkeypatch):
+def test_install_needs_megatron_training_and_says_so(monkeypatch, corpus):
     monkeypatch.setitem(sys.modules, "megatron.training.training", None)
-    args = parse(HSP_ARGS, world_size=2)
+    args = parse([*HSP_ARGS, "--data-path", corpus], world_size=2)
     try:
         with pytest.raises(HSPError, match=r"Megatron-LM's megatron\.training\.training"):
             install(args)
@@ -98,22 +120,25 @@ def test_install_needs_megatron_training_and_says_so(monkeypatch):
         hooks.set_run(None)
 
 
-def test_install_keeps_a_user_spec_as_the_base(stand_in_megatron_training):
-    args = parse([*HSP_ARGS, "--spec", "my.module", "my_spec"], world_size=2)
+def test_install_keeps_a_user_spec_as_the_base(stand_in_megatron_training, corpus):
+    args = parse([*HSP_ARGS, "--data-path", corpus, "--spec", "my.module", "my_spec"], world_size=2)
     install(args)
     assert args.hsp_base_spec == ["my.module", "my_spec"]
     assert args.spec == ["megatron_hsp.megatron.layer_spec", "hsp_layer_spec"]
 
 
 def test_patched_step_counts_come_from_the_plan_only_in_the_schedule(
-    stand_in_megatron_training, monkeypatch
+    stand_in_megatron_training, monkeypatch, corpus
 ):
     training, calls = stand_in_megatron_training
-    args = parse(HSP_ARGS, world_size=2)
+    args = parse([*HSP_ARGS, "--data-path", corpus], world_size=2)
     provider, forward = install(args, "theirs", "theirs")
     assert (provider, forward) == (hooks.hsp_datasets_provider, hooks.hsp_forward_step)
     assert args.spec == ["megatron_hsp.megatron.layer_spec", "hsp_layer_spec"]
-    assert patches.applied() == ["megatron.training.training.train_step"]
+    assert patches.applied() == [
+        "megatron.training.training.train_step",
+        "megatron.training.training.get_forward_backward_func",
+    ]
     run = hooks.active_run()
     out = io.StringIO()
     run.observer = StepObserver(stream=out)
@@ -169,9 +194,41 @@ def test_observer_writes_plan_log_and_writers(tmp_path):
     assert group_imbalance(plan) == pytest.approx(1.0 / 14.0)
 
 
-def test_data_prefix_rules():
-    ns = types.SimpleNamespace
-    assert hooks.data_prefix(ns(data_path=["corpus_text_document"])) == "corpus_text_document"
-    assert hooks.data_prefix(ns(data_path=["1.0", "corpus"])) == "corpus"
-    with pytest.raises(HSPError, match="--data-path PREFIX"):
-        hooks.data_prefix(ns(data_path=["0.5", "a", "0.5", "b"]))
+def test_evaluation_schedule_runs_the_plans_count_only_for_hsp_eval_iterators(
+    stand_in_megatron_training, corpus
+):
+    """``evaluate()`` calls the schedule by keyword with its own count (eval global batch /
+    (mbs x dp)); with HSP's validation iterator (wrapped by Megatron in RerunDataIterator) the
+    patched ``get_forward_backward_func`` prepares the split's next batch and runs its plan's
+    count; other iterators pass through; a split without documents (iterator None) runs
+    nothing."""
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    training, calls = stand_in_megatron_training
+    install(parse([*HSP_ARGS, "--data-path", corpus], world_size=2), "theirs", "theirs")
+    run = hooks.active_run()
+    began = []
+
+    class Pipeline:
+        def next_step(self):
+            began.append(1)
+            return types.SimpleNamespace(plan=plan2(), batch="batch", documents=[])
+
+    evaluation = hooks._EvalIterator(run, "valid", Pipeline())
+
+    def begin():  # the real begin() dispatches tokens; only the count matters here
+        n = len(Pipeline().next_step().plan.microbatches)
+        evaluation.batches.append("batch")
+        return n
+
+    evaluation.begin = begin
+    schedule = training.get_forward_backward_func()
+    schedule(data_iterator=RerunDataIterator(evaluation), num_microbatches=4, forward_only=True)
+    schedule(data_iterator=iter([]), num_microbatches=4, forward_only=True)
+    assert schedule(data_iterator=None, num_microbatches=4, forward_only=True) == []
+    assert calls == [("eval schedule", 2), ("eval schedule", 4)]
+    assert evaluation.batches == ["batch"] and began == [1]
+    with pytest.raises(HSPError, match="process_non_loss_data_func"):
+        schedule(data_iterator=evaluation, num_microbatches=4, collect_non_loss_data=True)
+    with pytest.raises(RuntimeError, match="evaluation on the valid split asked for more"):
+        next(evaluation)

@@ -103,10 +103,41 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
     )
     assert "ulysses" in _kinds(by["tp2+sp"])
     assert "ring" in _kinds(by["distopt tp2+sp 6 heads"])
+    # Issue 18: Megatron's evaluate() on the planned validation (after every step, across the
+    # restart) and test splits equals the stock evaluate() on the same documents; every split's
+    # batches are an uninterrupted run's; the blend's token shares follow its weights.
+    e18 = by["distopt evaluation blend resume"]
+    assert {k: e18["options"][k] for k in ("evaluation", "blend", "resume")} == dict.fromkeys(
+        ("evaluation", "blend", "resume"), True
+    )
+    assert {k: e18["options"][k] for k in ("pp", "vpp", "num_experts", "ep")} == {
+        "pp": 1,
+        "vpp": None,
+        "num_experts": None,
+        "ep": 1,
+    }
+    assert [(ev["split"], ev["after_step"]) for ev in e18["evaluations"]] == [
+        ("valid", 0),
+        ("valid", 1),
+        ("valid", 2),
+        ("test", 2),
+    ]
+    for ev in e18["evaluations"]:
+        assert abs(ev["loss_hsp"] - ev["loss_ref"]) <= LOSS_RTOL * abs(ev["loss_ref"])
+        assert ev["consumed_valid_samples_hsp"] == ev["consumed_valid_samples_megatron"]
+    assert e18["pieces_as_uninterrupted"] == dict.fromkeys(
+        ("train", "train_next", "valid", "test"), True
+    )
+    assert e18["outside_split"] == []
+    assert e18["blend"]["worst_deviation_in_documents"] <= 1.0
+    for e in entries:
+        assert all(e["pieces_as_uninterrupted"].values()) and e["outside_split"] == []
 
 
-def _planted(plant: str, steps: int) -> dict:
-    (entry,) = run_megatron_loop(4, DEFAULT_OPTIONS[:1], steps=steps, timeout_s=400, plant=plant)
+def _planted(plant: str, steps: int, options: int = 0) -> dict:
+    (entry,) = run_megatron_loop(
+        4, DEFAULT_OPTIONS[options : options + 1], steps=steps, timeout_s=900, plant=plant
+    )
     print(f"{plant}: caught={not entry['ok']}, worst / tolerance {entry['margin']:.3g}")
     for f in entry["failures"]:
         print("   ", f)
@@ -158,12 +189,39 @@ def test_a_parameter_left_out_of_the_optimizer_is_caught_by_the_weights():
     assert all(s["max_rel_grad_diff"] <= GRAD_RTOL for s in entry["steps"])
 
 
+ISSUE_18 = [o.label for o in DEFAULT_OPTIONS].index("distopt evaluation blend resume")
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_evaluation_that_draws_from_the_training_sampler_is_caught():
+    """Validation batches drawn from the training sampler: they leave Megatron's validation
+    split, and the training sampler's next draw is not an uninterrupted run's (the prefetched
+    batch hides it from the steps themselves)."""
+    entry = _planted("evaluation-draws-training-batches", steps=3, options=ISSUE_18)
+    same = entry["pieces_as_uninterrupted"]
+    assert same["train_next"] is False and same["valid"] is False
+    assert entry["outside_split"]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_resume_that_restarts_the_samplers_is_caught():
+    entry = _planted("resume-restarts-the-samplers", steps=3, options=ISSUE_18)
+    same = entry["pieces_as_uninterrupted"]
+    assert same["train"] is False and same["valid"] is False
+    # The stock side follows the HSP side's documents, so only the batch check sees it.
+    assert all(s["max_rel_grad_diff"] <= GRAD_RTOL for s in entry["steps"])
+
+
 def test_every_plant_has_a_test():
     assert set(PLANTS) == {
         "plan-count-in-lr-increment",
         "smallest-gradient-scaled-1.0001",
         "reader-start-shift",
         "one-parameter-not-updated",
+        "evaluation-draws-training-batches",
+        "resume-restarts-the-samplers",
     }
 
 
@@ -189,6 +247,22 @@ def test_the_stock_reader_is_megatrons_and_sees_a_shifted_hsp_reader(tmp_path):
         )
     with pytest.raises(RuntimeError, match="runs past its end"):
         stock.read(0, 0, int(index.lengths[0]) + 1)
+    # A blend: documents numbered dataset after dataset, as HSP's BlendedDocumentReader.
+    from megatron_hsp.step.documents import BlendedDocumentReader
+
+    write_corpus(prefix + "-b", num_docs=8, seed=11, choices=(60, 120))
+    both = MegatronDocuments([prefix, prefix + "-b"])
+    blended = BlendedDocumentReader([index, DocumentIndex(prefix + "-b")])
+    n = len(index.lengths)
+    assert both.locate(n + 3) == (1, 3)
+    for doc in (0, n - 1, n, n + 7):
+        k, local = both.locate(doc)
+        length = int((index if k == 0 else DocumentIndex(prefix + "-b")).lengths[local])
+        np.testing.assert_array_equal(
+            blended.read(Piece(doc, 0, length)), both.read(doc, 0, length)
+        )
+    # Megatron's split of each dataset (its own rounding): 64 documents at 6,1,1 -> 48/8/8.
+    assert both.split_ranges("6,1,1", "valid") == [(48, 56), (6, 7)]
 
 
 def test_sequence_parallel_norm_marks_its_weights():

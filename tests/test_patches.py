@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,7 +171,12 @@ def test_pretrain_gets_hsp_provider_and_forward_step(ref, patched, launcher, tmp
     (tmp_path / "stand_in.py").write_text(STAND_IN_PRETRAIN)
     script = str(root / "pretrain_gpt.py")
     entry = ["-m", "megatron_hsp.launch", script] if launcher else [script]
-    run = run_script([str(tmp_path / "stand_in.py"), *entry, *TINY, "--hsp"], tmp_path, root)
+    # install() checks the datasets' files at argument time (issue 18): give it a real one.
+    from megatron_hsp.step.corpus import write_indexed_dataset
+
+    write_indexed_dataset(tmp_path / "corpus", [np.arange(2, 9), np.arange(3, 40)])
+    tiny = [str(tmp_path / "corpus") if a == "unused-prefix" else a for a in TINY]
+    run = run_script([str(tmp_path / "stand_in.py"), *entry, *tiny, "--hsp"], tmp_path, root)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "PRETRAIN megatron_hsp.megatron.hooks hsp_datasets_provider hsp_forward_step" in (
         run.stdout

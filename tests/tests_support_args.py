@@ -26,6 +26,16 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-iters", type=int, default=100)
     p.add_argument("--full-validation", action="store_true")
     p.add_argument("--attention-dropout", type=float, default=0.1)
+    # Megatron's data flags (megatron/training/arguments.py: _add_data_args), as HSP reads them.
+    for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
+        p.add_argument(flag, nargs="*", default=None)
+    p.add_argument("--split", default=None)
+    p.add_argument("--data-args-path", default=None)
+    p.add_argument("--per-split-data-args-path", default=None)
+    p.add_argument("--data-cache-path", default=None)
+    p.add_argument("--mock-data", action="store_true")
+    p.add_argument("--eod-mask-loss", action="store_true")
+    p.add_argument("--multiple-validation-sets", action="store_true")
     return p
 
 

@@ -163,8 +163,8 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     from megatron_hsp.step.documents import DocumentIndex, DocumentReader
     from megatron_hsp.step.observe import StepRecord, layout_summary
     from megatron_hsp.step.pipeline import build_step_pipeline
-    from megatron_hsp.step.planner_service import PlannerSpec
-    from megatron_hsp.step.sampler import SamplerConfig
+    from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
+    from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
     from megatron_hsp.testing.dist import tiny_gpt_model
 
     device = torch.device("cpu")
@@ -178,15 +178,15 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     sizes = registry.sizes
     max_len = cost.max_trainable_length(list(sizes))
     index = DocumentIndex(cfg.corpus_prefix)
-    pipeline = build_step_pipeline(
-        PlannerSpec(
-            cost_model=cfg.cost_model,
-            world_size=world_size,
-            gpus_per_node=gpus_per_node,
-            max_seq=max_len,
-            settings=dataclasses.replace(cfg.planner, sizes=tuple(sizes), seed=cfg.seed),
-        ),
-        index,
+    spec = PlannerSpec(
+        cost_model=cfg.cost_model,
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        max_seq=max_len,
+        settings=dataclasses.replace(cfg.planner, sizes=tuple(sizes), seed=cfg.seed),
+    )
+    sampler = GlobalBatchSampler(
+        index.lengths,
         SamplerConfig(
             seed=cfg.seed,
             max_length=max_len,
@@ -194,8 +194,13 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
             token_budget=cfg.token_budget,
             overlong="split",
         ),
+    )
+    pipeline = build_step_pipeline(
+        sampler,
+        DocumentReader(index),
         registry,
         rank=rank,
+        planner=PlannerService(spec) if rank == 0 else None,
     )
     pipeline.prime()  # step 0 is planned while the model is built
     model = tiny_gpt_model(

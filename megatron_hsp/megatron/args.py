@@ -478,17 +478,8 @@ def validate_hsp_args(
             "Megatron's default is 0.1): HSP's ring/hybrid attention and torch's varlen kernel "
             "draw no dropout mask; pass --attention-dropout 0"
         )
-    eval_iters = _get(args, "eval_iters", 0) or 0
-    if eval_iters > 0 or getattr(args, "full_validation", False):
-        flag = (
-            "--full-validation"
-            if getattr(args, "full_validation", False)
-            else (f"--eval-iters {eval_iters} (Megatron's default is 100)")
-        )
-        raise HSPArgsError(
-            f"--hsp serves no validation split yet, so {flag} would make Megatron's evaluation "
-            "pull from no data iterator; pass --eval-iters 0 (and no --full-validation)"
-        )
+    # Evaluation (--eval-iters) runs on planned batches of the validation/test splits and the
+    # data flags are checked by megatron/datasets.py (installer.install, issue 18).
 
     gpn = args.hsp_gpus_per_node or _gpus_per_node_from_env(env) or world
     if gpn < 1 or gpn % tp != 0:

@@ -2,15 +2,18 @@
 
 Megatron seams used (no patch needed):
 * ``train_valid_test_datasets_provider`` -> ``hsp_datasets_provider``: returns an *external* data
-  iterator (``--dataloader-type external``) that yields this rank's planned micro-batches;
+  iterator (``--dataloader-type external``) that yields this rank's planned micro-batches, and
+  the validation and test iterators Megatron's ``evaluate()`` pulls planned batches from (each
+  split sampled by its own sampler over Megatron's data flags, ``datasets.py``);
 * ``forward_step_func`` -> ``hsp_forward_step``: runs the GPT model on one packed THD micro-batch
   whose ``PackedSeqParams.cp_group`` is the plan's group for this rank, per-token loss;
 * the layer spec (``--spec megatron_hsp.megatron.layer_spec hsp_layer_spec``) puts HSP attention
   in every layer.
 
-The one thing without a seam (a per-step hook that also hands the schedule the plan's micro-batch
-count) is the ``train_step`` patch in ``patches.py``; it calls ``begin_step`` /
-``current_num_microbatches`` here.
+The two things without a seam (a per-step hook that also hands the schedule the plan's
+micro-batch count, and the same per evaluation batch) are the ``train_step`` and
+``get_forward_backward_func`` patches in ``patches.py``; they call ``begin_step`` /
+``current_num_microbatches`` and ``eval_iterator_of(...).begin()`` here.
 
 ``selftest --megatron`` (``testing/megatron_loop.py``) runs this module under Megatron's own
 ``train_step`` on gloo CPU ranks against the stock path; ``pretrain()``/``train()`` themselves
@@ -20,7 +23,7 @@ need CUDA (docs/integration.md says what only a GPU run shows).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -44,6 +47,8 @@ class HSPRun:
     local_multiple: int = 1  # per-rank token count multiple (TP size under --sequence-parallel)
     device: Any = None
     step_overhead_ms: float = 0.0  # the cost model's per-step cost, added to each prediction
+    data: Any = None  # datasets.HSPData: which datasets feed which split (set by ``install``)
+    evaluation: dict[str, Any] = field(default_factory=dict)  # split -> _EvalIterator
     te_layout: bool = False  # pad ring groups' documents for TE's context parallelism
 
 
@@ -59,35 +64,27 @@ def set_run(run: HSPRun | None) -> None:
     _RUN = run
 
 
-def data_prefix(args: Any) -> str:
-    """The one indexed-dataset prefix HSP trains on (``--data-path PREFIX`` or ``1.0 PREFIX``)."""
-    paths = list(getattr(args, "data_path", None) or [])
-    if len(paths) == 2:
-        try:
-            float(paths[0])
-            paths = paths[1:]
-        except ValueError:
-            pass
-    if len(paths) != 1:
-        raise InputError(
-            f"--hsp trains on one indexed dataset: give --data-path PREFIX (got {paths or None}); "
-            "blends and per-split paths are not supported yet"
-        )
-    return paths[0]
-
-
 def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
-    """Collective: creates the HSP process groups and (rank 0) the planner process."""
+    """Collective: creates the HSP process groups, (rank 0) the planner process, the training
+    pipeline and, for the validation and test splits that have documents, their evaluation
+    iterators (``run.evaluation``)."""
     import torch
     import torch.distributed as dist
 
+    from megatron_hsp.megatron.datasets import (
+        build_split_sampler,
+        data_fingerprint,
+        hsp_data_from_args,
+    )
+    from megatron_hsp.runtime.backends import te_available
     from megatron_hsp.runtime.groups import create_groups_from_megatron
-    from megatron_hsp.step.documents import DocumentIndex
+    from megatron_hsp.step.documents import BlendedDocumentReader, DocumentIndex
     from megatron_hsp.step.pipeline import build_step_pipeline
-    from megatron_hsp.step.planner_service import PlannerSpec
+    from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
     from megatron_hsp.step.sampler import SamplerConfig
 
     cfg = run.config
+    data = run.data if run.data is not None else hsp_data_from_args(args)
     # Lazy: a size's communicators are created the first time an agreed plan uses it.
     run.registry = create_groups_from_megatron(
         cfg.gpus_per_node, sizes=cfg.group_sizes, heads=_head_space(), lazy=True
@@ -102,6 +99,30 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     )
     cost = spec.load_cost_model()
     run.step_overhead_ms = cost.step_overhead_ms
+    mmap = bool(getattr(args, "mmap_bin_files", True))
+    indices = {p: DocumentIndex(p, mmap=mmap) for p in data.prefixes}
+    reader = BlendedDocumentReader([indices[p] for p in data.prefixes])
+    base = SamplerConfig(
+        seed=cfg.seed,
+        max_length=cost.max_trainable_length(list(cfg.group_sizes)),
+        global_batch_docs=cfg.global_batch_docs,
+        token_budget=cfg.token_budget,
+        overlong=cfg.overlong,
+    )
+    sampler = build_split_sampler(data, "train", indices, base)
+    if sampler is None:
+        raise InputError(
+            "the training split has no documents: --split gives it a share of 0 or the "
+            "datasets are too small for it; give training a share (e.g. --split 969,30,1)"
+        )
+    # Resume: Megatron restored args.iteration from the checkpoint; replaying that many batches
+    # reads only lengths and lands on exactly the next unseen batch, if the data and sampling
+    # flags are those the checkpoint trained with (checked against --load's record).
+    check_and_record_data(args, data_fingerprint(data, indices) + "/" + sampler.fingerprint)
+    sampler.fast_forward(int(getattr(args, "iteration", 0) or 0))
+    rank = dist.get_rank()
+    rank0 = rank == 0
+    planner = PlannerService(spec, background=cfg.background_planner) if rank0 else None
     # The model's device: CUDA in training; CPU where there is none (``selftest --megatron``).
     run.device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -113,26 +134,144 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     run.local_multiple = tp if getattr(args, "sequence_parallel", False) else 1
     # The layer spec's "auto" backend is Transformer Engine wherever TE and CUDA are present
     # (runtime.backends.make_backend); its context-parallel route needs padded documents.
-    from megatron_hsp.runtime.backends import te_available
-
     run.te_layout = te_available()
-    return build_step_pipeline(
-        spec,
-        DocumentIndex(data_prefix(args)),
-        SamplerConfig(
-            seed=cfg.seed,
-            max_length=cost.max_trainable_length(list(cfg.group_sizes)),
-            global_batch_docs=cfg.global_batch_docs,
-            token_budget=cfg.token_budget,
-            overlong=cfg.overlong,
-        ),
-        run.registry,
-        rank=dist.get_rank(),
-        background=cfg.background_planner,
-        # Resume: Megatron restored args.iteration from the checkpoint; replaying that many
-        # batches reads only lengths and lands on exactly the next unseen batch.
-        resume_steps=int(getattr(args, "iteration", 0) or 0),
-    )
+
+    def pipeline(split_sampler: Any, split_planner: Any) -> StepPipeline:
+        return build_step_pipeline(
+            split_sampler, reader, run.registry, rank=rank, planner=split_planner
+        )
+
+    run.evaluation = {}
+    eval_iters = getattr(args, "eval_iters", 0) or 0
+    eval_batch = getattr(args, "eval_global_batch_size", None) or cfg.global_batch_docs
+    for key, split in enumerate(("valid", "test"), start=1):
+        if eval_iters <= 0:
+            break
+        # Its own sampler over its own documents, its own state: evaluation never draws from,
+        # or moves, the training sampler. By count: Megatron's eval global batch.
+        split_config = replace(
+            base, global_batch_docs=None if cfg.token_budget else int(eval_batch)
+        )
+        split_sampler = build_split_sampler(data, split, indices, split_config)
+        if split_sampler is None:
+            if rank0:
+                print(
+                    f"[megatron-hsp] the {split} split has no documents (--split, or no "
+                    f"--{split}-data-path): Megatron's {split} evaluations are skipped",
+                    flush=True,
+                )
+            continue
+        if split == "valid":
+            # Megatron resumes validation at args.consumed_valid_samples (restored from the
+            # checkpoint); each evaluation iteration counted one eval global batch.
+            done = int(getattr(args, "consumed_valid_samples", 0) or 0) // int(eval_batch or 1)
+            split_sampler.fast_forward(done)
+        split_planner = None if planner is None else _SplitPlanner(planner, key)
+        run.evaluation[split] = _EvalIterator(run, split, pipeline(split_sampler, split_planner))
+    return pipeline(sampler, planner)
+
+
+DATA_RECORD = "hsp_data.json"
+
+
+def check_and_record_data(args: Any, fingerprint: str) -> None:
+    """Resume guard: a run that loads a checkpoint (``--load``, ``args.iteration`` > 0) must
+    sample what the saving run sampled, since resume replays ``args.iteration`` batches.
+
+    Megatron's checkpoint has no room for HSP state, so rank 0 records the fingerprint of the
+    data (every dataset's document lengths, each split's sources, weights and ``--split``) and
+    of the training sampler's flags in ``<--save>/hsp_data.json``; a resumed run compares it
+    with ``<--load>/hsp_data.json`` and stops, naming the flags, when they differ. A checkpoint
+    directory without the record (written before it existed) is resumed without the check.
+    """
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    load, save = getattr(args, "load", None), getattr(args, "save", None)
+    if load and int(getattr(args, "iteration", 0) or 0) > 0:
+        record = Path(load) / DATA_RECORD
+        if record.is_file():
+            saved = json.loads(record.read_text()).get("fingerprint")
+            if saved != fingerprint:
+                raise InputError(
+                    f"--load {load}: its checkpoint was trained on other data or sampling flags "
+                    f"(fingerprint {saved}, now {fingerprint}); resuming would replay other "
+                    "batches. Resume with the same --data-path (or --train/valid/test-data-path) "
+                    "and weights, --split, --seed/--hsp-seed, --global-batch-size or "
+                    "--hsp-token-budget, --hsp-overlong and cost model"
+                )
+    if save and (not dist.is_initialized() or dist.get_rank() == 0):
+        Path(save).mkdir(parents=True, exist_ok=True)
+        (Path(save) / DATA_RECORD).write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
+
+
+class _SplitPlanner:
+    """The one planner process, for the batches of an evaluation split.
+
+    Why not a second planner process: it would double the processes and memory of planning for
+    a few batches per evaluation. The split's steps get keys apart from training's (negative:
+    valid ``-(2s+1)``, test ``-(2s+2)``), so a pending training plan and an evaluation plan
+    never collide; a planner log line about step -3 is validation batch 1."""
+
+    def __init__(self, planner: Any, split_key: int) -> None:
+        self.planner = planner
+        self.split_key = split_key
+
+    def _key(self, step: int) -> int:
+        return -(2 * step + self.split_key)
+
+    def submit(self, step: int, lengths: Any) -> None:
+        self.planner.submit(self._key(step), lengths)
+
+    def result(self, step: int) -> Any:
+        return self.planner.result(self._key(step))
+
+    def close(self) -> None:
+        """The training pipeline's planner is closed by its owner."""
+
+
+class _EvalIterator:
+    """The external validation/test iterator Megatron's ``evaluate()`` passes to the schedule.
+
+    Each call of the schedule with this iterator is one evaluation batch: the patched
+    ``get_forward_backward_func`` (``patches.py``) calls ``begin()`` (next batch of this
+    split's own sampler, its plan, this rank's inputs) and runs the plan's micro-batch count;
+    ``hsp_forward_step`` then pulls the micro-batches from here."""
+
+    def __init__(self, run: HSPRun, split: str, pipeline: StepPipeline) -> None:
+        self.run = run
+        self.split = split
+        self.pipeline = pipeline
+        self.inputs: list[Any] = []
+        self.current: PreparedStep | None = None
+        self.batches: list[Any] = []  # every batch evaluated (``DocumentBatch``), for reports
+
+    def begin(self) -> int:
+        """Prepare the next evaluation batch; returns its plan's micro-batch count."""
+        self.current, self.inputs = _prepare(self.run, self.pipeline)
+        self.batches.append(self.current.batch)
+        return len(self.current.plan.microbatches)
+
+    def __iter__(self) -> _EvalIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if not self.inputs:
+            raise RuntimeError(
+                f"megatron-hsp: evaluation on the {self.split} split asked for more "
+                "micro-batches than its plan has; get_forward_backward_func is not patched "
+                "(was megatron_hsp.megatron.install called before pretrain()?)"
+            )
+        return self.inputs.pop(0)
+
+
+def eval_iterator_of(data_iterator: Any) -> _EvalIterator | None:
+    """The HSP evaluation iterator behind what ``evaluate()`` hands the schedule (Megatron
+    wraps external iterators in ``RerunDataIterator``), else None."""
+    inner = getattr(data_iterator, "iterable", data_iterator)
+    return inner if isinstance(inner, _EvalIterator) else None
 
 
 class _MicroBatchIterator:
@@ -155,7 +294,9 @@ class _MicroBatchIterator:
 
 
 def hsp_datasets_provider(train_val_test_num_samples: Any, vp_stage: Any = None) -> tuple:
-    """``train_valid_test_datasets_provider`` for ``pretrain()``: HSP's iterator, no eval sets."""
+    """``train_valid_test_datasets_provider`` for ``pretrain()``: HSP's training iterator and,
+    when ``--eval-iters`` > 0 and the split has documents, the validation and test iterators
+    (None otherwise: Megatron then skips that evaluation, as for an empty split)."""
     from megatron.training import get_args
 
     run = active_run()
@@ -170,7 +311,8 @@ def hsp_datasets_provider(train_val_test_num_samples: Any, vp_stage: Any = None)
         run.observer = StepObserver.from_megatron(
             log_interval=run.config.log_interval, plan_log=run.config.plan_log
         )
-    return _MicroBatchIterator(run), None, None
+    valid, test = run.evaluation.get("valid"), run.evaluation.get("test")
+    return _MicroBatchIterator(run), valid, test
 
 
 hsp_datasets_provider.is_distributed = True  # every rank builds it: group creation is collective
@@ -190,17 +332,17 @@ def _head_space():
     return HeadSpace.from_model(args.num_attention_heads, kv, tp)
 
 
-def begin_step(run: HSPRun) -> None:
-    """Prepare the step about to run: plan (waits only if the planner is late), dispatch.
+def _prepare(run: HSPRun, pipeline: StepPipeline) -> tuple[PreparedStep, list[Any]]:
+    """The pipeline's next step (plan: waits only if the planner is late) and this rank's
+    model inputs for it.
 
     The inputs come from ``schedule.step_inputs``, the one builder ``run_step`` (demo, selftest)
     uses too, so the ring layout and process-group binding cannot differ between them.
     """
     from megatron_hsp.runtime.schedule import step_inputs
 
-    assert run.pipeline is not None
-    prepared = run.pipeline.next_step()
-    run.inputs = step_inputs(
+    prepared = pipeline.next_step()
+    inputs = step_inputs(
         prepared.tokens,
         prepared.plan,
         run.registry,
@@ -208,7 +350,13 @@ def begin_step(run: HSPRun) -> None:
         local_multiple=run.local_multiple,
         te_layout=run.te_layout,
     )
-    run.current = prepared
+    return prepared, inputs
+
+
+def begin_step(run: HSPRun) -> None:
+    """Prepare the training step about to run: plan, dispatch."""
+    assert run.pipeline is not None
+    run.current, run.inputs = _prepare(run, run.pipeline)
     run.step_started = time.perf_counter()
 
 

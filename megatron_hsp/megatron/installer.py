@@ -21,6 +21,7 @@ from typing import Any
 
 from megatron_hsp.megatron import hooks, patches
 from megatron_hsp.megatron.args import validate_hsp_args
+from megatron_hsp.megatron.datasets import hsp_data_from_args
 
 LAYER_SPEC = ["megatron_hsp.megatron.layer_spec", "hsp_layer_spec"]
 
@@ -44,14 +45,18 @@ def install(
         config = validate_hsp_args(args)
         if config is None:
             return datasets_provider, forward_step
+        # Megatron's data flags, at argument time (before the model is built): unsupported ones
+        # refused naming the flag, the datasets' files checked, the splits resolved.
+        data = hsp_data_from_args(args)
         spec = getattr(args, "spec", None)
         if spec and list(spec) != LAYER_SPEC:
             # The user's spec stays the base: layer_spec.py swaps HSP attention into it.
             args.hsp_base_spec = list(spec)
             _print0(f"--spec {' '.join(spec)}: HSP attention is swapped into this spec")
         args.spec = list(LAYER_SPEC)
-        for note in config.notes:
+        for note in (*config.notes, *data.notes):
             _print0(note)
+        _print0(f"data: {data.describe()}")
         _print0(
             f"HSP on: {config.world_size} sequence-parallel ranks in nodes of "
             f"{config.gpus_per_node}, group sizes {list(config.group_sizes)}, cost model "
@@ -59,7 +64,7 @@ def install(
             f"({config.planner.time_budget_s:g} s), "
             f"overlong={config.overlong}"
         )
-        hooks.set_run(hooks.HSPRun(config=config))
+        hooks.set_run(hooks.HSPRun(config=config, data=data))
         patches.apply_training_patches()
         args._hsp_installed = True  # the launcher on a patched script installs once
     if hooks.active_run() is None:

@@ -18,6 +18,15 @@ replaced attribute                                 why
                                                    ``consumed_train_samples`` keep Megatron's
                                                    count (``--global-batch-size``, see
                                                    docs/integration.md).
+``megatron.training.training.``                    ``evaluate()`` has no per-batch callback either:
+``get_forward_backward_func``                      the schedule it returns is wrapped so that a
+                                                   call with HSP's validation/test iterator
+                                                   first prepares that split's next batch (its own
+                                                   sampler, its plan, dispatch) and runs the
+                                                   plan's micro-batch count instead of
+                                                   ``eval_global_batch_size / (mbs x dp)``.
+                                                   Any other iterator (training: ``train_step``'s
+                                                   patch) passes through unchanged.
 ``megatron.training.arguments.parse_and_validate_args``  launcher only (unchanged scripts): adds the
                                                    ``--hsp*`` flags to the script's own
                                                    ``extra_args_provider`` and validates them after
@@ -85,6 +94,11 @@ TRAINING_PATCHES = (
         "megatron.training.training",
         "train_step",
         "per-step hook: plan, dispatch, the plan's micro-batch count, measure",
+    ),
+    Patch(
+        "megatron.training.training",
+        "get_forward_backward_func",
+        "per-evaluation-batch hook: plan, dispatch, the plan's micro-batch count",
     ),
 )
 LAUNCHER_PATCHES = (
@@ -213,6 +227,41 @@ def apply_training_patches() -> None:
         return train_step
 
     _apply(TRAINING_PATCHES[0], make_train_step)
+
+    def make_get_forward_backward_func(original, sig):
+        def get_forward_backward_func(*a, **kw):
+            schedule = original(*a, **kw)
+
+            # evaluate() calls the schedule once per evaluation batch, by keyword; only a call
+            # with an HSP evaluation iterator is changed.
+            def forward_backward_func(*fa, **fkw):
+                evaluation = hooks.eval_iterator_of(fkw.get("data_iterator"))
+                if (
+                    evaluation is None
+                    and fkw.get("forward_only")
+                    and fkw.get("data_iterator") is None
+                    and hooks.active_run() is not None
+                ):
+                    # evaluate() on a split without documents (HSP's provider said so): no
+                    # batch to plan, no loss; Megatron reports nothing for it.
+                    return []
+                if evaluation is not None:
+                    if fkw.get("collect_non_loss_data"):
+                        # evaluate() makes this call on the last rank only; planning a batch is
+                        # collective, so it would hang every other rank.
+                        raise HSPError(
+                            "--hsp evaluation does not support pretrain()'s "
+                            "process_non_loss_data_func (it runs one more batch on the last "
+                            "rank only); pass process_non_loss_data_func=None"
+                        )
+                    fkw["num_microbatches"] = evaluation.begin()
+                return schedule(*fa, **fkw)
+
+            return forward_backward_func
+
+        return get_forward_backward_func
+
+    _apply(TRAINING_PATCHES[1], make_get_forward_backward_func)
 
 
 def apply_launcher_patches(install_fn: Callable[..., Any]) -> None:

@@ -28,7 +28,7 @@ class DocumentIndex:
     (one sequence per document unless the corpus was preprocessed with ``--split-sentences``).
     """
 
-    def __init__(self, prefix: str | os.PathLike[str]) -> None:
+    def __init__(self, prefix: str | os.PathLike[str], mmap: bool = True) -> None:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         self.prefix = str(prefix)
@@ -38,8 +38,9 @@ class DocumentIndex:
                     f"indexed dataset {self.prefix!r}: {self.prefix + suffix} not found; pass the "
                     "path prefix without .bin/.idx (e.g. --data-path my-corpus_text_document)"
                 )
-        # mmap=True keeps the .bin mapped, not read; only .idx arrays are touched here.
-        self.dataset = IndexedDataset(self.prefix, mmap=True)
+        # mmap=True keeps the .bin mapped, not read; only .idx arrays are touched here
+        # (Megatron's --no-mmap-bin-files passes False: tokens are then read with file reads).
+        self.dataset = IndexedDataset(self.prefix, mmap=mmap)
         seq_lengths = np.asarray(self.dataset.sequence_lengths, dtype=np.int64)
         doc_idx = np.asarray(self.dataset.document_indices, dtype=np.int64)
         self.first_sequence = doc_idx[:-1]
@@ -82,3 +83,29 @@ class DocumentReader:
         from megatron_hsp.runtime.dispatch import GlobalBatch
 
         return GlobalBatch.for_rank(batch.lengths, self.read_for_rank(batch, plan, slot))
+
+
+class BlendedDocumentReader(DocumentReader):
+    """Reads pieces of several indexed datasets numbered one after the other (a blend).
+
+    Document ``d`` of the blend is document ``d - base[k]`` of dataset ``k``, where ``base`` are
+    the running totals of the datasets' document counts in blend order (what
+    ``sampler.BlendComponent.doc_base`` is built from). Each dataset is read by its own
+    ``DocumentReader``, so a one-dataset blend reads exactly as ``DocumentReader`` does.
+    """
+
+    def __init__(self, indices: list[DocumentIndex]) -> None:
+        if not indices:
+            raise InputError("a blend needs at least one dataset")
+        super().__init__(indices[0])
+        self.readers = [DocumentReader(ix) for ix in indices]
+        self.bases = np.concatenate([[0], np.cumsum([len(ix) for ix in indices])])
+
+    def read(self, piece: Piece) -> np.ndarray:
+        k = int(np.searchsorted(self.bases, piece.doc, side="right")) - 1
+        if not 0 <= k < len(self.readers) or piece.doc >= self.bases[-1]:
+            raise IndexError(f"document {piece.doc} is outside the blend's {self.bases[-1]}")
+        local = Piece(piece.doc - int(self.bases[k]), piece.offset, piece.length)
+        out = self.readers[k].read(local)
+        self.tokens_read += len(out)
+        return out

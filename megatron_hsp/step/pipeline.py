@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_hsp.planner.errors import PlanError
 from megatron_hsp.planner.plan import Plan
-from megatron_hsp.step.documents import DocumentIndex, DocumentReader
-from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
-from megatron_hsp.step.sampler import DocumentBatch, GlobalBatchSampler, SamplerConfig
+from megatron_hsp.step.documents import DocumentReader
+from megatron_hsp.step.planner_service import PlannerService
+from megatron_hsp.step.sampler import DocumentBatch, GlobalBatchSampler
 
 if TYPE_CHECKING:  # the runtime layer imports torch; the pipeline reaches it only at run time
     from megatron_hsp.runtime.dispatch import GlobalBatch
@@ -154,35 +154,34 @@ class StepPipeline:
 
 
 def build_step_pipeline(
-    spec: PlannerSpec,
-    index: DocumentIndex,
-    sampler: SamplerConfig,
+    sampler: GlobalBatchSampler,
+    reader: DocumentReader,
     registry: GroupRegistry,
     *,
     rank: int,
-    background: bool = True,
-    resume_steps: int = 0,
+    planner: PlannerService | None,
 ) -> StepPipeline:
-    """The step pipeline of one rank of a distributed run (collective use: every rank calls it).
+    """The step pipeline of one rank of a distributed run (every rank calls it, alike).
 
-    Every rank samples the same global batches from ``index`` (``sampler``); global rank 0 runs
-    the planner (``spec``, in a background process unless ``background`` is False) and
-    broadcasts each plan; each rank reads the documents of its own groups only. ``resume_steps``
-    replays that many batches (lengths only) so training resumes at the next unseen batch.
+    Every rank samples the same global batches (``sampler``: lengths only, seeded, resumed by
+    its caller); global rank 0 runs ``planner`` (None on the other ranks) and broadcasts each
+    plan, which is then checked once against ``registry`` (splits recorded, executability
+    agreed); each rank reads the documents of its own groups only (``reader``). The Megatron
+    hooks (training and each evaluation split) and the demo all build their pipelines here.
     """
     from functools import partial
 
     from megatron_hsp.runtime.agreement import agree_on_plan
 
-    batches = GlobalBatchSampler(index.lengths, sampler)
-    batches.fast_forward(resume_steps)
     planning = rank == 0
+    if planning and planner is None:
+        raise ValueError("global rank 0 plans: it needs the planner")
     return StepPipeline(
-        batches,
-        DocumentReader(index),
+        sampler,
+        reader,
         slot=registry.slot,
-        world_size=spec.world_size,
-        planner=PlannerService(spec, background=background) if planning else None,
+        world_size=registry.layout.num_slots,
+        planner=planner if planning else None,
         is_planning_rank=planning,
         agree=partial(agree_on_plan, mode="broadcast"),
         registry=registry,

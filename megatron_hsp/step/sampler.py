@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -78,6 +78,10 @@ class SamplerConfig:
     overlong: str = "error"
     shuffle: bool = True
     min_length: int = 2  # a sequence needs >= 2 tokens to give one next-token target
+    # Which random stream the permutations come from: None is the lone dataset's; a blend gives
+    # its other datasets their own (``BlendedBatchSampler``), so equal-sized datasets are not
+    # shuffled alike.
+    stream: int | None = None
 
     def __post_init__(self) -> None:
         if (self.global_batch_docs is None) == (self.token_budget is None):
@@ -163,34 +167,52 @@ class GlobalBatchSampler:
             repr((c.seed, c.global_batch_docs, c.token_budget, c.overlong, c.shuffle)).encode()
         )
         h.update(repr((c.max_length, c.min_length)).encode())
+        if c.stream is not None:
+            h.update(repr(("stream", c.stream)).encode())
         return h.hexdigest()[:16]
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
             n = self.num_sequences
             if self.config.shuffle:
-                self._perm = np.random.default_rng([self.config.seed, epoch]).permutation(n)
+                key = [self.config.seed, epoch]
+                if self.config.stream is not None:
+                    key = [self.config.seed, self.config.stream, epoch]
+                self._perm = np.random.default_rng(key).permutation(n)
             else:
                 self._perm = np.arange(n)
             self._perm_epoch = epoch
         return self._perm
+
+    def peek_unit(self) -> Piece:
+        """The next sequence of the permutation, without taking it (a blend asks each of its
+        datasets' samplers for one sequence at a time)."""
+        st = self.state
+        while True:
+            order = self._order(st.epoch)
+            if st.position < len(order):
+                u = int(order[st.position])
+                return Piece(
+                    int(self.unit_doc[u]), int(self.unit_offset[u]), int(self.unit_length[u])
+                )
+            st.epoch += 1
+            st.position = 0
+
+    def take_unit(self) -> Piece:
+        """Take the sequence ``peek_unit`` returns: the permutation moves on by one."""
+        piece = self.peek_unit()
+        self.state.position += 1
+        return piece
 
     def next_batch(self) -> DocumentBatch:
         c, st = self.config, self.state
         pieces: list[Piece] = []
         tokens = 0
         while True:
-            order = self._order(st.epoch)
-            if st.position >= len(order):
-                st.epoch += 1
-                st.position = 0
-                continue
-            u = int(order[st.position])
-            n = int(self.unit_length[u])
+            n = self.peek_unit().length
             if c.token_budget is not None and pieces and tokens + n > c.token_budget:
                 break  # whole sequences only: this one starts the next batch
-            st.position += 1
-            pieces.append(Piece(int(self.unit_doc[u]), int(self.unit_offset[u]), n))
+            pieces.append(self.take_unit())
             tokens += n
             if c.global_batch_docs is not None and len(pieces) >= c.global_batch_docs:
                 break
@@ -236,4 +258,167 @@ class GlobalBatchSampler:
             f"(epoch {s.epoch}); corpus: {self.num_sequences} sequences, overlong documents: "
             f"{policy}, {self.skipped_short} documents under {c.min_length} tokens skipped, "
             f"{self.dropped_tokens} tokens never trained"
+        )
+
+
+# ------------------------------------------------------------------------------------- blending
+@dataclass(frozen=True)
+class BlendComponent:
+    """One dataset of a blend, restricted to one split's documents.
+
+    ``lengths`` are the lengths of documents ``doc_base .. doc_base + len(lengths) - 1`` in the
+    blend's global document numbering (datasets numbered one after the other, in blend order:
+    ``documents.BlendedDocumentReader`` maps them back). ``weight``: the share of the split's
+    tokens this dataset should supply (normalised over the components).
+    """
+
+    name: str
+    weight: float
+    doc_base: int
+    lengths: np.ndarray
+
+
+class BlendedBatchSampler:
+    """Global batches of whole documents from several datasets, blend weights honoured by tokens.
+
+    Why by tokens: Megatron's blend weights are shares of its fixed-length samples, i.e. of
+    tokens; with whole documents of different mean length per dataset, a share of documents
+    would over-weight the dataset of short documents. Each next sequence comes from the
+    dataset furthest below its share, ``argmax_i(w_i * T - t_i)`` (``T`` tokens drawn so far,
+    ``t_i`` from dataset ``i``; ties to the first), so ``|t_i - w_i T|`` stays under one document
+    at every step: deterministic, no random draw to reproduce. Inside a dataset the sequences
+    come from that dataset's own ``GlobalBatchSampler`` (seeded permutation per epoch, overlong
+    policy, epochs that wrap independently: a small dataset is repeated, as Megatron's blend
+    repeats it). Same interface as ``GlobalBatchSampler`` (``next_batch``, ``state_dict``,
+    ``load_state_dict``, ``fast_forward``, ``report``), so ``StepPipeline`` takes either.
+    """
+
+    def __init__(self, components: Sequence[BlendComponent], config: SamplerConfig) -> None:
+        if not components:
+            raise InputError("a blend needs at least one dataset")
+        weights = np.asarray([c.weight for c in components], dtype=np.float64)
+        if not np.all(np.isfinite(weights)) or np.any(weights < 0) or weights.sum() <= 0:
+            raise InputError(
+                f"blend weights must be >= 0 with a positive sum (got {weights.tolist()})"
+            )
+        self.config = config
+        kept = [(c, float(w)) for c, w in zip(components, weights, strict=True) if w > 0]
+        self.components = [c for c, _ in kept]
+        self.weights = np.asarray([w for _, w in kept]) / sum(w for _, w in kept)
+        self.samplers: list[GlobalBatchSampler] = []
+        for i, comp in enumerate(self.components):
+            # Component 0 draws the permutation a lone dataset would (a one-dataset "blend" is
+            # exactly GlobalBatchSampler over it); the others their own stream.
+            sub = replace(config, stream=None if i == 0 else i)
+            try:
+                self.samplers.append(GlobalBatchSampler(comp.lengths, sub))
+            except InputError as exc:
+                raise InputError(f"dataset {comp.name}: {exc}") from None
+        self.step = 0
+        self.consumed_sequences = 0
+        self.consumed_tokens = 0
+        self.tokens_from = [0] * len(self.components)
+        # The batch being drawn: its tokens, and per dataset (the choice counts them too).
+        self._batch_tokens = 0
+        self._batch_from = np.zeros(len(self.components), dtype=np.int64)
+        self.fingerprint = self._fingerprint()
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(s.num_sequences for s in self.samplers)
+
+    def _fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for comp, w, s in zip(self.components, self.weights, self.samplers, strict=True):
+            h.update(repr((comp.doc_base, round(float(w), 12), s.state.fingerprint)).encode())
+        return h.hexdigest()[:16]
+
+    def _choose(self) -> int:
+        total = self.consumed_tokens + self._batch_tokens
+        deficit = self.weights * total - (np.asarray(self.tokens_from) + self._batch_from)
+        return int(np.argmax(deficit))
+
+    def next_batch(self) -> DocumentBatch:
+        c = self.config
+        pieces: list[Piece] = []
+        self._batch_tokens, self._batch_from = 0, np.zeros(len(self.components), dtype=np.int64)
+        while True:
+            i = self._choose()
+            n = self.samplers[i].peek_unit().length
+            if c.token_budget is not None and pieces and self._batch_tokens + n > c.token_budget:
+                break  # whole sequences only: this one starts the next batch
+            p = self.samplers[i].take_unit()
+            pieces.append(Piece(self.components[i].doc_base + p.doc, p.offset, p.length))
+            self._batch_tokens += n
+            self._batch_from[i] += n
+            if c.global_batch_docs is not None and len(pieces) >= c.global_batch_docs:
+                break
+        batch = DocumentBatch(self.step, tuple(pieces))
+        self.step += 1
+        self.consumed_sequences += len(pieces)
+        self.consumed_tokens += self._batch_tokens
+        self.tokens_from = [int(t) for t in np.asarray(self.tokens_from) + self._batch_from]
+        self._batch_tokens, self._batch_from = 0, np.zeros(len(self.components), dtype=np.int64)
+        return batch
+
+    def __iter__(self) -> Iterator[DocumentBatch]:
+        while True:
+            yield self.next_batch()
+
+    def fast_forward(self, steps: int) -> None:
+        """Skip ``steps`` batches (resume from an iteration count; reads lengths only)."""
+        for _ in range(steps):
+            self.next_batch()
+
+    @property
+    def state(self) -> SamplerState:
+        """The blend's totals in ``GlobalBatchSampler``'s form (epoch: the first dataset's)."""
+        return SamplerState(
+            seed=self.config.seed,
+            epoch=self.samplers[0].state.epoch,
+            position=self.samplers[0].state.position,
+            step=self.step,
+            consumed_sequences=self.consumed_sequences,
+            consumed_tokens=self.consumed_tokens,
+            fingerprint=self.fingerprint,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self.fingerprint,
+            "step": self.step,
+            "consumed_sequences": self.consumed_sequences,
+            "consumed_tokens": self.consumed_tokens,
+            "tokens_from": list(self.tokens_from),
+            "datasets": [s.state_dict() for s in self.samplers],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("fingerprint") != self.fingerprint:
+            raise InputError(
+                "sampler checkpoint was written for a different blend, split or sampling flags "
+                f"(fingerprint {state.get('fingerprint')} != {self.fingerprint}); resume with "
+                "the same --data-path (or --train/valid/test-data-path), weights, --split, "
+                "--seed/--hsp-seed, batch and overlong flags"
+            )
+        for sampler, sub in zip(self.samplers, state["datasets"], strict=True):
+            sampler.load_state_dict(sub)
+        self.step = int(state["step"])
+        self.consumed_sequences = int(state["consumed_sequences"])
+        self.consumed_tokens = int(state["consumed_tokens"])
+        self.tokens_from = [int(t) for t in state["tokens_from"]]
+
+    def report(self, state: dict[str, Any] | None = None) -> str:
+        """Counters as one line, with each dataset's share of the tokens drawn (``state``: a
+        ``state_dict`` to report instead of now)."""
+        st = self.state_dict() if state is None else state
+        total = max(1, st["consumed_tokens"])
+        shares = ", ".join(
+            f"{c.name} {t / total:.1%} (weight {w:.1%})"
+            for c, w, t in zip(self.components, self.weights, st["tokens_from"], strict=True)
+        )
+        return (
+            f"{st['consumed_sequences']} sequences / {st['consumed_tokens']} tokens in "
+            f"{st['step']} steps from {len(self.components)} datasets: {shares}; corpus: "
+            f"{self.num_sequences} sequences"
         )

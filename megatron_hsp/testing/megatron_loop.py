@@ -36,6 +36,16 @@ falls in it), the learning rate and consumed samples against Megatron's own valu
 documents trained against Megatron's sample count, and the grad norm; after the steps, each
 parameter's weights.
 
+Issue 18's option set adds, on both sides: Megatron's own ``evaluate()`` on the validation split
+after every step and on the test split at the end (HSP: planned batches of the splits' own
+samplers through the patched ``get_forward_backward_func``; stock: the same documents as
+``[1, L]`` samples, unpatched), a two-dataset blend (``--data-path 0.4 A 0.6 B``, the stock side
+reading both with ``IndexedDataset``), and a restart of the HSP side after step 2 (everything HSP
+holds is rebuilt from the flags and the values ``load_checkpoint`` restores into ``args``; the
+stock side runs through). Checked besides: every batch trained or evaluated is an uninterrupted
+run's, lies in Megatron's own split of its dataset, and the blend's token shares follow its
+weights (``_data_checks``).
+
 What ``train()`` does around ``train_step`` is not run (it is one long function without a seam).
 The few lines this loop needs from it are reproduced and named: the ``config`` hooks
 ``train()`` sets before its loop (``grad_scale_func``, ``no_sync_func``/``grad_sync_func`` under
@@ -62,6 +72,11 @@ import torch
 
 STEPS = 3
 GLOBAL_BATCH = 8
+EVAL_ITERS = 1  # validation batches per evaluation (Megatron's --eval-iters)
+EVAL_INTERVAL = 1  # evaluate after every training step (Megatron's --eval-interval)
+EVAL_SPLIT = "6,1,1"  # 64 + 32 documents: 48 + 24 train, 8 + 4 validation, 8 + 4 test
+BLEND_WEIGHTS = (0.4, 0.6)
+RESUME_AFTER = 2  # the resumed HSP side trains steps 2.. after a restart
 HEAD_DIM = 4  # --hidden-size is HEAD_DIM x --num-attention-heads
 KV_GROUPS = 2
 SP_SPEC = ("megatron_hsp.testing.sp_spec", "local_sp_block_spec")
@@ -76,7 +91,8 @@ MODEL_FLAGS = [
     *("--micro-batch-size", "1", "--global-batch-size", str(GLOBAL_BATCH)),
     *("--train-iters", "8", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine"),
     *("--lr-warmup-iters", "2", "--lr-decay-iters", "8", "--clip-grad", "1.0"),
-    *("--eval-iters", "0", "--transformer-impl", "local", "--use-cpu-initialization"),
+    *("--eval-iters", "0", "--eval-interval", "1000"),  # pretrain() divides by the interval
+    *("--transformer-impl", "local", "--use-cpu-initialization"),
     *("--no-gradient-accumulation-fusion", "--attention-dropout", "0", "--hidden-dropout", "0"),
     *("--no-bias-dropout-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion"),
     *("--no-persist-layer-norm", "--calculate-per-token-loss", "--seed", "1234"),
@@ -107,6 +123,13 @@ class LoopOptions:
     # "rope", or Megatron's default "learned_absolute": an embedding table indexed by the
     # position ids HSP dispatches (RoPE recomputes positions inside attention and never reads them)
     position_embedding_type: str = "rope"
+    # Issue 18: Megatron's evaluate() on the validation split every step and on the test split
+    # after the last (both sides, --split 6,1,1); a two-dataset blend (--data-path 0.4 A 0.6 B);
+    # a resume after RESUME_AFTER steps (the HSP side is torn down and rebuilt from what
+    # Megatron's checkpoint holds; the stock side runs through).
+    evaluation: bool = False
+    blend: bool = False
+    resume: bool = False
 
     def flags(self) -> list[str]:
         """Megatron flags of this option set (both sides)."""
@@ -124,6 +147,8 @@ class LoopOptions:
             out.append("--use-distributed-optimizer")
         if self.overlap_grad_reduce:
             out.append("--overlap-grad-reduce")
+        if self.evaluation:
+            out += ["--eval-iters", str(EVAL_ITERS), "--eval-interval", str(EVAL_INTERVAL)]
         return out
 
     def hsp_flags(self) -> list[str]:
@@ -131,6 +156,16 @@ class LoopOptions:
         if self.group_sizes is None:
             return []
         return ["--hsp-group-sizes", ",".join(map(str, self.group_sizes))]
+
+    def data_flags(self, prefixes: Sequence[str]) -> list[str]:
+        """Megatron's data flags (HSP side: its provider reads them): one dataset, or the blend
+        of the first two at ``BLEND_WEIGHTS``; without evaluation every document trains."""
+        if self.blend:
+            (wa, wb), (a, b) = BLEND_WEIGHTS, prefixes[:2]
+            data = ["--data-path", str(wa), a, str(wb), b]
+        else:
+            data = ["--data-path", prefixes[0]]
+        return [*data, "--split", EVAL_SPLIT if self.evaluation else "100,0,0"]
 
     def heads(self) -> Any:
         """Query and KV heads per tensor-parallel rank (``groupspace.HeadSpace``)."""
@@ -167,6 +202,14 @@ class LoopOptions:
             "group_sizes": None if self.group_sizes is None else list(self.group_sizes),
             "attention_heads": self.attention_heads,
             "position_embedding_type": self.position_embedding_type,
+            "evaluation": self.evaluation,
+            "blend": self.blend,
+            "resume": self.resume,
+            # Placeholders for issue 17 (pipeline, virtual pipeline, MoE): this loop runs none.
+            "pp": 1,
+            "vpp": None,
+            "num_experts": None,
+            "ep": 1,
         }
 
     @property
@@ -184,6 +227,7 @@ class LoopOptions:
             parts.append(f"{self.attention_heads} heads")
         if self.position_embedding_type != "rope":
             parts.append(self.position_embedding_type)
+        parts += [n for n in ("evaluation", "blend", "resume") if getattr(self, n)]
         return " ".join(parts) or "ddp"
 
 
@@ -211,16 +255,29 @@ DEFAULT_OPTIONS = (
     LoopOptions(
         attention_heads=6, distributed_optimizer=True, position_embedding_type="learned_absolute"
     ),
+    # Issue 18: evaluation on the validation and test splits, a two-dataset blend, and a resume
+    # after step 2 (the validation sampler resumed too), with the distributed optimizer.
+    LoopOptions(distributed_optimizer=True, evaluation=True, blend=True, resume=True),
 )
 
 
-def write_corpus(prefix: str, num_docs: int = 64, seed: int = 7) -> None:
-    """A small indexed dataset of documents of very different lengths (2..200 tokens)."""
+def write_corpus(
+    prefix: str,
+    num_docs: int = 64,
+    seed: int = 7,
+    choices: Sequence[int] = (2, 5, 17, 40, 90, 130, 200),
+) -> None:
+    """A small indexed dataset of documents of very different lengths (2..200 tokens); the
+    blend's second dataset (``BLEND_CHOICES``) has longer documents, so that its token share and
+    its document share differ."""
     from megatron_hsp.step.corpus import write_indexed_dataset
 
     rng = np.random.default_rng(seed)
-    lengths = rng.choice([2, 5, 17, 40, 90, 130, 200], size=num_docs)
+    lengths = rng.choice(list(choices), size=num_docs)
     write_indexed_dataset(prefix, [rng.integers(0, 128, size=int(n)) for n in lengths])
+
+
+BLEND_CHOICES = (60, 120, 180)
 
 
 class MegatronDocuments:
@@ -231,15 +288,29 @@ class MegatronDocuments:
     cut here, so a wrong start or length in HSP's ``DocumentReader`` shows as different tokens.
     """
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str | Sequence[str]) -> None:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-        self.dataset = IndexedDataset(prefix, mmap=True)
-        self.document_indices = np.asarray(self.dataset.document_indices, dtype=np.int64)
+        prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
+        self.datasets = [IndexedDataset(p, mmap=True) for p in prefixes]
+        self.document_indices = [
+            np.asarray(ds.document_indices, dtype=np.int64) for ds in self.datasets
+        ]
+        # A blend's documents are numbered dataset after dataset, in --data-path order.
+        self.first_document = np.cumsum([0] + [len(d) - 1 for d in self.document_indices])
+
+    def locate(self, doc: int) -> tuple[int, int]:
+        """(dataset, document inside it) of a blend's document number."""
+        k = int(np.searchsorted(self.first_document, doc, side="right")) - 1
+        if not 0 <= k < len(self.datasets) or doc >= self.first_document[-1]:
+            raise RuntimeError(f"document {doc} is outside the {self.first_document[-1]} read")
+        return k, doc - int(self.first_document[k])
 
     def read(self, doc: int, offset: int, length: int) -> np.ndarray:
-        first, last = int(self.document_indices[doc]), int(self.document_indices[doc + 1])
-        whole = np.concatenate([np.asarray(self.dataset[i]) for i in range(first, last)])
+        k, local = self.locate(doc)
+        indices, dataset = self.document_indices[k], self.datasets[k]
+        first, last = int(indices[local]), int(indices[local + 1])
+        whole = np.concatenate([np.asarray(dataset[i]) for i in range(first, last)])
         out = whole[offset : offset + length]
         if len(out) != length:
             raise RuntimeError(
@@ -247,6 +318,23 @@ class MegatronDocuments:
                 "runs past its end"
             )
         return out.astype(np.int64)
+
+    def split_ranges(self, split_text: str, which: str) -> list[tuple[int, int]]:
+        """Per dataset, the documents ``[lo, hi)`` of Megatron's ``which`` split (train, valid,
+        test) under ``--split split_text`` (megatron-core's ``parse_and_normalize_split`` and
+        ``convert_split_vector_to_split_matrix``, rounded as its dataset builder rounds)."""
+        from megatron.core.datasets.blended_megatron_dataset_config import (
+            convert_split_vector_to_split_matrix,
+            parse_and_normalize_split,
+        )
+
+        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split_text))
+        row = matrix[("train", "valid", "test").index(which)]
+        out = []
+        for indices in self.document_indices:
+            n = float(len(indices) - 1)
+            out.append((0, 0) if row is None else (round(row[0] * n), round(row[1] * n)))
+        return out
 
 
 def _megatron_args(argv: list[str]) -> Any:
@@ -583,17 +671,46 @@ def _plant_one_parameter_not_updated(
 def _plant_reader_start_shift(stack: contextlib.ExitStack) -> None:
     """PLANTED BUG: HSP's ``DocumentReader.read`` starts one token late (an off-by-one start:
     the piece's tokens shifted by one, the last one padded with token 0)."""
-    from megatron_hsp.step.documents import DocumentReader
+    from megatron_hsp.step import documents
     from megatron_hsp.step.sampler import Piece
 
-    original = DocumentReader.read
+    original = documents.DocumentReader.read
 
     def read(self: Any, piece: Any) -> np.ndarray:
         shifted = original(self, Piece(piece.doc, piece.offset + 1, piece.length - 1))
         return np.append(shifted, 0)
 
-    DocumentReader.read = read
-    stack.callback(setattr, DocumentReader, "read", original)
+    documents.DocumentReader.read = read
+    stack.callback(setattr, documents.DocumentReader, "read", original)
+
+
+def _plant_evaluation_draws_training_batches(stack: contextlib.ExitStack) -> None:
+    """PLANTED BUG: the validation and test iterators draw their batches from the training
+    sampler (one sampler for every split, as a provider that ignored the split would): the
+    evaluation batches come from the training documents and move the training sampler on."""
+    from megatron_hsp.megatron import hooks
+
+    original = hooks.build_pipeline
+
+    def build_pipeline(run: Any, args: Any) -> Any:
+        pipeline = original(run, args)
+        for evaluation in run.evaluation.values():
+            evaluation.pipeline.sampler = pipeline.sampler
+        return pipeline
+
+    hooks.build_pipeline = build_pipeline
+    stack.callback(setattr, hooks, "build_pipeline", original)
+
+
+def _plant_resume_restarts_the_samplers(stack: contextlib.ExitStack) -> None:
+    """PLANTED BUG: on a restart the samplers are not moved past what the checkpoint trained
+    and evaluated (``fast_forward`` does nothing): the resumed run repeats the first batches."""
+    from megatron_hsp.step import sampler
+
+    for cls in (sampler.GlobalBatchSampler, sampler.BlendedBatchSampler):
+        original = cls.fast_forward
+        cls.fast_forward = lambda self, steps: None
+        stack.callback(setattr, cls, "fast_forward", original)
 
 
 PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
@@ -601,12 +718,104 @@ PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
     "smallest-gradient-scaled-1.0001": _plant_smallest_gradient_scaled,
     "reader-start-shift": _plant_reader_start_shift,
     "one-parameter-not-updated": _plant_one_parameter_not_updated,
+    "evaluation-draws-training-batches": _plant_evaluation_draws_training_batches,
+    "resume-restarts-the-samplers": _plant_resume_restarts_the_samplers,
 }
+
+
+def _hsp_argv(
+    options: LoopOptions, prefixes: Sequence[str], cost_path: str, nproc: int
+) -> list[str]:
+    """What a user passes Megatron for the HSP side: the model, the option set, ``--hsp ...``
+    and Megatron's data flags."""
+    hsp_flags = [
+        *("--hsp", "--hsp-solver", "greedy", "--hsp-sync-planner"),
+        *("--hsp-gpus-per-node", str(nproc), "--hsp-max-seq", "256"),
+        *("--hsp-cost-model", cost_path),
+        *options.hsp_flags(),
+        *options.data_flags(prefixes),
+    ]
+    return [*MODEL_FLAGS, *options.flags(), *hsp_flags]
+
+
+def _start_hsp(argv: list[str], restored: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
+    """Megatron's parse/validate, globals and ``install`` for the HSP side: (args, provider,
+    forward step). ``restored``: the values Megatron's ``load_checkpoint`` puts back into
+    ``args`` on a restart (``iteration``, consumed train and validation samples), set before
+    the provider runs, as ``pretrain()`` orders it."""
+    from megatron_hsp.megatron import install
+
+    args = _megatron_args(argv)
+    # What setup_model_and_optimizer leaves in args before the data iterators are built: a
+    # fresh run starts at iteration 0 (load_checkpoint without --load), a restart where it left.
+    fresh = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
+    for key, value in {**fresh, **(restored or {})}.items():
+        setattr(args, key, value)
+    _set_megatron_globals(args)
+    provider, forward_step = install(args, None, None)
+    return args, provider, forward_step
+
+
+def _hsp_iterators(provider: Any) -> tuple[Any, Any, Any]:
+    """The training, validation and test iterators as ``pretrain()`` builds them from the
+    provider: Megatron's own ``build_train_valid_test_data_iterators`` (sample counts, the
+    ``is_distributed`` provider called on every rank, external loaders passed through and
+    wrapped in ``RerunDataIterator``, ``do_valid``/``do_test`` agreed over ranks)."""
+    import megatron.training.training as training
+
+    return training.build_train_valid_test_data_iterators(provider)
+
+
+def _uninterrupted(run: Any, steps: int) -> dict[str, list[list[tuple[int, int, int]]]]:
+    """The batches an uninterrupted run draws from a fresh provider: copies of each split's
+    sampler before anything is drawn, ``steps`` training batches and every evaluation batch the
+    loop will ask for. Compared with what the run trained and evaluated across evaluations and
+    the restart: evaluation must not move the training sampler, a resume must land on the next
+    batch of each."""
+    import copy
+
+    def draw(sampler: Any, n: int) -> list[list[tuple[int, int, int]]]:
+        fresh = copy.deepcopy(sampler)
+        return [[(p.doc, p.offset, p.length) for p in fresh.next_batch().pieces] for _ in range(n)]
+
+    train = draw(run.pipeline.sampler, steps + 2)
+    # The batch after the one prefetched at the end: what the live training sampler must draw
+    # next (evaluation drawing from it would move it on, even where the prefetch hides it).
+    out = {"train": train[:steps], "train_next": [train[-1]]}
+    counts = {"valid": steps // EVAL_INTERVAL * EVAL_ITERS, "test": EVAL_ITERS}
+    for split, ev in run.evaluation.items():
+        out[split] = draw(ev.pipeline.sampler, counts[split])
+    return out
+
+
+def _evaluate(
+    args: Any, split: str, forward_step: Any, iterator: Any, model: Any, config: Any, it: int
+) -> dict[str, Any]:
+    """Megatron's own ``evaluate()`` on one split, as ``train()`` (validation, every
+    ``--eval-interval`` steps) and ``pretrain()`` (test, at the end) call it."""
+    import megatron.training.training as training
+
+    from megatron_hsp.megatron import hooks
+
+    evaluation = hooks.eval_iterator_of(iterator)
+    before = 0 if evaluation is None else len(evaluation.batches)
+    losses, _, _ = training.evaluate(forward_step, iterator, model, None, config, verbose=False)
+    record: dict[str, Any] = {
+        "after_step": it,
+        "split": split,
+        "loss": float(losses["lm loss"]),
+        "consumed_valid_samples": int(args.consumed_valid_samples),
+    }
+    if evaluation is not None:
+        record["pieces"] = [
+            [(p.doc, p.offset, p.length) for p in b.pieces] for b in evaluation.batches[before:]
+        ]
+    return record
 
 
 def _run_hsp(
     options: LoopOptions,
-    prefix: str,
+    prefixes: Sequence[str],
     cost_path: str,
     nproc: int,
     steps: int,
@@ -616,17 +825,10 @@ def _run_hsp(
     import megatron.training.training as training
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_hsp.megatron import hooks, install, patches
+    from megatron_hsp.megatron import hooks, patches
 
-    hsp_flags = [
-        *("--hsp", "--data-path", prefix, "--hsp-solver", "greedy", "--hsp-sync-planner"),
-        *("--hsp-gpus-per-node", str(nproc), "--hsp-max-seq", "256"),
-        *("--hsp-cost-model", cost_path),
-        *options.hsp_flags(),
-    ]
-    args = _megatron_args([*MODEL_FLAGS, *options.flags(), *hsp_flags])
-    _set_megatron_globals(args)
-    provider, forward_step = install(args, None, None)
+    argv = _hsp_argv(options, prefixes, cost_path, nproc)
+    args, provider, forward_step = _start_hsp(argv)
     with contextlib.ExitStack() as stack:
         stack.callback(_close_hsp_run, hooks, patches)
         hook = PLANTS[plant](stack) if plant is not None else None
@@ -635,14 +837,30 @@ def _run_hsp(
         model, optimizer, scheduler, config = _wrap(args, module)
         if hook is not None:
             hook(model, optimizer, config)
-        data_iterator, _valid, _test = provider(None)
+        train_it, valid_it, test_it = _hsp_iterators(provider)
         run = hooks.active_run()
+        expected = _uninterrupted(run, steps)
         heads = options.heads()
-        records, pieces, grads = [], [], []
+        records, pieces, grads, evaluations = [], [], [], []
         for it in range(steps):
+            if options.resume and it == RESUME_AFTER:
+                # A restart: this process's HSP state (pipelines with their prefetched batch,
+                # planner process, patches) is dropped and rebuilt from flags plus what
+                # Megatron's load_checkpoint restores into args. Model, optimizer and scheduler
+                # objects are kept: restoring them is Megatron's checkpointing, unchanged by
+                # HSP (docs/reliability.md says why it is not run here).
+                restored = {
+                    "iteration": it,
+                    "consumed_train_samples": args.consumed_train_samples,
+                    "consumed_valid_samples": args.consumed_valid_samples,
+                }
+                _close_hsp_run(hooks, patches)
+                args, provider, forward_step = _start_hsp(argv, restored)
+                train_it, valid_it, test_it = _hsp_iterators(provider)
+                run = hooks.active_run()
             out = training.train_step(
                 forward_step,
-                data_iterator,
+                train_it,
                 model,
                 optimizer,
                 scheduler,
@@ -661,12 +879,24 @@ def _run_hsp(
             records.append(rec)
             # Plan data only: which piece of which document; the stock side reads the tokens.
             pieces.append([(p.doc, p.offset, p.length) for p in run.current.batch.pieces])
+            if options.evaluation and (it + 1) % EVAL_INTERVAL == 0:
+                evaluations.append(
+                    _evaluate(args, "valid", forward_step, valid_it, model, config, it)
+                )
+        if options.evaluation:
+            evaluations.append(
+                _evaluate(args, "test", forward_step, test_it, model, config, steps - 1)
+            )
         weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+        next_draw = run.pipeline.sampler.next_batch().pieces  # after the run: harmless
         return {
+            "train_next": [[(p.doc, p.offset, p.length) for p in next_draw]],
             "records": records,
             "pieces": pieces,
             "grads": grads,
             "weights": weights,
+            "evaluations": evaluations,
+            "expected": expected,
         }
 
 
@@ -701,10 +931,14 @@ def stock_sample(tokens: np.ndarray, multiple: int = 1) -> dict[str, torch.Tenso
 
 def _run_stock(
     options: LoopOptions,
-    prefix: str,
+    prefixes: Sequence[str],
     pieces: Sequence[Sequence[tuple[int, int, int]]],
     init: dict[str, torch.Tensor],
+    evaluations: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
+    """The stock side, uninterrupted: the same documents (read with megatron-core's
+    ``IndexedDataset``), unpatched ``train_step``, and Megatron's unpatched ``evaluate()`` on
+    the HSP side's evaluation batches after the same steps."""
     import megatron.training.training as training
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -719,11 +953,13 @@ def _run_stock(
     dp = parallel_state.get_data_parallel_world_size()
     rank = parallel_state.get_data_parallel_rank()
     multiple = args.tensor_model_parallel_size if args.sequence_parallel else 1
-    reader = MegatronDocuments(prefix)
+    reader = MegatronDocuments(prefixes)
     documents = [[reader.read(*p) for p in step] for step in pieces]
-    longest = -(-max(len(d) for step in documents for d in step) // multiple) * multiple
+    evaluated = [[[reader.read(*p) for p in b] for b in e["pieces"]] for e in evaluations]
+    every = [d for step in documents for d in step] + [d for e in evaluated for b in e for d in b]
+    longest = -(-max(len(d) for d in every) // multiple) * multiple
     cpu_attention_scores_buffer(args.num_attention_heads * longest * longest)
-    records, grads = [], []
+    records, grads, evals = [], [], []
     for it, docs in enumerate(documents):
         if len(docs) != args.global_batch_size:
             raise RuntimeError(
@@ -743,8 +979,35 @@ def _run_stock(
         )
         grads.append(param_grads(model[0], options.distributed_optimizer))
         records.append(_step_record(args, out, scheduler, optimizer))
+        for e, batches in zip(evaluations, evaluated, strict=True):
+            if e["after_step"] != it:
+                continue
+            for b in batches:
+                if len(b) != args.eval_global_batch_size:
+                    raise RuntimeError(
+                        f"{e['split']} batch of {len(b)} documents; the stock evaluate() needs "
+                        f"--eval-global-batch-size {args.eval_global_batch_size}"
+                    )
+            # evaluate() asks eval_global_batch_size / dp micro-batches per rank per batch.
+            mine = [stock_sample(d, multiple) for b in batches for d in b[rank::dp]]
+            losses, _, _ = training.evaluate(
+                _stock_forward_step, iter(mine), model, None, config, eval_iters=len(batches)
+            )
+            evals.append(
+                {
+                    "loss": float(losses["lm loss"]),
+                    "consumed_valid_samples": int(args.consumed_valid_samples),
+                }
+            )
     weights = {n: p.detach().clone() for n, p in module.named_parameters()}
-    return {"records": records, "grads": grads, "weights": weights, "args": args}
+    return {
+        "records": records,
+        "grads": grads,
+        "weights": weights,
+        "args": args,
+        "evaluations": evals,
+        "reader": reader,
+    }
 
 
 def per_param_diff(
@@ -784,7 +1047,7 @@ def _worst(rel: dict[str, float]) -> tuple[str, float]:
 def _worker_all(
     rank: int,
     world_size: int,
-    prefix: str,
+    prefixes: tuple[str, ...],
     runs: tuple[tuple[LoopOptions, str], ...],
     steps: int,
     plant: str | None,
@@ -796,14 +1059,14 @@ def _worker_all(
     out = []
     for options, cost_path in runs:
         init_cpu_megatron(rank, world_size, "", tensor_model_parallel_size=options.tp)
-        out.append(_worker(rank, world_size, prefix, cost_path, options, steps, plant))
+        out.append(_worker(rank, world_size, prefixes, cost_path, options, steps, plant))
     return out
 
 
 def _worker(
     rank: int,
     world_size: int,
-    prefix: str,
+    prefixes: tuple[str, ...],
     cost_path: str,
     options: LoopOptions,
     steps: int,
@@ -827,9 +1090,10 @@ def _worker(
         cpu_device_arch_version(),
     ):
         stock_init = _initial_weights(options)
-        hsp = _run_hsp(options, prefix, cost_path, world_size, steps, stock_init, plant)
-        ref = _run_stock(options, prefix, hsp["pieces"], stock_init)
+        hsp = _run_hsp(options, prefixes, cost_path, world_size, steps, stock_init, plant)
+        ref = _run_stock(options, prefixes, hsp["pieces"], stock_init, hsp["evaluations"])
         expected = megatron_schedule(ref["args"], steps)
+    data = _data_checks(options, hsp, ref)
     out = []
     smallest = None
     for i in range(steps):
@@ -871,10 +1135,113 @@ def _worker(
     wname, wworst = _worst(wrel)
     return {
         "steps": out,
+        **data,
         "max_rel_weight_diff_after": wworst,
         "worst_weight_param": wname,
         "planted_param": PLANTED.get("param"),
     }
+
+
+def _data_checks(options: LoopOptions, hsp: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """Issue 18's checks of one option set (``check_data`` judges them):
+
+    * ``evaluations``: per ``evaluate()`` call, the HSP and stock losses and consumed validation
+      samples, and Megatron's count (``evaluate()`` adds ``--eval-global-batch-size`` per batch);
+    * ``pieces_as_uninterrupted``: per split, whether the batches trained / evaluated are those
+      an uninterrupted run draws (evaluation leaves the training sampler alone; a resume lands
+      on the next batch of every split);
+    * ``outside_split``: pieces whose document is not in Megatron's own split of its dataset
+      (``MegatronDocuments.split_ranges``: megatron-core's split functions, not HSP's);
+    * ``blend``: each dataset's share of the trained tokens and how far it is from its weight,
+      in documents of the longest length (at most 1 when the weights are honoured).
+    """
+    reader: MegatronDocuments = ref["reader"]
+    split_text = EVAL_SPLIT if options.evaluation else "100,0,0"
+    evals = []
+    for n, (h, r) in enumerate(zip(hsp["evaluations"], ref["evaluations"], strict=True)):
+        evals.append(
+            {
+                "after_step": h["after_step"],
+                "split": h["split"],
+                "loss_hsp": h["loss"],
+                "loss_ref": r["loss"],
+                "consumed_valid_samples_hsp": h["consumed_valid_samples"],
+                "consumed_valid_samples_ref": r["consumed_valid_samples"],
+                "consumed_valid_samples_megatron": (n + 1) * EVAL_ITERS * GLOBAL_BATCH,
+                "documents": [len(b) for b in h["pieces"]],
+            }
+        )
+    got = {"train": hsp["pieces"], "train_next": hsp["train_next"]}
+    for e in hsp["evaluations"]:
+        got.setdefault(e["split"], []).extend(e["pieces"])
+    same = {
+        split: [list(map(tuple, b)) for b in got.get(split, [])]
+        == [list(map(tuple, b)) for b in want]
+        for split, want in hsp["expected"].items()
+    }
+    outside = []
+    for split, batches in got.items():
+        ranges = reader.split_ranges(split_text, split.removesuffix("_next"))
+        for b in batches:
+            for doc, _, _ in b:
+                k, local = reader.locate(doc)
+                if not ranges[k][0] <= local < ranges[k][1]:
+                    outside.append(f"{split}: document {doc} (dataset {k}, {local})")
+    blend = None
+    if options.blend:
+        tokens = [0.0, 0.0]
+        for b in hsp["pieces"]:
+            for doc, _, length in b:
+                tokens[reader.locate(doc)[0]] += length
+        total = sum(tokens)
+        longest = max(length for b in hsp["pieces"] for _, _, length in b)
+        blend = {
+            "weights": list(BLEND_WEIGHTS),
+            "token_shares": [t / total for t in tokens],
+            "worst_deviation_in_documents": max(
+                abs(t - w * total) / longest for t, w in zip(tokens, BLEND_WEIGHTS, strict=True)
+            ),
+        }
+    return {
+        "evaluations": evals,
+        "pieces_as_uninterrupted": same,
+        "outside_split": outside[:5],
+        "blend": blend,
+    }
+
+
+def check_data(entry: dict[str, Any]) -> list[str]:
+    """Failures of the issue 18 fields of one entry (``_data_checks``); empty: ok."""
+    bad = []
+    for e in entry.get("evaluations", []):
+        rel = abs(e["loss_hsp"] - e["loss_ref"]) / max(abs(e["loss_ref"]), 1e-30)
+        where = f"{e['split']} evaluation after step {e['after_step']}"
+        if not rel <= LOSS_RTOL:
+            bad.append(f"{where}: loss rel diff {rel:.2e} > {LOSS_RTOL:g}")
+        for side in ("hsp", "ref"):
+            if e[f"consumed_valid_samples_{side}"] != e["consumed_valid_samples_megatron"]:
+                bad.append(
+                    f"{where}: consumed valid samples {side} "
+                    f"{e[f'consumed_valid_samples_{side}']} vs Megatron's "
+                    f"{e['consumed_valid_samples_megatron']}"
+                )
+        if any(n != GLOBAL_BATCH for n in e["documents"]):
+            bad.append(f"{where}: batches of {e['documents']} documents, not {GLOBAL_BATCH}")
+    for split, same in entry.get("pieces_as_uninterrupted", {}).items():
+        if not same:
+            bad.append(
+                f"{split} batches differ from an uninterrupted run's (evaluation moved the "
+                "training sampler, or a resume did not land on the next batch)"
+            )
+    for where in entry.get("outside_split", []):
+        bad.append(f"document outside Megatron's split: {where}")
+    blend = entry.get("blend")
+    if blend is not None and not blend["worst_deviation_in_documents"] <= 1.0:
+        bad.append(
+            f"blend token shares {blend['token_shares']} vs weights {blend['weights']}: off by "
+            f"{blend['worst_deviation_in_documents']:.2f} documents"
+        )
+    return bad
 
 
 def _initial_weights(options: LoopOptions) -> dict[str, torch.Tensor]:
@@ -964,6 +1331,9 @@ def run_megatron_loop(
     with tempfile.TemporaryDirectory(prefix="hsp_mloop_") as tmp:
         prefix = os.path.join(tmp, "docs")
         write_corpus(prefix)
+        # The blend's second dataset: half as many documents, longer ones.
+        write_corpus(prefix + "-b", num_docs=32, seed=11, choices=BLEND_CHOICES)
+        prefixes = (prefix, prefix + "-b")
         runs = []
         for i, opt in enumerate(options):
             cost_path = f"{prefix}.cost-{i}.json"
@@ -974,12 +1344,13 @@ def run_megatron_loop(
         # most of the cost on a small machine.
         per_rank = raise_rank_errors(
             run_distributed(
-                _worker_all, nproc, prefix, tuple(runs), steps, plant, timeout_s=timeout_s
+                _worker_all, nproc, prefixes, tuple(runs), steps, plant, timeout_s=timeout_s
             )
         )
         for opt, result in zip(options, per_rank[0], strict=True):
             entry = {"options": opt.as_dict(), **result}
             entry["failures"] = check(entry["steps"], entry["max_rel_weight_diff_after"])
+            entry["failures"] += check_data(entry)
             entry["ok"] = not entry["failures"]
             entry["margin"] = margin(entry)
             results.append(entry)
@@ -1014,6 +1385,22 @@ def loop_table(entries: Sequence[dict[str, Any]]) -> str:
             f"{name:<22} weights after: {e['max_rel_weight_diff_after']:.1e} "
             f"({e['worst_weight_param']}); worst / tolerance {e['margin']:.3g}"
         )
+        for ev in e.get("evaluations", []):
+            lines.append(
+                f"{name:<22} {ev['split']} evaluation after step {ev['after_step']}: loss "
+                f"{ev['loss_hsp']:.7f} / {ev['loss_ref']:.7f}, consumed valid samples "
+                f"{ev['consumed_valid_samples_hsp']}/{ev['consumed_valid_samples_ref']}/"
+                f"{ev['consumed_valid_samples_megatron']}"
+            )
+        if e.get("blend"):
+            b = e["blend"]
+            lines.append(
+                f"{name:<22} blend: token shares "
+                + " / ".join(f"{x:.3f}" for x in b["token_shares"])
+                + " for weights "
+                + " / ".join(f"{x:g}" for x in b["weights"])
+                + f" ({b['worst_deviation_in_documents']:.2f} documents off)"
+            )
         lines.extend(f"  FAIL {name}: {f}" for f in e["failures"])
     return "\n".join(lines)
 
