@@ -1,0 +1,329 @@
+"""First-principles cost model: FLOPs over achievable throughput, bytes over link bandwidth.
+
+Split out of ``costmodel.py`` (issue 19); the names stay importable from
+``megatron_hsp.planner.costmodel``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_hsp.planner.costcore import CostModel
+from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.groupspace import Cluster, HeadSpace, kv_copies
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A dense decoder-only transformer (GPT / Llama family)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    gated: bool = True  # SwiGLU: three FFN matrices instead of two
+    tied_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
+            if int(getattr(self, key)) <= 0:
+                raise InputError(
+                    f"model.{key} must be a positive integer, got {getattr(self, key)}"
+                )
+        if self.hidden % self.heads:
+            raise InputError(f"model.hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.heads % self.kv_heads:
+            raise InputError(
+                f"model.heads {self.heads} is not a multiple of kv_heads {self.kv_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Weights: QKV, O, FFN and two RMSNorms per layer, final norm, embeddings (+ output)."""
+        h, f = self.hidden, self.ffn_hidden
+        per_layer = h * (h + 2 * self.kv_dim) + h * h + (3 if self.gated else 2) * h * f + 2 * h
+        emb = self.vocab * h * (1 if self.tied_embeddings else 2)
+        return self.layers * per_layer + h + emb
+
+    def linear_flops_per_token(self) -> float:
+        """Training FLOPs (fwd + bwd) of every token-linear matmul, per token.
+
+        Megatron-LM ``num_floating_point_operations`` (megatron/training/training.py): 2 FLOPs
+        per multiply-add, backward = 2x forward, so 6 * (weights touched per token): QKV and
+        output projections, FFN (3 matrices with SwiGLU), and the logit layer.
+        """
+        h, f = self.hidden, self.ffn_hidden
+        attn = h * (self.hidden + 2 * self.kv_dim) + self.hidden * h
+        ffn = (3 if self.gated else 2) * h * f
+        return 6.0 * (self.layers * (attn + ffn) + h * self.vocab)
+
+    def attn_flops_per_token2(self) -> float:
+        """Training FLOPs of causal core attention per token^2 of one sequence.
+
+        Same Megatron-LM source: per layer ``3 (fwd+bwd) * 2 (FMA) * heads*head_dim / 2 (causal)
+        * 2 (QK^T and PV)`` = ``6 * hidden`` per s^2. K/V heads do not enter: every query head
+        attends over the full sequence whether or not its KV head is shared (GQA).
+        """
+        return 6.0 * self.layers * self.heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class HardwareConfig:
+    """One GPU type in nodes of ``gpus_per_node`` joined by an inter-node fabric."""
+
+    name: str
+    peak_tflops: float  # dense bf16 peak per GPU
+    achievable_fraction: float = 0.5  # of peak, for token-linear matmuls
+    attention_fraction: float | None = None  # of peak, for core attention (None: as above)
+    hbm_gb: float = 80.0
+    nvlink_gbs: float = 450.0  # one direction, per GPU, inside a node
+    inter_node_gbs: float = 50.0  # one direction, per GPU, across nodes
+    latency_us: float = 10.0  # per collective call inside a node
+    inter_node_latency_us: float = 25.0  # per collective call spanning nodes
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        for key in ("peak_tflops", "hbm_gb", "nvlink_gbs", "inter_node_gbs"):
+            if float(getattr(self, key)) <= 0:
+                raise InputError(f"hardware.{key} must be > 0, got {getattr(self, key)}")
+        if not 0 < self.achievable_fraction <= 1:
+            raise InputError(
+                f"hardware.achievable_fraction must be in (0, 1], got {self.achievable_fraction}"
+            )
+
+    def bandwidth_gbs(self, crosses_node: bool) -> float:
+        return self.inter_node_gbs if crosses_node else self.nvlink_gbs
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """How the model is trained: memory layout and what recomputation costs."""
+
+    zero_stage: int = 3
+    recompute: bool = False  # full activation recomputation (Megatron --recompute-granularity full)
+    bytes_per_param: float = 2.0  # bf16 weights
+    bytes_per_grad: float = 4.0  # fp32 main grads (Megatron's default accumulation)
+    bytes_per_optimizer_state: float = 12.0  # fp32 master weights + Adam m and v
+    activation_bytes: float = 2.0  # bf16 activations
+    microbatch_overhead_ms: float = 0.0  # launches etc. per group per micro-batch
+    # Share of ZeRO-3's per-micro-batch all-gathers / reduce-scatter not hidden behind compute
+    # (1.0: none hidden, as FlexSP's large fitted b1 suggests).
+    zero3_exposed_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise InputError(f"training.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+
+    def model_state_bytes(self, params: float, shards: int) -> float:
+        """Model-state bytes per rank, ZeRO (Rajbhandari et al. 2020, sec. 5, mixed-precision Adam).
+
+        Stage 0 replicates weights, grads and optimizer states; 1 shards the optimizer states;
+        2 also the grads; 3 also the weights, each over ``shards`` data-parallel ranks.
+        """
+        p, g, o = self.bytes_per_param, self.bytes_per_grad, self.bytes_per_optimizer_state
+        n = max(1, shards)
+        per_param = {
+            0: p + g + o,
+            1: p + g + o / n,
+            2: p + (g + o) / n,
+            3: (p + g + o) / n,
+        }[self.zero_stage]
+        return params * per_param
+
+
+def activation_bytes_per_token(model: ModelConfig, training: TrainingConfig) -> float:
+    """Activation bytes one token keeps alive until its backward pass, on the rank holding it.
+
+    Per layer (no recompute), following Korthikanti et al. 2022 ("Reducing Activation
+    Recomputation in Large Transformer Models", sec. 4) with flash attention (no s^2 scores),
+    no dropout (Llama) and GQA/SwiGLU shapes: norm-1 input h, QKV input h, Q/K/V
+    (h + 2*kv_dim), attention output h, softmax log-sum-exp (fp32, one per head), norm-2 input h,
+    FC1 input h, FC1 output (2F gated / F), activation output F. With full recompute a layer
+    keeps only its input h, plus one layer's full set while it is recomputed. Once per token: the
+    logits in bf16 and the fp32 softmax that Megatron's cross-entropy keeps (6 * vocab bytes).
+    Ulysses splits every one of these over the group's ranks, so the group holds s/d per rank.
+    """
+    e = training.activation_bytes
+    h, f = model.hidden, model.ffn_hidden
+    per_layer = (
+        e * (h + h + (h + 2 * model.kv_dim) + h + h + h + f * (2 if model.gated else 1) + f)
+        + 4.0 * model.heads
+    )
+    logits = 6.0 * model.vocab + e * h
+    if training.recompute:
+        return model.layers * e * h + per_layer + logits
+    return model.layers * per_layer + logits
+
+
+def a2a_bytes_per_token(model: ModelConfig, training: TrainingConfig, d: int) -> float:
+    """Bytes of one token that Ulysses all-to-alls move in a Ulysses group of ``d``.
+
+    Per layer and pass, four all-to-alls (Jacobs et al. 2023, DeepSpeed-Ulysses): Q (heads),
+    K and V (kv heads only, GQA) before attention and the output (heads) after it. Forward and
+    backward each run them once, a recomputed forward a third time. KV heads travel with the
+    copies the runtime makes (``groupspace.kv_copies``) when ``d`` does not divide them.
+    """
+    kv_heads = model.kv_heads * kv_copies(model.heads, model.kv_heads, d)
+    elems = (2 * model.heads + 2 * kv_heads) * model.head_dim
+    passes = 3 if training.recompute else 2
+    return model.layers * passes * elems * training.activation_bytes
+
+
+def ring_bytes_per_token(model: ModelConfig, training: TrainingConfig, u: int) -> float:
+    """Bytes of one token's K/V that one ring step sends (whole training step, all layers).
+
+    Forward (and a recomputed forward) sends K and V, backward K, V and their gradients; the KV
+    heads include the copies Ulysses over ``u`` ranks needs.
+    """
+    kv_heads = model.kv_heads * kv_copies(model.heads, model.kv_heads, u)
+    passes = 4 if training.recompute else 3
+    return model.layers * passes * 2 * kv_heads * model.head_dim * training.activation_bytes
+
+
+def first_principles_cost_model(
+    model: ModelConfig,
+    hardware: HardwareConfig,
+    training: TrainingConfig,
+    *,
+    world_size: int,
+    gpus_per_node: int | None = None,
+    memory_cap_gb: float | None = None,
+    name: str | None = None,
+) -> CostModel:
+    """Analytic cost model: FLOPs over achievable throughput, bytes over link bandwidth.
+
+    - a1 (ms/token^2) = attention FLOPs per s^2 / (peak * attention fraction); a2 (ms/token) =
+      linear FLOPs per token / (peak * achievable fraction). Full recompute adds one forward,
+      i.e. multiplies both by 4/3. Ulysses divides both by d (heads resp. tokens split d ways).
+    - c_d (ms/token): each rank holds s/d tokens and sends 1/d of each to every peer, so a peer
+      link carries ``bytes_per_token / d^2`` per token; intra-node peers (``min(d,G)-1``) share
+      NVLink, inter-node peers (``d - min(d,G)``) the per-GPU NIC, the two running concurrently:
+      ``max(intra * x / nvlink, inter * x / nic)``.
+    - b_d (ms): per-call latency of the ``4 * layers * passes`` all-to-alls (inter-node latency
+      when the group spans nodes), plus, under ZeRO-3, the per-micro-batch parameter all-gathers
+      (forward and backward) and gradient reduce-scatter over all ``world_size`` ranks (ring:
+      ``bytes * (N-1)/N`` per rank at the slowest tier), plus ``microbatch_overhead_ms``.
+    - tokens_per_rank = (memory cap - model states by ZeRO stage) / activation bytes per token.
+      The memory cap defaults to 90% of HBM (CUDA context, NCCL buffers, fragmentation).
+
+    Sizes: every legal size of the cluster, run as ``HeadSpace.split`` says (Ulysses over u
+    ranks, ring over r); a ring step's K/V p2p shows only where it outlasts the attention block
+    it overlaps (``CostModel.seq_ms``). Ring figures are for pure ring at every size (Megatron CP
+    groups are priced by them too); call latencies are kept by split: ``a2a_fixed_ms[u]`` for the
+    all-to-alls over u ranks, ``ring_step_fixed_ms[d]`` = 2 * layers p2p latencies per step.
+    """
+    g = gpus_per_node or hardware.gpus_per_node
+    cluster = Cluster(world_size, g)
+    cap_gb = hardware.hbm_gb * 0.9 if memory_cap_gb is None else float(memory_cap_gb)
+    recompute = 4.0 / 3.0 if training.recompute else 1.0
+    lin_flops = hardware.peak_tflops * 1e12 * hardware.achievable_fraction
+    attn_frac = hardware.attention_fraction or hardware.achievable_fraction
+    attn_flops = hardware.peak_tflops * 1e12 * attn_frac
+    a1 = model.attn_flops_per_token2() * recompute / attn_flops * 1e3
+    a2 = model.linear_flops_per_token() * recompute / lin_flops * 1e3
+
+    space = HeadSpace(model.heads, model.kv_heads)
+    sizes = cluster.legal_sizes()
+    ring_ms: dict[int, float] = {}
+    passes = 3 if training.recompute else 2
+    calls = 4 * model.layers * passes
+    a2a: dict[int, float] = {}
+    fixed: dict[int, float] = {}
+    params = float(model.num_params())
+    zero3_ms = 0.0
+    if training.zero_stage == 3 and world_size > 1:
+        ring = (world_size - 1) / world_size
+        gather = params * training.bytes_per_param * ring
+        scatter = params * training.bytes_per_grad * ring
+        bw = hardware.bandwidth_gbs(cluster.crosses_node(world_size)) * 1e9
+        zero3_ms = (2 * gather + scatter) / bw * 1e3 * training.zero3_exposed_fraction
+    a2a_fixed: dict[int, float] = {}
+    ring_fixed: dict[int, float] = {}
+    for d in sizes:
+        crosses = cluster.crosses_node(d)
+        lat_us = hardware.inter_node_latency_us if crosses else hardware.latency_us
+        fixed[d] = training.microbatch_overhead_ms + zero3_ms
+        if d == 1:
+            continue
+        a2a_fixed[d] = calls * lat_us * 1e-3
+        ring_fixed[d] = 2 * model.layers * lat_us * 1e-3
+        # One ring step, pure ring: each rank passes its s/d tokens' K/V to the next ring rank.
+        nbytes = ring_bytes_per_token(model, training, 1) / d
+        ring_ms[d] = nbytes / (hardware.bandwidth_gbs(crosses) * 1e9) * 1e3
+        u = space.split(d)[0]
+        # Ulysses over u contiguous ranks, each holding s/d tokens and sending 1/u to each peer.
+        per_peer = a2a_bytes_per_token(model, training, u) / (d * u) if u > 1 else 0.0
+        intra = min(u, g) - 1
+        inter = u - min(u, g)
+        t = max(
+            intra * per_peer / (hardware.nvlink_gbs * 1e9),
+            inter * per_peer / (hardware.inter_node_gbs * 1e9),
+        )
+        a2a[d] = t * 1e3
+    states = training.model_state_bytes(params, world_size)
+    act = activation_bytes_per_token(model, training)
+    cap_bytes = cap_gb * 2**30
+    tokens_per_rank = int((cap_bytes - states) / act)
+    label = name or f"{model.name}-{hardware.name}"
+    if tokens_per_rank <= 0:
+        raise InputError(
+            f"cost model {label!r}: model states take {states / 2**30:.1f} GiB per rank "
+            f"(ZeRO-{training.zero_stage}, {params / 1e9:.2f}B params over {world_size} ranks), "
+            f"at or above the memory cap of {cap_gb:g} GB; raise --memory-cap-gb, use more GPUs, "
+            "a higher ZeRO stage or a smaller model"
+        )
+    return CostModel(
+        name=label,
+        attn_ms_per_token2=a1,
+        linear_ms_per_token=a2,
+        group_fixed_ms=fixed,
+        a2a_ms_per_token=a2a,
+        tokens_per_rank=tokens_per_rank,
+        source="first principles (megatron_hsp.planner.costmodel.first_principles_cost_model)",
+        details={
+            "params_b": params / 1e9,
+            "model_states_mib": states / 2**20,
+            "act_mib_per_token": act / 2**20,
+            "memory_cap_gb": cap_gb,
+            "zero3_ms_per_microbatch": zero3_ms,
+        },
+        heads=(space.q_heads, space.kv_heads),
+        ring_step_ms_per_token=ring_ms,
+        a2a_fixed_ms=a2a_fixed,
+        ring_step_fixed_ms=ring_fixed,
+    )
+
+
+H100_SXM = HardwareConfig(
+    # docs/design.md sec. 4: bf16 dense peak 989 TFLOP/s; NVLink 4 900 GB/s bidirectional per GPU
+    # (450 each way); NDR InfiniBand 400 Gb/s = 50 GB/s per GPU; 80 GB HBM3.
+    name="h100",
+    peak_tflops=989.0,
+    achievable_fraction=0.5,
+    attention_fraction=0.4,
+    hbm_gb=80.0,
+    nvlink_gbs=450.0,
+    inter_node_gbs=50.0,
+    latency_us=10.0,
+    inter_node_latency_us=25.0,
+    gpus_per_node=8,
+)
+# Llama 3 shapes from Meta's released configs (config.json of Meta-Llama-3-8B / -70B).
+LLAMA3_8B = ModelConfig("llama3-8b", 32, 4096, 32, 8, 14336, 128256, gated=True)
+LLAMA3_70B = ModelConfig("llama3-70b", 80, 8192, 64, 8, 28672, 128256, gated=True)
+
+FIRST_PRINCIPLES_PRESETS: dict[str, tuple[ModelConfig, HardwareConfig, TrainingConfig]] = {
+    "llama3-8b-h100": (LLAMA3_8B, H100_SXM, TrainingConfig(zero_stage=3, recompute=False)),
+    # 70B activations are ~24 MiB/token without recompute: full recompute is how it is trained.
+    "llama3-70b-h100": (LLAMA3_70B, H100_SXM, TrainingConfig(zero_stage=3, recompute=True)),
+}
