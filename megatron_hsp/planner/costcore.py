@@ -33,6 +33,14 @@ import numpy as np
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import HeadSpace
 
+# Optional {size: value} coefficients, each empty when a model has no figure for it.
+RING_AND_LATENCY_KEYS = (
+    "ring_step_ms_per_token",
+    "a2a_fixed_ms",
+    "ring_step_fixed_ms",
+    "ring_step_extra_ms_per_token",
+)
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -58,6 +66,11 @@ class CostModel:
     # (keyed by the group size, paid r - 1 times). Empty: folded into ``group_fixed_ms``.
     a2a_fixed_ms: Mapping[int, float] = field(default_factory=dict)
     ring_step_fixed_ms: Mapping[int, float] = field(default_factory=dict)
+    # Ring attention's cost beyond its traffic (issue 19): ms per token of a sequence per ring
+    # step in a group of d, never hidden (softmax merges of partial outputs, block splitting,
+    # communication kernels taking SMs from attention). Per step a rank merges s/d tokens x all
+    # its heads whatever the split, so one figure per d serves every (u, r) of d. Empty: none.
+    ring_step_extra_ms_per_token: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tokens_per_rank <= 0:
@@ -149,7 +162,9 @@ class CostModel:
         The one pricing rule for every group, hsp's or a baseline's (Megatron CP is split
         ``(1, d)``): compute ``(a1 s^2 + a2 s)/d``, all-to-all over u ranks (zero when u = 1),
         and r - 1 ring steps, each moving one K/V block while the rank computes attention on the
-        previous one (attn / r per step), so only the excess of transfer over compute shows.
+        previous one (attn / r per step), so only the excess of transfer over compute shows, plus
+        each step's non-bandwidth overhead (``ring_step_extra_ms_per_token``), which no overlap
+        hides.
         ``ring`` is a sensitivity knob for baselines only: "overlap" (this rule, the default),
         "hidden" (ring traffic free) or "exposed" (none of it overlapped).
         """
@@ -165,6 +180,8 @@ class CostModel:
                 out = out + (r - 1) * step
             else:
                 raise InputError(f"ring pricing {ring!r}: use overlap, hidden or exposed")
+        if r > 1:
+            out = out + (r - 1) * self.ring_step_extra_ms_per_token.get(d, 0.0) * s
         return out
 
     def group_ms(
@@ -231,7 +248,7 @@ class CostModel:
                 **({"heads": list(self.heads)} if self.heads else {}),
                 **{
                     key: {int(k): float(v) for k, v in getattr(self, key).items()}
-                    for key in ("ring_step_ms_per_token", "a2a_fixed_ms", "ring_step_fixed_ms")
+                    for key in RING_AND_LATENCY_KEYS
                     if getattr(self, key)
                 },
             },

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from megatron_hsp.planner.costcore import CostModel
+from megatron_hsp.planner.costcore import RING_AND_LATENCY_KEYS, CostModel
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import HeadSpace
 from megatron_hsp.planner.units import MAX_TOKENS
@@ -131,8 +131,7 @@ def _from_coefficients(name: str, co: Mapping[str, Any], cap_gb: float | None) -
         "act_mib_per_token",
         "heads",
         "ring_step_ms_per_token",
-        "a2a_fixed_ms",
-        "ring_step_fixed_ms",
+        *RING_AND_LATENCY_KEYS,
     }
     unknown = sorted(set(co) - allowed)
     if unknown:
@@ -185,7 +184,7 @@ def _from_coefficients(name: str, co: Mapping[str, Any], cap_gb: float | None) -
         heads=_heads(co.get("heads")),
         **{
             key: {k: v for k, v in _size_map(co.get(key, {}), key).items() if k > 1}
-            for key in ("ring_step_ms_per_token", "a2a_fixed_ms", "ring_step_fixed_ms")
+            for key in RING_AND_LATENCY_KEYS
         },
     )
 
@@ -202,10 +201,16 @@ _MAY_BE_ZERO = {
     "ring_step_ms_per_token",
     "a2a_fixed_ms",
     "ring_step_fixed_ms",
+    "ring_step_extra_ms_per_token",
     "b1",
     "a1",
     "latency_us",
     "inter_node_latency_us",
+    "p2p_latency_us",
+    "p2p_gbs",
+    "attn_call_overhead_us",
+    "ring_step_overhead_bytes_per_elem",
+    "host_call_overhead_us",
     "microbatch_overhead_ms",
     "zero_stage",
     "model_states_gb",
@@ -278,6 +283,7 @@ def validate_cost_model(model: CostModel) -> CostModel:
         ("ring_step_ms_per_token", model.ring_step_ms_per_token),
         ("a2a_fixed_ms", model.a2a_fixed_ms),
         ("ring_step_fixed_ms", model.ring_step_fixed_ms),
+        ("ring_step_extra_ms_per_token", model.ring_step_extra_ms_per_token),
     ):
         for d, v in mapping.items():
             if not isinstance(d, int) or d < 0:

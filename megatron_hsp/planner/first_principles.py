@@ -79,7 +79,13 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class HardwareConfig:
-    """One GPU type in nodes of ``gpus_per_node`` joined by an inter-node fabric."""
+    """One GPU type in nodes of ``gpus_per_node`` joined by an inter-node fabric.
+
+    The terms below ``inter_node_latency_us`` came with issue 19 (what a model built from peak
+    FLOPs and link bandwidths misses on real GPUs); their H100 values are fitted to published
+    measurements in ``planner.calibration`` (docs/calibration.md). Defaults leave them off, so a
+    user's hardware section means what it did before.
+    """
 
     name: str
     peak_tflops: float  # dense bf16 peak per GPU
@@ -91,11 +97,30 @@ class HardwareConfig:
     latency_us: float = 10.0  # per collective call inside a node
     inter_node_latency_us: float = 25.0  # per collective call spanning nodes
     gpus_per_node: int = 8
+    # Fixed time of one attention kernel call (wave tail, launch, prologue): why a kernel on
+    # few tokens runs far below its peak. Efficiency at n tokens per call is F(n) / (F(n) +
+    # peak * attention_fraction * overhead), F(n) the call's FLOPs.
+    attn_call_overhead_us: float = 0.0
+    # Ring attention's non-bandwidth cost per ring step, as effective HBM bytes per attention
+    # output element the step touches (merging partial outputs and log-sum-exps, block split,
+    # communication kernels' share of SMs). 0: no such cost.
+    ring_step_overhead_bytes_per_elem: float = 0.0
+    p2p_gbs: float = 0.0  # send/recv bandwidth inside a node (ring hops); 0: nvlink_gbs
+    p2p_latency_us: float = 0.0  # per send/recv call inside a node; 0: latency_us
+    hbm_tbs: float = 3.35  # HBM bandwidth, TB/s: the optimizer step is memory-bound
 
     def __post_init__(self) -> None:
-        for key in ("peak_tflops", "hbm_gb", "nvlink_gbs", "inter_node_gbs"):
+        for key in ("peak_tflops", "hbm_gb", "nvlink_gbs", "inter_node_gbs", "hbm_tbs"):
             if float(getattr(self, key)) <= 0:
                 raise InputError(f"hardware.{key} must be > 0, got {getattr(self, key)}")
+        for key in (
+            "attn_call_overhead_us",
+            "ring_step_overhead_bytes_per_elem",
+            "p2p_gbs",
+            "p2p_latency_us",
+        ):
+            if float(getattr(self, key)) < 0:
+                raise InputError(f"hardware.{key} must be >= 0, got {getattr(self, key)}")
         if not 0 < self.achievable_fraction <= 1:
             raise InputError(
                 f"hardware.achievable_fraction must be in (0, 1], got {self.achievable_fraction}"
@@ -103,6 +128,23 @@ class HardwareConfig:
 
     def bandwidth_gbs(self, crosses_node: bool) -> float:
         return self.inter_node_gbs if crosses_node else self.nvlink_gbs
+
+    def p2p_bandwidth_gbs(self, crosses_node: bool) -> float:
+        """Send/recv bandwidth of one ring hop (a ring is as fast as its slowest hop)."""
+        if crosses_node:
+            return self.inter_node_gbs
+        return self.p2p_gbs or self.nvlink_gbs
+
+    def p2p_latency(self, crosses_node: bool) -> float:
+        """Latency (us) of one send/recv call."""
+        if crosses_node:
+            return self.inter_node_latency_us
+        return self.p2p_latency_us or self.latency_us
+
+    @property
+    def attention_flops(self) -> float:
+        """Achievable attention FLOP/s on long kernel calls."""
+        return self.peak_tflops * 1e12 * (self.attention_fraction or self.achievable_fraction)
 
 
 @dataclass(frozen=True)
@@ -119,6 +161,10 @@ class TrainingConfig:
     # Share of ZeRO-3's per-micro-batch all-gathers / reduce-scatter not hidden behind compute
     # (1.0: none hidden, as FlexSP's large fitted b1 suggests).
     zero3_exposed_fraction: float = 1.0
+    # Host-side time per communication or attention call that the GPU waits for: 0 where the
+    # CPU runs ahead of the GPU (Megatron, asynchronous launches); 50-100 us in eager PyTorch
+    # loops that synchronise per call. Multiplies with layers x micro-batches x ring steps.
+    host_call_overhead_us: float = 0.0
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -190,6 +236,42 @@ def ring_bytes_per_token(model: ModelConfig, training: TrainingConfig, u: int) -
     return model.layers * passes * 2 * kv_heads * model.head_dim * training.activation_bytes
 
 
+def step_overhead_ms(
+    model: ModelConfig,
+    hardware: HardwareConfig,
+    training: TrainingConfig,
+    world_size: int,
+    crosses_node: bool,
+) -> dict[str, float]:
+    """What a step costs once beyond its micro-batches: gradient reduction and optimizer step.
+
+    Same for every plan of a step, so it never changes which plan is best, but a prediction of
+    a step's wall time must add it (``CostModel.step_overhead_ms`` reads ``details.step_ms``).
+
+    - Gradient reduction over the ``world_size`` data-parallel ranks (ring collectives, ``(N-1)/N``
+      of the bytes per rank at the slowest tier): ZeRO-0 all-reduces the grads (2x), ZeRO-1/2
+      reduce-scatter the grads and all-gather the updated weights; ZeRO-3 does its
+      reduce-scatter per micro-batch (``zero3_ms_per_microbatch``), so nothing here.
+    - Optimizer: Adam is memory-bound; it reads grads and fp32 states and writes states and bf16
+      weights, ``2 * optimizer + grad + param`` bytes per parameter of the rank's shard (ZeRO >= 1
+      shards them), at HBM bandwidth.
+    """
+    params = float(model.num_params())
+    n = max(1, world_size)
+    ring = (n - 1) / n
+    p, g, o = training.bytes_per_param, training.bytes_per_grad, training.bytes_per_optimizer_state
+    bw = hardware.bandwidth_gbs(crosses_node) * 1e9
+    reduce_bytes = {0: 2 * g, 1: g + p, 2: g + p, 3: 0.0}[training.zero_stage] * params * ring
+    reduce_ms = reduce_bytes / bw * 1e3
+    shard = params / n if training.zero_stage >= 1 else params
+    optimizer_ms = (2 * o + g + p) * shard / (hardware.hbm_tbs * 1e12) * 1e3
+    return {
+        "step_ms": reduce_ms + optimizer_ms,
+        "grad_reduce_ms_per_step": reduce_ms,
+        "optimizer_ms_per_step": optimizer_ms,
+    }
+
+
 def first_principles_cost_model(
     model: ModelConfig,
     hardware: HardwareConfig,
@@ -212,31 +294,47 @@ def first_principles_cost_model(
     - b_d (ms): per-call latency of the ``4 * layers * passes`` all-to-alls (inter-node latency
       when the group spans nodes), plus, under ZeRO-3, the per-micro-batch parameter all-gathers
       (forward and backward) and gradient reduce-scatter over all ``world_size`` ranks (ring:
-      ``bytes * (N-1)/N`` per rank at the slowest tier), plus ``microbatch_overhead_ms``.
+      ``bytes * (N-1)/N`` per rank at the slowest tier), plus ``microbatch_overhead_ms``, plus
+      the fixed time of the ``layers * passes`` attention kernel calls
+      (``hardware.attn_call_overhead_us``: kernel efficiency as a function of tokens per call).
+    - Ring steps (r - 1 per micro-batch): K/V p2p at the send/recv bandwidth of the slowest hop,
+      hidden behind the step's attention where it can be (``CostModel.seq_ms``); each step also
+      pays ``layers * passes`` more attention kernel calls and p2p call latencies
+      (``ring_step_fixed_ms``) and a non-bandwidth overhead that nothing hides
+      (``ring_step_extra_ms_per_token``: ``hardware.ring_step_overhead_bytes_per_elem`` per
+      output element, ``heads * head_dim / d`` elements per token and pass, at HBM bandwidth).
+    - Per step (``details.step_ms``, see ``step_overhead_ms``): gradient reduction and optimizer.
+    - ``training.host_call_overhead_us`` is added to every call (a2a, p2p, attention kernel).
     - tokens_per_rank = (memory cap - model states by ZeRO stage) / activation bytes per token.
       The memory cap defaults to 90% of HBM (CUDA context, NCCL buffers, fragmentation).
 
+    Every new term is linear in a sequence's tokens or fixed per group and micro-batch, so the
+    planner's separable form (``costcore``) holds unchanged. What it cannot say: kernel
+    efficiency per *document* inside one varlen call (the public kernel curve is for one
+    sequence per call, and it is fitted by a per-call term alone; docs/calibration.md).
+
     Sizes: every legal size of the cluster, run as ``HeadSpace.split`` says (Ulysses over u
-    ranks, ring over r); a ring step's K/V p2p shows only where it outlasts the attention block
-    it overlaps (``CostModel.seq_ms``). Ring figures are for pure ring at every size (Megatron CP
-    groups are priced by them too); call latencies are kept by split: ``a2a_fixed_ms[u]`` for the
-    all-to-alls over u ranks, ``ring_step_fixed_ms[d]`` = 2 * layers p2p latencies per step.
+    ranks, ring over r). Ring figures are for pure ring at every size (Megatron CP groups are
+    priced by them too); call latencies are kept by split: ``a2a_fixed_ms[u]`` for the
+    all-to-alls over u ranks, ``ring_step_fixed_ms[d]`` per ring step.
     """
     g = gpus_per_node or hardware.gpus_per_node
     cluster = Cluster(world_size, g)
     cap_gb = hardware.hbm_gb * 0.9 if memory_cap_gb is None else float(memory_cap_gb)
     recompute = 4.0 / 3.0 if training.recompute else 1.0
     lin_flops = hardware.peak_tflops * 1e12 * hardware.achievable_fraction
-    attn_frac = hardware.attention_fraction or hardware.achievable_fraction
-    attn_flops = hardware.peak_tflops * 1e12 * attn_frac
-    a1 = model.attn_flops_per_token2() * recompute / attn_flops * 1e3
+    a1 = model.attn_flops_per_token2() * recompute / hardware.attention_flops * 1e3
     a2 = model.linear_flops_per_token() * recompute / lin_flops * 1e3
 
     space = HeadSpace(model.heads, model.kv_heads)
     sizes = cluster.legal_sizes()
     ring_ms: dict[int, float] = {}
+    ring_extra: dict[int, float] = {}
     passes = 3 if training.recompute else 2
     calls = 4 * model.layers * passes
+    host_ms = training.host_call_overhead_us * 1e-3
+    # Attention kernel calls per micro-batch: one per layer and pass (per ring step).
+    kernel_ms = model.layers * passes * (hardware.attn_call_overhead_us * 1e-3 + host_ms)
     a2a: dict[int, float] = {}
     fixed: dict[int, float] = {}
     params = float(model.num_params())
@@ -249,17 +347,23 @@ def first_principles_cost_model(
         zero3_ms = (2 * gather + scatter) / bw * 1e3 * training.zero3_exposed_fraction
     a2a_fixed: dict[int, float] = {}
     ring_fixed: dict[int, float] = {}
+    # Output elements one token has per layer and pass, over all heads (split d ways per rank).
+    merge_bytes = (
+        model.layers * passes * model.heads * model.head_dim
+    ) * hardware.ring_step_overhead_bytes_per_elem
     for d in sizes:
         crosses = cluster.crosses_node(d)
         lat_us = hardware.inter_node_latency_us if crosses else hardware.latency_us
-        fixed[d] = training.microbatch_overhead_ms + zero3_ms
+        fixed[d] = training.microbatch_overhead_ms + zero3_ms + kernel_ms
         if d == 1:
             continue
-        a2a_fixed[d] = calls * lat_us * 1e-3
-        ring_fixed[d] = 2 * model.layers * lat_us * 1e-3
+        a2a_fixed[d] = calls * (lat_us * 1e-3 + host_ms)
+        p2p_call_ms = hardware.p2p_latency(crosses) * 1e-3 + host_ms
+        ring_fixed[d] = passes * model.layers * p2p_call_ms + kernel_ms
         # One ring step, pure ring: each rank passes its s/d tokens' K/V to the next ring rank.
         nbytes = ring_bytes_per_token(model, training, 1) / d
-        ring_ms[d] = nbytes / (hardware.bandwidth_gbs(crosses) * 1e9) * 1e3
+        ring_ms[d] = nbytes / (hardware.p2p_bandwidth_gbs(crosses) * 1e9) * 1e3
+        ring_extra[d] = merge_bytes / d / (hardware.hbm_tbs * 1e12) * 1e3
         u = space.split(d)[0]
         # Ulysses over u contiguous ranks, each holding s/d tokens and sending 1/u to each peer.
         per_peer = a2a_bytes_per_token(model, training, u) / (d * u) if u > 1 else 0.0
@@ -282,6 +386,7 @@ def first_principles_cost_model(
             f"at or above the memory cap of {cap_gb:g} GB; raise --memory-cap-gb, use more GPUs, "
             "a higher ZeRO stage or a smaller model"
         )
+    step = step_overhead_ms(model, hardware, training, world_size, cluster.crosses_node(world_size))
     return CostModel(
         name=label,
         attn_ms_per_token2=a1,
@@ -289,18 +394,21 @@ def first_principles_cost_model(
         group_fixed_ms=fixed,
         a2a_ms_per_token=a2a,
         tokens_per_rank=tokens_per_rank,
-        source="first principles (megatron_hsp.planner.costmodel.first_principles_cost_model)",
+        source="first principles (megatron_hsp.planner.first_principles)",
         details={
             "params_b": params / 1e9,
             "model_states_mib": states / 2**20,
             "act_mib_per_token": act / 2**20,
             "memory_cap_gb": cap_gb,
             "zero3_ms_per_microbatch": zero3_ms,
+            "attn_calls_ms_per_microbatch": kernel_ms,
+            **step,
         },
         heads=(space.q_heads, space.kv_heads),
         ring_step_ms_per_token=ring_ms,
         a2a_fixed_ms=a2a_fixed,
         ring_step_fixed_ms=ring_fixed,
+        ring_step_extra_ms_per_token={d: v for d, v in ring_extra.items() if v > 0},
     )
 
 
