@@ -77,6 +77,11 @@ class ModelConfig:
         return 6.0 * self.layers * self.heads * self.head_dim
 
 
+# FlashAttention counts its backward kernel as 2.5x the forward's FLOPs (five matmuls to two);
+# measured backward throughputs are quoted in that convention.
+ATTN_BACKWARD_FLOPS = 2.5
+
+
 @dataclass(frozen=True)
 class HardwareConfig:
     """One GPU type in nodes of ``gpus_per_node`` joined by an inter-node fabric.
@@ -91,6 +96,9 @@ class HardwareConfig:
     peak_tflops: float  # dense bf16 peak per GPU
     achievable_fraction: float = 0.5  # of peak, for token-linear matmuls
     attention_fraction: float | None = None  # of peak, for core attention (None: as above)
+    # of peak, for the attention backward kernel, FLOPs counted as 2.5x forward (FlashAttention's
+    # convention); None: as ``attention_fraction``.
+    attention_bwd_fraction: float | None = None
     hbm_gb: float = 80.0
     nvlink_gbs: float = 450.0  # one direction, per GPU, inside a node
     inter_node_gbs: float = 50.0  # one direction, per GPU, across nodes
@@ -145,6 +153,13 @@ class HardwareConfig:
     def attention_flops(self) -> float:
         """Achievable attention FLOP/s on long kernel calls."""
         return self.peak_tflops * 1e12 * (self.attention_fraction or self.achievable_fraction)
+
+    @property
+    def attention_bwd_flops(self) -> float:
+        """Achievable attention backward FLOP/s (FLOPs counted as 2.5x the forward's)."""
+        if self.attention_bwd_fraction is None:
+            return self.attention_flops
+        return self.peak_tflops * 1e12 * self.attention_bwd_fraction
 
 
 @dataclass(frozen=True)
@@ -284,9 +299,10 @@ def first_principles_cost_model(
 ) -> CostModel:
     """Analytic cost model: FLOPs over achievable throughput, bytes over link bandwidth.
 
-    - a1 (ms/token^2) = attention FLOPs per s^2 / (peak * attention fraction); a2 (ms/token) =
-      linear FLOPs per token / (peak * achievable fraction). Full recompute adds one forward,
-      i.e. multiplies both by 4/3. Ulysses divides both by d (heads resp. tokens split d ways).
+    - a1 (ms/token^2) = forward attention FLOPs per s^2 at the forward rate (twice with full
+      recompute) plus 2.5x them at the backward rate (``attention_bwd_fraction``, FlashAttention's
+      FLOP convention); a2 (ms/token) = linear FLOPs per token / (peak * achievable fraction),
+      times 4/3 with full recompute. Ulysses divides both by d (heads resp. tokens split d ways).
     - c_d (ms/token): each rank holds s/d tokens and sends 1/d of each to every peer, so a peer
       link carries ``bytes_per_token / d^2`` per token; intra-node peers (``min(d,G)-1``) share
       NVLink, inter-node peers (``d - min(d,G)``) the per-GPU NIC, the two running concurrently:
@@ -323,7 +339,13 @@ def first_principles_cost_model(
     cap_gb = hardware.hbm_gb * 0.9 if memory_cap_gb is None else float(memory_cap_gb)
     recompute = 4.0 / 3.0 if training.recompute else 1.0
     lin_flops = hardware.peak_tflops * 1e12 * hardware.achievable_fraction
-    a1 = model.attn_flops_per_token2() * recompute / hardware.attention_flops * 1e3
+    # Attention: forward FLOPs (a third of Megatron's training count) at the forward rate, once
+    # more when recomputed, and the backward kernel's 2.5x forward FLOPs at the backward rate.
+    fwd_flops = model.attn_flops_per_token2() / 3.0
+    a1 = (
+        fwd_flops * (2.0 if training.recompute else 1.0) / hardware.attention_flops
+        + ATTN_BACKWARD_FLOPS * fwd_flops / hardware.attention_bwd_flops
+    ) * 1e3
     a2 = model.linear_flops_per_token() * recompute / lin_flops * 1e3
 
     space = HeadSpace(model.heads, model.kv_heads)
@@ -413,17 +435,26 @@ def first_principles_cost_model(
 
 
 H100_SXM = HardwareConfig(
-    # docs/design.md sec. 4: bf16 dense peak 989 TFLOP/s; NVLink 4 900 GB/s bidirectional per GPU
-    # (450 each way); NDR InfiniBand 400 Gb/s = 50 GB/s per GPU; 80 GB HBM3.
+    # Datasheet: bf16 dense peak 989 TFLOP/s, 80 GB HBM3 at 3.35 TB/s. Every other number is
+    # fitted to (or taken from) published measurements by ``planner.calibration.fit_h100``, and
+    # tests/test_calibration.py keeps them equal to what that fit returns; docs/calibration.md
+    # lists each source, the fit set and the check set. ``achievable_fraction`` (linear layers)
+    # is the one assumption left: no public bf16 H100 figure in the fit set measures it.
     name="h100",
     peak_tflops=989.0,
     achievable_fraction=0.5,
-    attention_fraction=0.4,
+    attention_fraction=0.6885,  # FA3 causal fwd, 1K and 32K ends of the kernel curve
+    attention_bwd_fraction=0.6011,  # Ulysses bwd at CP 8 (MagiAttention)
     hbm_gb=80.0,
-    nvlink_gbs=450.0,
-    inter_node_gbs=50.0,
-    latency_us=10.0,
-    inter_node_latency_us=25.0,
+    hbm_tbs=3.35,
+    nvlink_gbs=370.0,  # NCCL effective, large messages (nccl-tests #212, #268)
+    inter_node_gbs=47.5,  # all-to-all across nodes runs at one NIC's rate (nccl-tests #267, #290)
+    p2p_gbs=130.0,  # 2-GPU send/recv 80-180 GB/s (nccl #2169): midpoint
+    latency_us=10.5,  # 8-GPU all-to-all, small messages (DeepEP #303)
+    p2p_latency_us=3.5,  # send/recv 3-3.7 us (nccl #1487, #1984)
+    inter_node_latency_us=46.0,  # 2-node all-reduce, small messages (nccl #1244)
+    attn_call_overhead_us=36.1,  # FA3 at 1K tokens: 280 TFLOP/s (kernel curve)
+    ring_step_overhead_bytes_per_elem=55.0,  # ring fwd at CP 8, 8K/GPU: 420 TFLOP/s
     gpus_per_node=8,
 )
 # Llama 3 shapes from Meta's released configs (config.json of Meta-Llama-3-8B / -70B).
