@@ -140,7 +140,9 @@ MAGI = (
     "(read off bars, about +-10 TFLOP/s)"
 )
 RFA = "zhuzilin/ring-flash-attention, README.md table (benchmark/benchmark_kvpacked_func.py)"
-NCCL = "NVIDIA/nccl-tests and NVIDIA/nccl issues (maintainers' answers)"
+NCCL_BW = "NVIDIA/nccl-tests #212, #268; NVIDIA/nccl #2169 (shared file row 10)"
+NCCL_A2A = "NVIDIA/nccl-tests #267, #290, #130 (maintainers' answers; shared file rows 8-9)"
+NCCL_LAT = "NVIDIA/nccl #1487, #1984; deepseek-ai/DeepEP #303; NVIDIA/nccl #1244 (row 11)"
 
 
 def _tflops(**kw: object) -> Callable[[HardwareConfig], float]:
@@ -227,46 +229,44 @@ def h100_figures() -> list[Figure]:
                 )
             )
     # -- links (taken as published: the model's constant is the figure).
-    for key, setting, lo, hi, attr in (
+    for key, src, setting, lo, hi, attr in (
         (
             "nccl-a2a-inter",
-            "all-to-all across nodes, NDR 400G, per NIC (nccl-tests #267, #290)",
+            NCCL_A2A,
+            "all-to-all across nodes, NDR 400G: one NIC",
             46,
             49,
             "inter_node_gbs",
         ),
         (
             "nccl-intra-bw",
-            "NVLink large messages, NCCL effective (nccl-tests #212, #268)",
+            NCCL_BW,
+            "NVLink, large messages, NCCL effective",
             370,
             370,
             "nvlink_gbs",
         ),
-        ("nccl-p2p-bw", "2-GPU send/recv inside a node (nccl #2169)", 80, 180, "p2p_gbs"),
-        (
-            "nccl-p2p-lat",
-            "send/recv small-message latency (nccl #1487, #1984)",
-            3.0,
-            3.7,
-            "p2p_latency_us",
-        ),
+        ("nccl-p2p-bw", NCCL_BW, "2-GPU send/recv inside a node", 80, 180, "p2p_gbs"),
+        ("nccl-p2p-lat", NCCL_LAT, "send/recv, small messages", 3.0, 3.7, "p2p_latency_us"),
         (
             "nccl-a2a-lat",
-            "8-GPU all-to-all small-message latency, H20 (DeepEP #303)",
+            NCCL_LAT,
+            "8-GPU all-to-all, small messages (H20)",
             10.5,
             10.5,
             "latency_us",
         ),
         (
             "nccl-inter-lat",
-            "2-node all-reduce small-message latency, H20 (nccl #1244)",
+            NCCL_LAT,
+            "2-node all-reduce, small messages (H20)",
             46,
             46,
             "inter_node_latency_us",
         ),
     ):
         unit = "us" if attr.endswith("_us") else "GB/s"
-        figs.append(Figure(key, NCCL, setting, unit, lo, hi, "direct", _attr(attr)))
+        figs.append(Figure(key, src, setting, unit, lo, hi, "direct", _attr(attr)))
     return figs
 
 
