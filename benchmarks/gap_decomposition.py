@@ -33,6 +33,36 @@ from megatron_hsp.planner.solver import SolverConfig, solve
 from megatron_hsp.planner.topology import Cluster
 
 
+def _dff(k: int, x: float) -> float:
+    """Fekete-Schepers dual feasible function u^(k) on [0, 1]: any set of groups whose sizes sum
+    to at most N has u-values summing to at most 1."""
+    y = (k + 1) * x
+    return x if abs(y - round(y)) < 1e-12 else math.floor(y) / k
+
+
+def packing_bound(inst: Instance, m_min: int) -> float:
+    """A critical-path-with-packing bound, maximised over DFFs and a Lagrange weight.
+
+    Per micro-batch, ``M - b >= T_g`` for each group, so ``M - b >= sum_g f(d_g / N) T_g`` for a
+    dual feasible ``f``, and ``M - b >= sum_g d_g T_g / N``. Any convex combination holds, and
+    it separates over sequences: ``sum_i min_d [lam f(d/N) + (1 - lam) d/N] T_i(d) + m_min b``.
+    A check of whether long sequences' packing alone forces the gap (docs/solver.md).
+    """
+    n = inst.world_size
+    times = np.asarray(inst.times, dtype=np.float64)
+    fits = np.zeros_like(times, dtype=bool)
+    for i, j in enumerate(inst.dmin):
+        fits[i, j:] = True
+    share = np.asarray(inst.sizes, dtype=np.float64) / n
+    best = 0.0
+    for k in range(1, 9):
+        f = np.array([_dff(k, x) for x in share])
+        for lam in np.linspace(0.0, 1.0, 51):
+            val = np.where(fits, (lam * f + (1 - lam) * share)[None, :] * times, np.inf)
+            best = max(best, float(val.min(axis=1).sum()))
+    return best + m_min * inst.min_fixed
+
+
 def decompose(lengths: list[int], cost, cluster: Cluster, budget: float) -> dict[str, float]:
     """Plan ``lengths`` and split its step time and the bound's main term by cause (ms)."""
     n = cluster.world_size
@@ -66,6 +96,7 @@ def decompose(lengths: list[int], cost, cluster: Cluster, budget: float) -> dict
         "microbatches": float(len(plan.microbatches)),
         "m_min": float(m_min),
         "check": (work + fixed + idle) / n,
+        "packing": packing_bound(inst, m_min),
     }
 
 
@@ -86,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "| distribution | plan | bound | gap | bound's work term | size inflation | fixed / "
-        "extra micro-batches | idle ranks | micro-batches (memory floor) |\n|" + "---|" * 9
+        "extra micro-batches | idle ranks | micro-batches (memory floor) | packing bound |\n|"
+        + "---|"
+        * 10
     )
     for name in DISTRIBUTIONS:
         if name == "wikipedia":
@@ -107,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {name} | {sec['plan']:.2f} | {sec['bound']:.2f} | "
             f"{(tot['plan'] / tot['bound'] - 1) * 100:.1f}% | {sec['work_term']:.2f} | "
             f"{sec['inflation']:.2f} | {sec['fixed_extra']:.2f} | {sec['idle']:.2f} | "
-            f"{tot['microbatches']:.0f} ({tot['m_min']:.0f}) |"
+            f"{tot['microbatches']:.0f} ({tot['m_min']:.0f}) | {sec['packing']:.2f} |"
         )
     return 0
 
