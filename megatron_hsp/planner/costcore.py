@@ -8,17 +8,21 @@ Every model, fitted (FlexSP presets) or first-principles, reduces to the same se
 is what lets the MILP stay linear:
 
     group_ms(lengths, d, (u, r)) = sum_i [ (a1 * s_i^2 + a2 * s_i) / d + c_{d,u} * s_i
-                                           + (r - 1) * max(0, p_{d,u} * s_i - a1 * s_i^2 / (d r)) ]
+                                           + (r - 1) * max(0, p_{d,u} * s_i - a1 * s_i^2 / (d r))
+                                           + (r - 1) * e_d * s_i ]
                                    + b_{d,u,r}
     fits(lengths, d)     = sum_i s_i / d <= tokens_per_rank
 
 a1: attention (quadratic) ms per token^2 on one rank; a2: linear-layer ms per token;
 c_{d,u}: Ulysses all-to-all ms per token over u ranks of a group of d (0 for u = 1; depends on the
 network tier); p_{d,u}: one ring step's K/V p2p ms per token, hidden behind the attention block it
-overlaps; b: fixed ms per group per micro-batch (kernel launches, call latencies of the split, the
-optimizer-free per-pass overhead FlexSP fits as b1); tokens_per_rank: activation capacity left on a
+overlaps; e_d: one ring step's overhead beyond its traffic, never hidden (issue 19); b: fixed ms
+per group per micro-batch (attention kernel calls, call latencies of the split, the optimizer-free
+per-pass overhead FlexSP fits as b1); tokens_per_rank: activation capacity left on a
 rank after model states, under the memory cap. (u, r) defaults to ``HeadSpace.split`` (what hsp's
-runtime executes); Megatron's CP baselines are the same formula at (1, d).
+runtime executes); Megatron's CP baselines are the same formula at (1, d). What a step costs once
+beyond its micro-batches (gradient reduction, optimizer) is ``step_overhead_ms``, outside the
+form: it is the same for every plan of a step.
 """
 
 from __future__ import annotations
