@@ -101,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         "--methods", default="hsp,static-best,batchada,dp-balanced,megatron-dcp,lower-bound"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--only",
+        nargs="*",
+        default=None,
+        help="run only these distributions (the others are still drawn, so batches match)",
+    )
     args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     print(
@@ -123,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                 path = Path(tmp) / f"{name}.txt.gz"
                 with gzip.open(path, "wt") as fh:
                     fh.write("\n".join(str(x) for x in lens.tolist()))
+            if args.only is not None and name not in args.only:
+                continue
             out = Path(tmp) / f"{name}.json"
             cmd = [
                 sys.executable, "-m", "megatron_hsp.cli", "bench", "--lengths", str(path),
