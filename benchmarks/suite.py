@@ -107,8 +107,24 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="run only these distributions (the others are still drawn, so batches match)",
     )
+    ap.add_argument(
+        "--dump-lengths",
+        default=None,
+        metavar="DIR",
+        help="write each generated distribution to DIR/<name>.txt.gz (for other scripts' "
+        "--lengths) and exit",
+    )
     args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)
+    if args.dump_lengths:
+        out_dir = Path(args.dump_lengths)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in DISTRIBUTIONS:
+            if name != "wikipedia":
+                lens = generate(name, 2 * args.global_batch * args.steps, args.max_seq, rng)
+                with gzip.open(out_dir / f"{name}.txt.gz", "wt") as fh:
+                    fh.write("\n".join(str(x) for x in lens.tolist()))
+        return 0
     print(
         f"{args.cost_model}, {args.gpus} GPUs, max-seq {args.max_seq}, GBS {args.global_batch}, "
         f"{args.steps} batches, methods {args.methods}\n"
