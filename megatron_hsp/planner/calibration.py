@@ -46,12 +46,16 @@ class AttentionCase:
     passes: str = "fwd"  # fwd, bwd, fwd+bwd
     head_dim: int = 128
     gpus_per_node: int = 8
+    # Varlen: the documents' sum of squared lengths over the squared total (1.0: one sequence).
+    # Only the FLOPs shrink; calls, traffic and merges are per token, so unchanged: the model
+    # has no per-document kernel cost (docs/calibration.md checks that choice here).
+    work_fraction: float = 1.0
 
     def fwd_flops_per_gpu(self) -> float:
         """Forward FLOPs of the whole sequence's attention divided over the ``cp`` GPUs."""
         n = self.tokens_per_gpu * self.cp
         fwd = 4.0 * n * n * self.q_heads * self.head_dim * (0.5 if self.causal else 1.0)
-        return fwd / self.cp
+        return fwd * self.work_fraction / self.cp
 
     def flops_per_gpu(self) -> float:
         """FLOPs of every pass the case runs, per GPU."""
@@ -282,7 +286,11 @@ def h800_fa2_figures(h100: HardwareConfig) -> list[tuple[Figure, HardwareConfig]
     """
     out = []
     one = AttentionCase(q_heads=32, kv_heads=8, tokens_per_gpu=8192)
-    for passes, single_its, ring_its in (("fwd", 591.5, 63.0), ("fwd+bwd", 154.7, 17.4)):
+    varlen = _varlen_fraction()
+    for passes, single_its, ring_its, v_single, v_ring in (
+        ("fwd", 591.5, 63.0, 852.4, 74.8),
+        ("fwd+bwd", 154.7, 17.4, 225.4, 21.4),
+    ):
         base = dataclasses.replace(h100, name="h800-fa2", nvlink_gbs=200.0)
         kernel = dataclasses.replace(one, passes=passes)
         hw = _solve_scale(kernel, base, 1e3 / single_its)
@@ -305,7 +313,45 @@ def h800_fa2_figures(h100: HardwareConfig) -> list[tuple[Figure, HardwareConfig]
                 hw,
             )
         )
+        single_v = dataclasses.replace(kernel, work_fraction=varlen)
+        ring_v = dataclasses.replace(ring, work_fraction=varlen)
+        for key, case, value, what in (
+            ("single", single_v, v_single, "flash_attn varlen, one GPU"),
+            ("zigzag", ring_v, v_ring, "zigzag ring varlen, 8 x H800"),
+        ):
+            out.append(
+                (
+                    Figure(
+                        f"rfa-varlen-{key}-{passes}",
+                        RFA,
+                        f"{what}, {passes}, 8K tokens/GPU in the benchmark's 4 document "
+                        f"layouts (work fraction {varlen:.3f}); no per-document term",
+                        "iter/s",
+                        value,
+                        value,
+                        "check",
+                        lambda h, case=case: 1e3 / attention_case_ms(case, h),
+                    ),
+                    hw,
+                )
+            )
     return out
+
+
+# ring-flash-attention's varlen benchmark cycles through these per-GPU document layouts
+# (``cu_seqlens`` in benchmark/benchmark_varlen_kvpacked_func.py), 8K tokens each.
+RFA_VARLEN_LAYOUTS = (
+    (8192,),
+    (256, 7392, 544),
+    (4096, 4096),
+    (3104, 3200, 1600, 160, 128),
+)
+
+
+def _varlen_fraction() -> float:
+    """Mean over the layouts of sum(doc^2) / 8192^2: the attention work relative to one doc."""
+    fr = [sum(x * x for x in lay) / float(sum(lay)) ** 2 for lay in RFA_VARLEN_LAYOUTS]
+    return sum(fr) / len(fr)
 
 
 def _scale_fractions(hw: HardwareConfig, scale: float) -> HardwareConfig:
