@@ -274,67 +274,73 @@ def h100_figures() -> list[Figure]:
     return figs
 
 
-def h800_fa2_figures(h100: HardwareConfig) -> list[tuple[Figure, HardwareConfig]]:
-    """ring-flash-attention on 8 x H800 (FA2 kernels): a check of the ring term on other kernels.
+# ring-flash-attention's README (8 GPUs, 8K tokens per GPU, 32/8 heads): iter/s of the single-GPU
+# flash_attn, the zigzag ring, the single-GPU varlen and the zigzag ring varlen, per pass set.
+RFA_FIGURES = {
+    "h800": {"fwd": (591.5, 63.0, 852.4, 74.8), "fwd+bwd": (154.7, 17.4, 225.4, 21.4)},
+    "a100": {"fwd": (373.4, 38.2, 532.3, 47.9), "fwd+bwd": (94.7, 10.6, 133.8, 13.4)},
+}
 
-    The kernel efficiency of FA2 on H800 (forward and backward fractions scaled together,
-    their H100 ratio kept) is fitted to the same source's single-GPU ``flash_attn`` figure
-    (591.5 iter/s forward, 154.7 fwd+bwd, 8K tokens, 32/8 heads), keeping the H100 fit's call
-    overhead; the ring overhead term is the H100 fit's, unchanged, so the zigzag ring figures
-    check it on other kernels. H800: H100 compute and HBM, NVLink 400 GB/s both ways (200
-    each way).
+
+def rfa_hardware(h100: HardwareConfig, gpu: str) -> HardwareConfig:
+    """The GPU of a ring-flash-attention row, from the H100 fit: H800 has H100 compute and HBM
+    and NVLink 400 GB/s both ways; A100: 312 TFLOP/s bf16, NVLink 600 GB/s both ways, HBM
+    2.0 TB/s (the 80 GB part; the README does not say which A100, and the 40 GB part's
+    1.555 TB/s would make the ring overhead dearer)."""
+    if gpu == "h800":
+        return dataclasses.replace(h100, name="h800-fa2", nvlink_gbs=200.0)
+    return dataclasses.replace(
+        h100, name="a100-fa2", peak_tflops=312.0, hbm_tbs=2.0, nvlink_gbs=300.0, p2p_gbs=100.0
+    )
+
+
+def ring_flash_attention_figures(h100: HardwareConfig) -> list[tuple[Figure, HardwareConfig]]:
+    """ring-flash-attention on 8 x H800 and 8 x A100 (FA2 kernels): checks of the ring term
+    and of the varlen choice on other kernels and GPUs.
+
+    The FA2 kernel efficiency of each GPU (forward and backward fractions scaled together, their
+    H100 ratio kept) is fitted to the same source's single-GPU, single-document ``flash_attn``
+    figure, keeping the H100 fit's call overhead; the ring overhead term is the H100 fit's in
+    HBM bytes, unchanged, so the zigzag ring figures check it on other kernels and (A100) other
+    HBM; the varlen rows check that no per-document kernel cost is needed.
     """
     out = []
     one = AttentionCase(q_heads=32, kv_heads=8, tokens_per_gpu=8192)
     varlen = _varlen_fraction()
-    for passes, single_its, ring_its, v_single, v_ring in (
-        ("fwd", 591.5, 63.0, 852.4, 74.8),
-        ("fwd+bwd", 154.7, 17.4, 225.4, 21.4),
-    ):
-        base = dataclasses.replace(h100, name="h800-fa2", nvlink_gbs=200.0)
-        kernel = dataclasses.replace(one, passes=passes)
-        hw = _solve_scale(kernel, base, 1e3 / single_its)
-        ring = AttentionCase(
-            q_heads=32, kv_heads=8, tokens_per_gpu=8192, cp=8, mode="ring", passes=passes
-        )
-        out.append(
-            (
-                Figure(
-                    f"rfa-zigzag-{passes}",
-                    RFA,
-                    f"zigzag ring {passes}, 8 x H800, 8K tokens/GPU, 32/8 heads (FA2 kernels; "
-                    f"efficiency from the single-GPU {single_its} iter/s)",
-                    "iter/s",
-                    ring_its,
-                    ring_its,
-                    "check",
-                    lambda h, ring=ring: 1e3 / attention_case_ms(ring, h),
-                ),
-                hw,
-            )
-        )
-        single_v = dataclasses.replace(kernel, work_fraction=varlen)
-        ring_v = dataclasses.replace(ring, work_fraction=varlen)
-        for key, case, value, what in (
-            ("single", single_v, v_single, "flash_attn varlen, one GPU"),
-            ("zigzag", ring_v, v_ring, "zigzag ring varlen, 8 x H800"),
-        ):
-            out.append(
-                (
-                    Figure(
-                        f"rfa-varlen-{key}-{passes}",
-                        RFA,
-                        f"{what}, {passes}, 8K tokens/GPU in the benchmark's 4 document "
-                        f"layouts (work fraction {varlen:.3f}); no per-document term",
-                        "iter/s",
-                        value,
-                        value,
-                        "check",
-                        lambda h, case=case: 1e3 / attention_case_ms(case, h),
-                    ),
-                    hw,
+    for gpu, rows in RFA_FIGURES.items():
+        for passes, (single_its, ring_its, v_single, v_ring) in rows.items():
+            kernel = dataclasses.replace(one, passes=passes)
+            hw = _solve_scale(kernel, rfa_hardware(h100, gpu), 1e3 / single_its)
+            ring = dataclasses.replace(kernel, cp=8, mode="ring")
+            for key, case, value, what in (
+                ("zigzag", ring, ring_its, "zigzag ring"),
+                ("varlen-single", dataclasses.replace(kernel, work_fraction=varlen), v_single,
+                 "flash_attn varlen, one GPU"),
+                ("varlen-zigzag", dataclasses.replace(ring, work_fraction=varlen), v_ring,
+                 "zigzag ring varlen"),
+            ):  # fmt: skip
+                layout = (
+                    f", the benchmark's 4 document layouts (work fraction {varlen:.3f}), no "
+                    "per-document term"
+                    if "varlen" in key
+                    else ""
                 )
-            )
+                out.append(
+                    (
+                        Figure(
+                            f"rfa-{gpu}-{key}-{passes}",
+                            RFA,
+                            f"{what} {passes}, 8 x {gpu.upper()}, 8K tokens/GPU, 32/8 heads, FA2 "
+                            f"(efficiency from the single-GPU {single_its} iter/s){layout}",
+                            "iter/s",
+                            value,
+                            value,
+                            "check",
+                            lambda h, case=case: 1e3 / attention_case_ms(case, h),
+                        ),
+                        hw,
+                    )
+                )
     return out
 
 
@@ -443,7 +449,7 @@ class Row:
 
 def calibration_table(hw: HardwareConfig) -> list[Row]:
     """Every figure (H100 set and the H800 ring check) with the model's prediction."""
-    pairs = [(f, hw) for f in h100_figures()] + h800_fa2_figures(hw)
+    pairs = [(f, hw) for f in h100_figures()] + ring_flash_attention_figures(hw)
     rows = []
     for fig, h in pairs:
         pred = fig.predict(h)
