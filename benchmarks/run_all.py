@@ -42,6 +42,9 @@ def commands(out: Path) -> dict[str, list[str]]:
         "dcp_sensitivity": [py, str(HERE / "dcp_sensitivity.py"), "--steps", "2"],
         "ring_split_check": [py, str(HERE / "ring_split_check.py")],
         "ring_memory": [py, str(HERE / "ring_memory.py")],
+        "calibration": [py, str(HERE / "calibration.py")],
+        "gap_decomposition": [py, str(HERE / "gap_decomposition.py"), "--steps", "1"],
+        "solve_time": [py, str(HERE / "solve_time.py"), "1"],
         "communicators": [py, str(HERE / "communicators.py")],
         # Needs a FlexSP checkout (--galvatron / $HSP_GALVATRON) and pyscipopt; says so if absent.
         "flexsp_solver_compare": [

@@ -171,14 +171,15 @@ def lp_check(limit_s: float, budget: float) -> int:
     return 0
 
 
-def xl_check(budget: float, steps: int = 3) -> int:
-    """4096 GPUs, GBS 32768 (Wikipedia, 7b, 192k): is each solve shorter than its step?
+def xl_check(budget: float, steps: int = 3, gpus: int = 4096) -> int:
+    """``gpus`` GPUs, GBS 8 per GPU (Wikipedia, 7b, 192k): is each solve shorter than its step?
 
     The background planner overlaps planning step k+1 with training step k, so a solve longer
     than the step it plans stalls training.
     """
     raw = load_lengths()
-    cluster = Cluster(4096, 8)
+    cluster = Cluster(gpus, 8)
+    gbs = 8 * gpus
     print(
         "| setting | batch | est. step (s) | solve wall (s) | solve CPU (s) | status "
         "| solve < step |"
@@ -186,16 +187,16 @@ def xl_check(budget: float, steps: int = 3) -> int:
     print("|---|---|---|---|---|---|---|")
     settings = [
         # The preset's own memory cap on the raw lengths (the issue's "3.7 s step").
-        ("preset cap, raw", flexsp_cost_model("flexsp-gpt-7b", 4096, 192), raw[raw <= 192_000]),
+        ("preset cap, raw", flexsp_cost_model("flexsp-gpt-7b", gpus, 192), raw[raw <= 192_000]),
         # FlexSP's harness: 30 GB, padded lengths; most sequences then need several ranks.
         (
             "30 GB, FlexSP rules",
-            flexsp_cost_model("flexsp-gpt-7b", 4096, 192, 30),
-            flexsp_rules(raw, 4096, 192),
+            flexsp_cost_model("flexsp-gpt-7b", gpus, 192, 30),
+            flexsp_rules(raw, gpus, 192),
         ),
     ]
     for name, cost, data in settings:
-        for k, b in enumerate(batches(data, 32768, steps, "sequential")):
+        for k, b in enumerate(batches(data, gbs, steps, "sequential")):
             plan = solve([int(x) for x in b], cost, cluster, SolverConfig(time_budget_s=budget))
             wall, step = plan.solve_ms / 1e3, plan.est_step_ms / 1e3
             print(
@@ -262,6 +263,8 @@ def main() -> int:
         action="store_true",
         help="only the 4096-GPU / 32768-sequence check: solve time against the step it plans",
     )
+    ap.add_argument("--xl-gpus", type=int, default=4096, help="GPUs of --xl-only (GBS 8 per GPU)")
+    ap.add_argument("--xl-steps", type=int, default=3, help="batches per setting of --xl-only")
     ap.add_argument(
         "--lp-check",
         type=float,
@@ -276,7 +279,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     if args.xl_only:
-        return xl_check(args.budget)
+        return xl_check(args.budget, args.xl_steps, args.xl_gpus)
     if args.scale_only:
         scale_check(load_lengths(), args, print)
         return 0

@@ -101,8 +101,30 @@ def main(argv: list[str] | None = None) -> int:
         "--methods", default="hsp,static-best,batchada,dp-balanced,megatron-dcp,lower-bound"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--only",
+        nargs="*",
+        default=None,
+        help="run only these distributions (the others are still drawn, so batches match)",
+    )
+    ap.add_argument(
+        "--dump-lengths",
+        default=None,
+        metavar="DIR",
+        help="write each generated distribution to DIR/<name>.txt.gz (for other scripts' "
+        "--lengths) and exit",
+    )
     args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)
+    if args.dump_lengths:
+        out_dir = Path(args.dump_lengths)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in DISTRIBUTIONS:
+            if name != "wikipedia":
+                lens = generate(name, 2 * args.global_batch * args.steps, args.max_seq, rng)
+                with gzip.open(out_dir / f"{name}.txt.gz", "wt") as fh:
+                    fh.write("\n".join(str(x) for x in lens.tolist()))
+        return 0
     print(
         f"{args.cost_model}, {args.gpus} GPUs, max-seq {args.max_seq}, GBS {args.global_batch}, "
         f"{args.steps} batches, methods {args.methods}\n"
@@ -123,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 path = Path(tmp) / f"{name}.txt.gz"
                 with gzip.open(path, "wt") as fh:
                     fh.write("\n".join(str(x) for x in lens.tolist()))
+            if args.only is not None and name not in args.only:
+                continue
             out = Path(tmp) / f"{name}.json"
             cmd = [
                 sys.executable, "-m", "megatron_hsp.cli", "bench", "--lengths", str(path),

@@ -61,3 +61,16 @@ def test_lp_bound_stopped_early_is_still_a_bound():
     optimum = brute_force_ms(lengths, cost, cluster, resolve_sizes(cost, cluster, None))
     assert not cut.converged and cut.iterations == 0
     assert cut.bound_ms <= full.bound_ms * (1 + 1e-9) <= optimum * (1 + 1e-9)
+
+
+def test_lp_bound_stays_below_the_optimum_with_a_near_zero_fixed_cost():
+    # Found by Hypothesis (issue 19): with b ~ 1e-7 ms the column "both sequences in one group"
+    # improves the master by less than the convergence tolerance, so the LP "converged" at two
+    # micro-batches and the bound sat 1.1e-7 ms above the optimum.
+    cluster = Cluster(1, 1)
+    cost = toy_cost(1, 50, 1.192092896e-07, a2a=0.0005, attn=1e-6)
+    lengths = [1, 1]
+    optimum = brute_force_ms(lengths, cost, cluster, resolve_sizes(cost, cluster, None))
+    lp = lp_lower_bound_ms(lengths, cost, cluster, rel_width=0.0)
+    assert lp.bound_ms <= optimum * (1 + 1e-9) + 1e-9
+    assert lp.bound_ms >= optimum * (1 - 1e-5)  # still tight

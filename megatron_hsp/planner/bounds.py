@@ -23,6 +23,9 @@ Three facts, each true of every valid plan, combined by ``max``:
    by ``G`` of the tokens that extra time can carry.
    This is what catches a 64k sequence whose 32-rank group outlasts the memory-bound
    single-rank groups beside it.
+5. Memory granularity: whole sequences fill a group's memory only as a dual feasible function
+   allows, so sequences over half a rank's memory either take more micro-batches or bigger
+   groups; a Lagrangian bound trades the two (``_memory_packing_bound``).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def lower_bound_ms(
 
 
 def instance_lower_bound(inst: Instance, deadline: float | None = None) -> float:
-    """Max of facts 1-4; past ``deadline`` (a ``time.perf_counter()`` value) a weaker bound.
+    """Max of facts 1-5; past ``deadline`` (a ``time.perf_counter()`` value) a weaker bound.
 
     Facts 1-3 are linear in the batch and always computed. Fact 4 runs per critical sequence and
     per group size; it is a ``max`` term, so dropping a sequence's fact 4 keeps the bound valid
@@ -80,7 +83,63 @@ def instance_lower_bound(inst: Instance, deadline: float | None = None) -> float
         if star_bound is None:  # cut by the deadline: a minimum over part of the sizes is no bound
             break
         crit_mem = max(crit_mem, star_bound)
-    return max(work, critical, exclusive, crit_mem)
+    mem_pack = _memory_packing_bound(inst, m_min, deadline)
+    return max(work, critical, exclusive, crit_mem, mem_pack)
+
+
+def _dff(k: int, x: np.ndarray) -> np.ndarray:
+    """Fekete-Schepers dual feasible function ``u^(k)`` on [0, 1]: values of any items whose
+    sizes sum to at most 1 sum to at most 1."""
+    y = (k + 1) * x
+    return np.where(np.abs(y - np.round(y)) < 1e-9, x, np.floor(y + 1e-12) / k)
+
+
+# Fact 5 is skipped above this many (sequence, size) pairs: its cost is ~150 passes over them.
+MEMORY_PACKING_MAX_CELLS = 300_000
+
+
+def _memory_packing_bound(inst: Instance, m_min: int, deadline: float | None = None) -> float:
+    """Fact 5: memory granularity against fixed costs, in Lagrangian form (issue 19).
+
+    Fact 1 packs tokens perfectly into ``m_min`` micro-batches. But a group of ``d`` holds at
+    most ``d * cap`` tokens of whole sequences, so for a dual feasible function ``f`` its
+    sequences satisfy ``sum_i d f(s_i / (d cap)) <= d``, and over a plan of ``m`` micro-batches
+    ``sum_i slot_i(d_i) <= N m`` with ``slot_i(d) = d f(s_i / (d cap))``: a sequence just over
+    half a rank's memory takes a whole rank at ``d = 1``, so the plan pays more micro-batches
+    (``b`` each) or puts such sequences in bigger groups (more work). With fact 1 per plan,
+    ``S >= m b + sum_i d_i T_i(d_i) / N``; adding ``mu (sum_i slot_i - N m) <= 0`` for any
+    ``mu >= 0`` and minimising per sequence,
+
+        S >= min_{m >= m_min} max_mu [ m (b - mu N) + sum_i min_d (d T_i(d) / N + mu slot_i(d)) ].
+
+    Maximised over ``f`` in ``u^(1..3)`` and a grid of ``mu``. Valid for any grid (each ``mu``
+    gives a bound); None of it depends on the plan. Returns 0 when skipped (too large, deadline).
+    """
+    n = inst.world_size
+    times = np.asarray(inst.times, dtype=np.float64)
+    if times.size > MEMORY_PACKING_MAX_CELLS or _past(deadline):
+        return 0.0
+    lengths = np.asarray(inst.lengths, dtype=np.float64)
+    sizes = np.asarray(inst.sizes, dtype=np.float64)
+    cols = np.arange(len(inst.sizes))
+    fits = cols[None, :] >= np.asarray(inst.dmin)[:, None]
+    work = sizes[None, :] * times / n
+    b = inst.min_fixed
+    scale = max(b, float(np.sum(inst.work_min)) / (n * m_min)) / n
+    mus = np.concatenate([[0.0], scale * np.geomspace(1e-3, 1e2, 48)])
+    ms = np.arange(m_min, len(inst.lengths) + 1, dtype=np.float64)
+    x = np.minimum(1.0, lengths[:, None] / (sizes[None, :] * inst.cap))
+    best = 0.0
+    for k in (1, 2, 3):
+        slot = sizes[None, :] * _dff(k, x)
+        lagr = np.full(len(ms), -np.inf)
+        for mu in mus:
+            if _past(deadline):
+                return best
+            per_seq = np.where(fits, work + mu * slot, np.inf).min(axis=1).sum()
+            lagr = np.maximum(lagr, ms * (b - mu * n) + per_seq)
+        best = max(best, float(lagr.min()))
+    return best
 
 
 def _past(deadline: float | None) -> bool:
@@ -405,8 +464,14 @@ def instance_lp_bound(
     most_mbs = len(inst.lengths)
     if upper_ms is not None and inst.min_fixed > 0:
         most_mbs = min(most_mbs, math.floor(upper_ms / inst.min_fixed))
+    # Farley's / the Lagrangian bound, also when "converged": the convergence tolerance (and
+    # HiGHS's own, at the same scale) lets a column worth up to ``tol`` go unadded, so z* is
+    # taken as at least ``tol``. With a fixed cost near 1e-7 ms that column is the whole
+    # difference (issue 19: two 1-token sequences that share one group were priced as two
+    # micro-batches, the bound 1.1e-7 ms above the optimum). On real batches this costs at most
+    # ``m_max * tol``, about 1e-5 of the bound at 512 sequences.
+    z_eff = max(z_star, 1e-7 * max(1.0, z_rmp))
+    bound = max(dual_obj / (1.0 + z_eff / m_low), dual_obj - most_mbs * z_eff, 0.0)
     if converged:
-        bound = min(z_rmp, dual_obj)
-    else:
-        bound = max(dual_obj / (1.0 + z_star / m_low), dual_obj - most_mbs * z_star, 0.0)
+        bound = min(z_rmp, bound)
     return LpBound(bound * (1 - 1e-7), z_rmp, converged, iterations, nk)

@@ -247,26 +247,41 @@ def refine_microbatches(
     slice_s: float = 0.25,
     max_nodes: int = 300,
     min_gap: float = 0.03,
+    max_solves: int | None = None,
 ) -> tuple[list[tuple[float, list[GroupSpec]]], str, dict[str, int]]:
     """Run the MILP on each micro-batch, biggest gap to its floor first, until the deadline.
+
+    ``max_solves``: at most this many MILPs (None: no limit); the rest keep their greedy
+    schedules and count as ``skipped_limit`` (a work limit, so results do not depend on the
+    machine's speed, unlike the deadline).
 
     Micro-batches within ``min_gap`` of their floor are left alone: the MILP rarely finds the
     last percent and costs tens of milliseconds each.
 
     Status: ``optimal`` when every micro-batch is proven optimal for its bucketed model or lies
     within ``min_gap`` of its floor (the planner's optimality tolerance, like a MIP gap);
-    ``time_limit`` when a node or time limit stopped a MILP first; ``fallback`` when the
-    wall-clock budget ran out before a micro-batch that needed the MILP got it, and the greedy
-    schedule stands for it.
+    ``time_limit`` when a node or time limit stopped a MILP first, or ``max_solves`` left one
+    out; ``fallback`` when the wall-clock budget ran out before a micro-batch that needed the
+    MILP got it, and the greedy schedule stands for it.
     """
     out = list(microbatches)
     floors = [inst.microbatch_floor([i for _, ids in g for i in ids]) for _, g in out]
     order = sorted(range(len(out)), key=lambda b: (-(out[b][0] - floors[b]), b))
-    stats = {"solved": 0, "proven": 0, "improved": 0, "skipped_budget": 0, "near_floor": 0}
+    stats = {
+        "solved": 0,
+        "proven": 0,
+        "improved": 0,
+        "skipped_budget": 0,
+        "skipped_limit": 0,
+        "near_floor": 0,
+    }
     for pos, b in enumerate(order):
         span, groups = out[b]
         if span <= floors[b] * (1 + min_gap):
             stats["near_floor"] += 1
+            continue
+        if max_solves is not None and stats["solved"] >= max_solves:
+            stats["skipped_limit"] += 1
             continue
         left = deadline - time.perf_counter()
         share = min(left / (len(order) - pos), slice_s)
@@ -284,7 +299,7 @@ def refine_microbatches(
             stats["improved"] += 1
     if stats["skipped_budget"]:
         status = "fallback" if stats["improved"] == 0 else "time_limit"
-    elif stats["proven"] == stats["solved"]:
+    elif stats["proven"] == stats["solved"] and not stats["skipped_limit"]:
         status = "optimal"
     else:
         status = "time_limit"

@@ -1,0 +1,295 @@
+"""Online refit of a cost model from measured micro-batch and step times (issue 19 item 3).
+
+Why: a cost model fitted elsewhere (a preset, published figures, a ``profile`` run on another
+day) is wrong on the cluster at hand by factors no one can know in advance (sites differ, kernels
+change), and every plan is only as good as its model. During training every micro-batch is a free
+measurement; this module turns them into a corrected model, without a separate profiling run.
+
+What is refitted: four scale factors on the current model's own terms, not the raw coefficients,
+so a handful of records per update is enough and the model's shape (quadratic attention, split
+rules, ring overlap) is kept::
+
+    group_ms ~ th_attn * sum a1 s^2 / d + th_lin * sum a2 s / d
+             + th_comm * (all-to-all + exposed ring p2p + ring overhead) + th_fixed * fixed_ms
+
+Each record's four features are the current model's terms for that group; the fit is a robust
+(Huber, iteratively reweighted) non-negative least squares on *relative* error, then
+
+- bounded: each factor moves by at most ``max_step`` (relative) per update, so one bad batch of
+  timings cannot swing the plans;
+- refused: when a term the ranking needs (attention or linear) would get a non-positive factor
+  (the model would no longer grow with tokens: non-monotone), when records are too few, or when
+  the refit predicts the records clearly worse than the current model (median relative
+  error more than 10% above the current one's). A refused update
+  returns the current model unchanged with the reason.
+
+Terms the records cannot identify (a column that is zero or a negligible share of every record,
+e.g. communication when every group had size 1) keep their factor.
+
+The exposed part of a ring step, ``max(0, p s - attn / r)``, is linearised at the current model
+(computed once per record and scaled as communication); that is exact while the sign of the
+excess does not change, and the bounded step keeps it close.
+
+Interface (for the observer, the demo and the Megatron hooks; wired by them, not here)::
+
+    from megatron_hsp.planner.refit import GroupTiming, OnlineRefit, StepTiming
+
+    refit = OnlineRefit(cost_model)                      # the planner's current model
+    result = refit.update(
+        [GroupTiming(lengths=[...], d=4, split=(4, 1), measured_ms=12.3), ...],
+        steps=[StepTiming(step_ms=950.0, microbatch_ms=910.0)],  # optional
+    )
+    if result.accepted:
+        planner_cost = result.model                      # plan the next steps with it
+        yaml.safe_dump(result.spec, open(path, "w"))     # --hsp-cost-model reads it next run
+
+``refit_cost_model(model, groups, steps=..., base=...)`` is the same single update as a pure
+function. ``result.spec`` is an explicit-coefficients spec (``CostModel.to_spec``) that
+``load_cost_model`` reads back to an equal model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from megatron_hsp.planner.costcore import CostModel
+from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.fit import _nnls
+
+TERMS = ("attn", "linear", "comm", "fixed")
+# A term is fitted only where it is on average at least this share of a record's prediction.
+MIN_SHARE = 0.02
+HUBER_K = 1.345  # the usual 95%-efficiency constant, in units of the robust scale (MAD)
+
+
+@dataclass(frozen=True)
+class GroupTiming:
+    """One group's measured time in one micro-batch: its lengths, size, split, and ms."""
+
+    lengths: Sequence[int]
+    d: int
+    measured_ms: float
+    split: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One step's wall time and the sum of its micro-batches' (critical-path) times, in ms."""
+
+    step_ms: float
+    microbatch_ms: float
+
+
+@dataclass(frozen=True)
+class RefitResult:
+    """What one update did: the model to plan with next, its spec, and why."""
+
+    model: CostModel
+    spec: dict[str, Any]
+    accepted: bool
+    reason: str
+    scales: Mapping[str, float]  # cumulative factors against ``base``
+    median_rel_err_before: float
+    median_rel_err_after: float
+    records: int
+
+
+def features(model: CostModel, g: GroupTiming) -> np.ndarray:
+    """The model's four terms for one group record, in ms: attention, linear, comm, fixed."""
+    s = np.asarray(g.lengths, dtype=np.float64)
+    d = int(g.d)
+    u, r = model._resolve(d, g.split)
+    attn = float((model.attn_ms_per_token2 * s * s).sum()) / d
+    lin = float((model.linear_ms_per_token * s).sum()) / d
+    total = float(model.seq_ms(s, d, (u, r)).sum())
+    comm = max(0.0, total - attn - lin)
+    return np.array([attn, lin, comm, model.fixed_ms(d, (u, r))])
+
+
+def scaled_model(
+    base: CostModel, scales: Mapping[str, float], name: str | None = None
+) -> CostModel:
+    """``base`` with its terms multiplied by ``scales`` (keys from ``TERMS``)."""
+    a, lin, c, f = (float(scales.get(k, 1.0)) for k in TERMS)
+
+    def times(m: Mapping[int, float], k: float) -> dict[int, float]:
+        return {int(d): float(v) * k for d, v in m.items()}
+
+    return dataclasses.replace(
+        base,
+        name=name or base.name,
+        attn_ms_per_token2=base.attn_ms_per_token2 * a,
+        linear_ms_per_token=base.linear_ms_per_token * lin,
+        a2a_ms_per_token=times(base.a2a_ms_per_token, c),
+        ring_step_ms_per_token=times(base.ring_step_ms_per_token, c),
+        ring_step_extra_ms_per_token=times(base.ring_step_extra_ms_per_token, c),
+        group_fixed_ms=times(base.group_fixed_ms, f),
+        a2a_fixed_ms=times(base.a2a_fixed_ms, f),
+        ring_step_fixed_ms=times(base.ring_step_fixed_ms, f),
+    )
+
+
+def _huber_nnls(x: np.ndarray, y: np.ndarray, iters: int = 30) -> np.ndarray:
+    """Non-negative Huber regression of ``y ~ x @ c`` on relative residuals (IRLS)."""
+    w_rel = 1.0 / np.maximum(np.abs(y), 1e-12)
+    weights = np.ones_like(y)
+    coef = np.zeros(x.shape[1])
+    for _ in range(iters):
+        w = w_rel * np.sqrt(weights)
+        new = _nnls(x * w[:, None], y * w)
+        rel = (x @ new - y) * w_rel
+        mad = float(np.median(np.abs(rel - np.median(rel)))) * 1.4826
+        scale = max(mad, 1e-6)
+        a = np.abs(rel) / scale
+        weights = np.where(a <= HUBER_K, 1.0, HUBER_K / np.maximum(a, 1e-12))
+        if np.allclose(new, coef, rtol=1e-9, atol=1e-15):
+            coef = new
+            break
+        coef = new
+    return coef
+
+
+def _median_rel(pred: np.ndarray, y: np.ndarray) -> float:
+    return float(np.median(np.abs(pred - y) / np.maximum(np.abs(y), 1e-12)))
+
+
+def refit_cost_model(
+    model: CostModel,
+    groups: Iterable[GroupTiming],
+    *,
+    steps: Iterable[StepTiming] = (),
+    base: CostModel | None = None,
+    scales: Mapping[str, float] | None = None,
+    max_step: float = 0.25,
+    min_records: int = 8,
+) -> RefitResult:
+    """One bounded, robust update of ``model`` from measured group times.
+
+    ``base``/``scales``: the model the factors apply to and the factors already applied
+    (``model == scaled_model(base, scales)``); default: ``model`` itself at factor 1. Keeping the
+    base lets repeated updates compound without drifting from the model's shape.
+    """
+    if not max_step > 0:
+        raise InputError(f"refit: max_step must be > 0, got {max_step}")
+    base = base or model
+    cur = {k: float((scales or {}).get(k, 1.0)) for k in TERMS}
+    rows = [g for g in groups if float(g.measured_ms) > 0 and len(g.lengths) > 0]
+    step_rows = [s for s in steps if s.step_ms > 0]
+    spec = model.to_spec()
+
+    def refuse(reason: str, before: float = float("nan")) -> RefitResult:
+        return RefitResult(model, spec, False, reason, dict(cur), before, before, len(rows))
+
+    if len(rows) < min_records:
+        return refuse(f"{len(rows)} group records; the refit needs at least {min_records}")
+    # Features at the current model: the fit is a relative correction of it (factor 1 = no
+    # change), so the linearised ring overlap is taken where the model now stands.
+    x = np.stack([features(model, g) for g in rows])
+    y = np.array([float(g.measured_ms) for g in rows])
+    ones = np.ones(len(TERMS))
+    pred_cur = x.sum(axis=1)
+    before = _median_rel(pred_cur, y)
+    # Mean share per record (the fit is on relative error, so a term that matters to the small
+    # records counts even where the large ones dwarf it).
+    share = (x / np.maximum(pred_cur, 1e-12)[:, None]).mean(axis=0)
+    free = [i for i in range(len(TERMS)) if share[i] >= MIN_SHARE]
+    if not free:
+        return refuse("no term of the model is visible in these records", before)
+    kept = [i for i in range(len(TERMS)) if i not in free]
+    rel = ones.copy()
+    rel[free] = _huber_nnls(x[:, free], y - x[:, kept].sum(axis=1))
+    for i, name in enumerate(TERMS[:2]):
+        if i in free and not rel[i] > 0:
+            return refuse(
+                f"the fit gives a non-positive {name} factor ({rel[i]:.3g}): time would not "
+                "grow with tokens (non-monotone); kept the current model",
+                before,
+            )
+    rel = np.clip(rel, 1.0 / (1.0 + max_step), 1.0 + max_step)
+    after = _median_rel(x @ rel, y)
+    # The Huber fit minimises its own loss, not the median error: a few per cent either way is
+    # not "worse"; a clearly worse median is (e.g. a fit dragged by a burst of stragglers).
+    if after > before * 1.1 + 1e-3:
+        return refuse(
+            f"the bounded refit predicts these records worse ({after:.3f} vs {before:.3f} median "
+            "relative error); kept the current model",
+            before,
+        )
+    theta_new = np.array([cur[k] for k in TERMS]) * rel
+    new_scales = {k: float(v) for k, v in zip(TERMS, theta_new, strict=True)}
+    new_model = scaled_model(base, new_scales)
+    details = dict(model.details)
+    if step_rows:
+        # What a step costs beyond its micro-batches, robustly, moved by at most max_step.
+        over = float(np.median([max(0.0, s.step_ms - s.microbatch_ms) for s in step_rows]))
+        old = float(details.get("step_ms", 0.0))
+        if old > 0:
+            over = min(max(over, old / (1.0 + max_step)), old * (1.0 + max_step))
+        details["step_ms"] = over
+    details.update({f"refit_scale_{k}": v for k, v in new_scales.items()})
+    details["refit_records"] = float(len(rows))
+    new_model = dataclasses.replace(
+        new_model,
+        details=details,
+        source=f"online refit of {base.name!r} (megatron_hsp.planner.refit)",
+    )
+    return RefitResult(
+        new_model,
+        new_model.to_spec(),
+        True,
+        "refit accepted",
+        new_scales,
+        before,
+        after,
+        len(rows),
+    )
+
+
+@dataclass
+class OnlineRefit:
+    """Keeps a window of recent records and the cumulative factors across updates.
+
+    ``window``: group records kept (older ones fall out, so the model follows a cluster whose
+    speed changes); each ``update`` refits on the whole window.
+    """
+
+    base: CostModel
+    max_step: float = 0.25
+    window: int = 512
+    min_records: int = 8
+    scales: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TERMS, 1.0))
+    _groups: deque = field(default_factory=deque, repr=False)
+    _steps: deque = field(default_factory=deque, repr=False)
+    model: CostModel | None = None
+
+    def __post_init__(self) -> None:
+        self._groups = deque(maxlen=self.window)
+        self._steps = deque(maxlen=max(8, self.window // 8))
+        self.model = self.model or self.base
+
+    def update(
+        self, groups: Iterable[GroupTiming], steps: Iterable[StepTiming] = ()
+    ) -> RefitResult:
+        """Add records and refit; on acceptance the new model becomes ``self.model``."""
+        self._groups.extend(groups)
+        self._steps.extend(steps)
+        assert self.model is not None
+        result = refit_cost_model(
+            self.model,
+            list(self._groups),
+            steps=list(self._steps),
+            base=self.base,
+            scales=self.scales,
+            max_step=self.max_step,
+            min_records=self.min_records,
+        )
+        if result.accepted:
+            self.model = result.model
+            self.scales = dict(result.scales)
+        return result
