@@ -134,3 +134,16 @@ def test_features_add_up_to_the_model():
     base = _base()
     g = GroupTiming([3000, 9000, 20000], 16, 1.0)
     assert features(base, g).sum() == pytest.approx(base.group_ms(g.lengths, 16))
+
+
+def test_a_token_term_fitted_to_zero_is_held_and_the_others_refitted():
+    """Records with no attention cost at all: the attention factor would fit to 0 (its time
+    would not grow with s^2), so it keeps its current factor, and the linear, communication and
+    fixed terms are refitted without it instead of the whole update being refused."""
+    base = _comm_heavy()
+    truth = scaled_model(base, {"attn": 0.0, "linear": 1.2, "comm": 1.2, "fixed": 1.2})
+    res = refit_cost_model(base, _records(truth, np.random.default_rng(5), noise=0.01))
+    assert res.accepted and "attn kept" in res.reason, res.reason
+    assert res.scales["attn"] == 1.0
+    assert res.scales["linear"] != 1.0
+    assert res.median_rel_err_after < res.median_rel_err_before

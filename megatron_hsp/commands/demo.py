@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from megatron_hsp.commands.common import add_verbose_argument, import_warnings_summarised
@@ -69,6 +70,10 @@ class DemoConfig:
     stall_timeout_s: float = 30.0
     # preset name, YAML/JSON file (e.g. written by `megatron-hsp profile`) or a spec mapping
     cost_model: str | dict[str, Any] = field(default_factory=lambda: dict(DEMO_COST_MODEL))
+    # Online refit of the cost model from measured group times (step/observe.StepRefitter); the
+    # refit model is written to ``refit_out`` for the next run's --cost-model.
+    refit: bool = True
+    refit_out: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -103,6 +108,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cost model the planner uses: a YAML/JSON file (e.g. from `megatron-hsp profile`) "
         "or a preset name (default: the demo's built-in CPU model). Each step's predicted_s in "
         "--json is this model's estimate",
+    )
+    parser.add_argument(
+        "--no-refit",
+        action="store_true",
+        help="keep the cost model fixed (default: refit it online from measured group times and "
+        "plan with the refit model, step/observe.py)",
+    )
+    parser.add_argument(
+        "--refit-out",
+        default=None,
+        metavar="FILE.yaml",
+        help="where the refit cost model is written for the next run's --cost-model (default: "
+        "demo-refit.yaml in the cache directory)",
     )
     add_verbose_argument(parser)
     parser.add_argument(
@@ -161,7 +179,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     from megatron_hsp.runtime.schedule import run_step
     from megatron_hsp.step.corpus import DEMO_VOCAB_SIZE
     from megatron_hsp.step.documents import DocumentIndex, DocumentReader
-    from megatron_hsp.step.observe import StepRecord, layout_summary
+    from megatron_hsp.step.observe import StepRecord, StepRefitter, layout_summary
     from megatron_hsp.step.pipeline import build_step_pipeline
     from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
     from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
@@ -213,9 +231,16 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
 
     steps: list[dict[str, Any]] = []
     kept: list[tuple[Any, Any]] = []  # (DocumentBatch, adaptive plan) for the side-by-side
+    refitter = StepRefitter(cost, out=cfg.refit_out) if cfg.refit and rank == 0 else None
+    # The per-step cost the prediction adds, by the model each step's plan was made with (plans
+    # are requested one step ahead, so a refit after step t prices the plans from t + 2 on).
+    overhead_ms = {0: cost.step_overhead_ms}
     try:
         for i in range(cfg.steps):
             prepared = pipeline.next_step()
+            current = refitter.model if refitter is not None else cost
+            overhead_ms[prepared.step + 1] = current.step_overhead_ms
+            created = registry.created
             dist.barrier()
             t0 = time.perf_counter()
             result = run_step(
@@ -228,6 +253,19 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
             )
             optimizer.step()
             step_s = _max_over_ranks(time.perf_counter() - t0)
+            per_slot: list[Any] = [None] * world_size
+            dist.all_gather_object(per_slot, result.microbatch_s)
+            if refitter is not None:
+                update = refitter.record(
+                    prepared.step,
+                    prepared.plan,
+                    per_slot,
+                    step_s,
+                    step_is_clean=registry.created == created,
+                )
+                if update is not None and update.accepted:
+                    assert pipeline.planner is not None
+                    pipeline.planner.use_cost_model(update.spec)
             if len(kept) < cfg.compare_steps:
                 kept.append((prepared.batch, prepared.plan))
             if rank == 0:
@@ -238,7 +276,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
                     measured_s=step_s,
                     solve_s=prepared.solve_s,
                     wait_s=prepared.wait_s,
-                    step_overhead_ms=cost.step_overhead_ms,
+                    step_overhead_ms=overhead_ms.get(prepared.step, cost.step_overhead_ms),
                 )
                 steps.append(
                     {
@@ -271,6 +309,12 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
         sampler_report = pipeline.report()  # trained batches, not the prefetched one
     finally:
         pipeline.close()
+    # Every rank prices the side-by-side with the model the run ended on (the refit one).
+    final_spec: list[Any] = [refitter.model.to_spec() if refitter is not None else None]
+    dist.broadcast_object_list(final_spec, src=0)
+    priced = cost
+    if final_spec[0] is not None:
+        priced = load_cost_model(final_spec[0], world_size=world_size, gpus_per_node=gpus_per_node)
 
     # Side-by-side on the same batches and the same weights: no optimizer step, so both layouts
     # see identical parameters (the model is warm from training).
@@ -281,7 +325,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
         for d in sorted(sizes):
             try:
                 for batch, _ in kept:
-                    static_plan(batch.lengths, cost, registry.cluster, d)
+                    static_plan(batch.lengths, priced, registry.cluster, d)
                 degree = d
                 break
             except HSPError:
@@ -292,7 +336,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
             plans = {"adaptive": adaptive}
             if degree is not None:
                 plans[f"static-{degree}"] = static_plan(
-                    batch.lengths, cost, registry.cluster, degree
+                    batch.lengths, priced, registry.cluster, degree
                 )
             for name, plan in plans.items():
                 docs = reader.batch_for_rank(batch, plan, registry.slot)
@@ -322,6 +366,11 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
         "steps": steps,
         "comparison": comparison,
         "sampler": sampler_report,
+        "refit": {
+            "enabled": refitter is not None,
+            "updates": refitter.updates if refitter is not None else [],
+            "out": cfg.refit_out if refitter is not None and refitter.updates else None,
+        },
         "config": {
             **{k: v for k, v in asdict(cfg).items() if k not in ("extra", "quiet")},
             "group_sizes": list(sizes),
@@ -334,6 +383,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
 
 # ------------------------------------------------------------------------- the model's accuracy
 WARMUP_STEPS = 2  # step 0 pays first-touch allocation and the planner's start-up
+REFIT_SCORED_FROM_STEP = 5
 
 
 def prediction_summary(steps: list[dict[str, Any]], cost_spec: dict[str, Any]) -> dict[str, Any]:
@@ -348,11 +398,19 @@ def prediction_summary(steps: list[dict[str, Any]], cost_spec: dict[str, Any]) -
     errs = [abs(s["predicted_s"] - s["step_s"]) / s["step_s"] for s in scored if s["step_s"] > 0]
     import statistics
 
+    late = [
+        abs(s["predicted_s"] - s["step_s"]) / s["step_s"]
+        for s in steps
+        if s["step"] >= REFIT_SCORED_FROM_STEP and s["step_s"] > 0
+    ]
     return {
         "cost_model": cost_spec.get("name", "?"),
         "warmup_steps": warm,
         "steps": len(errs),
         "median_rel_err": statistics.median(errs) if errs else None,
+        # From step 5 on: the plans there are priced by a refit model (the first refit follows
+        # step 1 and applies two steps later, bounded steps compound over a few updates).
+        "median_rel_err_from_step_5": statistics.median(late) if late else None,
         "mean_predicted_over_measured": (
             sum(s["predicted_s"] / s["step_s"] for s in scored) / len(scored) if scored else None
         ),
@@ -423,6 +481,19 @@ def render(result: dict[str, Any], elapsed_s: float) -> str:
             f"{pred['median_rel_err']:.1%} over {pred['steps']} steps after "
             f"{pred['warmup_steps']} warm-up"
         )
+    refit = result.get("refit") or {}
+    if refit.get("updates"):
+        took = [u for u in refit["updates"] if u["accepted"]]
+        late = pred.get("median_rel_err_from_step_5")
+        lines.append(
+            f"online refit: {len(took)} of {len(refit['updates'])} updates accepted"
+            + (f"; median error from step 5 on {late:.1%}" if late is not None else "")
+            + (
+                f"; refit model written to {refit['out']} (--cost-model {refit['out']} next run)"
+                if refit.get("out") and took
+                else ""
+            )
+        )
     lines.append("")
     lines.append(f"data: {result['sampler']}")
     lines.append(f"done in {elapsed_s:.1f} s")
@@ -461,6 +532,17 @@ def _run(args: argparse.Namespace) -> int:
         from megatron_hsp.commands.common import check_output_path
 
         check_output_path("--json", args.json, allow_stdout=True)
+    refit_out = None
+    if not args.no_refit:  # checked before the work, like --json
+        from megatron_hsp.commands.common import check_output_path
+        from megatron_hsp.step.corpus import default_cache_dir
+
+        if args.refit_out is None:
+            folder = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+            folder.mkdir(parents=True, exist_ok=True)
+        refit_out = check_output_path(
+            "--refit-out", args.refit_out or str(folder / "demo-refit.yaml")
+        )
     if args.cost_model is not None:  # before the corpus is built: a bad file fails at once
         _checked_cost_model(args.cost_model, int(os.environ.get("WORLD_SIZE", args.nproc)))
     plot_path = None
@@ -493,6 +575,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     if args.cost_model is not None:
         cfg.cost_model = args.cost_model
+    cfg.refit, cfg.refit_out = not args.no_refit, refit_out
     if torchrun:
         result = _run_torchrun(cfg)
         if rank != 0:

@@ -201,14 +201,25 @@ def refit_cost_model(
     free = [i for i in range(len(TERMS)) if share[i] >= MIN_SHARE]
     if not free:
         return refuse("no term of the model is visible in these records", before)
-    kept = [i for i in range(len(TERMS)) if i not in free]
-    rel = ones.copy()
-    rel[free] = _huber_nnls(x[:, free], y - x[:, kept].sum(axis=1))
-    for i, name in enumerate(TERMS[:2]):
-        if i in free and not rel[i] > 0:
+    held: list[str] = []
+    while True:
+        kept = [i for i in range(len(TERMS)) if i not in free]
+        rel = ones.copy()
+        rel[free] = _huber_nnls(x[:, free], y - x[:, kept].sum(axis=1))
+        # A token term (attention, linear) at factor 0 would make time stop growing with tokens
+        # (non-monotone): that term keeps its current factor and the others are refitted
+        # without it (noisy records, e.g. a loaded machine, often trade one term for another).
+        bad = [i for i in (0, 1) if i in free and not rel[i] > 0]
+        if not bad:
+            break
+        held += [TERMS[i] for i in bad]
+        free = [i for i in free if i not in bad]
+        # Every token term the records see came out non-positive: the records say time does
+        # not grow with tokens at all, which no monotone model explains; refuse the update.
+        if not free or not any(i in free for i in (0, 1)):
             return refuse(
-                f"the fit gives a non-positive {name} factor ({rel[i]:.3g}): time would not "
-                "grow with tokens (non-monotone); kept the current model",
+                f"the fit gives non-positive {' and '.join(held)} factors: time would not grow "
+                "with tokens (non-monotone); kept the current model",
                 before,
             )
     rel = np.clip(rel, 1.0 / (1.0 + max_step), 1.0 + max_step)
@@ -243,7 +254,7 @@ def refit_cost_model(
         new_model,
         new_model.to_spec(),
         True,
-        "refit accepted",
+        "refit accepted" + (f" ({', '.join(held)} kept: non-positive in this fit)" if held else ""),
         new_scales,
         before,
         after,

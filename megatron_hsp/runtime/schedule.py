@@ -166,6 +166,9 @@ class StepResult:
     skipped_microbatches: list[int] = field(default_factory=list)
     dispatch_ms: float = 0.0
     grad_numel: int = 0
+    # Host wall time of each micro-batch's forward + backward on this rank. On the CPU (the demo)
+    # that is its compute; on CUDA, without a sync, it would be launch time only.
+    microbatch_s: list[float] = field(default_factory=list)
 
 
 def run_step(
@@ -202,10 +205,12 @@ def run_step(
     acc = LossAccumulator()
     result = StepResult(loss=0.0, num_loss_tokens=0, forward_calls=0, dispatch_ms=dispatch_ms)
     for m, inputs in enumerate(inputs_per_mb):
+        t_mb = time.perf_counter()
         output, loss_mask = forward_microbatch(model, inputs)
         loss_sum, num_tokens = microbatch_loss(output, loss_mask)
         objective = loss_sum * scale
         objective.backward()
+        result.microbatch_s.append(time.perf_counter() - t_mb)
         acc.add(loss_sum, int(num_tokens), objective)
         if inputs is None:
             result.skipped_microbatches.append(m)

@@ -162,3 +162,84 @@ class StepObserver:
         if self.plan_log is not None:
             self.plan_log.close()
             self.plan_log = None
+
+
+class StepRefitter:
+    """The observer's online refit (issue 19): measured group times -> the planner's model.
+
+    Why here: the observer already sees every step's plan and its measured time; a cost model
+    fitted elsewhere (a preset, a ``profile`` run) is wrong on the machine at hand by factors no
+    one knows in advance. After each step (past ``skip_steps``, whose times include first-touch
+    allocation and process-group creation) the group timings go to
+    ``planner.refit.OnlineRefit``, a robust, bounded update of the model's four term factors that
+    refuses non-monotone or worse fits. An accepted model is what the caller hands the planner
+    next (``PlannerService.use_cost_model``) and, with ``out``, is written as a YAML spec that
+    ``--cost-model`` / ``--hsp-cost-model`` reads on the next run.
+
+    Group time: the slowest member rank's forward + backward of that micro-batch (ranks of one
+    group wait for each other in its collectives; groups of a micro-batch are independent).
+    """
+
+    def __init__(self, cost: Any, *, skip_steps: int = 1, out: str | None = None) -> None:
+        from megatron_hsp.planner.refit import OnlineRefit
+
+        self.refit = OnlineRefit(cost)
+        self.skip_steps = skip_steps
+        self.out = out
+        self.updates: list[dict[str, Any]] = []
+
+    @property
+    def model(self) -> Any:
+        return self.refit.model
+
+    def record(
+        self,
+        step: int,
+        plan: Plan,
+        microbatch_s: list[list[float]],
+        step_s: float,
+        *,
+        step_is_clean: bool = True,
+    ) -> Any:
+        """Refit from one step; returns the ``RefitResult`` (None for a skipped step).
+
+        ``microbatch_s[slot][m]``: slot's forward + backward seconds of micro-batch ``m``.
+        ``step_is_clean``: False when the step paid one-time costs outside its micro-batches
+        (e.g. created process groups); its step time then does not inform the per-step cost.
+        """
+        from megatron_hsp.planner.refit import GroupTiming, StepTiming
+
+        if step < self.skip_steps:
+            return None
+        groups = [
+            GroupTiming(
+                lengths=list(g.lengths),
+                d=g.size,
+                measured_ms=1e3 * max(microbatch_s[r][m] for r in g.ranks),
+                split=(g.ulysses, g.ring) if g.ulysses else None,
+            )
+            for m, mb in enumerate(plan.microbatches)
+            for g in mb.groups
+            if g.seq_ids
+        ]
+        mb_ms = 1e3 * sum(
+            max(times[m] for times in microbatch_s) for m in range(len(plan.microbatches))
+        )
+        steps = [StepTiming(step_ms=1e3 * step_s, microbatch_ms=mb_ms)] if step_is_clean else []
+        result = self.refit.update(groups, steps)
+        self.updates.append(
+            {
+                "step": step,
+                "accepted": result.accepted,
+                "reason": result.reason,
+                "median_rel_err_before": result.median_rel_err_before,
+                "median_rel_err_after": result.median_rel_err_after,
+                "scales": dict(result.scales),
+            }
+        )
+        if result.accepted and self.out:
+            import yaml
+
+            with open(self.out, "w") as fh:
+                yaml.safe_dump(result.spec, fh, sort_keys=False)
+        return result

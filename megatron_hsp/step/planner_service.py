@@ -34,6 +34,7 @@ from megatron_hsp.planner.units import tokens_to_k
 log = logging.getLogger("megatron_hsp.planner_service")
 
 DEFAULT_PLANNER = "megatron_hsp.step.planner_service:solve_with_planner"
+COST_MODEL_UPDATE = "cost_model"  # request tag: replace the child's cost model
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,8 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 def _serve(spec: PlannerSpec, requests: Any, replies: Any) -> None:
-    """Child process main loop: one reply per request, in order; None stops it."""
+    """Child process main loop: one reply per request, in order; None stops it; a
+    ``("cost_model", spec)`` request replaces the cost model for every later plan (no reply)."""
     from megatron_hsp.runtime.lifetime import die_with_parent
 
     die_with_parent()  # also while solving: the idle check below only runs between requests
@@ -133,6 +135,10 @@ def _serve(spec: PlannerSpec, requests: Any, replies: Any) -> None:
             continue
         if item is None:
             return
+        if item[0] == COST_MODEL_UPDATE:
+            spec = dataclasses.replace(spec, cost_model=item[1])
+            planner = build_planner(spec)
+            continue
         step, lengths = item
         t0 = time.perf_counter()
         try:
@@ -202,6 +208,19 @@ class PlannerService:
             self._planner = build_planner(spec)
 
     # ------------------------------------------------------------------ protocol
+    def use_cost_model(self, cost_model: str | dict[str, Any]) -> None:
+        """Plan every step submitted from now on with ``cost_model`` (e.g. an online refit).
+
+        Background planner: in request order, so a plan already submitted keeps the model it
+        was asked under and every plan is priced by one model. In-process planning solves at
+        ``result`` time, with the model current then. The fallback planner follows too."""
+        self.spec = dataclasses.replace(self.spec, cost_model=cost_model)
+        self._fallback = None
+        if self.background:
+            self._requests.put((COST_MODEL_UPDATE, cost_model))
+        else:
+            self._planner = build_planner(self.spec)
+
     def submit(self, step: int, lengths: Sequence[int]) -> None:
         """Queue the plan for ``step``; returns at once."""
         if step in self._pending or step in self._ready:
