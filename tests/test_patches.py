@@ -102,7 +102,9 @@ def checkout(ref: str, tmp_path: Path, patched: bool) -> Path:
     return root
 
 
-def run_script(argv: list[str], cwd: Path, script_dir: Path) -> subprocess.CompletedProcess:
+def run_script(
+    argv: list[str], cwd: Path, script_dir: Path, **env_vars: str
+) -> subprocess.CompletedProcess:
     env = dict(
         os.environ,
         PYTHONPATH=f"{ROOT}{os.pathsep}{script_dir}",
@@ -110,6 +112,7 @@ def run_script(argv: list[str], cwd: Path, script_dir: Path) -> subprocess.Compl
         WORLD_SIZE="1",
         LOCAL_WORLD_SIZE="1",
     )
+    env.update(env_vars)
     return subprocess.run(
         [sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
@@ -262,3 +265,47 @@ def test_install_is_callable_after_the_launcher_imported_its_module():
     from megatron_hsp.megatron import install
 
     assert install.__module__ == "megatron_hsp.megatron"
+
+
+def without_flag(argv: list[str], flag: str) -> list[str]:
+    at = argv.index(flag)
+    return argv[:at] + argv[at + 2 :]
+
+
+# (name, extra flags, WORLD_SIZE, what the one line must name). Before issue 18 the first two
+# never reached HSP's checks (Megatron's validate_args failed first: its CP divisibility assert,
+# and for TP 2 on a CPU its device-architecture query), and every refusal was a ~20-frame
+# traceback with exit 1.
+REFUSALS = {
+    "cp2": (["--context-parallel-size", "2"], "1", "--context-parallel-size 2"),
+    "tp2-dropout": (["--tensor-model-parallel-size", "2"], "2", "--attention-dropout 0.1"),
+    "cost-model-file": (["--hsp-cost-model", "/nonexistent/model.yaml"], "1", "--hsp-cost-model"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GIT is None, reason="git is not installed")
+@pytest.mark.parametrize(
+    ("ref", "patched", "case"),
+    [
+        ("main", False, "cp2"),
+        ("main", False, "tp2-dropout"),
+        ("core_r0.19.0", True, "cost-model-file"),  # after Megatron's validation, in install
+    ],
+)
+def test_refusals_are_one_line_and_exit_2_through_megatrons_parser(ref, patched, case, tmp_path):
+    """Megatron's real parse_and_validate_args with the launcher (unchanged script) or the
+    patched script: the refusal is one stderr line naming the flag, exit 2, no traceback."""
+    extra, world, named = REFUSALS[case]
+    root = checkout(ref, tmp_path, patched=patched)
+    script = str(root / "pretrain_gpt.py")
+    entry = [script] if patched else ["-m", "megatron_hsp.launch", script]
+    tiny = without_flag(TINY, "--hsp-cost-model")
+    if case == "tp2-dropout":
+        tiny = without_flag(tiny, "--attention-dropout")  # Megatron's default 0.1
+    run = run_script([*entry, *tiny, "--hsp", *extra], tmp_path, root, WORLD_SIZE=world)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if "megatron-hsp: error:" in line]
+    assert len(errors) == 1 and named in errors[0], run.stderr[-3000:]
+    assert run.stderr.rstrip().endswith(errors[0])
