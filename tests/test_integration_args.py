@@ -275,6 +275,7 @@ def test_a_cost_model_that_cannot_train_is_refused_at_startup():
         ("sft", True, "--sft"),
         ("dynamic_context_parallel", True, "--dynamic-context-parallel"),  # Megatron dev
         ("sequence_packing_scheduler", "dp_balanced", "--sequence-packing-scheduler"),
+        ("use_varlen_dataset", True, "--use-varlen-dataset"),  # Megatron dev
     ],
 )
 def test_features_hsp_does_not_run_are_refused_naming_the_flag(attr, value, flag):

@@ -22,6 +22,10 @@ from megatron_hsp.megatron.layer_spec import hsp_spec_from_args, megatron_defaul
 from megatron_hsp.runtime.attention import HSPCoreAttention, HSPSelfAttention
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron-lm"
+# Megatron-LM dev's fixture: its gpt_builders needs a megatron-core newer than the 0.19.2 wheel
+# (TransformerConfig.enable_hyper_connections); its patches are checked to apply only.
+DEV = "d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1"
+RUNNABLE = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and p.name != DEV)
 
 
 def _is_hsp_with_l2norm(spec) -> bool:
@@ -44,7 +48,7 @@ def test_the_users_spec_is_the_base(monkeypatch):
     assert _is_hsp_with_l2norm(hsp_spec_from_args(args))
 
 
-@pytest.mark.parametrize("commit", sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()))
+@pytest.mark.parametrize("commit", RUNNABLE)
 def test_megatron_default_spec_is_the_checkouts_own(commit, tmp_path, monkeypatch):
     # Megatron-LM's own gpt_builders (pristine fixture) decides the base spec: HSP swaps only the
     # attention modules; the norms (here qk-layernorm) are whatever Megatron chose.

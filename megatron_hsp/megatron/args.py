@@ -443,6 +443,8 @@ _UNSUPPORTED_WITH_HSP: tuple[tuple[str, str, str], ...] = (
      "schedules context-parallel groups per step, as --hsp does: use one of them"),
     ("sequence_packing_scheduler", "--sequence-packing-scheduler", "Megatron's packing "
      "scheduler builds the micro-batches that HSP's planner builds: use one of them"),
+    ("use_varlen_dataset", "--use-varlen-dataset", "Megatron dev's VarlenDataset packs its own "
+     "THD batches (with a packing scheduler); HSP's sampler chooses whole documents per step"),
 )  # fmt: skip
 
 
