@@ -358,3 +358,15 @@ def test_hybrid_attention_and_mlp_patterns_are_accepted_with_a_spec():
     assert any("hybrid pattern *-*-: 2 attention and 2 MLP layers" in n for n in cfg.notes)
     with pytest.raises(HSPArgsError, match=r"needs the hybrid stack spec as --spec"):
         validate_hsp_args(parse([*BASE, "--hsp", "--hybrid-layer-pattern", "*-*-"]), env={})
+
+
+def test_what_megatron_derives_is_not_refused_early(monkeypatch):
+    """No --global-batch-size: Megatron's validate_args sets micro-batch x data parallel, so
+    only the full check (after it) may refuse a missing batch."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    argv = [*without(BASE, "--global-batch-size"), "--hsp"]
+    args = parse(argv, refuse_early=True)  # no SystemExit
+    with pytest.raises(HSPArgsError, match="--global-batch-size"):
+        validate_hsp_args(args, env={})
+    args.global_batch_size = 8  # what validate_args derives on 8 data-parallel ranks
+    assert validate_hsp_args(args, env={}).global_batch_docs == 8

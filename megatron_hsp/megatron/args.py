@@ -683,7 +683,9 @@ def validate_hsp_args(
     if args.hsp_memory_cap_gb is not None and args.hsp_memory_cap_gb <= 0:
         raise HSPArgsError(f"--hsp-memory-cap-gb must be > 0 (got {args.hsp_memory_cap_gb})")
     gbs = getattr(args, "global_batch_size", None)
-    if args.hsp_token_budget is None and not gbs:
+    # Megatron's validate_args derives a missing --global-batch-size (micro-batch x data
+    # parallel) and --seq-length: checked on the full call only.
+    if args.hsp_token_budget is None and not gbs and not early:
         raise HSPArgsError(
             "--hsp needs a global batch: give --global-batch-size (documents per step) or "
             "--hsp-token-budget (tokens per step)"
@@ -695,7 +697,7 @@ def validate_hsp_args(
         )
     seq = _get(args, "seq_length", None) or _get(args, "max_position_embeddings", None)
     max_seq = args.hsp_max_seq or seq
-    if not max_seq:
+    if not max_seq and not early:
         raise HSPArgsError("--hsp needs --hsp-max-seq or --seq-length to size the cost model")
     if args.hsp_log_interval < 0:
         raise HSPArgsError(f"--hsp-log-interval must be >= 0 (got {args.hsp_log_interval})")
