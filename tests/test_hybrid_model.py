@@ -187,3 +187,54 @@ def test_hybrid_model_with_hsp_attention_equals_stock_per_document(megatron_cpu,
     hsp.zero_grad()
     joined = hsp(ids, torch.arange(cu[-1])[None], None).detach()
     assert rel(joined, reference) > 1e-3
+
+
+def _hybrid_ulysses_worker(rank: int, world: int) -> dict:
+    """Two gloo ranks, one Ulysses group of 2: each rank's half of the packed tokens through the
+    HSP HybridModel against the same model on the whole buffer in this process (consistency of
+    the all-to-alls inside a hybrid stack; the independent check is the single-process test)."""
+    import megatron.core.models.hybrid.hybrid_block as hybrid_block
+    import torch.distributed as dist
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_hsp.runtime.attention import group_packed_seq_params
+
+    hybrid_block.TENorm = WrappedTorchNorm  # this spawned process only (see the module doc)
+    group = dist.new_group(list(range(world)))
+    model = _hybrid_model(with_hsp_attention(_local_hybrid_stack_spec()))
+    docs = [6, 1, 9, 3, 1]  # 20 tokens, slices cross documents
+    cu = [0]
+    for n in docs:
+        cu.append(cu[-1] + n)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, VOCAB, (1, cu[-1]), generator=g)
+    w = torch.randn(1, cu[-1], VOCAB, generator=g)
+    pos = torch.cat([torch.arange(n) for n in docs])[None]
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+
+    ref = model(ids, pos, None, packed_seq_params=group_packed_seq_params(cu_t, None))
+    (ref * w).sum().backward()
+    g_ref = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    local = cu[-1] // world
+    sl = slice(rank * local, (rank + 1) * local)
+    out = model(
+        ids[:, sl], pos[:, sl], None, packed_seq_params=group_packed_seq_params(cu_t, group)
+    )
+    (out * w[:, sl]).sum().backward()
+    worst = 0.0
+    for name, p in model.named_parameters():
+        grad = p.grad.detach().clone()
+        dist.all_reduce(grad, group=group)  # each rank holds its tokens' share
+        worst = max(worst, rel(grad, g_ref[name]))
+    return {"logits": rel(out.detach(), ref.detach()[:, sl]), "grads": worst}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_hybrid_model_ulysses_over_two_ranks_is_consistent():
+    from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
+
+    for r in raise_rank_errors(run_distributed(_hybrid_ulysses_worker, 2, timeout_s=400)):
+        assert r["logits"] <= 1e-6 and r["grads"] <= 1e-5, r
