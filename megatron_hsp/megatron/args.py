@@ -283,8 +283,10 @@ def _sizes_the_cost_model_prices(
                 hint = "; give a cost model with --hsp-cost-model FILE"
             elif not getattr(args, "use_distributed_optimizer", False):
                 hint = "; --use-distributed-optimizer shards the optimizer states over the ranks"
-        message = str(exc).removeprefix(f"cost model {label!r}: ")
-        raise HSPArgsError(f"{what} {label}: {_launcher_flags(message)}{hint}") from None
+        message = _launcher_flags(str(exc).removeprefix(f"cost model {label!r}: "))
+        if not message.startswith("--hsp-cost-model"):  # the loader's own messages name it
+            message = f"{what} {label}: {message}"
+        raise HSPArgsError(f"{message}{hint}") from None
     priced = set(cost.sizes)
     missing = [d for d in sizes if d not in priced]
     if not missing:
