@@ -22,10 +22,9 @@ from megatron_hsp.megatron.layer_spec import hsp_spec_from_args, megatron_defaul
 from megatron_hsp.runtime.attention import HSPCoreAttention, HSPSelfAttention
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron-lm"
-# Megatron-LM dev's fixture: its gpt_builders needs a megatron-core newer than the 0.19.2 wheel
-# (TransformerConfig.enable_hyper_connections); its patches are checked to apply only.
-DEV = "d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1"
-RUNNABLE = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and p.name != DEV)
+# Commits whose gpt_builders is kept (Megatron-LM dev's needs a megatron-core newer than the
+# 0.19.2 wheel, so its fixture holds the scripts for the patch checks only).
+RUNNABLE = sorted(p.parent.name for p in FIXTURES.glob("*/gpt_builders.py.upstream"))
 
 
 def _is_hsp_with_l2norm(spec) -> bool:
