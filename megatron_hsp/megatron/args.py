@@ -1,9 +1,12 @@
 """``--hsp`` and ``--hsp-*`` flags for Megatron-LM, added through its ``extra_args_provider``.
 
-Megatron parses and validates its own flags first (``parse_and_validate_args``);
-``validate_hsp_args`` then runs on the resulting namespace, since it needs values Megatron derives
-there (world size). Every error names the flag at fault and what would work; every setting we
-change on the user's behalf (``--calculate-per-token-loss``) is returned as a note and printed.
+Two passes of ``validate_hsp_args``: the flag-only checks as soon as Megatron's parser returns
+(``refuse_before_megatron``, wired into the parser ``hsp_extra_args_provider`` returns), before
+Megatron's own ``validate_args`` can stop on an assert or a device query; then all of them on the
+validated namespace, since the cost model needs values Megatron derives there (FFN size, padded
+vocabulary, world size). Every error names the flag at fault and what would work, and ends the
+process with one line and exit 2 (``exit_on_refusal``); every setting we change on the user's
+behalf (``--calculate-per-token-loss``) is returned as a note and printed.
 
 This module imports neither torch nor Megatron: the flags can be parsed and checked anywhere.
 """
