@@ -60,9 +60,9 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text.lower() or action.default in (None, argparse.SUPPRESS):
+        if "default" in text.lower() or action.default is argparse.SUPPRESS:
             return text
-        return f"{text} (default: {action.default})"
+        return f"{text} (default: {'none' if action.default is None else action.default})"
 
 
 def hsp_flags_help() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 from tests_support_args import parse
@@ -272,6 +273,7 @@ def test_a_cost_model_that_cannot_train_is_refused_at_startup():
         ("sft", True, "--sft"),
         ("dynamic_context_parallel", True, "--dynamic-context-parallel"),  # Megatron dev
         ("sequence_packing_scheduler", "dp_balanced", "--sequence-packing-scheduler"),
+        ("use_varlen_dataset", True, "--use-varlen-dataset"),  # Megatron dev
     ],
 )
 def test_features_hsp_does_not_run_are_refused_naming_the_flag(attr, value, flag):
@@ -283,3 +285,86 @@ def test_features_hsp_does_not_run_are_refused_naming_the_flag(attr, value, flag
         validate_hsp_args(args, env={})
     setattr(args, attr, "none" if attr == "cuda_graph_impl" else None)  # Megatron's "off"
     assert validate_hsp_args(args, env={}) is not None
+
+
+# ---------------------------------------------------------------- refusals before Megatron's own
+
+
+@pytest.mark.parametrize(
+    ("extra", "flag"),
+    [
+        (["--context-parallel-size", "2"], "--context-parallel-size 2"),
+        (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
+        (["--micro-batch-size", "2"], "--micro-batch-size must be 1"),
+        (["--hybrid-layer-pattern", "M*-"], "'M' in --hybrid-layer-pattern M*-"),
+        (["--hsp-hardware", "h200-sxm", "--hsp-cost-model", "x.yaml"], "--hsp-hardware h200-sxm"),
+    ],
+)
+def test_flag_refusals_happen_as_the_parser_returns(extra, flag, capsys, monkeypatch):
+    """The parser ``hsp_extra_args_provider`` returns refuses as it parses: Megatron's
+    ``validate_args`` (device checks, its own divisibility asserts) never runs first."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    argv = [*BASE, "--hsp", *extra]
+    if "--hybrid-layer-pattern" in extra:
+        argv += ["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]
+    with pytest.raises(SystemExit) as stopped:
+        parse(argv, refuse_early=True)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("megatron-hsp: error: ") and flag in err[0], err
+
+
+def test_early_refusal_prints_on_rank_0_only(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(SystemExit) as stopped:
+        parse([*BASE, "--hsp", "--context-parallel-size", "2"], refuse_early=True)
+    assert stopped.value.code == 2 and capsys.readouterr().err == ""
+
+
+def test_early_checks_leave_the_args_to_the_full_check(monkeypatch):
+    """The early pass runs on a copy: Megatron validates the flags as the user gave them, and
+    the notes of the full check are not said twice."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = parse([*BASE, "--hsp"], refuse_early=True)
+    assert args.calculate_per_token_loss is False and args.dataloader_type is None
+    assert validate_hsp_args(args, env={}) is not None
+    assert args.calculate_per_token_loss is True
+
+
+def test_without_hsp_nothing_is_checked_early(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = parse([*BASE, "--context-parallel-size", "2"], refuse_early=True)
+    assert args.context_parallel_size == 2
+
+
+@pytest.mark.parametrize(
+    ("pattern", "symbol"),
+    [("M*M-", "M"), ("*G-", "G"), ("*E", "E"), ("*D-", "D"), ("+-", "+"), ("*-/*-", "/")],
+)
+def test_hybrid_layers_hsp_cannot_run_are_refused_naming_the_symbol(pattern, symbol):
+    spec = ["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]
+    args = parse([*BASE, "--hsp", "--hybrid-layer-pattern", pattern, *spec])
+    with pytest.raises(HSPArgsError, match=rf"support {re.escape(repr(symbol))} in --hybrid-layer"):
+        validate_hsp_args(args, env={})
+
+
+def test_hybrid_attention_and_mlp_patterns_are_accepted_with_a_spec():
+    spec = ["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]
+    cfg = validate_hsp_args(parse([*BASE, "--hsp", "--hybrid-layer-pattern", "*-*-", *spec]), {})
+    assert cfg is not None
+    assert any("hybrid pattern *-*-: 2 attention and 2 MLP layers" in n for n in cfg.notes)
+    with pytest.raises(HSPArgsError, match=r"needs the hybrid stack spec as --spec"):
+        validate_hsp_args(parse([*BASE, "--hsp", "--hybrid-layer-pattern", "*-*-"]), env={})
+
+
+def test_what_megatron_derives_is_not_refused_early(monkeypatch):
+    """No --global-batch-size: Megatron's validate_args sets micro-batch x data parallel, so
+    only the full check (after it) may refuse a missing batch."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    argv = [*without(BASE, "--global-batch-size"), "--hsp"]
+    args = parse(argv, refuse_early=True)  # no SystemExit
+    with pytest.raises(HSPArgsError, match="--global-batch-size"):
+        validate_hsp_args(args, env={})
+    args.global_batch_size = 8  # what validate_args derives on 8 data-parallel ranks
+    assert validate_hsp_args(args, env={}).global_batch_docs == 8

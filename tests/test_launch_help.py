@@ -27,3 +27,9 @@ def test_launch_help_lists_every_hsp_flag_with_its_default():
     missing = [f for f in flags if f not in out]
     assert not missing, f"launch --help does not list {missing}"
     assert "Planner backend. (default: highs)" in " ".join(out.split())
+    # Every flag says its default (issue 18): the help of each, up to the next flag.
+    text = " ".join(out.split())
+    for flag, nxt in zip(flags, [*flags[1:], None], strict=True):
+        start = text.index(f" {flag} ")
+        end = text.index(f" {nxt} ", start) if nxt else len(text)
+        assert "default" in text[start:end].lower(), f"launch --help: {flag} names no default"

@@ -13,10 +13,16 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PATCHES = sorted((ROOT / "patches").glob("pretrain_gpt-*.patch"))
+PATCHES = sorted((ROOT / "patches").glob("pretrain_*-*.patch"))
 FIXTURES = ROOT / "tests" / "fixtures" / "megatron-lm"
 GIT = shutil.which("git")
 COMMIT_R019 = "f8837c04ef6cbef6cdefb8de001aad63178aebbf"
+COMMIT_MAIN = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+# Megatron-LM dev's head when fetched (2026-08-21). Its scripts import megatron-core modules the
+# 0.19.2 wheel does not have (context_parallel_layout, datasets.data_schedule), so the dev
+# patches are checked to apply, reverse and compile, not run.
+COMMIT_DEV = "d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1"
+SCRIPTS = ("pretrain_gpt", "pretrain_hybrid")
 
 
 def commit_of(patch: Path) -> str:
@@ -26,34 +32,43 @@ def commit_of(patch: Path) -> str:
     return m.group(1)
 
 
-def test_both_targets_are_covered():
-    refs = {p.name.split("-")[1] for p in PATCHES}
-    assert refs == {"main", "core_r0.19.0"}
+def script_of(patch: Path) -> str:
+    return patch.name.split("-")[0]
+
+
+def test_every_script_and_target_is_covered():
+    """pretrain_gpt.py and pretrain_hybrid.py at main, core_r0.19.0 and dev (issue 18)."""
+    covered = {(script_of(p), p.name.split("-")[1]) for p in PATCHES}
+    assert covered == {(s, r) for s in SCRIPTS for r in ("main", "core_r0.19.0", "dev")}
+    commits = {p.name.split("-")[1]: commit_of(p) for p in PATCHES}
+    assert commits == {"main": COMMIT_MAIN, "core_r0.19.0": COMMIT_R019, "dev": COMMIT_DEV}
 
 
 @pytest.mark.skipif(GIT is None, reason="git is not installed")
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name)
 def test_patch_applies_to_its_commit(patch, tmp_path):
-    pristine = FIXTURES / commit_of(patch) / "pretrain_gpt.py.upstream"
-    shutil.copy(pristine, tmp_path / "pretrain_gpt.py")
+    script = f"{script_of(patch)}.py"
+    pristine = FIXTURES / commit_of(patch) / f"{script}.upstream"
+    shutil.copy(pristine, tmp_path / script)
     run = subprocess.run(
         [GIT, "apply", "--check", "-v", str(patch)], cwd=tmp_path, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr
     subprocess.run([GIT, "apply", str(patch)], cwd=tmp_path, check=True)
-    patched = (tmp_path / "pretrain_gpt.py").read_text()
-    compile(patched, "pretrain_gpt.py", "exec")  # still valid Python
+    patched = (tmp_path / script).read_text()
+    compile(patched, script, "exec")  # still valid Python
     assert "hsp_extra_args_provider(" in patched and "hsp_install(" in patched
     # Reversible: the checkout can be restored with `git apply -R`.
     subprocess.run([GIT, "apply", "-R", str(patch)], cwd=tmp_path, check=True)
-    assert (tmp_path / "pretrain_gpt.py").read_bytes() == pristine.read_bytes()
+    assert (tmp_path / script).read_bytes() == pristine.read_bytes()
 
 
 # A Megatron-LM "checkout" built from the fixtures: the script and its sibling modules
 # (gpt_builders.py, model_provider.py) at each commit, with megatron/ (core and training) from the
 # megatron-core wheel installed here. No network and no environment variable needed.
-REFS = {"main": "d98e8a64ddf34856e74b24714e3bedb2f5a39553", "core_r0.19.0": COMMIT_R019}
+REFS = {"main": COMMIT_MAIN, "core_r0.19.0": COMMIT_R019}
 SIBLINGS = ("pretrain_gpt", "gpt_builders", "model_provider")
+HYBRID_SIBLINGS = ("pretrain_hybrid", "hybrid_builders", "model_provider")
 # Megatron flags for a tiny CPU model (transformer-impl local: no Transformer Engine here).
 TINY = [
     *("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"),
@@ -76,6 +91,17 @@ def pretrain(cfg_container, train_valid_test_dataset_provider, model_type, forwa
              **kw):
     print("PRETRAIN", train_valid_test_dataset_provider.__module__,
           train_valid_test_dataset_provider.__name__, forward_step_func.__name__, flush=True)
+    from megatron.training import get_args
+    from megatron.core.transformer.spec_utils import import_module
+
+    args = get_args()
+    if getattr(args, "hybrid_layer_pattern", None):  # the spec the hybrid builder will get
+        stack = import_module(args.spec).submodules
+        for kind in ("attention_layer", "mlp_layer", "mamba_layer"):
+            layer = getattr(stack, kind)
+            attn = getattr(getattr(layer, "submodules", None), "self_attention", None)
+            what = getattr(attn, "module", attn)
+            print("HYBRID", kind, getattr(what, "__name__", type(what).__name__), flush=True)
 
 
 t.pretrain = mt.pretrain = pretrain
@@ -90,20 +116,22 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def checkout(ref: str, tmp_path: Path, patched: bool) -> Path:
+def checkout(ref: str, tmp_path: Path, patched: bool, script: str = "pretrain_gpt") -> Path:
     """The fixture files of ``ref`` as a script directory (patched or pristine)."""
     commit = REFS[ref]
     root = tmp_path / ref
     root.mkdir()
-    for name in SIBLINGS:
+    for name in SIBLINGS if script == "pretrain_gpt" else HYBRID_SIBLINGS:
         shutil.copy(FIXTURES / commit / f"{name}.py.upstream", root / f"{name}.py")
     if patched:
-        (patch,) = [p for p in PATCHES if p.name.split("-")[1] == ref]
+        (patch,) = [p for p in PATCHES if p.name.split("-")[1] == ref and script_of(p) == script]
         subprocess.run([GIT, "apply", str(patch)], cwd=root, check=True)
     return root
 
 
-def run_script(argv: list[str], cwd: Path, script_dir: Path) -> subprocess.CompletedProcess:
+def run_script(
+    argv: list[str], cwd: Path, script_dir: Path, **env_vars: str
+) -> subprocess.CompletedProcess:
     env = dict(
         os.environ,
         PYTHONPATH=f"{ROOT}{os.pathsep}{script_dir}",
@@ -111,16 +139,24 @@ def run_script(argv: list[str], cwd: Path, script_dir: Path) -> subprocess.Compl
         WORLD_SIZE="1",
         LOCAL_WORLD_SIZE="1",
     )
+    env.update(env_vars)
     return subprocess.run(
         [sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
 
 
 def test_fixture_siblings_are_pristine_with_their_license_header():
-    for commit in REFS.values():
-        for name in SIBLINGS:
-            text = (FIXTURES / commit / f"{name}.py.upstream").read_text()
-            assert "NVIDIA CORPORATION" in text.splitlines()[0], (commit, name)
+    # Only what a test uses is kept: every script at every pinned commit (apply checks); the
+    # sibling modules where the script runs (pretrain_gpt.py at main and core_r0.19.0,
+    # pretrain_hybrid.py at core_r0.19.0).
+    kept = {(c, s) for c in (*REFS.values(), COMMIT_DEV) for s in SCRIPTS}
+    kept |= {(c, s) for c in REFS.values() for s in SIBLINGS}
+    kept |= {(COMMIT_R019, s) for s in HYBRID_SIBLINGS}
+    found = {(p.parent.name, p.name.removesuffix(".py.upstream")) for p in FIXTURES.glob("*/*")}
+    assert found == kept
+    for commit, name in kept:
+        text = (FIXTURES / commit / f"{name}.py.upstream").read_text()
+        assert "NVIDIA CORPORATION" in text.splitlines()[0], (commit, name)
 
 
 @pytest.mark.slow
@@ -268,3 +304,85 @@ def test_install_is_callable_after_the_launcher_imported_its_module():
     from megatron_hsp.megatron import install
 
     assert install.__module__ == "megatron_hsp.megatron"
+
+
+def without_flag(argv: list[str], flag: str) -> list[str]:
+    at = argv.index(flag)
+    return argv[:at] + argv[at + 2 :]
+
+
+# (name, extra flags, WORLD_SIZE, what the one line must name). Before issue 18 the first two
+# never reached HSP's checks (Megatron's validate_args failed first: its CP divisibility assert,
+# and for TP 2 on a CPU its device-architecture query), and every refusal was a ~20-frame
+# traceback with exit 1.
+REFUSALS = {
+    "cp2": (["--context-parallel-size", "2"], "1", "--context-parallel-size 2"),
+    "tp2-dropout": (["--tensor-model-parallel-size", "2"], "2", "--attention-dropout 0.1"),
+    "cost-model-file": (["--hsp-cost-model", "/nonexistent/model.yaml"], "1", "--hsp-cost-model"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GIT is None, reason="git is not installed")
+@pytest.mark.parametrize(
+    ("ref", "patched", "case"),
+    [
+        ("main", False, "cp2"),
+        ("main", False, "tp2-dropout"),
+        ("core_r0.19.0", True, "cost-model-file"),  # after Megatron's validation, in install
+    ],
+)
+def test_refusals_are_one_line_and_exit_2_through_megatrons_parser(ref, patched, case, tmp_path):
+    """Megatron's real parse_and_validate_args with the launcher (unchanged script) or the
+    patched script: the refusal is one stderr line naming the flag, exit 2, no traceback."""
+    extra, world, named = REFUSALS[case]
+    root = checkout(ref, tmp_path, patched=patched)
+    script = str(root / "pretrain_gpt.py")
+    entry = [script] if patched else ["-m", "megatron_hsp.launch", script]
+    tiny = without_flag(TINY, "--hsp-cost-model")
+    if case == "tp2-dropout":
+        tiny = without_flag(tiny, "--attention-dropout")  # Megatron's default 0.1
+    run = run_script([*entry, *tiny, "--hsp", *extra], tmp_path, root, WORLD_SIZE=world)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if "megatron-hsp: error:" in line]
+    assert len(errors) == 1 and named in errors[0], run.stderr[-3000:]
+    assert run.stderr.rstrip().endswith(errors[0])
+
+
+HYBRID_SPEC = ["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GIT is None, reason="git is not installed")
+def test_hybrid_script_gets_hsp_attention_in_its_attention_layers_only(tmp_path):
+    """``python -m megatron_hsp.launch pretrain_hybrid.py --hybrid-layer-pattern '*-*-' --spec
+    ... --hsp``: Megatron's real parsing and validation, then the stack spec the hybrid builder
+    gets has HSP attention in its attention layers and nothing else changed. Before issue 18 it
+    printed "HSP attention is swapped into this spec" and failed with AttributeError:
+    'HybridStackSubmodules' object has no attribute 'self_attention'."""
+    # core_r0.19.0: main's pretrain_hybrid.py calls a set_startup_timestamps newer than the
+    # megatron-core 0.19.2 wheel's training code (its patch is checked to apply, above).
+    root = checkout("core_r0.19.0", tmp_path, patched=False, script="pretrain_hybrid")
+    (tmp_path / "stand_in.py").write_text(STAND_IN_PRETRAIN)
+    entry = ["-m", "megatron_hsp.launch", str(root / "pretrain_hybrid.py")]
+    argv = [*TINY, "--hybrid-layer-pattern", "*-*-", *HYBRID_SPEC, "--hsp"]
+    run = run_script([str(tmp_path / "stand_in.py"), *entry, *argv], tmp_path, root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    assert "PRETRAIN megatron_hsp.megatron.hooks hsp_datasets_provider hsp_forward_step" in out
+    assert "HYBRID attention_layer HSPSelfAttention" in out, out[-2000:]
+    assert "HYBRID mlp_layer IdentityOp" in out  # MLP layers have no attention, untouched
+    assert "HYBRID mamba_layer NoneType" in out  # Mamba spec untouched (and refused below)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GIT is None, reason="git is not installed")
+def test_patched_hybrid_script_refuses_mamba_layers_in_one_line(tmp_path):
+    root = checkout("core_r0.19.0", tmp_path, patched=True, script="pretrain_hybrid")
+    argv = [*TINY, "--hybrid-layer-pattern", "M*M-", *HYBRID_SPEC, "--hsp"]
+    run = run_script([str(root / "pretrain_hybrid.py"), *argv], tmp_path, root)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if "megatron-hsp: error:" in line]
+    assert len(errors) == 1 and "'M' in --hybrid-layer-pattern M*M-" in errors[0], errors

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_hsp.megatron.args import hsp_extra_args_provider
+from megatron_hsp.megatron.args import add_hsp_args, hsp_extra_args_provider
 
 
 def megatron_like_parser() -> argparse.ArgumentParser:
@@ -36,11 +36,38 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     p.add_argument("--mock-data", action="store_true")
     p.add_argument("--eod-mask-loss", action="store_true")
     p.add_argument("--multiple-validation-sets", action="store_true")
+    # Model shape and training flags the default cost model reads. Megatron's defaults are None
+    # (it requires them); here a small model, so that tests need not repeat it.
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=384)  # 4, 6 and 8 heads
+    p.add_argument("--ffn-hidden-size", type=int, default=None)
+    p.add_argument("--swiglu", action="store_true")
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--fp16", action="store_true")
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--recompute-granularity", default=None)
+    p.add_argument("--hybrid-layer-pattern", default=None)
     return p
 
 
-def parse(argv: list[str], world_size: int = 8, user_provider=None) -> argparse.Namespace:
-    parser = hsp_extra_args_provider(user_provider)(megatron_like_parser())
+def parse(
+    argv: list[str], world_size: int = 8, user_provider=None, refuse_early: bool = False
+) -> argparse.Namespace:
+    """Flags as Megatron's ``parse_args`` leaves them, for ``validate_hsp_args`` to check.
+
+    ``refuse_early``: the parser ``hsp_extra_args_provider`` returns, which runs the early
+    refusals as it parses (exit 2); otherwise the same flags without them, so that tests see
+    ``validate_hsp_args``'s own ``HSPArgsError``.
+    """
+    if refuse_early:
+        parser = hsp_extra_args_provider(user_provider)(megatron_like_parser())
+    else:
+        parser = megatron_like_parser()
+        if user_provider is not None:
+            parser = user_provider(parser) or parser
+        parser = add_hsp_args(parser)
     args = parser.parse_args(argv)
     args.world_size = world_size  # what Megatron's validate_args sets from WORLD_SIZE
     return args

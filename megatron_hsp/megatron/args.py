@@ -1,9 +1,12 @@
 """``--hsp`` and ``--hsp-*`` flags for Megatron-LM, added through its ``extra_args_provider``.
 
-Megatron parses and validates its own flags first (``parse_and_validate_args``);
-``validate_hsp_args`` then runs on the resulting namespace, since it needs values Megatron derives
-there (world size). Every error names the flag at fault and what would work; every setting we
-change on the user's behalf (``--calculate-per-token-loss``) is returned as a note and printed.
+Two passes of ``validate_hsp_args``: the flag-only checks as soon as Megatron's parser returns
+(``refuse_before_megatron``, wired into the parser ``hsp_extra_args_provider`` returns), before
+Megatron's own ``validate_args`` can stop on an assert or a device query; then all of them on the
+validated namespace, since the cost model needs values Megatron derives there (FFN size, padded
+vocabulary, world size). Every error names the flag at fault and what would work, and ends the
+process with one line and exit 2 (``exit_on_refusal``); every setting we change on the user's
+behalf (``--calculate-per-token-loss``) is returned as a note and printed.
 
 This module imports neither torch nor Megatron: the flags can be parsed and checked anywhere.
 """
@@ -17,6 +20,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_hsp.megatron.model_cost import (
+    HARDWARE_PRESETS,
+    HardwareUnknown,
+    choose_hardware,
+    default_cost_model_spec,
+    spec_label,
+)
 from megatron_hsp.planner import units
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import COMMUNICATOR_GB, DEFAULT_MAX_COMMUNICATORS
@@ -30,7 +40,9 @@ from megatron_hsp.planner.settings import (
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
 OVERLONG_POLICIES = ("error", "drop", "split")
-DEFAULT_COST_MODEL = "flexsp-gpt-7b"
+# No --hsp-cost-model: first principles from Megatron's own flags (megatron/model_cost.py).
+DEFAULT_COST_MODEL = None
+HARDWARE_CHOICES = ("auto", *HARDWARE_PRESETS)
 
 
 class HSPArgsError(InputError):
@@ -81,7 +93,16 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=DEFAULT_COST_MODEL,
         metavar="PRESET|FILE",
         help="Cost model preset name (e.g. flexsp-gpt-7b) or a YAML/JSON file with fitted "
-        f"coefficients (default {DEFAULT_COST_MODEL}).",
+        "coefficients (megatron-hsp profile measures one). Default: first principles from "
+        "this run's own Megatron flags (layers, hidden, heads, KV groups, FFN, vocabulary, "
+        "precision, distributed optimizer, recompute) on --hsp-hardware.",
+    )
+    g.add_argument(
+        "--hsp-hardware",
+        choices=HARDWARE_CHOICES,
+        default="auto",
+        help="GPU the default cost model prices (default auto: detected from the GPUs' NVML "
+        "names; no GPU visible prices h100-sxm and says so). Only with the default cost model.",
     )
     g.add_argument(
         "--hsp-gpus-per-node",
@@ -170,21 +191,43 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def hsp_extra_args_provider(user_provider: ExtraArgsProvider | None = None) -> ExtraArgsProvider:
-    """Compose the HSP flags with a script's own ``extra_args_provider`` (which may be None)."""
+    """Compose the HSP flags with a script's own ``extra_args_provider`` (which may be None).
+
+    The returned parser also runs ``refuse_before_megatron`` right after it parses: the
+    provider is the one HSP code Megatron calls between parsing and ``validate_args``.
+    """
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if user_provider is not None:
             parser = user_provider(parser) or parser
-        return add_hsp_args(parser)
+        return _refusing_early(add_hsp_args(parser))
 
     return provider
+
+
+def _refusing_early(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Wrap this parser's ``parse_known_args`` (``parse_args`` calls it) with the early checks."""
+    if getattr(parser, "_hsp_refuses_early", False):
+        return parser
+    original = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):  # argparse's own signature
+        parsed, extras = original(args, namespace)
+        refuse_before_megatron(parsed)
+        return parsed, extras
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+    parser._hsp_refuses_early = True  # type: ignore[attr-defined]
+    return parser
 
 
 @dataclass(frozen=True)
 class HSPConfig:
     """Validated HSP settings; what the data, planner and runtime layers read."""
 
-    cost_model: str
+    # preset name or file (--hsp-cost-model), else the first-principles spec mapping built from
+    # Megatron's flags (model_cost.default_cost_model_spec); load_cost_model takes either.
+    cost_model: str | Mapping[str, Any]
     world_size: int  # sequence-parallel slots = data-parallel x context-parallel ranks
     gpus_per_node: int  # slots per node (GPUs per node / tensor-parallel size)
     memory_cap_gb: float | None
@@ -206,12 +249,24 @@ class HSPConfig:
         return self.planner.sizes
 
 
+def _launcher_flags(message: str) -> str:
+    """The planner's messages name ``megatron-hsp plan``'s flags; here the flags are ``--hsp-*``.
+
+    Why: the refusal on 1-2 ranks told Megatron users to "raise --memory-cap-gb", a flag the
+    launcher does not have (issue 18)."""
+    for flag in ("memory-cap-gb", "cost-model"):
+        message = re.sub(rf"(?<![\w-])--{flag}\b", f"--hsp-{flag}", message)
+    return message
+
+
 def _sizes_the_cost_model_prices(
     args: argparse.Namespace,
+    spec: str | Mapping[str, Any],
     sizes: list[int],
     world: int,
     slots_per_node: int,
     max_seq: int,
+    memory_cap_gb: float | None,
     notes: list[str],
 ) -> tuple[list[int], Any]:
     """(group sizes the cost model has figures for, the cost model), checked once before
@@ -224,16 +279,27 @@ def _sizes_the_cost_model_prices(
     """
     from megatron_hsp.planner.costmodel import load_cost_model
 
+    label = spec_label(spec)
     try:
         cost = load_cost_model(
-            args.hsp_cost_model,
+            spec,
             world_size=world,
             gpus_per_node=slots_per_node,
             max_seq_k=units.tokens_to_k(max_seq),
-            memory_cap_gb=args.hsp_memory_cap_gb,
+            memory_cap_gb=memory_cap_gb,
         )
     except InputError as exc:
-        raise HSPArgsError(f"--hsp-cost-model {args.hsp_cost_model}: {exc}") from None
+        what = "--hsp-cost-model" if args.hsp_cost_model else "default cost model"
+        hint = ""
+        if not args.hsp_cost_model:
+            if "memory cap" not in str(exc):
+                hint = "; give a cost model with --hsp-cost-model FILE"
+            elif not getattr(args, "use_distributed_optimizer", False):
+                hint = "; --use-distributed-optimizer shards the optimizer states over the ranks"
+        message = _launcher_flags(str(exc).removeprefix(f"cost model {label!r}: "))
+        if not message.startswith("--hsp-cost-model"):  # the loader's own messages name it
+            message = f"{what} {label}: {message}"
+        raise HSPArgsError(f"{message}{hint}") from None
     priced = set(cost.sizes)
     missing = [d for d in sizes if d not in priced]
     if not missing:
@@ -241,17 +307,17 @@ def _sizes_the_cost_model_prices(
     if args.hsp_group_sizes is not None:
         raise HSPArgsError(
             f"--hsp-group-sizes {','.join(map(str, sizes))}: cost model "
-            f"{args.hsp_cost_model!r} has no figures for group sizes {missing} (it prices "
+            f"{label!r} has no figures for group sizes {missing} (it prices "
             f"{sorted(priced)}); leave those sizes out or use a cost model that prices them"
         )
     kept = [d for d in sizes if d in priced]
     if not kept:
         raise HSPArgsError(
-            f"--hsp-cost-model {args.hsp_cost_model}: prices none of the legal group sizes "
+            f"--hsp-cost-model {label}: prices none of the legal group sizes "
             f"{sizes} on {world} ranks in nodes of {slots_per_node}; it prices {sorted(priced)}"
         )
     notes.append(
-        f"group sizes {missing} left out: cost model {args.hsp_cost_model!r} has no figures for "
+        f"group sizes {missing} left out: cost model {label!r} has no figures for "
         f"them (it prices {sorted(priced)}); training uses {kept}"
     )
     return kept, cost
@@ -264,6 +330,8 @@ def _communicator_budget(
     heads: Any,
     cost: Any,
     notes: list[str],
+    user_cap_gb: float | None = None,
+    gpus_per_slot: int = 1,
 ) -> tuple[list[int], float | None]:
     """(sizes within ``--hsp-max-communicators``, the memory cap left after their communicators).
 
@@ -272,7 +340,9 @@ def _communicator_budget(
     chosen automatically are narrowed (with a note); sizes asked for with --hsp-group-sizes must
     fit, else a clear error. The kept communicators' memory is taken off the memory cap of cost
     models sized from one (first-principles and FlexSP presets); a fitted file's capacity was
-    measured with its communicators in place.
+    measured with its communicators in place. ``user_cap_gb`` is ``--hsp-memory-cap-gb`` in
+    the cost model's units: per slot of ``gpus_per_slot`` tensor-parallel GPUs for the default
+    model, each of which holds the communicators.
     """
     from megatron_hsp.planner.groupspace import (
         communicators_per_rank,
@@ -297,13 +367,13 @@ def _communicator_budget(
             f"group sizes {dropped} left out: all {len(sizes)} sizes would hold {need} "
             f"communicators per rank, over --hsp-max-communicators {cap}; training uses {kept}"
         )
-    comm_gb = communicators_per_rank(kept, heads) * COMMUNICATOR_GB
-    base = args.hsp_memory_cap_gb
+    comm_gb = communicators_per_rank(kept, heads) * COMMUNICATOR_GB * gpus_per_slot
+    base = user_cap_gb
     if base is None:
         model_cap = cost.details.get("memory_cap_gb")  # presets sized from a memory cap
         base = None if model_cap is None else float(model_cap)
     if base is None or comm_gb == 0:
-        return kept, args.hsp_memory_cap_gb
+        return kept, user_cap_gb
     left = base - comm_gb
     if left <= 0:
         raise HSPArgsError(
@@ -388,6 +458,8 @@ _UNSUPPORTED_WITH_HSP: tuple[tuple[str, str, str], ...] = (
      "schedules context-parallel groups per step, as --hsp does: use one of them"),
     ("sequence_packing_scheduler", "--sequence-packing-scheduler", "Megatron's packing "
      "scheduler builds the micro-batches that HSP's planner builds: use one of them"),
+    ("use_varlen_dataset", "--use-varlen-dataset", "Megatron dev's VarlenDataset packs its own "
+     "THD batches (with a packing scheduler); HSP's sampler chooses whole documents per step"),
 )  # fmt: skip
 
 
@@ -416,13 +488,77 @@ def _refuse_specs_hsp_cannot_carry(args: argparse.Namespace) -> None:
         )
 
 
+# Hybrid layer pattern symbols (megatron-core ``hybrid_layer_allocation.Symbols``) and why HSP
+# cannot run each under per-micro-batch groups. HSP replaces the attention layers' SelfAttention
+# ("*") and leaves MLP layers ("-") alone; every other mixer sees its rank's shard of a packed
+# micro-batch whose group changes every step.
+_HYBRID_SYMBOLS_HSP_CANNOT_RUN: dict[str, str] = {
+    "M": "Mamba layers scan the whole sequence in order; under HSP each rank holds a slice of "
+    "the micro-batch's documents and the group changes every micro-batch (Mamba's own context "
+    "parallelism is tied to Megatron's static CP group)",
+    "G": "Gated DeltaNet layers are recurrent over the sequence, as Mamba",
+    "D": "DSA (sparse) attention is not megatron-core SelfAttention, which is what HSP replaces",
+    "+": "MLA attention is not megatron-core SelfAttention, which is what HSP replaces",
+    "E": "MoE layers (aux losses per micro-batch; as --num-experts)",
+    "/": "multi-token prediction depths (as --mtp-num-layers)",
+}
+
+
+def _refuse_hybrid_layers_hsp_cannot_run(args: argparse.Namespace) -> None:
+    """``pretrain_hybrid.py --hybrid-layer-pattern``: only attention (*) and MLP (-) layers.
+
+    Why at argument time: the layer spec is built inside the model build, long after the job
+    started, and a Mamba layer would not fail there: it would train on each rank's shard of the
+    sequence as if it were whole.
+    """
+    pattern = getattr(args, "hybrid_layer_pattern", None) or getattr(
+        args, "hybrid_override_pattern", None
+    )
+    if pattern and not getattr(args, "spec", None):
+        # pretrain_hybrid.py's builder requires --spec; with --hsp, layer_spec.py takes it as the
+        # base and swaps HSP attention into its attention layers.
+        raise HSPArgsError(
+            f"--hsp with --hybrid-layer-pattern {pattern} needs the hybrid stack spec as --spec "
+            "(e.g. --spec megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec): "
+            "HSP swaps its attention into that spec's attention layers"
+        )
+    for attr, flag in (
+        ("hybrid_layer_pattern", "--hybrid-layer-pattern"),
+        ("hybrid_override_pattern", "--hybrid-override-pattern"),
+        ("mtp_hybrid_override_pattern", "--mtp-hybrid-override-pattern"),
+    ):
+        pattern = getattr(args, attr, None)
+        if not pattern:
+            continue
+        if attr == "mtp_hybrid_override_pattern":
+            raise HSPArgsError(
+                f"--hsp does not support {flag} {pattern}: multi-token prediction cannot carry "
+                f"HSP attention; drop {flag} or --hsp"
+            )
+        for symbol, why in _HYBRID_SYMBOLS_HSP_CANNOT_RUN.items():
+            if symbol in pattern:
+                raise HSPArgsError(
+                    f"--hsp does not support {symbol!r} in {flag} {pattern}: {why}; HSP runs "
+                    "patterns of attention (*) and MLP (-) layers only, drop --hsp otherwise"
+                )
+
+
 def validate_hsp_args(
-    args: argparse.Namespace, env: Mapping[str, str] | None = None
+    args: argparse.Namespace,
+    env: Mapping[str, str] | None = None,
+    *,
+    early: bool = False,
+    gpu_names: list[str] | None = None,
 ) -> HSPConfig | None:
     """Check ``--hsp*`` against Megatron's validated args; returns None when ``--hsp`` is off.
 
     Mutates ``args`` only where HSP needs a Megatron setting (per-token loss, external data
     loader) and reports each change in ``HSPConfig.notes``.
+
+    ``early``: the flag-only checks, run on the freshly parsed flags before Megatron's own
+    ``validate_args`` (``refuse_before_megatron``), returning None; everything that needs
+    values Megatron derives (the cost model: FFN size, padded vocabulary) waits for the full
+    call. ``gpu_names`` replaces NVML's answer (tests).
     """
     if not getattr(args, "hsp", False):
         return None
@@ -531,6 +667,7 @@ def validate_hsp_args(
         )
 
     _refuse_specs_hsp_cannot_carry(args)
+    _refuse_hybrid_layers_hsp_cannot_run(args)
     _refuse_features_hsp_does_not_run(args)
 
     if not getattr(args, "calculate_per_token_loss", False):
@@ -552,7 +689,9 @@ def validate_hsp_args(
     if args.hsp_memory_cap_gb is not None and args.hsp_memory_cap_gb <= 0:
         raise HSPArgsError(f"--hsp-memory-cap-gb must be > 0 (got {args.hsp_memory_cap_gb})")
     gbs = getattr(args, "global_batch_size", None)
-    if args.hsp_token_budget is None and not gbs:
+    # Megatron's validate_args derives a missing --global-batch-size (micro-batch x data
+    # parallel) and --seq-length: checked on the full call only.
+    if args.hsp_token_budget is None and not gbs and not early:
         raise HSPArgsError(
             "--hsp needs a global batch: give --global-batch-size (documents per step) or "
             "--hsp-token-budget (tokens per step)"
@@ -564,14 +703,44 @@ def validate_hsp_args(
         )
     seq = _get(args, "seq_length", None) or _get(args, "max_position_embeddings", None)
     max_seq = args.hsp_max_seq or seq
-    if not max_seq:
+    if not max_seq and not early:
         raise HSPArgsError("--hsp needs --hsp-max-seq or --seq-length to size the cost model")
     if args.hsp_log_interval < 0:
         raise HSPArgsError(f"--hsp-log-interval must be >= 0 (got {args.hsp_log_interval})")
+    hardware = getattr(args, "hsp_hardware", "auto")
+    if args.hsp_cost_model and hardware not in (None, "auto"):
+        raise HSPArgsError(
+            f"--hsp-hardware {hardware} prices the default cost model, and --hsp-cost-model "
+            f"{args.hsp_cost_model} brings its own figures; drop one of them"
+        )
+    if early:
+        return None
+
+    # The cost model: the user's, else first principles from this model's own flags.
+    gpus_per_slot = 1
+    spec: str | dict[str, Any]
+    if args.hsp_cost_model:
+        spec = args.hsp_cost_model
+    else:
+        try:
+            choice = choose_hardware(hardware, gpu_names)
+        except HardwareUnknown as exc:
+            raise HSPArgsError(str(exc)) from None
+        try:
+            spec, derived = default_cost_model_spec(args, choice, tp)
+        except ValueError as exc:
+            raise HSPArgsError(str(exc)) from None
+        notes.extend(derived)
+        gpus_per_slot = tp
+    user_cap = args.hsp_memory_cap_gb
+    if user_cap is not None:
+        user_cap *= gpus_per_slot  # per GPU on the command line, per slot in the model
     sizes, cost = _sizes_the_cost_model_prices(
-        args, sizes, sp_world, slots_per_node, int(max_seq), notes
+        args, spec, sizes, sp_world, slots_per_node, int(max_seq), user_cap, notes
     )
-    sizes, memory_cap_gb = _communicator_budget(args, sizes, slots_per_node, space, cost, notes)
+    sizes, memory_cap_gb = _communicator_budget(
+        args, sizes, slots_per_node, space, cost, notes, user_cap, gpus_per_slot
+    )
     if space is not None:  # said once the sizes are final, so notes never contradict each other
         ringed = [d for d in sizes if space.split(d)[1] > 1]
         if ringed:
@@ -584,7 +753,7 @@ def validate_hsp_args(
 
     seed = args.hsp_seed if args.hsp_seed is not None else int(_get(args, "seed", 1234))
     return HSPConfig(
-        cost_model=args.hsp_cost_model,
+        cost_model=spec,
         world_size=sp_world,
         gpus_per_node=slots_per_node,
         memory_cap_gb=memory_cap_gb,
@@ -604,3 +773,35 @@ def validate_hsp_args(
         background_planner=not args.hsp_sync_planner,
         notes=tuple(notes),
     )
+
+
+def refuse_before_megatron(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> None:
+    """The flag-only ``--hsp`` checks on freshly parsed flags, before Megatron validates them.
+
+    Why before: Megatron's ``validate_args`` asserts device facts and its own divisibility
+    rules (on a CPU, ``--context-parallel-size 2`` or TP > 1 failed there with a traceback),
+    so a flag HSP refuses was never named. Runs on a copy: the real call after Megatron's
+    validation makes the changes HSP needs.
+    """
+    if getattr(args, "hsp", False):
+        exit_on_refusal(
+            lambda: validate_hsp_args(argparse.Namespace(**vars(args)), env, early=True)
+        )
+
+
+def exit_on_refusal(check: Callable[[], Any]) -> Any:
+    """Run ``check``; an ``HSPArgsError`` becomes one line on stderr (rank 0) and exit 2.
+
+    Why not the exception: raised inside Megatron's argument parsing it printed a ~20-frame
+    traceback and exit 1 on every rank, where docs/integration.md promises one line naming the
+    flag. Every rank exits 2 (the checks are deterministic: the same flags everywhere); only
+    rank 0 prints, so a 1024-rank job says it once.
+    """
+    import sys
+
+    try:
+        return check()
+    except InputError as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"megatron-hsp: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

@@ -20,8 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_hsp.megatron import hooks, patches
-from megatron_hsp.megatron.args import validate_hsp_args
+from megatron_hsp.megatron.args import exit_on_refusal, validate_hsp_args
 from megatron_hsp.megatron.datasets import hsp_data_from_args
+from megatron_hsp.megatron.model_cost import spec_label
 
 LAYER_SPEC = ["megatron_hsp.megatron.layer_spec", "hsp_layer_spec"]
 
@@ -40,9 +41,11 @@ def install(
 
     Returns the dataset provider and forward step ``pretrain()`` should get: HSP's when ``--hsp``
     is on, the given ones otherwise. ``args=None`` only swaps providers for an earlier install.
+    A flag HSP refuses ends the process here, before the model is built: one line on stderr,
+    exit 2 (``args.exit_on_refusal``).
     """
     if args is not None and not getattr(args, "_hsp_installed", False):
-        config = validate_hsp_args(args)
+        config = exit_on_refusal(lambda: validate_hsp_args(args))
         if config is None:
             return datasets_provider, forward_step
         # Megatron's data flags, at argument time (before the model is built): unsupported ones
@@ -60,9 +63,8 @@ def install(
         _print0(
             f"HSP on: {config.world_size} sequence-parallel ranks in nodes of "
             f"{config.gpus_per_node}, group sizes {list(config.group_sizes)}, cost model "
-            f"{config.cost_model}, solver {config.planner.solver} "
-            f"({config.planner.time_budget_s:g} s), "
-            f"overlong={config.overlong}"
+            f"{spec_label(config.cost_model)}, solver {config.planner.solver} "
+            f"({config.planner.time_budget_s:g} s), overlong={config.overlong}"
         )
         hooks.set_run(hooks.HSPRun(config=config, data=data))
         patches.apply_training_patches()

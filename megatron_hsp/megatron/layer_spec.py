@@ -13,8 +13,12 @@ so that ``--hsp`` changes only the attention:
   qk-l2-norm, TE activation, kitchen options all as the flags say), else, outside a checkout,
 * megatron-core's ``get_gpt_layer_{with_transformer_engine,local}_spec`` with the same options.
 
+``pretrain_hybrid.py`` requires ``--spec`` (its builder takes the hybrid stack spec from it): the
+base is then that stack spec, and ``with_hsp_attention`` rewrites its attention layers only.
+
 Features whose spec is not a plain layer spec (MoE block specs, MTP, MLA, experimental attention,
-heterogeneous layers) are refused earlier, by ``validate_hsp_args``.
+heterogeneous layers, hybrid layers other than attention and MLP) are refused earlier, by
+``validate_hsp_args``.
 """
 
 from __future__ import annotations

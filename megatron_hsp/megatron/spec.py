@@ -34,7 +34,8 @@ def with_hsp_attention(spec, attention_backend: str = "auto"):
     """Swap HSP attention into ANY megatron-core GPT spec Megatron-LM built from its own args.
 
     Accepts a layer ``ModuleSpec`` (``TransformerLayer``), a ``TransformerBlockSubmodules`` (what
-    ``get_gpt_decoder_block_spec`` returns: one spec per layer) or a ``ModuleSpec`` wrapping one.
+    ``get_gpt_decoder_block_spec`` returns: one spec per layer), a hybrid stack's
+    ``HybridStackSubmodules`` (its ``attention_layer`` only) or a ``ModuleSpec`` wrapping one.
     This is the seam for ``pretrain_gpt.py``: build the spec exactly as Megatron-LM does, then pass
     it through here, so every other flag (norms, MoE, qk-layernorm, TE) keeps Megatron's meaning.
     """
@@ -43,7 +44,11 @@ def with_hsp_attention(spec, attention_backend: str = "auto"):
             spec,
             layer_specs=[with_hsp_attention(s, attention_backend) for s in spec.layer_specs],
         )
-    if isinstance(spec, ModuleSpec) and isinstance(spec.submodules, TransformerBlockSubmodules):
+    if _is_hybrid_stack(spec):
+        return _swap_hybrid_attention(spec, attention_backend)
+    if isinstance(spec, ModuleSpec) and (
+        isinstance(spec.submodules, TransformerBlockSubmodules) or _is_hybrid_stack(spec.submodules)
+    ):
         return ModuleSpec(
             module=spec.module,
             params=dict(spec.params),
@@ -52,6 +57,30 @@ def with_hsp_attention(spec, attention_backend: str = "auto"):
     if isinstance(spec, ModuleSpec):
         return _swap_attention(spec, attention_backend)
     raise TypeError(f"expected a megatron-core GPT layer or block spec, got {type(spec).__name__}")
+
+
+def _is_hybrid_stack(submodules: object) -> bool:
+    """A megatron-core ``HybridStackSubmodules`` (``pretrain_hybrid.py``'s ``--spec``)."""
+    try:
+        from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
+    except ImportError:  # megatron-core without hybrid models
+        return False
+    return isinstance(submodules, HybridStackSubmodules)
+
+
+def _swap_hybrid_attention(stack: object, backend: str) -> object:
+    """HSP attention in a hybrid stack's attention layers (pattern symbol ``*``) only.
+
+    Why only those: a hybrid stack holds one spec per layer *type* (mamba_layer, gdn_layer,
+    attention_layer, dsa_layer, mla_layer, mlp_layer, moe_layer) and the pattern picks one per
+    layer. ``attention_layer`` is a TransformerLayer with megatron-core SelfAttention, what HSP
+    replaces; MLP layers run per token and need nothing; the other types are refused at argument
+    time (``args._HYBRID_SYMBOLS_HSP_CANNOT_RUN``) and stay as they are here.
+    """
+    layer = stack.attention_layer  # type: ignore[attr-defined]
+    if not isinstance(layer, ModuleSpec):
+        return stack  # no attention layers in this stack spec (IdentityOp)
+    return dataclasses.replace(stack, attention_layer=_swap_attention(layer, backend))
 
 
 def _swap_attention(layer_spec: ModuleSpec, backend: str) -> ModuleSpec:

@@ -98,10 +98,11 @@ sinfo
 
 OUT=$WORK/job.out
 cd "$REPO"
-HSP_PYTHON=$PYTHON HSP_NPROC_PER_NODE=$NPROC PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} \
+HSP_PYTHON=$PYTHON HSP_NPROC_PER_NODE=$NPROC HSP_LOG_DIR=$WORK/logs \
+    PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} \
     sbatch --wait --nodes 1 --cpus-per-task "$CPUS" --output "$OUT" \
     scripts/slurm/hsp_pretrain.sbatch demo --steps "$STEPS" --json "$WORK/demo.json"
-cat "$OUT"
+cat "$OUT" "$WORK"/logs/node-*.out
 "$PYTHON" - "$WORK/demo.json" "$STEPS" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
