@@ -199,3 +199,37 @@ def test_bench_reports_infeasible_static_degree(tmp_path, capsys):
     assert "static-1" not in r["summary"]["total_step_s"]
     assert r["methods"]["static-best"]["degree"] != 1
     assert "infeasible on 1 of 2 batches" in capsys.readouterr().out
+
+
+def test_bench_text_output_says_what_memory_dropped():
+    """Issue 18: only the JSON showed sequences dropped as too long for memory."""
+    from megatron_hsp.commands.bench import format_bench
+
+    result = {
+        "config": {
+            "cost_model": "x",
+            "gpus": 8,
+            "gpus_per_node": 8,
+            "max_seq": 1000,
+            "global_batch": 4,
+            "sampling": "random",
+            "start_step": 0,
+            "steps": 1,
+        },
+        "summary": {
+            "total_step_s": {},
+            "all_plans_valid": True,
+            "planner_peak_rss_mb": 1.0,
+            "batches": {
+                "sequences": [3],
+                "overlong_dropped": 1,
+                "overlong_split": 0,
+                "tokens_per_rank": 512,
+            },
+        },
+        "methods": {},
+    }
+    text = format_bench(result)
+    assert "overlong: 1 of 4 sequences dropped, 0 split" in text
+    result["summary"]["batches"]["overlong_dropped"] = 0
+    assert "overlong" not in format_bench(result)

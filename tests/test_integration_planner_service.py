@@ -117,3 +117,24 @@ def test_late_plan_is_logged_then_replaced_by_the_counted_fallback(caplog):
         svc.plan_deadline_s = None  # the discarded late plans do not answer later steps
         svc.submit(2, [1, 2])
         assert svc.result(2).plan.num_sequences == 2
+
+
+@pytest.mark.parametrize("flag", [None, "--hsp-sync-planner"])
+def test_a_killed_planner_names_the_callers_in_process_flag_only(flag):
+    """Issue 18: the message suggested --hsp-sync-planner in every command, the demo included,
+    which has no such flag."""
+    import os
+    import signal
+
+    svc = PlannerService(spec(), sync_flag=flag)
+    try:
+        svc.submit(0, [10, 20, 30, 40])
+        svc.result(0)  # started
+        os.kill(svc._proc.pid, signal.SIGKILL)
+        svc._proc.join(10)
+        svc.submit(1, [10, 20, 30, 40])
+        with pytest.raises(HSPError, match="planner process exited") as err:
+            svc.result(1)
+        assert ("--hsp-sync-planner" in str(err.value)) == (flag is not None)
+    finally:
+        svc.close()

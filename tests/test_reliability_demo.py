@@ -127,3 +127,39 @@ def test_sigkill_of_the_demo_leaves_no_rank_or_planner(tmp_path, cache):
     while time.monotonic() < end and not all(_gone(p) for p in everyone):
         time.sleep(0.2)
     assert all(_gone(p) for p in everyone), [p for p in everyone if not _gone(p)]
+
+
+def test_stopping_ranks_that_never_started_is_quiet():
+    """A SIGINT/SIGTERM while the demo starts its ranks stops the started ones; the rest were
+    never started and are skipped (it raised "can only join a started process")."""
+    import multiprocessing as mp
+
+    from megatron_hsp.commands.demo import _stop
+
+    ctx = mp.get_context("spawn")
+    started = ctx.Process(target=time.sleep, args=(30,))
+    started.start()
+    never = ctx.Process(target=time.sleep, args=(30,))
+    _stop([started, never])
+    assert not started.is_alive() and never.pid is None
+
+
+@pytest.mark.dist
+def test_a_killed_rank_or_planner_is_one_line_not_a_traceback(tmp_path, cache):
+    """Issue 18: a dead rank or planner in the demo printed a traceback."""
+    proc = _start(tmp_path, cache)
+    pids = _rank_pids(tmp_path, proc)
+    os.kill(pids[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err[-2000:]
+    assert "demo rank 1 was killed by signal 9 (SIGKILL)" in err and "Traceback" not in err, err
+    planner_run = tmp_path / "planner"
+    planner_run.mkdir()
+    proc = _start(planner_run, cache)
+    pids = _rank_pids(planner_run, proc)
+    for child in _children(pids[0]):  # rank 0's planner process
+        os.kill(child, signal.SIGKILL)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 2, err[-2000:]
+    assert "planner process exited" in err and "Traceback" not in err, err[-2000:]
+    assert "--hsp-sync-planner" not in err  # the demo has no such flag

@@ -625,7 +625,14 @@ def _rank_main(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:
         init_cpu_megatron(rank, cfg.nproc, f"file://{rdzv}")
         result: Any = demo_worker(rank, cfg.nproc, cfg)
     except BaseException as exc:  # reported by the parent, never swallowed
-        result = RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        from megatron_hsp.planner.errors import HSPError
+
+        if isinstance(exc, HSPError):  # a reason in a sentence (bad input, planner died): one line
+            result = HSPError(f"rank {rank}: {exc}")
+        else:  # a bug: its traceback is what a report needs
+            result = RuntimeError(
+                f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            )
     finally:
         destroy_cpu_megatron()
     with open(out, "wb") as fh:
@@ -669,7 +676,9 @@ def _stalled_rank(outs: list[str], since: float, limit_s: float) -> tuple[int, f
 
 def _stop(procs: list[Any]) -> None:
     """Terminate every live rank, then kill what is left after 5 s (a stopped rank ignores
-    SIGTERM until continued, so it is continued too)."""
+    SIGTERM until continued, so it is continued too). Ranks never started (a signal during the
+    start loop) are skipped: joining one raised "can only join a started process" (issue 18)."""
+    procs = [p for p in procs if p.pid is not None]
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -760,22 +769,37 @@ def _run_ranks(cfg: DemoConfig, timeout_s: float = 900) -> dict[str, Any]:
                 "heavily loaded machine"
             )
         if failed == -1:
-            raise RuntimeError(f"demo ranks did not finish within {timeout_s:.0f} s")
+            raise HSPError(
+                f"demo ranks did not finish within {timeout_s:.0f} s; every rank was stopped"
+            )
         if failed is not None:
             if _is_error(outs[failed]):
                 with open(outs[failed], "rb") as fh:
                     raise pickle.load(fh)
-            raise RuntimeError(f"demo rank {failed} exited with code {procs[failed].exitcode}")
+            raise HSPError(_death(failed, procs[failed].exitcode))
         results = []
         for r, path in enumerate(outs):
             if not os.path.exists(path):
-                raise RuntimeError(f"demo rank {r} exited with code {procs[r].exitcode}")
+                raise HSPError(_death(r, procs[r].exitcode))
             with open(path, "rb") as fh:
                 results.append(pickle.load(fh))
     for res in results:
         if isinstance(res, BaseException):
             raise res
     return results[0]
+
+
+def _death(rank: int, code: int | None) -> str:
+    """One line for a rank that died without reporting (killed, out of memory, a crash)."""
+    how = (
+        f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        if code is not None and code < 0
+        else f"exited with code {code}"
+    )
+    return (
+        f"demo rank {rank} {how} before reporting (out of memory? killed from outside?); "
+        "every rank and the planner were stopped"
+    )
 
 
 def _raise_interrupt(signum: int, _frame: Any) -> None:

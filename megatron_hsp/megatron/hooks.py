@@ -122,7 +122,11 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     sampler.fast_forward(int(getattr(args, "iteration", 0) or 0))
     rank = dist.get_rank()
     rank0 = rank == 0
-    planner = PlannerService(spec, background=cfg.background_planner) if rank0 else None
+    planner = (
+        PlannerService(spec, background=cfg.background_planner, sync_flag="--hsp-sync-planner")
+        if rank0
+        else None
+    )
     # The model's device: CUDA in training; CPU where there is none (``selftest --megatron``).
     run.device = (
         torch.device("cuda", torch.cuda.current_device())

@@ -172,6 +172,7 @@ class PlannerService:
         start_timeout_s: float = 120.0,
         plan_deadline_s: float | None = -1.0,
         fallback: Callable[[Sequence[int]], Plan] | None = None,
+        sync_flag: str | None = None,
     ) -> None:
         """``plan_deadline_s``: how long ``result`` waits for a background plan before it plans
         the step with ``fallback`` (default: ``fallback_spec(spec)`` built in-process) and
@@ -179,6 +180,9 @@ class PlannerService:
         forever (still logging a late plan every ``late_log_s``)."""
         self.spec = spec
         self.background = background
+        # The caller's flag for planning in-process (Megatron: --hsp-sync-planner), named when
+        # the planner process dies; None where the command has none (the demo).
+        self.sync_flag = sync_flag
         self.wait_log_threshold_s = wait_log_threshold_s
         self.waits: list[float] = []
         self.plan_deadline_s = (
@@ -258,8 +262,12 @@ class PlannerService:
         if self._proc is not None and not self._proc.is_alive():
             raise HSPError(
                 f"planner process exited (code {self._proc.exitcode}) with plans pending; see "
-                "its output above (out of memory? a solver crash?) or rerun with "
-                "--hsp-sync-planner to plan in the training process"
+                "its output above (out of memory? a solver crash?)"
+                + (
+                    f" or rerun with {self.sync_flag} to plan in the training process"
+                    if self.sync_flag
+                    else ""
+                )
             )
 
     def result(self, step: int) -> PlanResult:
