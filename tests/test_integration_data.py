@@ -184,3 +184,22 @@ def test_split_top_level_keeps_decorators_and_header():
     ]
     assert b"".join(chunks) == src
     assert data_split(b"print 'py2'\n") == [b"print 'py2'\n"]  # unparsable: one document
+
+
+@pytest.mark.parametrize("damage", [b"garbage!!", b""])
+def test_a_damaged_index_is_one_line_naming_the_file(tmp_path, damage):
+    """Issue 18: a damaged cached corpus gave a traceback that did not name it."""
+    prefix = tmp_path / "docs"
+    write_indexed_dataset(prefix, [np.arange(5), np.arange(7)])
+    (tmp_path / "docs.idx").write_bytes(damage)
+    with pytest.raises(InputError, match=r"docs\.idx: no Megatron index header; .* rebuild it"):
+        DocumentIndex(prefix)
+
+
+def test_a_truncated_index_is_one_line_naming_the_file(tmp_path):
+    prefix = tmp_path / "docs"
+    write_indexed_dataset(prefix, [np.arange(5), np.arange(7)])
+    idx = tmp_path / "docs.idx"
+    idx.write_bytes(idx.read_bytes()[:20])
+    with pytest.raises(InputError, match=r"docs\.idx: cannot be read \("):
+        DocumentIndex(prefix)

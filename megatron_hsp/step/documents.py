@@ -40,13 +40,33 @@ class DocumentIndex:
                 )
         # mmap=True keeps the .bin mapped, not read; only .idx arrays are touched here
         # (Megatron's --no-mmap-bin-files passes False: tokens are then read with file reads).
-        self.dataset = IndexedDataset(self.prefix, mmap=mmap)
+        self.dataset = self._open(IndexedDataset, mmap)
         seq_lengths = np.asarray(self.dataset.sequence_lengths, dtype=np.int64)
         doc_idx = np.asarray(self.dataset.document_indices, dtype=np.int64)
         self.first_sequence = doc_idx[:-1]
         self.num_sequences = np.diff(doc_idx)
         csum = np.concatenate([[0], np.cumsum(seq_lengths)])
         self.lengths = csum[doc_idx[1:]] - csum[doc_idx[:-1]]
+
+    def _open(self, indexed_dataset: Any, mmap: bool) -> Any:
+        """Megatron's ``IndexedDataset``, or one line naming the file when it cannot be read
+        (issue 18: a damaged cached corpus gave a traceback that did not name it)."""
+        from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
+
+        idx = self.prefix + ".idx"
+        fix = (
+            "it is not a Megatron indexed dataset or is damaged (an interrupted copy?); rebuild "
+            "it (a cached demo corpus is rebuilt after deleting its .idx and .bin)"
+        )
+        with open(idx, "rb") as fh:
+            if fh.read(len(_INDEX_HEADER)) != _INDEX_HEADER:
+                raise InputError(f"{idx}: no Megatron index header; {fix}")
+        try:
+            return indexed_dataset(self.prefix, mmap=mmap)
+        except Exception as exc:
+            raise InputError(
+                f"{idx}: cannot be read ({type(exc).__name__}: {exc}); {fix}"
+            ) from None
 
     def __len__(self) -> int:
         return len(self.lengths)
