@@ -111,3 +111,53 @@ def test_signal_to_torchrun_stops_ranks_planners_and_cleans_tmp(tmp_path, sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.dist
+def test_sigterm_to_profile_leaves_no_measuring_rank(tmp_path):
+    """Issue 18: after SIGTERM to ``profile`` two ranks outlived it by about 25 s. Its ranks
+    die with it (``runtime/lifetime.die_with_parent`` in ``testing/dist``'s workers)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    cmd = [sys.executable, "-m", "megatron_hsp.cli", "profile", "--out", str(tmp_path / "p.yaml")]
+    cmd += ["--nproc", "2", "--repeats", "50"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def children() -> list[int]:
+        out = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == proc.pid:
+                    out.append(int(stat.parent.name))
+            except (OSError, ValueError, IndexError):
+                continue
+        return out
+
+    end = time.monotonic() + 120
+    while len(children()) < 2 and time.monotonic() < end and proc.poll() is None:
+        time.sleep(0.5)
+    ranks = children()
+    assert len(ranks) >= 2, proc.communicate()[1][-2000:]
+    time.sleep(3)  # measuring
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    end = time.monotonic() + 5
+    alive = ranks
+    while alive and time.monotonic() < end:
+        alive = [p for p in ranks if Path(f"/proc/{p}").exists() and _running(p)]
+        time.sleep(0.2)
+    assert not alive, alive
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def _running(pid: int) -> bool:
+    from pathlib import Path
+
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
