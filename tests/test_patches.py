@@ -79,6 +79,17 @@ TINY = [
     *("--data-path", "unused-prefix"),
     *("--hsp-cost-model", str(ROOT / "tests" / "fixtures" / "cost-model-tiny.yaml")),
 ]
+
+
+def tiny_with_data(tmp_path: Path) -> list[str]:
+    """``TINY`` with a real indexed dataset: install() checks the datasets' files at argument
+    time (issue 18)."""
+    from megatron_hsp.step.corpus import write_indexed_dataset
+
+    write_indexed_dataset(tmp_path / "corpus", [np.arange(2, 9), np.arange(3, 40)])
+    return [str(tmp_path / "corpus") if a == "unused-prefix" else a for a in TINY]
+
+
 # Stands in for pretrain() alone (the training loop is what selftest --megatron runs); it has the
 # wheel's parameter names, prints what the launcher and the patched script hand it, and returns.
 STAND_IN_PRETRAIN = """
@@ -207,11 +218,7 @@ def test_pretrain_gets_hsp_provider_and_forward_step(ref, patched, launcher, tmp
     (tmp_path / "stand_in.py").write_text(STAND_IN_PRETRAIN)
     script = str(root / "pretrain_gpt.py")
     entry = ["-m", "megatron_hsp.launch", script] if launcher else [script]
-    # install() checks the datasets' files at argument time (issue 18): give it a real one.
-    from megatron_hsp.step.corpus import write_indexed_dataset
-
-    write_indexed_dataset(tmp_path / "corpus", [np.arange(2, 9), np.arange(3, 40)])
-    tiny = [str(tmp_path / "corpus") if a == "unused-prefix" else a for a in TINY]
+    tiny = tiny_with_data(tmp_path)
     run = run_script([str(tmp_path / "stand_in.py"), *entry, *tiny, "--hsp"], tmp_path, root)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "PRETRAIN megatron_hsp.megatron.hooks hsp_datasets_provider hsp_forward_step" in (
@@ -366,7 +373,7 @@ def test_hybrid_script_gets_hsp_attention_in_its_attention_layers_only(tmp_path)
     root = checkout("core_r0.19.0", tmp_path, patched=False, script="pretrain_hybrid")
     (tmp_path / "stand_in.py").write_text(STAND_IN_PRETRAIN)
     entry = ["-m", "megatron_hsp.launch", str(root / "pretrain_hybrid.py")]
-    argv = [*TINY, "--hybrid-layer-pattern", "*-*-", *HYBRID_SPEC, "--hsp"]
+    argv = [*tiny_with_data(tmp_path), "--hybrid-layer-pattern", "*-*-", *HYBRID_SPEC, "--hsp"]
     run = run_script([str(tmp_path / "stand_in.py"), *entry, *argv], tmp_path, root)
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout

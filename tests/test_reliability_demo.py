@@ -5,9 +5,11 @@ demo's main process stops every rank and the planner within seconds, and nothing
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -153,8 +155,8 @@ def test_a_killed_rank_or_planner_is_one_line_not_a_traceback(tmp_path, cache):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2, err[-2000:]
     assert "demo rank 1 was killed by signal 9 (SIGKILL)" in err and "Traceback" not in err, err
-    planner_run = tmp_path / "planner"
-    planner_run.mkdir()
+    # A second short TMPDIR: the fork server's socket path must stay under AF_UNIX's limit.
+    planner_run = Path(tempfile.mkdtemp(prefix="hspk"))
     proc = _start(planner_run, cache)
     pids = _rank_pids(planner_run, proc)
     for child in _children(pids[0]):  # rank 0's planner process
@@ -163,3 +165,4 @@ def test_a_killed_rank_or_planner_is_one_line_not_a_traceback(tmp_path, cache):
     assert proc.returncode == 2, err[-2000:]
     assert "planner process exited" in err and "Traceback" not in err, err[-2000:]
     assert "--hsp-sync-planner" not in err  # the demo has no such flag
+    shutil.rmtree(planner_run, ignore_errors=True)

@@ -142,7 +142,7 @@ def test_sigterm_to_profile_leaves_no_measuring_rank(tmp_path):
         time.sleep(0.5)
     ranks = children()
     assert len(ranks) >= 2, proc.communicate()[1][-2000:]
-    time.sleep(3)  # measuring
+    time.sleep(3)  # starting or measuring: either way they must go with the command
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
     end = time.monotonic() + 5

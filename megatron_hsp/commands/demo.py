@@ -400,8 +400,8 @@ def prediction_summary(steps: list[dict[str, Any]], cost_spec: dict[str, Any]) -
 
     late = [
         abs(s["predicted_s"] - s["step_s"]) / s["step_s"]
-        for s in steps
-        if s["step"] >= REFIT_SCORED_FROM_STEP and s["step_s"] > 0
+        for i, s in enumerate(steps)
+        if s.get("step", i) >= REFIT_SCORED_FROM_STEP and s["step_s"] > 0
     ]
     return {
         "cost_model": cost_spec.get("name", "?"),

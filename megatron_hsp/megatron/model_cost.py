@@ -22,57 +22,70 @@ all-reduces are not priced (they cost every plan alike).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Datasheet figures per GPU (dense bf16 tensor-core peak, HBM, NVLink one direction, the
-# per-GPU NIC of the usual reference node, one direction). The achievable fractions of peak are
-# those of costmodel.H100_SXM (docs/design.md sec. 4) for every GPU: unmeasured elsewhere.
+from megatron_hsp.planner.first_principles import H100_SXM
+
+# Per GPU: the datasheet's dense bf16 peak and HBM; links as NCCL achieves them. Everything
+# else (achievable fractions of peak, attention kernel call overhead, ring step overhead, call
+# latencies) is the calibrated H100 model's (``first_principles.H100_SXM``, fitted to published
+# GPU measurements: docs/calibration.md), so the default model of an H100 run is exactly the
+# calibrated preset's; for other GPUs those fractions are the H100's, unmeasured there.
+_H100 = dataclasses.asdict(H100_SXM)
+_LINK_EFFICIENCY = H100_SXM.nvlink_gbs / 450.0  # NCCL's effective NVLink rate / datasheet's
 HARDWARE_PRESETS: dict[str, dict[str, Any]] = {
-    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 80 GB HBM3, NVLink 4 900 GB/s
-    # bidirectional; NDR InfiniBand 400 Gb/s per GPU.
+    # NVIDIA H100 SXM5: 989 TFLOP/s bf16 dense, 80 GB HBM3; links: the calibrated preset's.
     "h100-sxm": {
         "peak_tflops": 989.0,
         "hbm_gb": 80.0,
-        "nvlink_gbs": 450.0,
-        "inter_node_gbs": 50.0,
+        "nvlink_gbs": H100_SXM.nvlink_gbs,
+        "inter_node_gbs": H100_SXM.inter_node_gbs,
+        "p2p_gbs": H100_SXM.p2p_gbs,
     },
     # H200 SXM: H100's compute with 141 GB HBM3e; same NVLink 4 and NDR fabric.
     "h200-sxm": {
+        "hbm_tbs": 4.8,
         "peak_tflops": 989.0,
         "hbm_gb": 141.0,
-        "nvlink_gbs": 450.0,
-        "inter_node_gbs": 50.0,
+        "nvlink_gbs": H100_SXM.nvlink_gbs,
+        "inter_node_gbs": H100_SXM.inter_node_gbs,
+        "p2p_gbs": H100_SXM.p2p_gbs,
     },
-    # A100 SXM4: 312 TFLOP/s bf16 dense, NVLink 3 600 GB/s bidirectional, HDR 200 Gb/s per GPU.
+    # A100 SXM4: 312 TFLOP/s bf16 dense, NVLink 3 600 GB/s bidirectional (300 one way, at the
+    # H100's NCCL efficiency), HDR 200 Gb/s per GPU.
     "a100-sxm-80gb": {
+        "hbm_tbs": 2.0,
         "peak_tflops": 312.0,
         "hbm_gb": 80.0,
-        "nvlink_gbs": 300.0,
-        "inter_node_gbs": 25.0,
+        "nvlink_gbs": 300.0 * _LINK_EFFICIENCY,
+        "inter_node_gbs": 25.0 * _LINK_EFFICIENCY,
     },
     "a100-sxm-40gb": {
+        "hbm_tbs": 1.6,
         "peak_tflops": 312.0,
         "hbm_gb": 40.0,
-        "nvlink_gbs": 300.0,
-        "inter_node_gbs": 25.0,
+        "nvlink_gbs": 300.0 * _LINK_EFFICIENCY,
+        "inter_node_gbs": 25.0 * _LINK_EFFICIENCY,
     },
     # B200 (HGX B200): 2.25 PFLOP/s bf16 dense, 180 GB HBM3e, NVLink 5 1.8 TB/s bidirectional,
     # ConnectX-7 400 Gb/s per GPU.
     "b200": {
+        "hbm_tbs": 8.0,
         "peak_tflops": 2250.0,
         "hbm_gb": 180.0,
-        "nvlink_gbs": 900.0,
-        "inter_node_gbs": 50.0,
+        "nvlink_gbs": 900.0 * _LINK_EFFICIENCY,
+        "inter_node_gbs": H100_SXM.inter_node_gbs,
     },
 }
 HARDWARE_COMMON = {
-    "achievable_fraction": 0.5,
-    "attention_fraction": 0.4,
-    "latency_us": 10.0,
-    "inter_node_latency_us": 25.0,
+    k: v
+    for k, v in _H100.items()
+    if k not in ("name", "peak_tflops", "hbm_gb", "nvlink_gbs", "inter_node_gbs", "p2p_gbs")
+    and k != "gpus_per_node"
 }
 # NVML device names (``nvidia-smi --query-gpu=name``) -> preset. Order matters: the first
 # pattern that matches wins. PCIe and NVL cards have other clocks and links: no preset.
@@ -233,8 +246,9 @@ def default_cost_model_spec(
         "tied_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False),
     }
     hw = {**HARDWARE_COMMON, **HARDWARE_PRESETS[hardware.preset]}
-    for key in ("peak_tflops", "hbm_gb", "nvlink_gbs", "inter_node_gbs"):
-        hw[key] = hw[key] * tp
+    for key in ("peak_tflops", "hbm_gb", "hbm_tbs", "nvlink_gbs", "inter_node_gbs", "p2p_gbs"):
+        if key in hw:
+            hw[key] = hw[key] * tp
     hw["name"] = hardware.preset if tp == 1 else f"{hardware.preset}x{tp}"
     name = f"{model['name']}-{hw['name']}"
     precision = "bf16" if getattr(args, "bf16", False) else "fp16" if half else "fp32"

@@ -23,13 +23,25 @@ import time
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(grace_s: float = 10.0, poll_s: float = 1.0, watchdog: bool = True) -> None:
-    """Tie this process's life to its current parent (module docstring).
+def die_with_parent(
+    grace_s: float = 10.0,
+    poll_s: float = 1.0,
+    watchdog: bool = True,
+    parent: int | None = None,
+) -> None:
+    """Tie this process's life to its parent (module docstring).
 
-    ``watchdog=False`` for a process that must stay single-threaded (a multiprocessing fork
-    server: forking a multi-threaded process can deadlock the child); prctl alone then.
+    ``parent``: the pid of the process that started this one, when the caller knows it. A child
+    that gets here only after its parent died (a spawned rank still importing torch when the
+    command was stopped) has been re-parented already, and ``getppid()`` would name the new
+    parent: it then exits at once instead of watching the wrong process (issue 18: ranks
+    outlived a stopped ``profile``). ``watchdog=False`` for a process that must stay
+    single-threaded (a multiprocessing fork server: forking a multi-threaded process can
+    deadlock the child); prctl alone then.
     """
-    parent = os.getppid()
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
+    parent = os.getppid() if parent is None else parent
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)

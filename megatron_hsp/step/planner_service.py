@@ -112,12 +112,12 @@ def _picklable(exc: BaseException) -> BaseException:
         return HSPError(f"{type(exc).__name__}: {exc}")
 
 
-def _serve(spec: PlannerSpec, requests: Any, replies: Any) -> None:
+def _serve(spec: PlannerSpec, requests: Any, replies: Any, parent_pid: int | None = None) -> None:
     """Child process main loop: one reply per request, in order; None stops it; a
     ``("cost_model", spec)`` request replaces the cost model for every later plan (no reply)."""
     from megatron_hsp.runtime.lifetime import die_with_parent
 
-    die_with_parent()  # also while solving: the idle check below only runs between requests
+    die_with_parent(parent=parent_pid)  # also while solving: the idle check runs between requests
     try:
         planner = build_planner(spec)
     except BaseException as exc:
@@ -201,7 +201,7 @@ class PlannerService:
             self._replies = ctx.Queue()
             self._proc = ctx.Process(
                 target=_serve,
-                args=(spec, self._requests, self._replies),
+                args=(spec, self._requests, self._replies, os.getpid()),
                 name="megatron-hsp-planner",
                 daemon=True,
             )

@@ -188,12 +188,13 @@ def _worker(
     args: tuple,
     tensor_model_parallel_size: int,
     stack_dump_after_s: float,
+    parent_pid: int,
 ) -> None:
     import faulthandler
 
     from megatron_hsp.runtime.lifetime import die_with_parent
 
-    die_with_parent()  # a killed test runner leaves no rank behind
+    die_with_parent(parent=parent_pid)  # a killed test runner (or command) leaves no rank behind
     # A stuck rank prints every thread's stack to stderr shortly before the parent gives up.
     faulthandler.dump_traceback_later(stack_dump_after_s, exit=False)
     torch.set_num_threads(1)
@@ -237,6 +238,7 @@ def run_distributed(
                 args,
                 tensor_model_parallel_size,
                 max(1.0, timeout_s - 20.0),
+                os.getpid(),
             ),
             nprocs=world_size,
             join=False,
