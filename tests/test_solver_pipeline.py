@@ -1,0 +1,158 @@
+"""The solver, bench and CLI under a pipeline (SolverConfig.pipeline, plan/bench --pp/--vpp)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_hsp.planner.bench import run_bench
+from megatron_hsp.planner.errors import InfeasibleError, InputError
+from megatron_hsp.planner.lengths import GlobalBatch
+from megatron_hsp.planner.parallel import (
+    ParallelConfig,
+    load_parallel_cost_model,
+    pipeline_spec_for,
+)
+from megatron_hsp.planner.pipeline import PipelineSpec, simulate
+from megatron_hsp.planner.settings import PlannerSettings
+from megatron_hsp.planner.solver import solve
+
+BUDGET = 0.5
+
+
+def _batch(n: int = 40, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in np.clip(rng.lognormal(8.5, 1.2, n), 128, 60000)]
+
+
+def _gb(step: int, lengths: list[int]) -> GlobalBatch:
+    return GlobalBatch(step, np.asarray(lengths), np.arange(len(lengths)))
+
+
+def _setup(pp: int, vpp: int = 1):
+    par = ParallelConfig(tp=1, pp=pp, vpp=vpp)
+    return load_parallel_cost_model("llama3-8b-h100", par, gpus=16 * pp)
+
+
+@pytest.mark.parametrize("pp,vpp", [(2, 1), (4, 1), (4, 2)])
+def test_solver_prices_the_pipeline(pp, vpp):
+    cost, plane = _setup(pp, vpp)
+    lengths = _batch()
+    plan = solve(lengths, cost, plane, PlannerSettings(time_budget_s=BUDGET, pp=pp, vpp=vpp)
+                 .solver_config())  # fmt: skip
+    plan.validate(lengths, cost, plane.world_size)
+    spec = pipeline_spec_for(cost, pp, vpp)
+    times = [mb.est_ms for mb in plan.microbatches]
+    # est_step_ms is the pipelined step of the plan's own (bubble-ordered) micro-batch order.
+    assert plan.est_step_ms == pytest.approx(simulate(times, spec))
+    assert plan.est_step_ms > sum(times)
+    info = plan.extra["pipeline"]
+    assert info["sum_microbatch_ms"] == pytest.approx(sum(times))
+    assert info["bubble_ms"] == pytest.approx(plan.est_step_ms - sum(times))
+    assert len(plan.microbatches) % spec.microbatch_multiple == 0
+    assert plan.lower_bound_ms <= plan.est_step_ms + 1e-6
+    # Memory: every group fits the per-micro-batch cap, which already divides by the in-flight.
+    for mb in plan.microbatches:
+        for g in mb.groups:
+            assert g.tokens <= cost.tokens_per_rank * g.size
+
+
+def test_solver_refuses_a_model_not_built_for_the_pipeline():
+    cost, plane = _setup(1)
+    with pytest.raises(InputError, match="prices pp 1"):
+        solve(_batch(), cost, plane, PlannerSettings(pp=2).solver_config())
+
+
+def test_interleaving_needs_enough_sequences():
+    cost, plane = _setup(4, 2)
+    with pytest.raises(InfeasibleError, match="multiple of --pp 4"):
+        solve([1000, 2000, 3000], cost, plane, PlannerSettings(pp=4, vpp=2).solver_config())
+
+
+def test_bubble_order_beats_the_sum_order():
+    # The pipeline order never loses against the plan's longest-first assembly order.
+    cost, plane = _setup(4)
+    lengths = _batch(60, seed=3)
+    plan = solve(lengths, cost, plane, PlannerSettings(time_budget_s=BUDGET, pp=4).solver_config())
+    spec = pipeline_spec_for(cost, 4)
+    times = [mb.est_ms for mb in plan.microbatches]
+    longest_first = sorted(times, reverse=True)
+    assert plan.est_step_ms <= simulate(longest_first, spec) + 1e-9
+
+
+def test_bench_prices_every_method_under_the_same_pipeline():
+    cost, plane = _setup(4)
+    spec = pipeline_spec_for(cost, 4)
+    batches = [_gb(i, _batch(40, seed=i)) for i in range(2)]
+    out = run_bench(
+        batches,
+        cost,
+        plane,
+        ["hsp", "static-4", "dp-balanced-2", "static-best", "lower-bound"],
+        hsp=PlannerSettings(time_budget_s=BUDGET, pp=4),
+        pipeline=spec,
+        plans_sink={"static-4": (static := [])},
+    )
+    m = out["methods"]
+    assert out["summary"]["all_plans_valid"]
+    for p in static:  # as-given order, priced by the same recurrence
+        assert p.extra["pipeline"]["order"] == "as-given"
+        assert p.est_step_ms == pytest.approx(simulate([mb.est_ms for mb in p.microbatches], spec))
+    assert sum(m["lower-bound"]["step_ms"]) <= sum(m["hsp"]["step_ms"]) + 1e-6
+    with pytest.raises(InputError, match="hsp plans for pp 1"):
+        run_bench(batches, cost, plane, ["static-4"], pipeline=spec)
+
+
+def test_bench_interleaved_refuses_baseline_counts_megatron_refuses():
+    cost, plane = _setup(4, 2)
+    spec = pipeline_spec_for(cost, 4, 2)
+    batches = [_gb(0, [500] * 5)]
+    out = run_bench(
+        batches, cost, plane, ["static-8"], hsp=PlannerSettings(pp=4, vpp=2), pipeline=spec
+    )
+    # Five short sequences pack into one static-8 micro-batch: megatron-core's interleaved
+    # schedule (microbatch_group_size_per_vp_stage = pp) would refuse one micro-batch.
+    res = out["methods"]["static-8"]
+    assert res["infeasible_batches"] == 1
+    assert "multiple of --pp 4" in res["infeasible_reason"]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_hsp.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_cli_plan_with_pipeline_and_refusal():
+    r = _cli(
+        "plan", "--cost-model", "llama3-70b-h100", "--gpus", "256", "--tp", "8", "--pp", "4",
+        "--max-seq", "128k", "--global-batch", "32", "--time-budget", "0.5", "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["world_size"] == 8 and plan["extra"]["pipeline"]["schedule"] == "1f1b"
+    assert plan["est_step_ms"] > plan["extra"]["pipeline"]["sum_microbatch_ms"]
+    r = _cli("plan", "--cost-model", "flexsp-gpt-7b", "--pp", "2", "--global-batch", "16")
+    assert r.returncode == 2 and "cannot be split" in r.stderr
+    r = _cli("plan", "--cost-model", "llama3-8b-h100", "--vpp", "2", "--global-batch", "16")
+    assert r.returncode == 2 and "--vpp" in r.stderr
+
+
+def test_spec_order_as_given_is_respected():
+    cost, plane = _setup(2)
+    cfg = dataclasses.replace(
+        PlannerSettings(time_budget_s=BUDGET, pp=2).solver_config(),
+        pipeline=PipelineSpec(2, order="as-given"),
+    )
+    plan = solve(_batch(), cost, plane, cfg)
+    assert plan.extra["pipeline"]["order"] == "as-given"
+    times = [mb.est_ms for mb in plan.microbatches]
+    assert times == sorted(times, reverse=True)  # the assembly's longest-first order
