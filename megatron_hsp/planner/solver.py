@@ -180,6 +180,12 @@ def _pipeline(config: SolverConfig, cost: CostModel, sequences: int) -> Pipeline
     return replace(checked, order=spec.order, max_order_evals=spec.max_order_evals)
 
 
+# Under a pipeline, counts up to this many times pp above the memory floor are tried (instead
+# of ``SolverConfig.extra_microbatches``): the bubble shrinks with more, smaller micro-batches.
+# With 3 extra counts, benchmarks/pipeline_moe.py's Qwen3 EP8 PP2 row planned 3-5 micro-batches
+# with a 21% bubble and lost to static packing at a smaller pack size (docs/solver.md).
+PIPELINE_EXTRA_PER_STAGE = 4
+
 # simulate() calls spent per candidate when candidates are compared (the given and the shaped
 # order); the final plan gets the spec's full order search.
 QUICK_ORDER_EVALS = 2
@@ -227,7 +233,10 @@ def _greedy_candidates(
 ) -> _Candidate:
     """Try every (count, chunking) candidate; the first always completes, others while in time."""
     best: _Candidate | None = None
-    counts = candidate_counts(inst, config.extra_microbatches)
+    extra = config.extra_microbatches
+    if pipe is not None:  # fewer, larger micro-batches lengthen warm-up and cool-down
+        extra = max(extra, PIPELINE_EXTRA_PER_STAGE * pipe.pp)
+    counts = candidate_counts(inst, extra)
     m = counts[0]
     tried = 0
     best_m = 0  # the count whose chunking gave ``best``
