@@ -97,8 +97,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 
 def format_plan(plan: Plan) -> str:
+    # Under TP/PP the plan covers one stage's data x context plane, not the whole machine.
+    where = "slots of one stage" if "pipeline" in plan.extra else "GPUs"
     lines = [
-        f"plan: {plan.cost_model} on {plan.world_size} GPUs ({plan.gpus_per_node}/node), "
+        f"plan: {plan.cost_model} on {plan.world_size} {where} ({plan.gpus_per_node}/node), "
         f"solver {plan.solver}, status {plan.status}",
         f"estimated step {plan.est_step_ms / 1e3:.3f} s  lower bound "
         f"{plan.lower_bound_ms / 1e3:.3f} s  solve {plan.solve_ms:.0f} ms  "
