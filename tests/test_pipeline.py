@@ -165,3 +165,29 @@ def test_spec_refusals():
     assert PipelineSpec(pp=4, vpp=2).microbatch_multiple == 4
     assert PipelineSpec(pp=4).microbatch_multiple == 1
     assert PipelineSpec(pp=4, vpp=2).schedule == "interleaved"
+
+
+def test_planted_off_by_one_warmup_is_caught(monkeypatch):
+    """A warm-up of pp - s forwards instead of pp - s - 1 must change the hand-computed step."""
+    from megatron_hsp.planner import pipeline
+
+    real = pipeline.stage_ops
+
+    def one_too_many(pp: int, vpp: int, m: int, device: int):
+        if vpp > 1:
+            return real(pp, vpp, m, device)
+        warm = min(pp - device, m)
+        ops = [("F", i, 0) for i in range(warm)]
+        for j in range(m - warm):
+            ops += [("F", warm + j, 0), ("B", j, 0)]
+        return ops + [("B", j, 0) for j in range(m - warm, m)]
+
+    monkeypatch.setattr(pipeline, "stage_ops", one_too_many)
+    # device 0 runs F0 F1 B0 B1, device 1 F0 F1 B0 B1: B1 ends at 11 there, 15 on device 0.
+    assert simulate([3.0, 6.0], PipelineSpec(pp=2)) == pytest.approx(15.0)
+
+
+def test_planted_in_flight_off_by_one_is_caught():
+    # The 1F1B peak is the warm-up plus one; warm-up alone would give [3, 2, 1, 0].
+    assert [in_flight(4, 1, s) for s in range(4)] != [3, 2, 1, 0]
+    assert min(in_flight(4, 1, s) for s in range(4)) == 1

@@ -156,3 +156,18 @@ def test_spec_order_as_given_is_respected():
     assert plan.extra["pipeline"]["order"] == "as-given"
     times = [mb.est_ms for mb in plan.microbatches]
     assert times == sorted(times, reverse=True)  # the assembly's longest-first order
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--tp", "3"], "--tp 3"),
+        (["--pp", "0"], "--pp"),
+        (["--cost-model", "qwen3-30b-a3b-h100", "--ep", "3"], "--ep 3"),
+        (["--cost-model", "llama3-8b-h100", "--gpus", "64", "--pp", "3"], "multiple of --tp"),
+    ],
+)
+def test_cli_refuses_bad_parallel_flags(flags, needle):
+    r = _cli("plan", "--cost-model", "llama3-8b-h100", "--global-batch", "16", *flags)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) <= 2

@@ -35,7 +35,7 @@ bound is not attained in general: with pp=2, t=[6, 3] (beta 2/3) the bound says 
 schedule takes 14, because the short second micro-batch's forward on device 1 waits for the
 long first backward there (``tests/test_pipeline.py`` derives both by hand, and a 3-stage case).
 No bound of the form ``sum t + (pp - 1) (max f + max b)`` holds from above: long micro-batches
-can stall the steady state more than once (a random pp=8 case exceeded it by 19%).
+can stall the steady state more than once (``benchmarks/pipeline_order.py``: up to 1.52x).
 ``simulate`` is the price the planner uses; the bound is for reasoning and tests.
 
 **What is approximate.** All stages cost the same (the stage model prices the heaviest stage:
