@@ -171,3 +171,26 @@ def test_cli_refuses_bad_parallel_flags(flags, needle):
     r = _cli("plan", "--cost-model", "llama3-8b-h100", "--global-batch", "16", *flags)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and len(r.stderr.strip().splitlines()) <= 2
+
+
+def test_megatron_dcp_priced_under_the_pipeline_in_its_own_order():
+    from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
+
+    cost, plane = _setup(2)
+    spec = pipeline_spec_for(cost, 2)
+    got: list = []
+    out = run_bench(
+        [_gb(0, _batch(40, seed=5))],
+        cost,
+        plane,
+        ["megatron-dcp"],
+        hsp=PlannerSettings(pp=2),
+        pipeline=spec,
+        extra_methods={"megatron-dcp": lambda: lambda b: megatron_dcp_plan(b, cost, plane)},
+        plans_sink={"megatron-dcp": got},
+    )
+    (plan,) = got
+    raw = megatron_dcp_plan(_batch(40, seed=5), cost, plane)
+    times = [mb.est_ms for mb in raw.microbatches]
+    assert [mb.est_ms for mb in plan.microbatches] == times  # scheduler's order kept
+    assert out["methods"]["megatron-dcp"]["step_ms"][0] == pytest.approx(simulate(times, spec))
