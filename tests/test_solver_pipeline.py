@@ -194,3 +194,23 @@ def test_megatron_dcp_priced_under_the_pipeline_in_its_own_order():
     times = [mb.est_ms for mb in raw.microbatches]
     assert [mb.est_ms for mb in plan.microbatches] == times  # scheduler's order kept
     assert out["methods"]["megatron-dcp"]["step_ms"][0] == pytest.approx(simulate(times, spec))
+
+
+def test_pipeline_balancing_never_worse_and_keeps_every_sequence():
+    import math
+
+    from megatron_hsp.planner import solver as solver_mod
+    from megatron_hsp.planner.instance import Instance, check_lengths, resolve_sizes
+
+    cost, plane = _setup(4)
+    spec = pipeline_spec_for(cost, 4)
+    lengths = check_lengths(_batch(60, seed=11), cost, resolve_sizes(cost, plane, None))
+    inst = Instance.build(lengths, cost, plane, resolve_sizes(cost, plane, None))
+    cfg = PlannerSettings(pp=4).solver_config()
+    cand = solver_mod._greedy_candidates(inst, plane, cfg, math.inf, spec)
+    before = solver_mod._objective(cand.microbatches, spec)
+    after_mbs = solver_mod._balance_for_pipeline(inst, plane, cand.microbatches, spec, math.inf, 60)
+    assert solver_mod._objective(after_mbs, spec) <= before + 1e-9
+    ids = sorted(i for _, groups in after_mbs for _, g in groups for i in g)
+    assert ids == list(range(len(lengths)))
+    assert len(after_mbs) == len(cand.microbatches)

@@ -120,6 +120,14 @@ def solve(
             inst, cluster, best.microbatches, improve_until, max_evals=config.improve_evals
         )
         best.total = _objective(best.microbatches, pipe)
+    if pipe is not None and config.improve_evals > 0:
+        balance_until = min(
+            search_deadline, time.perf_counter() + 0.5 * config.improve_share * budget
+        )
+        best.microbatches = _balance_for_pipeline(
+            inst, cluster, best.microbatches, pipe, balance_until, config.improve_evals
+        )
+        best.total = _objective(best.microbatches, pipe)
     phases["improve"] = time.perf_counter() - start
     status = "heuristic"
     milp_stats: dict[str, int] = {}
@@ -197,6 +205,60 @@ def _objective(mbs: list[tuple[float, list[GroupSpec]]], pipe: PipelineSpec | No
     if pipe is None:
         return sum(spans)
     return order_microbatches(spans, replace(pipe, max_order_evals=QUICK_ORDER_EVALS)).step_ms
+
+
+def _balance_for_pipeline(
+    inst: Instance,
+    cluster: Cluster,
+    mbs: list[tuple[float, list[GroupSpec]]],
+    pipe: PipelineSpec,
+    deadline: float,
+    max_evals: int,
+) -> list[tuple[float, list[GroupSpec]]]:
+    """Move single sequences from the longest micro-batches to the shortest while the
+    pipelined step falls.
+
+    Why: the local search minimises the sum; under a pipeline unequal neighbours also stall the
+    steady state (a device waits for a long backward while holding a short forward), so a move
+    that keeps the sum but evens the micro-batches shortens the step. Each move re-schedules the
+    two micro-batches greedily and is kept only if the pipelined step (quick order) improves;
+    the MILP afterwards can only shorten micro-batches, which never lengthens the pipeline.
+    """
+    out = list(mbs)
+    current = _objective(out, pipe)
+    evals = 0
+    improved = True
+    while improved and evals < max_evals and time.perf_counter() < deadline:
+        improved = False
+        order = sorted(range(len(out)), key=lambda b: -out[b][0])
+        for a in order[: max(1, len(out) // 4)]:
+            ids = sorted((i for _, g in out[a][1] for i in g), key=lambda i: inst.best[i])
+            if len(ids) < 2:
+                continue
+            for b in order[::-1][: max(1, len(out) // 4)]:
+                if b == a or out[b][0] >= out[a][0]:
+                    continue
+                for i in ids:
+                    if evals >= max_evals or time.perf_counter() > deadline:
+                        return out
+                    evals += 1
+                    left = schedule_microbatch(inst, [j for j in ids if j != i], cluster)
+                    right = schedule_microbatch(
+                        inst, [*(j for _, g in out[b][1] for j in g), i], cluster
+                    )
+                    if left is None or right is None:
+                        continue
+                    trial = list(out)
+                    trial[a], trial[b] = left, right
+                    t = _objective(trial, pipe)
+                    if t < current - 1e-9:
+                        out, current, improved = trial, t, True
+                        break
+                if improved:
+                    break
+            if improved:
+                break
+    return out
 
 
 def _fit_multiple(
