@@ -43,8 +43,9 @@ from megatron_hsp.planner.baselines import (
     memory_model_for,
     static_best_degree,
 )
+from megatron_hsp.planner.bench import price_baseline
 from megatron_hsp.planner.errors import InfeasibleError, InputError
-from megatron_hsp.planner.pipeline import price_plan, simulate
+from megatron_hsp.planner.pipeline import simulate
 from megatron_hsp.planner.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +97,7 @@ def _ring_hidden(args: argparse.Namespace, steps: int) -> tuple[float | None, fl
     pipe = setup.pipeline
 
     def piped(p: Plan) -> Plan:
-        return p if pipe is None else price_plan(p, pipe, reorder=False)
+        return p if pipe is None else price_baseline(p, setup.cost, pipe)
 
     batches = [setup.sampler.batch(i).lengths for i in range(steps)]
     dcp: float | None
@@ -146,7 +147,7 @@ def _best_pack(args: argparse.Namespace, steps: int, method: str) -> tuple[float
             continue
         for d, plans in per.items():
             try:
-                priced = [p if pipe is None else price_plan(p, pipe, reorder=False) for p in plans]
+                priced = [p if pipe is None else price_baseline(p, setup.cost, pipe) for p in plans]
             except InputError:  # a count the interleaved schedule refuses
                 continue
             for p, b in zip(priced, batches, strict=True):

@@ -214,3 +214,30 @@ def test_pipeline_balancing_never_worse_and_keeps_every_sequence():
     ids = sorted(i for _, groups in after_mbs for _, g in groups for i in g)
     assert ids == list(range(len(lengths)))
     assert len(after_mbs) == len(cand.microbatches)
+
+
+def test_sequential_passes_priced_by_hand_and_cheaper_reading_taken():
+    from megatron_hsp.planner.baselines import SEQUENTIAL
+    from megatron_hsp.planner.bench import price_baseline, sequential_pass_times
+    from megatron_hsp.planner.plan import Group, MicroBatch, Plan
+
+    cost, _ = _setup(2)
+    spec = pipeline_spec_for(cost, 2)
+    a = Group(ranks=tuple(range(8)), seq_ids=(0, 1), lengths=(4000, 1000), est_ms=1.0)
+    b = Group(ranks=tuple(range(8, 16)), seq_ids=(2,), lengths=(2000,), est_ms=1.0)
+    plan = Plan(
+        world_size=16,
+        gpus_per_node=8,
+        microbatches=(MicroBatch((a, b), est_ms=1.0),),
+        extra={"execution": SEQUENTIAL},
+    )
+    ring = (1, 8)  # Megatron CP: pure ring
+    f = cost.fixed_ms(8, ring)
+
+    def seq(n: int) -> float:
+        return float(cost.seq_ms([n], 8, ring)[0])
+
+    passes = sequential_pass_times(plan, cost)
+    assert passes == pytest.approx([max(seq(4000), seq(2000)) + f, seq(1000)])
+    priced = price_baseline(plan, cost, spec)
+    assert priced.est_step_ms == pytest.approx(min(simulate(passes, spec), simulate([1.0], spec)))

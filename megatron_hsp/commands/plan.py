@@ -17,10 +17,11 @@ from megatron_hsp.planner.bench import (
     hsp_plan_fn,
     lower_bound_fn,
     parse_methods,
+    price_baseline,
     shortest_microbatch_ms,
 )
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.pipeline import pipeline_lower_bound, price_plan
+from megatron_hsp.planner.pipeline import pipeline_lower_bound
 from megatron_hsp.planner.plan import Plan
 
 
@@ -72,7 +73,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         )
     if setup.pipeline is not None and method != "hsp":
         # Baselines run in the order their schedulers emit (planner/bench.py).
-        plan = price_plan(plan, setup.pipeline, reorder=False)
+        plan = price_baseline(plan, cost, setup.pipeline)
     elapsed = (time.perf_counter() - t0) * 1e3
     plan.validate(lengths.tolist(), memory_model_for(plan, cost), cluster.world_size)
     lb = plan.lower_bound_ms

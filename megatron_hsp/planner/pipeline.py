@@ -357,25 +357,36 @@ def order_microbatches(times: Sequence[float], spec: PipelineSpec) -> PipelineRe
     return PipelineResult(best_t, busy, tuple(best))
 
 
-def price_plan(plan: Plan, spec: PipelineSpec, *, reorder: bool = True) -> Plan:
+def price_plan(
+    plan: Plan,
+    spec: PipelineSpec,
+    *,
+    reorder: bool = True,
+    pass_times: Sequence[float] | None = None,
+) -> Plan:
     """The plan with its micro-batches in pipeline order and ``est_step_ms`` the pipelined step.
 
     ``reorder`` False keeps the plan's own order (the Megatron baselines run in the order their
-    schedulers emit). The summed micro-batch time, the bubble and the schedule go to
+    schedulers emit). ``pass_times``: the pipeline's micro-batches when they are not the plan's
+    (a plan whose groups run their sequences in separate passes pipelines each pass; kept in
+    that order). The summed micro-batch time, the bubble and the schedule go to
     ``extra["pipeline"]``; the sequences and groups are untouched, so validation is unchanged.
     """
-    times = [mb.est_ms for mb in plan.microbatches]
-    use = spec if reorder else replace(spec, order="as-given")
+    times = [mb.est_ms for mb in plan.microbatches] if pass_times is None else list(pass_times)
+    use = spec if reorder and pass_times is None else replace(spec, order="as-given")
     if spec.pp > 1 and len(times) % spec.microbatch_multiple:
         raise InputError(
             f"interleaved pipeline (--vpp {spec.vpp}) needs a multiple of --pp {spec.pp} "
             f"micro-batches; this plan has {len(times)}"
         )
     res = order_microbatches(times, use)
-    mbs = tuple(plan.microbatches[i] for i in res.order)
+    mbs = plan.microbatches
+    if pass_times is None:
+        mbs = tuple(plan.microbatches[i] for i in res.order)
     info = {
         **spec.to_dict(),
-        "order": "bubble" if reorder and spec.order == "bubble" else "as-given",
+        "order": use.order,
+        "pipeline_microbatches": len(times),
         "sum_microbatch_ms": res.busy_ms,
         "bubble_ms": res.bubble_ms,
         "peak_in_flight": spec.peak_in_flight(len(times)),
