@@ -20,7 +20,6 @@ from megatron_hsp.commands.common import (
 from megatron_hsp.planner.bench import DEFAULT_METHODS, PlanFn, parse_methods, run_bench
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.plan import Plan
-from megatron_hsp.planner.settings import PlannerSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +72,8 @@ def run_from_args(
         setup.cost,
         setup.cluster,
         methods,
-        hsp=PlannerSettings(args.solver, args.time_budget, setup.sizes, args.seed),
+        hsp=setup.settings(args),
+        pipeline=setup.pipeline,
         sizes=setup.sizes,
         extra_methods={"megatron-dcp": lambda: _megatron_dcp(setup)},
         plans_sink={"hsp": hsp_plans} if hsp_plans is not None else None,

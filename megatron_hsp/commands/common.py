@@ -9,9 +9,9 @@ import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from megatron_hsp.planner.costmodel import CostModel, load_cost_model, preset_names
+from megatron_hsp.planner.costmodel import CostModel, preset_names
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.lengths import (
     OVERLONG_POLICIES,
@@ -20,7 +20,19 @@ from megatron_hsp.planner.lengths import (
     parse_max_seq,
     read_lengths,
 )
-from megatron_hsp.planner.settings import DEFAULT_SOLVER, DEFAULT_TIME_BUDGET_S, MILP_SOLVERS
+from megatron_hsp.planner.parallel import (
+    ParallelConfig,
+    load_any_cost_model,
+    parallel_preset_names,
+    pipeline_spec_for,
+)
+from megatron_hsp.planner.pipeline import PipelineSpec
+from megatron_hsp.planner.settings import (
+    DEFAULT_SOLVER,
+    DEFAULT_TIME_BUDGET_S,
+    MILP_SOLVERS,
+    PlannerSettings,
+)
 from megatron_hsp.planner.topology import Cluster
 from megatron_hsp.planner.units import check_range
 
@@ -62,12 +74,36 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         help="text file (one length per line, .gz ok) or Megatron indexed dataset prefix; "
         "default: the embedded Wikipedia 100k subset",
     )
-    parser.add_argument("--gpus", type=int, default=64, help="sequence-parallel ranks (default 64)")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=64,
+        help="GPUs (default 64); the planner plans gpus / (tp * pp) sequence-parallel slots",
+    )
     parser.add_argument("--gpus-per-node", type=int, default=8, help="default 8")
     parser.add_argument(
         "--cost-model",
         default="flexsp-gpt-7b",
-        help=f"preset ({', '.join(preset_names())}) or a YAML/JSON spec file",
+        help=f"preset ({', '.join(preset_names() + parallel_preset_names())}) or a YAML/JSON "
+        "spec file",
+    )
+    parser.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel size (first-principles presets)"
+    )
+    parser.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages; every stage runs the same plan, priced under 1F1B (docs/solver.md)",
+    )
+    parser.add_argument(
+        "--vpp",
+        type=int,
+        default=1,
+        help="virtual stages per device (> 1: interleaved, micro-batches a multiple of pp)",
+    )
+    parser.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size over a stage's slots (MoE presets)"
     )
     parser.add_argument("--max-seq", default="192k", help="max sequence length (192k = 192000)")
     parser.add_argument("--global-batch", type=int, default=512, help="sequences per step")
@@ -112,6 +148,15 @@ class Setup:
     sampler: BatchSampler
     sizes: tuple[int, ...] | None
     max_seq: int
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    pipeline: PipelineSpec | None = None  # None: no pipeline (pp 1)
+
+    def settings(self, args: argparse.Namespace) -> PlannerSettings:
+        """hsp's settings from the flags, with this setup's sizes and pipeline."""
+        par = self.parallel
+        return PlannerSettings(
+            args.solver, args.time_budget, self.sizes, args.seed, pp=par.pp, vpp=par.vpp
+        )
 
 
 def parse_sizes(text: str | None, cluster: Cluster) -> tuple[int, ...] | None:
@@ -150,6 +195,9 @@ def check_numeric_flags(args: argparse.Namespace) -> None:
     check_range(args.time_budget, "--time-budget", low=0, low_open=True, high=MAX_TIME_BUDGET_S)
     if args.memory_cap_gb is not None:
         check_range(args.memory_cap_gb, "--memory-cap-gb", low=0, low_open=True, high=1e6)
+    for flag in ("tp", "pp", "vpp", "ep"):
+        if getattr(args, flag, None) is not None:
+            check_range(getattr(args, flag), "--" + flag, low=1, high=MAX_GPUS)
     for flag in ("steps", "start_step", "batch_index"):
         if getattr(args, flag, None) is not None:
             low = 1 if flag == "steps" else 0
@@ -160,15 +208,19 @@ def build_setup(args: argparse.Namespace) -> Setup:
     check_numeric_flags(args)
     if args.overlong is None:  # resolved here so that the JSON config shows what ran
         args.overlong = "drop" if args.sampling == "sequential" else "error"
-    cluster = Cluster(args.gpus, args.gpus_per_node)
+    Cluster(args.gpus, args.gpus_per_node)  # the whole machine's shape, checked first
     max_seq = parse_max_seq(args.max_seq)
-    cost = load_cost_model(
+    parallel = ParallelConfig(*(getattr(args, k, 1) for k in ("tp", "pp", "vpp", "ep")))
+    # With TP/PP/EP (or a MoE preset) the planner's cluster is one stage's data x context plane.
+    cost, cluster = load_any_cost_model(
         args.cost_model,
-        world_size=cluster.world_size,
-        gpus_per_node=cluster.gpus_per_node,
+        parallel,
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
         max_seq_k=max_seq / 1000,
         memory_cap_gb=args.memory_cap_gb,
     )
+    pipeline = pipeline_spec_for(cost, parallel.pp, parallel.vpp) if parallel.pp > 1 else None
     sizes = parse_sizes(args.sizes, cluster)
     costed = set(cost.sizes)  # one set: ``cost.sizes`` rebuilds a sorted list per access
     usable = [d for d in (sizes or sorted(costed)) if cluster.size_fits(d) and d in costed]
@@ -185,7 +237,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
     )
     if sampler.harness_note():  # on stderr: counted in the JSON too, never silent
         print(sampler.harness_note(), file=sys.stderr)
-    return Setup(cluster, cost, sampler, sizes, max_seq)
+    return Setup(cluster, cost, sampler, sizes, max_seq, parallel, pipeline)
 
 
 def config_dict(args: argparse.Namespace) -> dict:

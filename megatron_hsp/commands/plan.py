@@ -13,10 +13,16 @@ from megatron_hsp.commands.common import (
     import_warnings_summarised,
 )
 from megatron_hsp.planner.baselines import memory_model_for
-from megatron_hsp.planner.bench import hsp_plan_fn, lower_bound_fn, parse_methods
+from megatron_hsp.planner.bench import (
+    hsp_plan_fn,
+    lower_bound_fn,
+    parse_methods,
+    price_baseline,
+    shortest_microbatch_ms,
+)
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.pipeline import pipeline_lower_bound
 from megatron_hsp.planner.plan import Plan
-from megatron_hsp.planner.settings import PlannerSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +50,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     cost, cluster = setup.cost, setup.cluster
     t0 = time.perf_counter()
     if method == "hsp":
-        opts = PlannerSettings(args.solver, args.time_budget, setup.sizes, args.seed)
-        plan = hsp_plan_fn(cost, cluster, opts)(lengths)
+        plan = hsp_plan_fn(cost, cluster, setup.settings(args))(lengths)
     elif method == "megatron-dcp":
         from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
 
@@ -66,12 +71,18 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise InputError(
             f"--method {method} is chosen over several batches; use `megatron-hsp bench`"
         )
+    if setup.pipeline is not None and method != "hsp":
+        # Baselines run in the order their schedulers emit (planner/bench.py).
+        plan = price_baseline(plan, cost, setup.pipeline)
     elapsed = (time.perf_counter() - t0) * 1e3
     plan.validate(lengths.tolist(), memory_model_for(plan, cost), cluster.world_size)
     lb = plan.lower_bound_ms
     if not lb:
         fn = lower_bound_fn(cost, cluster, setup.sizes)
         lb = fn(lengths) if fn else 0.0
+        if setup.pipeline is not None and lb:
+            shortest = shortest_microbatch_ms(lengths, cost, cluster, setup.sizes)
+            lb = pipeline_lower_bound(lb, shortest, setup.pipeline.pp, setup.pipeline.vpp)
     extra = {
         **plan.extra,
         "batch_index": args.batch_index,
@@ -87,14 +98,23 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 
 def format_plan(plan: Plan) -> str:
+    # Under TP/PP the plan covers one stage's data x context plane, not the whole machine.
+    where = "slots of one stage" if "pipeline" in plan.extra else "GPUs"
     lines = [
-        f"plan: {plan.cost_model} on {plan.world_size} GPUs ({plan.gpus_per_node}/node), "
+        f"plan: {plan.cost_model} on {plan.world_size} {where} ({plan.gpus_per_node}/node), "
         f"solver {plan.solver}, status {plan.status}",
         f"estimated step {plan.est_step_ms / 1e3:.3f} s  lower bound "
         f"{plan.lower_bound_ms / 1e3:.3f} s  solve {plan.solve_ms:.0f} ms  "
         f"{len(plan.microbatches)} micro-batches, {plan.num_sequences} sequences",
     ]
     x = plan.extra
+    if "pipeline" in x:
+        p = x["pipeline"]
+        lines.append(
+            f"pipeline: {p['schedule']} pp {p['pp']} vpp {p['vpp']}, micro-batches "
+            f"{p['sum_microbatch_ms'] / 1e3:.3f} s + bubble {p['bubble_ms'] / 1e3:.3f} s "
+            f"({p['order']} order), {p['peak_in_flight']:g} in flight"
+        )
     if x.get("overlong_dropped") or x.get("overlong_split"):
         lines.append(
             f"overlong: dropped {x.get('overlong_dropped', 0)}, split {x.get('overlong_split', 0)}"

@@ -6,6 +6,13 @@ Methods: ``hsp`` (our solver), ``static-N``, ``static-best`` (hindsight), ``batc
 torch and therefore is injected from outside ``planner/``). Every plan is checked with
 ``Plan.validate(lengths, cost, world_size)``; speedups are ratios of summed estimated step
 times over the same batches (baseline / hsp), as docs/design.md section 3 defines.
+
+Under a pipeline (``run_bench(..., pipeline=PipelineSpec)``, with the stage cost model of
+``planner/parallel.py``) every method's plan is priced by the same ``pipeline.price_plan``: hsp's
+solver orders its micro-batches to shrink the bubble; the baselines keep the order their
+schedulers emit (that is how they run), and under interleaving a baseline whose micro-batch count
+is not a multiple of pp is infeasible, as megatron-core's interleaved schedule refuses it. The
+lower bound becomes ``pipeline.pipeline_lower_bound`` of the summed bound.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from megatron_hsp.planner.baselines import (
 from megatron_hsp.planner.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.lengths import GlobalBatch
+from megatron_hsp.planner.pipeline import PipelineSpec, pipeline_lower_bound, price_plan
 from megatron_hsp.planner.plan import Plan
 from megatron_hsp.planner.settings import PlannerSettings
 from megatron_hsp.planner.topology import Cluster
@@ -177,6 +185,7 @@ def run_bench(
     extra_methods: Mapping[str, Callable[[], PlanFn]] | None = None,
     progress: Callable[[str], None] | None = None,
     plans_sink: Mapping[str, list[Plan]] | None = None,
+    pipeline: PipelineSpec | None = None,
 ) -> dict[str, Any]:
     """Run ``methods`` on ``batches``; return docs/design.md's ``methods`` and ``summary`` blocks.
 
@@ -184,8 +193,22 @@ def run_bench(
     which is how torch-based baselines join without ``planner/`` importing torch. They run after
     the torch-free methods, so ``planner_peak_rss_mb`` is measured before torch is loaded.
     ``plans_sink`` maps method names to lists that receive that method's plans (for pictures).
+    ``pipeline`` prices every plan under that schedule (module docstring); hsp's settings must
+    name the same pp/vpp.
     """
     hsp = hsp or PlannerSettings()
+    if pipeline is not None and pipeline.pp == 1:
+        pipeline = None
+    if pipeline is not None and (hsp.pp, hsp.vpp) != (pipeline.pp, pipeline.vpp):
+        raise InputError(
+            f"bench: hsp plans for pp {hsp.pp} vpp {hsp.vpp} but the pipeline is pp "
+            f"{pipeline.pp} vpp {pipeline.vpp}"
+        )
+
+    def piped(plan: Plan) -> Plan:
+        """A baseline's plan priced under the pipeline, in its own order."""
+        return plan if pipeline is None else price_baseline(plan, cost, pipeline)
+
     extra_methods = dict(extra_methods or {})
     lengths = [np.asarray(b.lengths, dtype=np.int64) for b in batches]
     if not lengths:
@@ -207,6 +230,12 @@ def run_bench(
             for b in lengths:
                 t0 = time.perf_counter()
                 comb, lpb, conv, master = lb(b)
+                if pipeline is not None:
+                    shortest = shortest_microbatch_ms(b, cost, cluster, sizes)
+                    comb, lpb = (
+                        pipeline_lower_bound(x, shortest, pipeline.pp, pipeline.vpp)
+                        for x in (comb, lpb)
+                    )
                 res.step_ms.append(max(comb, lpb))
                 res.solve_ms.append((time.perf_counter() - t0) * 1e3)
                 combinatorial.append(comb)
@@ -223,7 +252,17 @@ def run_bench(
         if name in ("static-best", "dp-balanced"):
             t0 = time.perf_counter()
             hindsight = static_best_degree if name == "static-best" else dp_balanced_best_degree
-            best, per_degree = hindsight(lengths, cost, cluster, sizes)
+            try:
+                best, per_degree = hindsight(lengths, cost, cluster, sizes)
+                per_degree = _piped_degrees(per_degree, piped)
+                best = min(
+                    sorted(per_degree), key=lambda d: sum(p.est_step_ms for p in per_degree[d])
+                )
+            except (InfeasibleError, ValueError) as exc:
+                res.step_ms = [None] * len(lengths)
+                res.infeasible.append(str(exc) or "no degree runs under the pipeline")
+                results[name] = res
+                continue
             elapsed = (time.perf_counter() - t0) * 1e3 / len(lengths)
             for plan, b in zip(per_degree[best], lengths, strict=True):
                 _record(res, plan, b, cost, elapsed)
@@ -254,10 +293,19 @@ def run_bench(
             t0 = time.perf_counter()
             try:
                 plan = fn(b)
+                if name != "hsp":
+                    plan = piped(plan)
             except InfeasibleError as exc:
                 if name == "hsp":
                     raise
                 res.step_ms.append(None)
+                res.solve_ms.append((time.perf_counter() - t0) * 1e3)
+                res.infeasible.append(f"batch {batches[step].step}: {exc}")
+                continue
+            except InputError as exc:
+                if name == "hsp" or pipeline is None:
+                    raise
+                res.step_ms.append(None)  # e.g. a count interleaving refuses
                 res.solve_ms.append((time.perf_counter() - t0) * 1e3)
                 res.infeasible.append(f"batch {batches[step].step}: {exc}")
                 continue
@@ -279,6 +327,84 @@ def run_bench(
         "methods": {k: v.to_dict() for k, v in results.items()},
         "summary": summarize(results, planner_rss),
     }
+
+
+def sequential_pass_times(plan: Plan, cost: CostModel) -> list[float]:
+    """Per-pass times of a plan whose groups train their sequences one pass each.
+
+    Upstream's dynamic CP runs each sub-sample of a group in its own forward/backward (groups
+    side by side, all meeting before the next scheduler group); under a pipeline each pass is a
+    pipeline micro-batch: pass k of a scheduler group costs its slowest group's k-th sequence,
+    priced by the plan's own ring assumptions, the group's fixed cost on its first pass (as the
+    summed price charges it once) unless the assumptions charge it per sequence.
+    """
+    from megatron_hsp.planner.baselines import RING_OVERLAP, RingAssumptions
+
+    assume = RingAssumptions(**plan.extra.get("ring_assumptions", {}))
+    ring = RING_OVERLAP[assume.overlap]
+    out: list[float] = []
+    for mb in plan.microbatches:
+        depth = max((len(g.lengths) for g in mb.groups), default=0)
+        for k in range(depth):
+            t = 0.0
+            for g in mb.groups:
+                if k < len(g.lengths):
+                    split = assume.split(g.size, cost)
+                    ms = float(cost.seq_ms([g.lengths[k]], g.size, split, ring)[0])
+                    if k == 0 or assume.fixed_per_sequence:
+                        ms += cost.fixed_ms(g.size, split)
+                    t = max(t, ms)
+            out.append(t)
+    return out
+
+
+def price_baseline(plan: Plan, cost: CostModel, pipeline: PipelineSpec) -> Plan:
+    """A baseline's plan under the pipeline, in its scheduler's order.
+
+    Plans that run their sequences one pass each (megatron-dcp) can pipeline either each
+    scheduler group as one micro-batch or each pass (``sequential_pass_times``: more, smaller
+    micro-batches, but passes of side-by-side groups priced in lockstep, as every plan's
+    micro-batch is); the cheaper of the two is taken, the reading most favourable to them. A
+    pricing the interleaved schedule refuses (a count not a multiple of pp) is skipped; if both
+    are refused the ``InputError`` stands.
+    """
+    from megatron_hsp.planner.baselines import SEQUENTIAL
+
+    if plan.extra.get("execution") != SEQUENTIAL:
+        return price_plan(plan, pipeline, reorder=False)
+    options: list[Plan] = []
+    error: InputError | None = None
+    for times in (None, sequential_pass_times(plan, cost)):
+        try:
+            options.append(price_plan(plan, pipeline, reorder=False, pass_times=times))
+        except InputError as exc:
+            error = exc
+    if not options:
+        assert error is not None
+        raise error
+    return min(options, key=lambda p: p.est_step_ms)
+
+
+def _piped_degrees(
+    per_degree: Mapping[int, list[Plan]], piped: Callable[[Plan], Plan]
+) -> dict[int, list[Plan]]:
+    """Each degree's plans priced under the pipeline; degrees it cannot run are left out."""
+    out: dict[int, list[Plan]] = {}
+    for d, plans in per_degree.items():
+        try:
+            out[d] = [piped(p) for p in plans]
+        except InputError:
+            continue
+    return out
+
+
+def shortest_microbatch_ms(
+    lengths: np.ndarray, cost: CostModel, cluster: Cluster, sizes: Sequence[int] | None
+) -> float:
+    """The cheapest micro-batch any plan can have: the shortest sequence in its best group."""
+    shortest = int(np.min(lengths))
+    usable = [d for d in (sizes or cost.sizes) if cluster.size_fits(d)]
+    return min(cost.group_ms([shortest], d) for d in usable if cost.fits([shortest], d))
 
 
 def _all_executable(results: Mapping[str, MethodResult]) -> bool | None:

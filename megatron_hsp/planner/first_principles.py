@@ -287,6 +287,31 @@ def step_overhead_ms(
     }
 
 
+def attention_ms_per_token2(
+    attn_train_flops_per_token2: float, hardware: HardwareConfig, training: TrainingConfig
+) -> float:
+    """a1 (ms per token^2) from the training FLOPs of causal core attention per token^2.
+
+    The forward FLOPs (a third of Megatron's training count) at the forward rate, once more when
+    recomputed, and the backward kernel's 2.5x forward FLOPs at the backward rate. The one rule
+    every first-principles builder uses (this module, ``parallel.py``'s stages)."""
+    fwd = attn_train_flops_per_token2 / 3.0
+    return (
+        fwd * (2.0 if training.recompute else 1.0) / hardware.attention_flops
+        + ATTN_BACKWARD_FLOPS * fwd / hardware.attention_bwd_flops
+    ) * 1e3
+
+
+def attention_calls_ms(
+    layers: int, passes: int, hardware: HardwareConfig, training: TrainingConfig
+) -> float:
+    """Fixed ms of one micro-batch's (or one ring step's) attention kernel calls: one per layer
+    and pass, each paying the kernel's call overhead and the host's per-call overhead."""
+    return (
+        layers * passes * (hardware.attn_call_overhead_us + training.host_call_overhead_us) * 1e-3
+    )
+
+
 def first_principles_cost_model(
     model: ModelConfig,
     hardware: HardwareConfig,
@@ -339,13 +364,7 @@ def first_principles_cost_model(
     cap_gb = hardware.hbm_gb * 0.9 if memory_cap_gb is None else float(memory_cap_gb)
     recompute = 4.0 / 3.0 if training.recompute else 1.0
     lin_flops = hardware.peak_tflops * 1e12 * hardware.achievable_fraction
-    # Attention: forward FLOPs (a third of Megatron's training count) at the forward rate, once
-    # more when recomputed, and the backward kernel's 2.5x forward FLOPs at the backward rate.
-    fwd_flops = model.attn_flops_per_token2() / 3.0
-    a1 = (
-        fwd_flops * (2.0 if training.recompute else 1.0) / hardware.attention_flops
-        + ATTN_BACKWARD_FLOPS * fwd_flops / hardware.attention_bwd_flops
-    ) * 1e3
+    a1 = attention_ms_per_token2(model.attn_flops_per_token2(), hardware, training)
     a2 = model.linear_flops_per_token() * recompute / lin_flops * 1e3
 
     space = HeadSpace(model.heads, model.kv_heads)
@@ -356,7 +375,7 @@ def first_principles_cost_model(
     calls = 4 * model.layers * passes
     host_ms = training.host_call_overhead_us * 1e-3
     # Attention kernel calls per micro-batch: one per layer and pass (per ring step).
-    kernel_ms = model.layers * passes * (hardware.attn_call_overhead_us * 1e-3 + host_ms)
+    kernel_ms = attention_calls_ms(model.layers, passes, hardware, training)
     a2a: dict[int, float] = {}
     fixed: dict[int, float] = {}
     params = float(model.num_params())

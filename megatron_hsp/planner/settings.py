@@ -6,6 +6,10 @@ may search, which group sizes it may use, and its seed. They used to be re-decla
 dataclasses with the default budget written five times; here they are declared once, with the
 defaults, and turned into the solver's own ``SolverConfig`` in one place (``solver_config``).
 
+``pp`` / ``vpp`` say which pipeline schedule the plan runs under (1F1B, or interleaved with
+``vpp`` virtual stages): the solver then prices steps with ``planner/pipeline.py``. They must
+match the stage cost model (``planner/parallel.py`` builds it; the solver refuses a mismatch).
+
 What is *not* a knob lives elsewhere: the cluster (``topology.Cluster``) and the cost model
 (``costmodel.load_cost_model``), which describe the problem rather than how to search it.
 """
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.pipeline import PipelineSpec
 
 if TYPE_CHECKING:
     from megatron_hsp.planner.solver import SolverConfig
@@ -36,12 +41,15 @@ FALLBACK_TIME_BUDGET_S = 0.2
 
 @dataclass(frozen=True)
 class PlannerSettings:
-    """How the planner searches: solver, wall-clock budget, allowed group sizes, seed."""
+    """How the planner searches: solver, wall-clock budget, allowed group sizes, seed, and the
+    pipeline schedule it prices (pp 1: none)."""
 
     solver: str = DEFAULT_SOLVER
     time_budget_s: float = DEFAULT_TIME_BUDGET_S
     sizes: tuple[int, ...] | None = None  # None: every size the cluster and cost model allow
     seed: int = 0
+    pp: int = 1  # pipeline stages (every stage runs the same plan)
+    vpp: int = 1  # virtual stages per device: > 1 is Megatron's interleaved schedule
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
@@ -50,12 +58,14 @@ class PlannerSettings:
             raise InputError(f"the planner's time budget must be > 0 s (got {self.time_budget_s})")
         if self.sizes is not None:
             object.__setattr__(self, "sizes", tuple(int(d) for d in self.sizes))
+        PipelineSpec(self.pp, self.vpp)  # refuses vpp without pp, non-positive degrees
 
     def solver_config(self) -> SolverConfig:
         """The solver's own configuration for these settings (the one place they map)."""
         from megatron_hsp.planner.solver import SolverConfig
 
         return SolverConfig(
+            pipeline=PipelineSpec(self.pp, self.vpp) if self.pp > 1 else None,
             backend=DEFAULT_SOLVER if self.solver == "greedy" else self.solver,
             time_budget_s=self.time_budget_s,
             sizes=self.sizes,

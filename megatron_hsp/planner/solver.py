@@ -12,6 +12,13 @@ Pipeline (each stage keeps the best plan so far, so the budget can cut in anywhe
    greedy schedule as incumbent; a MILP schedule replaces the greedy one only when it is faster.
 4. Plan assembly: aligned rank blocks, estimates, the lower bound (``bounds``), validation, and
    the status (see ``milp.refine_microbatches``).
+
+Under a pipeline (``SolverConfig.pipeline`` with pp > 1, and a stage cost model built for it by
+``planner/parallel.py``), the step is priced by ``planner/pipeline.py``: candidates are compared
+by their pipelined step (a quick order), counts are kept a multiple of pp where interleaving
+needs it (``_fit_multiple`` splits the fullest micro-batch), and the final plan is ordered to
+shrink the bubble, its ``est_step_ms`` the pipelined step. Local search and the MILP still
+minimise the sum of micro-batch times, the bubble-free part of the step.
 """
 
 from __future__ import annotations
@@ -30,6 +37,12 @@ from megatron_hsp.planner.groupspace import planning_sizes
 from megatron_hsp.planner.improve import improve
 from megatron_hsp.planner.instance import GroupSpec, Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.milp import refine_microbatches, require_cbc
+from megatron_hsp.planner.pipeline import (
+    PipelineSpec,
+    order_microbatches,
+    pipeline_lower_bound,
+    price_plan,
+)
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 from megatron_hsp.planner.settings import DEFAULT_SOLVER, DEFAULT_TIME_BUDGET_S, MILP_SOLVERS
 from megatron_hsp.planner.topology import Cluster
@@ -59,6 +72,10 @@ class SolverConfig:
     # Micro-batch MILPs per solve, biggest gap to the floor first (issue 19: past the first
     # two they gained <= 0.5% of the step at 2-4x the solve time; docs/solver.md).
     milp_max_microbatches: int = 2
+    # The pipeline the plan runs under (None or pp 1: none); the cost model must be the stage
+    # model built for it (``parallel.pipeline_spec_for`` checks, and supplies its backward share
+    # and p2p time).
+    pipeline: PipelineSpec | None = None
 
 
 @dataclass
@@ -93,18 +110,27 @@ def solve(
     if config.sizes is None:  # a bounded search at thousands of GPUs (groupspace.planning_sizes)
         sizes = planning_sizes(sizes, cluster.gpus_per_node)
     checked = check_lengths(lengths, cost, sizes)
+    pipe = _pipeline(config, cost, len(checked))
     inst = Instance.build(checked, cost, cluster, sizes)
     bound = instance_lower_bound(inst, deadline=search_deadline)
 
     phases = {"setup": time.perf_counter() - start}
-    best = _greedy_candidates(inst, cluster, config, search_deadline)
+    best = _greedy_candidates(inst, cluster, config, search_deadline, pipe)
     phases["greedy"] = time.perf_counter() - start
     if config.improve_evals > 0:
         improve_until = min(search_deadline, time.perf_counter() + config.improve_share * budget)
         best.microbatches, _ = improve(
             inst, cluster, best.microbatches, improve_until, max_evals=config.improve_evals
         )
-        best.total = sum(span for span, _ in best.microbatches)
+        best.total = _objective(best.microbatches, pipe)
+    if pipe is not None and config.improve_evals > 0:
+        balance_until = min(
+            search_deadline, time.perf_counter() + 0.5 * config.improve_share * budget
+        )
+        best.microbatches = _balance_for_pipeline(
+            inst, cluster, best.microbatches, pipe, balance_until, config.improve_evals
+        )
+        best.total = _objective(best.microbatches, pipe)
     phases["improve"] = time.perf_counter() - start
     status = "heuristic"
     milp_stats: dict[str, int] = {}
@@ -123,9 +149,14 @@ def solve(
             min_gap=config.milp_min_gap,
             max_solves=config.milp_max_microbatches,
         )
-        best.total = sum(span for span, _ in best.microbatches)
+        best.total = _objective(best.microbatches, pipe)
     phases["milp"] = time.perf_counter() - start
     plan = _assemble(inst, cluster, cost, best, bound, 0.0, config, status)
+    if pipe is not None:
+        plan = price_plan(plan, pipe)
+        plan = replace(
+            plan, lower_bound_ms=pipeline_lower_bound(bound, min(inst.best), pipe.pp, pipe.vpp)
+        )
     plan.validate(checked, cost, cluster.world_size)
     # Timings cover everything, assembly and validation included.
     solve_ms = (time.perf_counter() - start) * 1e3
@@ -145,12 +176,133 @@ def solve(
 RESCUE_OVER_FLOORS = 1.5
 
 
+def _pipeline(config: SolverConfig, cost: CostModel, sequences: int) -> PipelineSpec | None:
+    """The checked pipeline of ``config`` (None without one), its figures from the stage model."""
+    spec = config.pipeline
+    if spec is None or spec.pp == 1:
+        return None
+    from megatron_hsp.planner.parallel import pipeline_spec_for
+
+    checked = pipeline_spec_for(cost, spec.pp, spec.vpp)
+    if spec.microbatch_multiple > sequences:
+        raise InfeasibleError(
+            f"interleaved pipeline (--vpp {spec.vpp}) needs a multiple of --pp {spec.pp} "
+            f"micro-batches, at least {spec.pp}, but the batch has {sequences} sequences"
+        )
+    return replace(checked, order=spec.order, max_order_evals=spec.max_order_evals)
+
+
+# Under a pipeline, counts up to this many times pp above the memory floor are tried (instead
+# of ``SolverConfig.extra_microbatches``): the bubble shrinks with more, smaller micro-batches.
+# With 3 extra counts, benchmarks/pipeline_moe.py's Qwen3 EP8 PP2 row planned 3-5 micro-batches
+# with a 21% bubble and lost to static packing at a smaller pack size (docs/solver.md).
+PIPELINE_EXTRA_PER_STAGE = 4
+
+# simulate() calls spent per candidate when candidates are compared (the given and the shaped
+# order); the final plan gets the spec's full order search.
+QUICK_ORDER_EVALS = 2
+
+
+def _objective(mbs: list[tuple[float, list[GroupSpec]]], pipe: PipelineSpec | None) -> float:
+    """What the search minimises: the summed micro-batch times, or the pipelined step."""
+    spans = [span for span, _ in mbs]
+    if pipe is None:
+        return sum(spans)
+    return order_microbatches(spans, replace(pipe, max_order_evals=QUICK_ORDER_EVALS)).step_ms
+
+
+def _balance_for_pipeline(
+    inst: Instance,
+    cluster: Cluster,
+    mbs: list[tuple[float, list[GroupSpec]]],
+    pipe: PipelineSpec,
+    deadline: float,
+    max_evals: int,
+) -> list[tuple[float, list[GroupSpec]]]:
+    """Move single sequences from the longest micro-batches to the shortest while the
+    pipelined step falls.
+
+    Why: the local search minimises the sum; under a pipeline unequal neighbours also stall the
+    steady state (a device waits for a long backward while holding a short forward), so a move
+    that keeps the sum but evens the micro-batches shortens the step. Each move re-schedules the
+    two micro-batches greedily and is kept only if the pipelined step (quick order) improves;
+    the MILP afterwards can only shorten micro-batches, which never lengthens the pipeline.
+    """
+    out = list(mbs)
+    current = _objective(out, pipe)
+    evals = 0
+    improved = True
+    while improved and evals < max_evals and time.perf_counter() < deadline:
+        improved = False
+        order = sorted(range(len(out)), key=lambda b: -out[b][0])
+        for a in order[: max(1, len(out) // 4)]:
+            ids = sorted((i for _, g in out[a][1] for i in g), key=lambda i: inst.best[i])
+            if len(ids) < 2:
+                continue
+            for b in order[::-1][: max(1, len(out) // 4)]:
+                if b == a or out[b][0] >= out[a][0]:
+                    continue
+                for i in ids:
+                    if evals >= max_evals or time.perf_counter() > deadline:
+                        return out
+                    evals += 1
+                    left = schedule_microbatch(inst, [j for j in ids if j != i], cluster)
+                    right = schedule_microbatch(
+                        inst, [*(j for _, g in out[b][1] for j in g), i], cluster
+                    )
+                    if left is None or right is None:
+                        continue
+                    trial = list(out)
+                    trial[a], trial[b] = left, right
+                    t = _objective(trial, pipe)
+                    if t < current - 1e-9:
+                        out, current, improved = trial, t, True
+                        break
+                if improved:
+                    break
+            if improved:
+                break
+    return out
+
+
+def _fit_multiple(
+    inst: Instance, cluster: Cluster, mbs: list[tuple[float, list[GroupSpec]]], k: int
+) -> list[tuple[float, list[GroupSpec]]] | None:
+    """``mbs`` with a micro-batch count that is a multiple of ``k``: split the fullest ones.
+
+    Splitting never needs more memory than the original (each half holds a subset), so the
+    result is feasible when the greedy builder schedules the halves; None when a split fails
+    or every micro-batch holds a single sequence.
+    """
+    out = list(mbs)
+    while len(out) % k:
+        sizes = [sum(len(ids) for _, ids in groups) for _, groups in out]
+        idx = max(range(len(out)), key=lambda b: (sizes[b], out[b][0]))
+        if sizes[idx] < 2:
+            return None
+        ids = sorted(
+            (i for _, g_ids in out[idx][1] for i in g_ids), key=lambda i: (-inst.lengths[i], i)
+        )
+        halves = [schedule_microbatch(inst, part, cluster) for part in (ids[0::2], ids[1::2])]
+        if any(h is None for h in halves):
+            return None
+        out = out[:idx] + out[idx + 1 :] + [h for h in halves if h is not None]
+    return out
+
+
 def _greedy_candidates(
-    inst: Instance, cluster: Cluster, config: SolverConfig, deadline: float
+    inst: Instance,
+    cluster: Cluster,
+    config: SolverConfig,
+    deadline: float,
+    pipe: PipelineSpec | None = None,
 ) -> _Candidate:
     """Try every (count, chunking) candidate; the first always completes, others while in time."""
     best: _Candidate | None = None
-    counts = candidate_counts(inst, config.extra_microbatches)
+    extra = config.extra_microbatches
+    if pipe is not None:  # fewer, larger micro-batches lengthen warm-up and cool-down
+        extra = max(extra, PIPELINE_EXTRA_PER_STAGE * pipe.pp)
+    counts = candidate_counts(inst, extra)
     m = counts[0]
     tried = 0
     best_m = 0  # the count whose chunking gave ``best``
@@ -168,6 +320,12 @@ def _greedy_candidates(
                 return best
             cutoff = best.total if best is not None else float("inf")
             cand = _schedule_chunks(inst, cluster, chunks, label, cutoff)
+            if cand is not None and pipe is not None:
+                # A pipelined step is at least the sum, so the sum-based cutoff stays valid.
+                fitted = _fit_multiple(inst, cluster, cand.microbatches, pipe.microbatch_multiple)
+                cand = None if fitted is None else _Candidate(0.0, fitted, cand.label)
+                if cand is not None:
+                    cand.total = _objective(cand.microbatches, pipe)
             tried += 1
             if tried == 1 and cand is not None:
                 floors = sum(inst.microbatch_floor(c) for c in chunks)
