@@ -8,7 +8,7 @@ import pytest
 from megatron_hsp.planner.costmodel import load_cost_model
 from megatron_hsp.planner.refit import scaled_model
 from megatron_hsp.planner.settings import PlannerSettings
-from megatron_hsp.step.observe import StepRefitter
+from megatron_hsp.step.observe import REFIT_MAX_STEP, StepRefitter
 from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
 from megatron_hsp.testing.manual_plan import manual_plan
 
@@ -52,8 +52,9 @@ def test_refitter_learns_a_slower_machine_and_writes_a_loadable_model(tmp_path):
     accepted = [r for r in results[1:] if r is not None and r.accepted]
     assert accepted, [r.reason for r in results[1:] if r is not None]
     assert refitter.model.linear_ms_per_token > base.linear_ms_per_token
-    # Bounded: each accepted update moves a factor by at most 25%.
-    assert refitter.model.linear_ms_per_token <= base.linear_ms_per_token * 1.25 ** len(accepted)
+    # Bounded: each accepted update moves a factor by at most REFIT_MAX_STEP.
+    bound = (1 + REFIT_MAX_STEP) ** len(accepted)
+    assert refitter.model.linear_ms_per_token <= base.linear_ms_per_token * bound
     reloaded = load_cost_model(str(out), world_size=4, gpus_per_node=4)
     assert reloaded.linear_ms_per_token == pytest.approx(refitter.model.linear_ms_per_token)
     assert [u["step"] for u in refitter.updates] == list(range(1, 9))

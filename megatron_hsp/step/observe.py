@@ -164,6 +164,13 @@ class StepObserver:
             self.plan_log = None
 
 
+# Largest relative move of a refit factor per training step. A model fitted elsewhere can be off
+# by 2x on the machine at hand (the demo's built-in CPU model predicted 114% high on a fresh
+# machine): at 25% per update it takes three accepted updates to halve a factor, at 50% two, and
+# the plan of step t + 2 is the first to see the update after step t.
+REFIT_MAX_STEP = 0.5
+
+
 class StepRefitter:
     """The observer's online refit (issue 19): measured group times -> the planner's model.
 
@@ -180,10 +187,17 @@ class StepRefitter:
     group wait for each other in its collectives; groups of a micro-batch are independent).
     """
 
-    def __init__(self, cost: Any, *, skip_steps: int = 1, out: str | None = None) -> None:
+    def __init__(
+        self,
+        cost: Any,
+        *,
+        skip_steps: int = 1,
+        out: str | None = None,
+        max_step: float = REFIT_MAX_STEP,
+    ) -> None:
         from megatron_hsp.planner.refit import OnlineRefit
 
-        self.refit = OnlineRefit(cost)
+        self.refit = OnlineRefit(cost, max_step=max_step)
         self.skip_steps = skip_steps
         self.out = out
         self.updates: list[dict[str, Any]] = []
