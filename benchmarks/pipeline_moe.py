@@ -165,14 +165,17 @@ def _pack_cell(best: tuple[float, int, int] | None, hsp_s: float, key: str) -> s
     return f"{total / hsp_s:.2f}x [{key}={d}, cap/{k}]"
 
 
-def run_row(label: str, dist: str, max_seq: int, flags: list[str], steps: int) -> dict:
+def run_row(
+    label: str, dist: str, max_seq: int, flags: list[str], steps: int, json_dir: Path = RESULTS
+) -> dict:
     gbs = int(flags[flags.index("--global-batch") + 1])
     path = lengths_file(dist, max_seq, gbs * steps)
-    out_json = RESULTS / f"pp_moe_{label.replace(' ', '_')}_{dist}.json"
+    out_json = json_dir / f"pp_moe_{label.replace(' ', '_')}_{dist}.json"
+    shown = out_json.relative_to(ROOT) if out_json.is_relative_to(ROOT) else out_json
     argv = ["--lengths", str(path.relative_to(ROOT)), "--max-seq", str(max_seq), *flags,
             "--steps", str(steps), "--sampling", "sequential", "--overlong", "drop",
             "--methods", METHODS, "--time-budget", "1.0",
-            "--json", str(out_json.relative_to(ROOT))]  # fmt: skip
+            "--json", str(shown)]  # fmt: skip
     parser = argparse.ArgumentParser()
     bench_cmd.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -236,11 +239,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--only", choices=("pp", "moe"), default=None)
+    ap.add_argument(
+        "--json-dir",
+        type=Path,
+        default=RESULTS,
+        help="where each row's bench JSON goes (default benchmarks/results, the committed ones)",
+    )
     args = ap.parse_args(argv)
     for table in ("pp", "moe"):
         if args.only and table != args.only:
             continue
-        rows = [run_row(*r[1:], args.steps) for r in ROWS if r[0] == table]
+        rows = [run_row(*r[1:], args.steps, args.json_dir) for r in ROWS if r[0] == table]
         print(f"\n{table} table ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})\n")
         print(HEADER)
         print("|" + "---|" * (HEADER.count("|") - 1))

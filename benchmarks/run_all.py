@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,6 +47,12 @@ def commands(out: Path) -> dict[str, list[str]]:
         "gap_decomposition": [py, str(HERE / "gap_decomposition.py"), "--steps", "1"],
         "solve_time": [py, str(HERE / "solve_time.py"), "1"],
         "communicators": [py, str(HERE / "communicators.py")],
+        # One step, JSON to the temp dir: the committed 5-step results stay as docs quote them.
+        "pipeline_moe": [
+            py, str(HERE / "pipeline_moe.py"), "--steps", "1",
+            "--json-dir", tempfile.gettempdir(),
+        ],
+        "pipeline_order": [py, str(HERE / "pipeline_order.py")],
         # Needs a FlexSP checkout (--galvatron / $HSP_GALVATRON) and pyscipopt; says so if absent.
         "flexsp_solver_compare": [
             py, str(HERE / "flexsp_solver_compare.py"), "--iters", "1", "--distributions",
