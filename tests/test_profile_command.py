@@ -12,12 +12,14 @@ import yaml
 from megatron_hsp.cli import main
 from megatron_hsp.runtime.profile import ComputeSample
 
-# Sequences up to 2048 tokens at hidden 64: long enough that the per-token terms stand out of
-# the timing noise of a loaded 2-core CI machine (at 512 tokens / hidden 32 the linear term was
-# sometimes fitted as zero there and the profile refused, correctly, to write it).
+# Sequences up to 2048 tokens at hidden 128, six lengths: the linear term must stand out of the
+# timing noise of a 2-core CI machine. At 512 tokens / hidden 32 it was sometimes fitted as zero;
+# at hidden 64 with four lengths it still was, once in a few idle runs (attention about twice
+# the linear time at 2048 tokens, three parameters from four points); at hidden 128 the two are
+# comparable and six points separate the quadratic from the linear term (about 3 s more).
 TINY = [
-    "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "64",
-    "--max-tokens", "2048", "--points", "4", "--repeats", "3", "--nproc", "2",
+    "--layers", "1", "--hidden", "128", "--heads", "4", "--kv-heads", "2", "--vocab", "64",
+    "--max-tokens", "2048", "--points", "6", "--repeats", "3", "--nproc", "2",
 ]  # fmt: skip
 
 
