@@ -16,21 +16,8 @@ import dataclasses
 import json
 import sys
 
-from megatron_hsp.planner.calibration import calibration_table, fit_h100, worst_error
+from megatron_hsp.planner.calibration import FITTED, calibration_table, fit_h100, worst_error
 from megatron_hsp.planner.first_principles import H100_SXM
-
-FITTED = (
-    "attention_fraction",
-    "attention_bwd_fraction",
-    "attn_call_overhead_us",
-    "ring_step_overhead_bytes_per_elem",
-    "nvlink_gbs",
-    "inter_node_gbs",
-    "p2p_gbs",
-    "latency_us",
-    "p2p_latency_us",
-    "inter_node_latency_us",
-)
 
 
 def main(argv: list[str] | None = None) -> int:

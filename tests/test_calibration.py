@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from megatron_hsp.planner.calibration import (
+    FITTED,
     AttentionCase,
     attention_case_tflops,
     calibration_table,
@@ -14,19 +15,6 @@ from megatron_hsp.planner.calibration import (
     h100_figures,
 )
 from megatron_hsp.planner.costmodel import H100_SXM, LLAMA3_8B, load_cost_model
-
-FITTED = (
-    "attention_fraction",
-    "attention_bwd_fraction",
-    "attn_call_overhead_us",
-    "ring_step_overhead_bytes_per_elem",
-    "nvlink_gbs",
-    "inter_node_gbs",
-    "p2p_gbs",
-    "latency_us",
-    "p2p_latency_us",
-    "inter_node_latency_us",
-)
 
 
 def test_h100_preset_is_what_the_fit_returns():

@@ -62,6 +62,22 @@ class AttentionCase:
         return self.fwd_flops_per_gpu() * sum(f for _, f in _pass_list(self.passes))
 
 
+# The H100 preset fields fit_h100 returns (fitted, or taken from the NCCL figures): the
+# preset must equal the fit on each (tests/test_calibration.py, benchmarks/calibration.py).
+FITTED = (
+    "attention_fraction",
+    "attention_bwd_fraction",
+    "attn_call_overhead_us",
+    "ring_step_overhead_bytes_per_elem",
+    "nvlink_gbs",
+    "inter_node_gbs",
+    "p2p_gbs",
+    "latency_us",
+    "p2p_latency_us",
+    "inter_node_latency_us",
+)
+
+
 def _pass_list(passes: str) -> list[tuple[str, float]]:
     """(pass, FLOPs factor) for each pass a case runs."""
     return {
