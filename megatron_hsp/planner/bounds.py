@@ -68,7 +68,7 @@ def instance_lower_bound(inst: Instance, deadline: float | None = None) -> float
     b = inst.min_fixed
     m_min = max(1, math.ceil(sum(inst.lengths) / (n * inst.cap)))
     work = sum(inst.work_min) / n + m_min * b
-    best = [inst.best_time(i) for i in range(len(inst.lengths))]
+    best = inst.best
     critical = max(best) + (m_min - 1) * b
     half_biggest = inst.cap * max(inst.sizes) / 2
     exclusive_ids = [
@@ -147,7 +147,9 @@ def _past(deadline: float | None) -> bool:
 
 
 def _most_critical(inst: Instance, best: list[float], k: int) -> list[int]:
-    return sorted(range(len(best)), key=lambda i: (-best[i], i))[:k]
+    """The ``k`` sequences with the longest own critical path, ties by index."""
+    arr = np.asarray(best, dtype=np.float64)
+    return np.lexsort((np.arange(len(arr)), -arr))[:k].tolist()
 
 
 def _critical_with_memory(

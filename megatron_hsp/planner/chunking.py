@@ -36,8 +36,7 @@ def candidate_counts(inst: Instance, extra: int) -> list[int]:
 
 
 def longest_first(inst: Instance, seq_ids: Sequence[int] | None = None) -> list[int]:
-    ids = range(len(inst.lengths)) if seq_ids is None else seq_ids
-    return sorted(ids, key=lambda i: (-inst.lengths[i], i))
+    return inst.longest_first(seq_ids)
 
 
 def chunk_time_balanced(inst: Instance, m: int, fill: float = 1.0) -> list[list[int]]:
@@ -46,6 +45,8 @@ def chunk_time_balanced(inst: Instance, m: int, fill: float = 1.0) -> list[list[
     A sequence goes to the least-loaded micro-batch that still has token room; if none has, to
     the one with the most room (the scheduler will then report the chunking infeasible).
     """
+    if m == 1:
+        return [longest_first(inst)]  # every sequence in the one micro-batch, as the loop puts it
     room = fill * inst.world_size * inst.cap
     loads = [0.0] * m
     tokens = [0] * m

@@ -222,7 +222,7 @@ class CostModel:
         return self.tokens_per_rank * d
 
     def fits(self, lengths: Sequence[int], group_size: int) -> bool:
-        return sum(int(x) for x in lengths) <= self.capacity(group_size)
+        return sum(map(int, lengths)) <= self.capacity(group_size)
 
     def min_group_size(self, length: int, sizes: Sequence[int]) -> int | None:
         """Smallest size in ``sizes`` whose group can hold one sequence of ``length``."""

@@ -178,21 +178,23 @@ class Plan:
                         f"micro-batch {i}: group at rank {g.ranks[0] if g.ranks else '?'} has "
                         f"{len(g.seq_ids)} seq_ids but {len(g.lengths)} lengths"
                     )
-                if any(x <= 0 for x in g.lengths):
+                if g.lengths and min(g.lengths) <= 0:
                     out.append(f"micro-batch {i}: non-positive length in {_short(g.lengths)}")
                 seen.update(g.seq_ids)
-                if memory is not None and g.lengths:
+                # Memory is monotone (fewer tokens never need more), so a group that fits
+                # holds each of its sequences: the per-sequence sentences are only looked for
+                # in a group that does not (131k single checks took 0.3 s at 16,384 GPUs).
+                if memory is not None and g.lengths and not memory.fits(g.lengths, g.size):
                     for sid, ln in zip(g.seq_ids, g.lengths, strict=False):
                         if not memory.fits([ln], g.size):
                             out.append(
                                 f"micro-batch {i}: sequence {sid} of length {ln} does not fit a "
                                 f"group of {g.size}"
                             )
-                    if not memory.fits(g.lengths, g.size):
-                        out.append(
-                            f"micro-batch {i}: group of {g.size} at rank {g.ranks[0]} holds "
-                            f"{g.tokens} tokens, over its memory cap"
-                        )
+                    out.append(
+                        f"micro-batch {i}: group of {g.size} at rank {g.ranks[0]} holds "
+                        f"{g.tokens} tokens, over its memory cap"
+                    )
             counts = Counter(covered)
             dup = sorted(r for r, c in counts.items() if c > 1)
             missing = sorted(set(range(self.world_size)) - set(counts))

@@ -32,7 +32,7 @@ from megatron_hsp.planner.bounds import instance_lower_bound
 from megatron_hsp.planner.chunking import candidate_counts, chunk_contiguous, chunk_time_balanced
 from megatron_hsp.planner.costmodel import CostModel, validate_cost_model
 from megatron_hsp.planner.errors import InfeasibleError, InputError
-from megatron_hsp.planner.greedy import RankTiler, place_groups, schedule_microbatch
+from megatron_hsp.planner.greedy import RankTiler, group_times, place_groups, schedule_microbatch
 from megatron_hsp.planner.groupspace import planning_sizes
 from megatron_hsp.planner.improve import improve
 from megatron_hsp.planner.instance import GroupSpec, Instance, check_lengths, resolve_sizes
@@ -504,7 +504,6 @@ def _assemble(
     config: SolverConfig,
     status: str,
 ) -> Plan:
-    index = {d: j for j, d in enumerate(inst.sizes)}
     # Longest micro-batch first: deterministic, and the runtime sees the heavy pass early.
     ordered = sorted(cand.microbatches, key=lambda mb: (-mb[0], _first_id(mb[1])))
     microbatches = []
@@ -512,18 +511,16 @@ def _assemble(
         placed = place_groups(inst, groups, cluster)
         assert placed is not None, "scheduler returned groups that do not tile"
         out_groups = []
+        ests = iter(group_times(inst, [(len(ranks), ids) for ranks, ids in placed]))
         for ranks, ids in placed:
             d = len(ranks)
-            est = 0.0
-            if ids:
-                j = index[d]
-                est = sum(inst.times[i][j] for i in ids) + inst.fixed[j]
+            est = next(ests)[1] if ids else 0.0
             u, r = cost.recorded_split(d)
             out_groups.append(
                 Group(
                     ranks=ranks,
                     seq_ids=ids,
-                    lengths=tuple(inst.lengths[i] for i in ids),
+                    lengths=tuple(map(inst.lengths.__getitem__, ids)),
                     est_ms=est,
                     ulysses=u,
                     ring=r,
