@@ -113,3 +113,28 @@ def test_whole_batch_passes_equal_their_python_forms():
         for j in range(len(inst.sizes)):
             larger = work[:, j + 1 :].min(axis=1) if j + 1 < len(inst.sizes) else np.inf
             assert np.array_equal(inst.no_cheaper_larger_np[:, j], work[:, j] <= larger)
+
+
+def test_single_ranks_take_the_free_ranks_first_fit_gives_them():
+    """``_first_fit`` places trailing single-rank groups in one pass; the per-group walk (the
+    bulk branch switched off by a size list it does not recognise) gives the same starts."""
+    rng = np.random.default_rng(3)
+    for world in (16, 64, 1024):
+        cluster = Cluster(world, 8)
+        for _ in range(20):
+            used = bytearray((rng.random(world) < rng.random() * 0.5).astype(np.uint8).tobytes())
+            big = sorted(rng.choice([2, 4, 8, 16], size=int(rng.integers(0, 4))), reverse=True)
+            ones = int(rng.integers(0, world))
+            sizes = [int(d) for d in big] + [1] * ones
+            fast_used, walk_used = bytearray(used), bytearray(used)
+            fast = greedy._first_fit(sizes, cluster, world, fast_used)
+
+            class Walk(list):  # ``max(sizes[k:])`` is never 1: the walk places each one
+                def __getitem__(self, k):
+                    got = list.__getitem__(self, k)
+                    return [*got, 2] if isinstance(k, slice) else got
+
+            walk = greedy._first_fit(Walk(sizes), cluster, world, walk_used)
+            assert fast == walk
+            if fast is not None:
+                assert fast_used == walk_used

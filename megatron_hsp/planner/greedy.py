@@ -112,8 +112,18 @@ def _assign_starts(sizes: Sequence[int], cluster: Cluster, n: int) -> list[int] 
 def _first_fit(sizes: Sequence[int], cluster: Cluster, n: int, used: bytearray) -> list[int] | None:
     """First free legal block for each size in order (marks ``used``); None if one has none."""
     cursor: dict[int, int] = {}
-    starts = []
-    for d in sizes:
+    starts: list[int] = []
+    for k, d in enumerate(sizes):
+        if d == 1 and max(sizes[k:]) == 1:
+            # Single ranks to the end: first fit gives each the next free rank in order, so
+            # they take the free ranks ascending (in one pass: 100k of them at 16,384 GPUs).
+            free = np.flatnonzero(np.frombuffer(bytes(used), dtype=np.uint8) == 0)
+            if len(free) < len(sizes) - k:
+                return None
+            take = free[: len(sizes) - k]
+            arr = np.frombuffer(used, dtype=np.uint8)
+            arr[take] = 1
+            return starts + take.tolist()
         start = _first_free_start(used, cluster, d, cursor)
         if start < 0:
             return None
