@@ -232,6 +232,19 @@ def test_a_resume_that_restarts_the_samplers_is_caught():
     assert all(s["max_rel_grad_diff"] <= GRAD_RTOL for s in entry["steps"])
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_resume_that_restores_the_optimizer_wrongly_is_caught_by_the_weights():
+    """Every parameter's Adam state sharing one step tensor after Megatron's load_checkpoint
+    (megatron-core 0.19.2's bug on torch's Adam, which this loop found): the restored weights,
+    loss and gradients are right, the weights after the resumed step are not."""
+    entry = _planted("resume-shares-the-adam-step", steps=3, options=ISSUE_18)
+    assert entry["resume"]["weights_restored"] == [True, True]
+    assert all(s["max_rel_grad_diff"] <= GRAD_RTOL for s in entry["steps"])
+    assert entry["max_rel_weight_diff_after"] >= 100 * WEIGHT_RTOL
+    assert [f for f in entry["failures"] if "weights after" in f]
+
+
 def test_every_plant_has_a_test():
     assert set(PLANTS) == {
         "plan-count-in-lr-increment",
@@ -240,6 +253,7 @@ def test_every_plant_has_a_test():
         "one-parameter-not-updated",
         "evaluation-draws-training-batches",
         "resume-restarts-the-samplers",
+        "resume-shares-the-adam-step",
     }
 
 

@@ -717,6 +717,30 @@ def _plant_resume_restarts_the_samplers(stack: contextlib.ExitStack) -> None:
         stack.callback(setattr, cls, "fast_forward", original)
 
 
+def _plant_resume_shares_the_adam_step(
+    stack: contextlib.ExitStack,
+) -> Callable[[Any, Any, Any], None]:
+    """PLANTED BUG (megatron-core 0.19.2's own, on torch's Adam; ``cpu_shims.
+    torch_adam_distributed_optimizer_load`` undoes it for the clean run): after a load, every
+    parameter's Adam state holds the same ``step`` tensor, which Adam increments once per
+    parameter per step. Weights, loss and gradients of the restored model are right; only the
+    weights after the first resumed optimizer step show it (its bias correction runs ahead)."""
+
+    def hook(model: list[Any], optimizer: Any, config: Any) -> None:
+        load = optimizer.load_state_dict
+
+        def load_sharing_one_step(state_dict: Any) -> None:
+            load(state_dict)
+            for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+                states = list(inner.optimizer.state.values())
+                for state in states:
+                    state["step"] = states[0]["step"]
+
+        optimizer.load_state_dict = load_sharing_one_step
+
+    return hook
+
+
 PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
     "plan-count-in-lr-increment": _plant_plan_count_everywhere_in_train_step,
     "smallest-gradient-scaled-1.0001": _plant_smallest_gradient_scaled,
@@ -724,6 +748,7 @@ PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
     "one-parameter-not-updated": _plant_one_parameter_not_updated,
     "evaluation-draws-training-batches": _plant_evaluation_draws_training_batches,
     "resume-restarts-the-samplers": _plant_resume_restarts_the_samplers,
+    "resume-shares-the-adam-step": _plant_resume_shares_the_adam_step,
 }
 
 
