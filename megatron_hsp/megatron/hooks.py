@@ -189,6 +189,7 @@ def check_and_record_data(args: Any, fingerprint: str) -> None:
     directory without the record (written before it existed) is resumed without the check.
     """
     import json
+    import os
     from pathlib import Path
 
     import torch.distributed as dist
@@ -208,7 +209,12 @@ def check_and_record_data(args: Any, fingerprint: str) -> None:
                 )
     if save and (not dist.is_initialized() or dist.get_rank() == 0):
         Path(save).mkdir(parents=True, exist_ok=True)
-        (Path(save) / DATA_RECORD).write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
+        # Written aside and renamed over the record: with --save and --load the same directory,
+        # the other ranks may be reading it for the check above right now, and a write in place
+        # let them read it empty (a crashed rank in selftest --megatron).
+        aside = Path(save) / f".{DATA_RECORD}.{os.getpid()}"
+        aside.write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
+        os.replace(aside, Path(save) / DATA_RECORD)
 
 
 class _SplitPlanner:
