@@ -214,9 +214,9 @@ def test_resume_with_other_data_is_refused_naming_the_flags(tmp_path):
 
 def test_the_resume_record_is_never_seen_half_written(tmp_path, monkeypatch):
     """With --save and --load one directory, the other ranks read ``hsp_data.json`` for the
-    check while rank 0 rewrites it: written in place, a reader could find it empty (a
-    JSONDecodeError crashed a rank in selftest --megatron's full run). A reader in the middle of
-    the write must find a whole record."""
+    check while rank 0 rewrites it: written in place, a reader can find it empty
+    (JSONDecodeError; the likely cause of one crashed rank in selftest --megatron's full run). A
+    reader in the middle of the write must find a whole record."""
     import json
     from pathlib import Path
 

@@ -211,7 +211,8 @@ def check_and_record_data(args: Any, fingerprint: str) -> None:
         Path(save).mkdir(parents=True, exist_ok=True)
         # Written aside and renamed over the record: with --save and --load the same directory,
         # the other ranks may be reading it for the check above right now, and a write in place
-        # let them read it empty (a crashed rank in selftest --megatron).
+        # lets them read it empty (JSONDecodeError; the likely cause of one crashed rank seen in
+        # selftest --megatron).
         aside = Path(save) / f".{DATA_RECORD}.{os.getpid()}"
         aside.write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
         os.replace(aside, Path(save) / DATA_RECORD)
