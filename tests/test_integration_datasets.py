@@ -210,3 +210,30 @@ def test_resume_with_other_data_is_refused_naming_the_flags(tmp_path):
     check_and_record_data(argparse.Namespace(save=None, load=ckpt, iteration=0), "bbb/1")
     with pytest.raises(InputError, match=r"--load .*other data or sampling flags.*--split"):
         check_and_record_data(argparse.Namespace(save=ckpt, load=ckpt, iteration=5), "bbb/1")
+
+
+def test_the_resume_record_is_never_seen_half_written(tmp_path, monkeypatch):
+    """With --save and --load one directory, the other ranks read ``hsp_data.json`` for the
+    check while rank 0 rewrites it: written in place, a reader can find it empty
+    (JSONDecodeError; the likely cause of one crashed rank in selftest --megatron's full run). A
+    reader in the middle of the write must find a whole record."""
+    import json
+    from pathlib import Path
+
+    from megatron_hsp.megatron.hooks import DATA_RECORD, check_and_record_data
+
+    ckpt = tmp_path / "ckpt"
+    record = ckpt / DATA_RECORD
+    check_and_record_data(argparse.Namespace(save=str(ckpt), load=None, iteration=0), "aaa/1")
+    seen = []
+
+    def slow_write(self: Path, data: str, *a, **kw) -> int:
+        with open(self, "w") as fh:  # truncated, not yet written: another rank reads now
+            seen.append(record.read_text())
+            return fh.write(data)
+
+    monkeypatch.setattr(Path, "write_text", slow_write)
+    check_and_record_data(argparse.Namespace(save=str(ckpt), load=str(ckpt), iteration=5), "aaa/1")
+    assert seen and all(json.loads(text)["fingerprint"] == "aaa/1" for text in seen)
+    assert json.loads(record.read_text())["fingerprint"] == "aaa/1"
+    assert sorted(p.name for p in ckpt.iterdir()) == [DATA_RECORD]

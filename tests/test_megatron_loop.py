@@ -130,6 +130,20 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
     )
     assert e18["outside_split"] == []
     assert e18["blend"]["worst_deviation_in_documents"] <= 1.0
+    # The restart went through Megatron's save_checkpoint/load_checkpoint: what the load
+    # restored is what the uninterrupted run had at the save (iteration 2, 16 train and 16
+    # validation samples, the scheduler's 16 sample-steps, the weights bit for bit), the resume
+    # guard's record was in the directory, and a --load with another --split stopped in one line.
+    r = e18["resume"]
+    assert r["format"] == "torch"
+    assert r["iteration"] == [2, 2]
+    assert r["consumed_train_samples"] == [16, 16] and r["consumed_valid_samples"] == [16, 16]
+    assert r["scheduler_num_steps"] == [16, 16]
+    assert r["weights_restored"] == r["guard_record"] == [True, True]
+    assert r["changed_split_exit_2_everywhere"] == [True, True]
+    (line,) = r["refusal"]
+    assert line.startswith("megatron-hsp: error: --load ") and "--split" in line
+    assert all(e["resume"] is None for e in entries if not e["options"]["resume"])
     for e in entries:
         assert all(e["pieces_as_uninterrupted"].values()) and e["outside_split"] == []
 
@@ -207,11 +221,28 @@ def test_evaluation_that_draws_from_the_training_sampler_is_caught():
 @pytest.mark.slow
 @pytest.mark.dist
 def test_a_resume_that_restarts_the_samplers_is_caught():
+    """Through Megatron's real save_checkpoint/load_checkpoint: the load restores iteration and
+    consumed samples correctly, and the samplers that ignore them are still seen."""
     entry = _planted("resume-restarts-the-samplers", steps=3, options=ISSUE_18)
     same = entry["pieces_as_uninterrupted"]
     assert same["train"] is False and same["valid"] is False
+    assert entry["resume"]["iteration"] == [2, 2]
+    assert entry["resume"]["consumed_train_samples"] == [16, 16]
     # The stock side follows the HSP side's documents, so only the batch check sees it.
     assert all(s["max_rel_grad_diff"] <= GRAD_RTOL for s in entry["steps"])
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_resume_that_restores_the_optimizer_wrongly_is_caught_by_the_weights():
+    """Every parameter's Adam state sharing one step tensor after Megatron's load_checkpoint
+    (megatron-core 0.19.2's bug on torch's Adam, which this loop found): the restored weights,
+    loss and gradients are right, the weights after the resumed step are not."""
+    entry = _planted("resume-shares-the-adam-step", steps=3, options=ISSUE_18)
+    assert entry["resume"]["weights_restored"] == [True, True]
+    assert all(s["max_rel_grad_diff"] <= GRAD_RTOL for s in entry["steps"])
+    assert entry["max_rel_weight_diff_after"] >= 100 * WEIGHT_RTOL
+    assert [f for f in entry["failures"] if "weights after" in f]
 
 
 def test_every_plant_has_a_test():
@@ -222,6 +253,7 @@ def test_every_plant_has_a_test():
         "one-parameter-not-updated",
         "evaluation-draws-training-batches",
         "resume-restarts-the-samplers",
+        "resume-shares-the-adam-step",
     }
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from megatron_hsp.megatron.args import HSPConfig
+from megatron_hsp.megatron.args import HSPConfig, exit_on_refusal
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.step.observe import StepObserver, StepRecord
 from megatron_hsp.step.pipeline import PreparedStep, StepPipeline
@@ -189,6 +189,7 @@ def check_and_record_data(args: Any, fingerprint: str) -> None:
     directory without the record (written before it existed) is resumed without the check.
     """
     import json
+    import os
     from pathlib import Path
 
     import torch.distributed as dist
@@ -208,7 +209,13 @@ def check_and_record_data(args: Any, fingerprint: str) -> None:
                 )
     if save and (not dist.is_initialized() or dist.get_rank() == 0):
         Path(save).mkdir(parents=True, exist_ok=True)
-        (Path(save) / DATA_RECORD).write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
+        # Written aside and renamed over the record: with --save and --load the same directory,
+        # the other ranks may be reading it for the check above right now, and a write in place
+        # lets them read it empty (JSONDecodeError; the likely cause of one crashed rank seen in
+        # selftest --megatron).
+        aside = Path(save) / f".{DATA_RECORD}.{os.getpid()}"
+        aside.write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
+        os.replace(aside, Path(save) / DATA_RECORD)
 
 
 class _SplitPlanner:
@@ -308,7 +315,9 @@ def hsp_datasets_provider(train_val_test_num_samples: Any, vp_stage: Any = None)
         raise RuntimeError("megatron-hsp: install() was not called before pretrain()")
     import torch.distributed as dist
 
-    run.pipeline = build_pipeline(run, get_args())
+    # A refusal while building (a --load whose data differs from the checkpoint's, an empty
+    # training split) is one line and exit 2 on every rank, like a refused flag's.
+    run.pipeline = exit_on_refusal(lambda: build_pipeline(run, get_args()))
     # Megatron logs and keeps its TensorBoard/W&B writers on the last rank; so do we. (Planner
     # waits are logged on rank 0, where the planner process runs.)
     if dist.get_rank() == dist.get_world_size() - 1:

@@ -48,14 +48,30 @@ replaced attribute                                 why
                                                    own ``get_tensor`` then hands out CPU views).
 ``torch.cuda.current_device``/``Stream``/          ``selftest --megatron`` only, inside
 ``current_stream``/``stream``/``synchronize``/     ``testing.cpu_shims.cpu_megatron_training``
-``empty_cache``; tensor factories' ``device=``,    (a ``TorchFunctionMode``, restored on exit,
-``Tensor.cuda``, ``Tensor.type()``                 refused where CUDA exists): Megatron's DDP,
-                                                   optimizer and ``train_step`` allocate on CUDA
+``empty_cache``/``get_rng_state``; tensor          (a ``TorchFunctionMode``, restored on exit,
+factories' ``device=``, ``Tensor.cuda``,           refused where CUDA exists): Megatron's DDP,
+``Tensor.type()``                                  optimizer and ``train_step`` allocate on CUDA
                                                    unconditionally; those tensors go to the CPU,
                                                    streams/syncs are no-ops, and ``type()`` names
                                                    the CPU float type ``torch.cuda.FloatTensor``
-                                                   for ``clip_grad_by_total_norm_fp32``'s assert.
+                                                   for ``clip_grad_by_total_norm_fp32``'s assert;
+                                                   ``save_checkpoint`` records the CPU generator
+                                                   as the device's (``get_rng_state``).
                                                    Placement only: no result or logic changes.
+``DistributedOptimizer.load_state_dict`` and       ``selftest --megatron``'s resume only, around
+``._set_main_param_and_optimizer_states``          Megatron's ``load_checkpoint`` (``testing.
+(``testing.cpu_shims.                              cpu_shims.torch_adam_distributed_optimizer_
+torch_adam_distributed_optimizer_load``)           load``; refused where CUDA, TE or Apex exist):
+                                                   megatron-core 0.19.2's legacy distributed-
+                                                   optimizer load into torch's Adam (no TE/Apex
+                                                   ``FusedAdam``) shares one ``step`` tensor over
+                                                   all parameters (Adam then counts it once per
+                                                   parameter), looks up a ``step`` the file does
+                                                   not hold, and ``copy_``s into fp32 views of
+                                                   leaf parameters outside ``no_grad``. Each
+                                                   parameter gets its own ``step``, the missing
+                                                   one is skipped, the copy runs in ``no_grad``:
+                                                   every loaded value is the checkpoint's.
 ``megatron.training.arguments``'s                  ``selftest --megatron`` only, while it parses
 ``get_device_arch_version``                        flags (``testing.cpu_shims.
 (``testing.cpu_shims.cpu_device_arch_version``)    cpu_device_arch_version``): ``validate_args``

@@ -128,7 +128,8 @@ class cpu_megatron_training:
     Device placement only: ``CpuPlacement`` for allocations, and these ``torch.cuda`` entry points
     answered for a machine whose only device is the CPU -- ``current_device`` (index 0, which
     ``CpuPlacement`` maps to the CPU), ``Stream``/``current_stream``/``stream`` (no-op streams:
-    CPU work is ordered), ``synchronize`` (nothing to wait for), ``empty_cache``. Restored on exit.
+    CPU work is ordered), ``synchronize`` (nothing to wait for), ``empty_cache``, ``get_rng_state``
+    (the CPU generator's: ``save_checkpoint`` records the device's). Restored on exit.
     """
 
     _REPLACED: ClassVar[dict[str, Any]] = {
@@ -138,6 +139,9 @@ class cpu_megatron_training:
         "stream": lambda s=None: _NullStream(),
         "synchronize": lambda *a, **k: None,
         "empty_cache": lambda: None,
+        # Megatron's save_checkpoint stores the "CUDA" generator's state beside the CPU one,
+        # unconditionally: here the device's generator is the CPU's.
+        "get_rng_state": lambda device="cuda": torch.get_rng_state(),
     }
 
     def __enter__(self) -> cpu_megatron_training:
@@ -183,3 +187,63 @@ class cpu_device_arch_version:
         import megatron.training.arguments as arguments
 
         arguments.get_device_arch_version = self._saved
+
+
+class torch_adam_distributed_optimizer_load:
+    """Let megatron-core 0.19.2 load a legacy (``--ckpt-format torch``) distributed-optimizer
+    checkpoint into ``torch.optim.Adam`` for an fp32 model, as this CPU machine has it (no
+    Transformer Engine or Apex ``FusedAdam``, no ``--bf16``). Three things break on that path
+    that a GPU run with TE's ``FusedAdam`` (whose step lives in ``param_groups``) never meets:
+
+    * ``DistributedOptimizer.load_state_dict`` gives every parameter's state the *same* ``step``
+      tensor, and torch's Adam increments it in place once per parameter: after a resume the
+      bias correction runs ahead (found by ``selftest --megatron``'s resume: the weights after
+      the first resumed step were 139x over tolerance). Here each parameter gets its own copy.
+    * ``load_parameter_state_from_dp_zero`` copies the saved ``param``/``exp_avg``/``exp_avg_sq``
+      into every tensor of the state, ``step`` included, which the file does not hold
+      (``KeyError: 'step'``): ``_set_main_param_and_optimizer_states`` gets ``step: None`` for a
+      missing one (megatron's own "not a tensor: skip" branch; ``step`` came from
+      ``load_state_dict``).
+    * an fp32 model's main parameters are views of its leaf parameters, so that ``copy_``
+      needs ``no_grad``.
+
+    No loaded value changes: each is the checkpoint's. Restored on exit; refused where CUDA, TE
+    or Apex exist.
+    """
+
+    def __enter__(self) -> torch_adam_distributed_optimizer_load:
+        from megatron.core.optimizer import distrib_optimizer
+
+        if torch.cuda.is_available() or distrib_optimizer.HAVE_APEX_OR_TE:
+            raise RuntimeError(
+                "torch_adam_distributed_optimizer_load is for CPU runs with torch's Adam"
+            )
+        cls = distrib_optimizer.DistributedOptimizer
+        self._saved = {
+            name: getattr(cls, name)
+            for name in ("load_state_dict", "_set_main_param_and_optimizer_states")
+        }
+        load_state_dict = self._saved["load_state_dict"]
+        set_states = self._saved["_set_main_param_and_optimizer_states"]
+
+        def own_steps(optimizer: Any, state_dict: Any) -> None:
+            load_state_dict(optimizer, state_dict)
+            for state in optimizer.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
+
+        def set_states_without_step(
+            optimizer: Any, model_param: Any, tensors: dict[str, Any]
+        ) -> None:
+            with torch.no_grad():
+                set_states(optimizer, model_param, {"step": None, **tensors})
+
+        cls.load_state_dict = own_steps
+        cls._set_main_param_and_optimizer_states = set_states_without_step
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from megatron.core.optimizer import distrib_optimizer
+
+        for name, fn in self._saved.items():
+            setattr(distrib_optimizer.DistributedOptimizer, name, fn)

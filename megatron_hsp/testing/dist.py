@@ -46,11 +46,15 @@ def init_cpu_megatron(
     *,
     tensor_model_parallel_size: int = 1,
     seed: int = 1234,
+    gloo_process_groups: bool = False,
 ) -> None:
     """Initialise gloo torch.distributed and megatron ``parallel_state`` on the CPU.
 
     ``init_method`` is a ``file://`` or ``tcp://`` URL shared by all ranks. Idempotent for the
     process: a second call with the process group already up only (re)initialises megatron.
+    ``gloo_process_groups``: also megatron's gloo copies of its groups (what Megatron creates
+    unless ``--disable-gloo-process-groups``; its legacy checkpoint format gathers the
+    distributed optimizer's state over them).
     """
     init_megatron(
         rank,
@@ -58,6 +62,7 @@ def init_cpu_megatron(
         init_method,
         tensor_model_parallel_size=tensor_model_parallel_size,
         seed=seed,
+        gloo_process_groups=gloo_process_groups,
     )
 
 
@@ -69,6 +74,7 @@ def init_megatron(
     device: torch.device | None = None,
     tensor_model_parallel_size: int = 1,
     seed: int = 1234,
+    gloo_process_groups: bool = False,
 ) -> None:
     """torch.distributed and megatron ``parallel_state`` on ``device`` (default: the CPU).
 
@@ -94,7 +100,7 @@ def init_megatron(
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
-        create_gloo_process_groups=False,
+        create_gloo_process_groups=gloo_process_groups,
     )
     if cuda:
         mpu_random.model_parallel_cuda_manual_seed(seed)

@@ -40,11 +40,15 @@ Issue 18's option set adds, on both sides: Megatron's own ``evaluate()`` on the 
 after every step and on the test split at the end (HSP: planned batches of the splits' own
 samplers through the patched ``get_forward_backward_func``; stock: the same documents as
 ``[1, L]`` samples, unpatched), a two-dataset blend (``--data-path 0.4 A 0.6 B``, the stock side
-reading both with ``IndexedDataset``), and a restart of the HSP side after step 2 (everything HSP
-holds is rebuilt from the flags and the values ``load_checkpoint`` restores into ``args``; the
-stock side runs through). Checked besides: every batch trained or evaluated is an uninterrupted
-run's, lies in Megatron's own split of its dataset, and the blend's token shares follow its
-weights (``_data_checks``).
+reading both with ``IndexedDataset``), and a restart of the HSP side after step 2 through
+Megatron's own checkpointing (``--save``/``--load``, ``--ckpt-format torch``): Megatron's
+``save_checkpoint``, everything dropped, a fresh model, optimizer and scheduler from the flags
+restored by Megatron's ``load_checkpoint`` (which also restores ``args``' consumed samples), HSP
+rebuilt from the flags; the stock side runs through. Checked besides: every batch trained or
+evaluated is an uninterrupted run's, lies in Megatron's own split of its dataset, the blend's
+token shares follow its weights, and what the load restored (iteration, consumed samples, the
+scheduler's steps, the weights bit for bit, HSP's resume record) is what the uninterrupted run
+had at the save (``_data_checks``).
 
 What ``train()`` does around ``train_step`` is not run (it is one long function without a seam).
 The few lines this loop needs from it are reproduced and named: the ``config`` hooks
@@ -125,8 +129,8 @@ class LoopOptions:
     position_embedding_type: str = "rope"
     # Issue 18: Megatron's evaluate() on the validation split every step and on the test split
     # after the last (both sides, --split 6,1,1); a two-dataset blend (--data-path 0.4 A 0.6 B);
-    # a resume after RESUME_AFTER steps (the HSP side is torn down and rebuilt from what
-    # Megatron's checkpoint holds; the stock side runs through).
+    # a resume after RESUME_AFTER steps (the HSP side saves with Megatron's save_checkpoint, is
+    # torn down and rebuilt with Megatron's load_checkpoint; the stock side runs through).
     evaluation: bool = False
     blend: bool = False
     resume: bool = False
@@ -713,6 +717,30 @@ def _plant_resume_restarts_the_samplers(stack: contextlib.ExitStack) -> None:
         stack.callback(setattr, cls, "fast_forward", original)
 
 
+def _plant_resume_shares_the_adam_step(
+    stack: contextlib.ExitStack,
+) -> Callable[[Any, Any, Any], None]:
+    """PLANTED BUG (megatron-core 0.19.2's own, on torch's Adam; ``cpu_shims.
+    torch_adam_distributed_optimizer_load`` undoes it for the clean run): after a load, every
+    parameter's Adam state holds the same ``step`` tensor, which Adam increments once per
+    parameter per step. Weights, loss and gradients of the restored model are right; only the
+    weights after the first resumed optimizer step show it (its bias correction runs ahead)."""
+
+    def hook(model: list[Any], optimizer: Any, config: Any) -> None:
+        load = optimizer.load_state_dict
+
+        def load_sharing_one_step(state_dict: Any) -> None:
+            load(state_dict)
+            for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+                states = list(inner.optimizer.state.values())
+                for state in states:
+                    state["step"] = states[0]["step"]
+
+        optimizer.load_state_dict = load_sharing_one_step
+
+    return hook
+
+
 PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
     "plan-count-in-lr-increment": _plant_plan_count_everywhere_in_train_step,
     "smallest-gradient-scaled-1.0001": _plant_smallest_gradient_scaled,
@@ -720,6 +748,7 @@ PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
     "one-parameter-not-updated": _plant_one_parameter_not_updated,
     "evaluation-draws-training-batches": _plant_evaluation_draws_training_batches,
     "resume-restarts-the-samplers": _plant_resume_restarts_the_samplers,
+    "resume-shares-the-adam-step": _plant_resume_shares_the_adam_step,
 }
 
 
@@ -738,18 +767,17 @@ def _hsp_argv(
     return [*MODEL_FLAGS, *options.flags(), *hsp_flags]
 
 
-def _start_hsp(argv: list[str], restored: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
+def _start_hsp(argv: list[str]) -> tuple[Any, Any, Any]:
     """Megatron's parse/validate, globals and ``install`` for the HSP side: (args, provider,
-    forward step). ``restored``: the values Megatron's ``load_checkpoint`` puts back into
-    ``args`` on a restart (``iteration``, consumed train and validation samples), set before
-    the provider runs, as ``pretrain()`` orders it."""
+    forward step). A restart's ``iteration`` and consumed samples are set afterwards by
+    Megatron's ``load_checkpoint`` (``_load_through_megatron``), before the provider runs, as
+    ``pretrain()`` orders it."""
     from megatron_hsp.megatron import install
 
     args = _megatron_args(argv)
-    # What setup_model_and_optimizer leaves in args before the data iterators are built: a
-    # fresh run starts at iteration 0 (load_checkpoint without --load), a restart where it left.
+    # What setup_model_and_optimizer leaves in args when there is nothing to load.
     fresh = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
-    for key, value in {**fresh, **(restored or {})}.items():
+    for key, value in fresh.items():
         setattr(args, key, value)
     _set_megatron_globals(args)
     provider, forward_step = install(args, None, None)
@@ -828,6 +856,8 @@ def _run_hsp(
     from megatron_hsp.megatron import hooks, patches
 
     argv = _hsp_argv(options, prefixes, cost_path, nproc)
+    if options.resume:
+        argv = _with_checkpointing(argv, os.path.splitext(cost_path)[0] + ".checkpoints")
     args, provider, forward_step = _start_hsp(argv)
     with contextlib.ExitStack() as stack:
         stack.callback(_close_hsp_run, hooks, patches)
@@ -837,25 +867,29 @@ def _run_hsp(
         model, optimizer, scheduler, config = _wrap(args, module)
         if hook is not None:
             hook(model, optimizer, config)
+        _load_through_megatron(args, model, optimizer, scheduler)  # nothing there yet: step 0
         train_it, valid_it, test_it = _hsp_iterators(provider)
         run = hooks.active_run()
         expected = _uninterrupted(run, steps)
+        resume = None
         heads = options.heads()
         records, pieces, grads, evaluations = [], [], [], []
         for it in range(steps):
             if options.resume and it == RESUME_AFTER:
-                # A restart: this process's HSP state (pipelines with their prefetched batch,
-                # planner process, patches) is dropped and rebuilt from flags plus what
-                # Megatron's load_checkpoint restores into args. Model, optimizer and scheduler
-                # objects are kept: restoring them is Megatron's checkpointing, unchanged by
-                # HSP (docs/reliability.md says why it is not run here).
-                restored = {
-                    "iteration": it,
-                    "consumed_train_samples": args.consumed_train_samples,
-                    "consumed_valid_samples": args.consumed_valid_samples,
-                }
+                # A restart through Megatron's own checkpointing: save_checkpoint after step
+                # it - 1, everything dropped, a fresh model, optimizer and scheduler restored by
+                # load_checkpoint, HSP rebuilt from the flags (docs/reliability.md).
+                saved = _save_through_megatron(it, model, optimizer, scheduler)
                 _close_hsp_run(hooks, patches)
-                args, provider, forward_step = _start_hsp(argv, restored)
+                del model, optimizer, scheduler, module, train_it, valid_it, test_it, run
+                refused = _refused_resume(argv)
+                args, provider, forward_step = _start_hsp(argv)
+                module = _hsp_model(args)  # fresh: its own initial weights, not the trained
+                model, optimizer, scheduler, config = _wrap(args, module)
+                if hook is not None:
+                    hook(model, optimizer, config)
+                _load_through_megatron(args, model, optimizer, scheduler)
+                resume = {**_resume_record(args, saved, module, scheduler), **refused}
                 train_it, valid_it, test_it = _hsp_iterators(provider)
                 run = hooks.active_run()
             out = training.train_step(
@@ -897,6 +931,7 @@ def _run_hsp(
             "weights": weights,
             "evaluations": evaluations,
             "expected": expected,
+            "resume": resume,
         }
 
 
@@ -913,6 +948,120 @@ def _close_hsp_run(hooks: Any, patches: Any) -> None:
         run.pipeline.planner.close()
     patches.remove_patches()
     hooks.set_run(None)
+
+
+# Megatron's legacy per-rank checkpoint format: a plain torch.save per rank (and the
+# distributed optimizer's state gathered on data-parallel rank 0 over the gloo group). The
+# distributed format (torch_dist) is not used here: docs/reliability.md says why.
+CKPT_FORMAT = "torch"
+
+
+def _with_checkpointing(argv: list[str], directory: str) -> list[str]:
+    """``argv`` with ``--save``/``--load`` as a user who resumes passes them: one directory for
+    both, given from the first run on (its ``load_checkpoint`` finds nothing: step 0).
+
+    Without ``--disable-gloo-process-groups``: Megatron's legacy format gathers the distributed
+    optimizer's state over its gloo groups (``validate_args`` refuses it without them). With
+    ``--no-load-rng``: on the CPU the model-parallel RNG tracker holds no states (no
+    ``model_parallel_cuda_manual_seed``, ``testing.dist``), and ``load_checkpoint`` stops on an
+    empty one; this model has no dropout, so training draws nothing from it.
+    """
+    return [
+        *(flag for flag in argv if flag != "--disable-gloo-process-groups"),
+        *("--save", directory, "--load", directory, "--no-load-rng"),
+        *("--ckpt-format", CKPT_FORMAT, "--save-interval", str(RESUME_AFTER)),
+    ]
+
+
+def _save_through_megatron(
+    iteration: int, model: list[Any], optimizer: Any, scheduler: Any
+) -> dict[str, torch.Tensor]:
+    """Megatron's own ``save_checkpoint`` after ``iteration`` steps, as ``train()`` calls it
+    (``--save``); returns the weights saved, to check that the load restores them."""
+    from megatron.training.checkpointing import save_checkpoint
+
+    save_checkpoint(iteration, model, optimizer, scheduler, 0)
+    return {n: p.detach().clone() for n, p in model[0].module.named_parameters()}
+
+
+def _load_through_megatron(args: Any, model: list[Any], optimizer: Any, scheduler: Any) -> None:
+    """What ``setup_model_and_optimizer`` does under ``--load``: Megatron's own
+    ``load_checkpoint`` restores model, optimizer, scheduler and (into ``args``) the consumed
+    train and validation samples; its caller sets ``args.iteration`` from what it returns.
+    The distributed optimizer's state goes into torch's Adam through
+    ``cpu_shims.torch_adam_distributed_optimizer_load`` (megatron-core 0.19.2 expects TE's or
+    Apex's ``FusedAdam`` there; the shim's docstring says what it changes: no value).
+    """
+    if not args.load:
+        return
+    from megatron.training.checkpointing import load_checkpoint
+
+    from megatron_hsp.testing.cpu_shims import torch_adam_distributed_optimizer_load
+
+    with torch_adam_distributed_optimizer_load():
+        args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
+            model, optimizer, scheduler
+        )
+
+
+CHANGED_SPLIT = "5,2,1"  # a --split other than the checkpoint's, for the resume guard
+
+
+def _refused_resume(argv: list[str]) -> dict[str, Any]:
+    """A restart from the checkpoint with ``--split CHANGED_SPLIT``: after Megatron's
+    ``load_checkpoint`` set ``args.iteration``, HSP's resume guard must stop it in the dataset
+    provider, one line on stderr (rank 0) and exit 2 on every rank. Returns whether every rank
+    exited 2 and rank 0's ``megatron-hsp: error:`` lines."""
+    import io
+
+    import torch.distributed as dist
+
+    from megatron_hsp.megatron import hooks, patches
+
+    changed = list(argv)
+    changed[changed.index("--split") + 1] = CHANGED_SPLIT
+    err, code = io.StringIO(), None
+    try:
+        with contextlib.redirect_stderr(err):
+            args, provider, _ = _start_hsp(changed)
+            model, optimizer, scheduler, _ = _wrap(args, _hsp_model(args))
+            _load_through_megatron(args, model, optimizer, scheduler)
+            _hsp_iterators(provider)
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        _close_hsp_run(hooks, patches)
+    exited = torch.tensor([float(code == 2)])
+    dist.all_reduce(exited, op=dist.ReduceOp.MIN)
+    lines = [x for x in err.getvalue().splitlines() if x.startswith("megatron-hsp: error:")]
+    return {"changed_split_exit_2_everywhere": bool(exited.item()), "refusal_lines": lines}
+
+
+def _resume_record(
+    args: Any, saved: dict[str, torch.Tensor], module: torch.nn.Module, scheduler: Any
+) -> dict[str, Any]:
+    """What the load restored (``_resume_checks`` compares it with the stock run at that step):
+    ``args``' iteration and consumed samples, the scheduler's step count, whether every rank's
+    fresh model now holds the saved weights bit for bit, and whether the resume guard's record
+    is in the directory."""
+    import torch.distributed as dist
+
+    from megatron_hsp.megatron.hooks import DATA_RECORD
+
+    own = dict(module.named_parameters())
+    same = torch.tensor(
+        [float(sorted(own) == sorted(saved) and all(torch.equal(own[n], saved[n]) for n in saved))]
+    )
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return {
+        "format": args.ckpt_format,
+        "iteration": int(args.iteration),
+        "consumed_train_samples": int(args.consumed_train_samples),
+        "consumed_valid_samples": int(args.consumed_valid_samples),
+        "scheduler_num_steps": int(scheduler.num_steps),
+        "weights_restored": bool(same.item()),
+        "guard_record": os.path.isfile(os.path.join(args.load, DATA_RECORD)),
+    }
 
 
 def stock_sample(tokens: np.ndarray, multiple: int = 1) -> dict[str, torch.Tensor]:
@@ -1058,7 +1207,13 @@ def _worker_all(
 
     out = []
     for options, cost_path in runs:
-        init_cpu_megatron(rank, world_size, "", tensor_model_parallel_size=options.tp)
+        init_cpu_megatron(
+            rank,
+            world_size,
+            "",
+            tensor_model_parallel_size=options.tp,
+            gloo_process_groups=options.resume,  # Megatron's legacy checkpoint uses them
+        )
         out.append(_worker(rank, world_size, prefixes, cost_path, options, steps, plant))
     return out
 
@@ -1153,7 +1308,9 @@ def _data_checks(options: LoopOptions, hsp: dict[str, Any], ref: dict[str, Any])
     * ``outside_split``: pieces whose document is not in Megatron's own split of its dataset
       (``MegatronDocuments.split_ranges``: megatron-core's split functions, not HSP's);
     * ``blend``: each dataset's share of the trained tokens and how far it is from its weight,
-      in documents of the longest length (at most 1 when the weights are honoured).
+      in documents of the longest length (at most 1 when the weights are honoured);
+    * ``resume``: what Megatron's ``load_checkpoint`` restored against the stock run at the
+      step saved (``_resume_checks``).
     """
     reader: MegatronDocuments = ref["reader"]
     split_text = EVAL_SPLIT if options.evaluation else "100,0,0"
@@ -1207,6 +1364,41 @@ def _data_checks(options: LoopOptions, hsp: dict[str, Any], ref: dict[str, Any])
         "pieces_as_uninterrupted": same,
         "outside_split": outside[:5],
         "blend": blend,
+        "resume": _resume_checks(hsp, ref),
+    }
+
+
+def _resume_checks(hsp: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any] | None:
+    """Per quantity, (restored, expected) after the restart through Megatron's checkpointing;
+    expected: the uninterrupted stock run after step ``RESUME_AFTER - 1`` (its records and its
+    last validation ``evaluate()`` by then; both are checked against Megatron's own counts
+    elsewhere). None without a restart."""
+    got = hsp.get("resume")
+    if got is None:
+        return None
+    last = ref["records"][RESUME_AFTER - 1]
+    valid = [
+        r["consumed_valid_samples"]
+        for h, r in zip(hsp["evaluations"], ref["evaluations"], strict=True)
+        if h["split"] == "valid" and h["after_step"] < RESUME_AFTER
+    ]
+    expected = {
+        "iteration": RESUME_AFTER,
+        "consumed_train_samples": last["consumed_samples"],
+        "consumed_valid_samples": valid[-1] if valid else 0,
+        "scheduler_num_steps": last["scheduler_num_steps"],
+        "weights_restored": True,
+        "guard_record": True,
+        "changed_split_exit_2_everywhere": True,
+        # one line, naming the flag the resume changed
+        "changed_split_refused_in_one_line": True,
+    }
+    lines = got["refusal_lines"]
+    got = {**got, "changed_split_refused_in_one_line": len(lines) == 1 and "--split" in lines[0]}
+    return {
+        "format": got["format"],
+        "refusal": lines,
+        **{k: [got[k], v] for k, v in expected.items()},
     }
 
 
@@ -1235,6 +1427,13 @@ def check_data(entry: dict[str, Any]) -> list[str]:
             )
     for where in entry.get("outside_split", []):
         bad.append(f"document outside Megatron's split: {where}")
+    resume = entry.get("resume") or {}
+    for key, pair in resume.items():
+        if key not in ("format", "refusal") and pair[0] != pair[1]:
+            bad.append(
+                f"after Megatron's load_checkpoint: {key} {pair[0]}, the uninterrupted run "
+                f"had {pair[1]} when it was saved"
+            )
     blend = entry.get("blend")
     if blend is not None and not blend["worst_deviation_in_documents"] <= 1.0:
         bad.append(
@@ -1400,6 +1599,14 @@ def loop_table(entries: Sequence[dict[str, Any]]) -> str:
                 + " for weights "
                 + " / ".join(f"{x:g}" for x in b["weights"])
                 + f" ({b['worst_deviation_in_documents']:.2f} documents off)"
+            )
+        if e.get("resume"):
+            r = e["resume"]
+            lines.append(
+                f"{name:<22} resume through Megatron's checkpoint (--ckpt-format {r['format']}): "
+                + ", ".join(
+                    f"{k} {v[0]}/{v[1]}" for k, v in r.items() if k not in ("format", "refusal")
+                )
             )
         lines.extend(f"  FAIL {name}: {f}" for f in e["failures"])
     return "\n".join(lines)
