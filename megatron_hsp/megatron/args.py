@@ -566,13 +566,34 @@ def validate_hsp_args(
     notes: list[str] = []
 
     pp = _get(args, "pipeline_model_parallel_size", 1)
-    if pp > 1:
-        raise HSPArgsError(
-            f"--hsp does not support pipeline parallelism (--pipeline-model-parallel-size {pp}): "
-            "micro-batch counts and group layouts change every step, which the pipeline "
-            "schedules cannot follow. Use --pipeline-model-parallel-size 1 and scale with "
-            "data/sequence parallel ranks, or drop --hsp."
-        )
+    if pp > 1 and not early:
+        # Every stage runs the same plan, but a micro-batch's activation is [tokens of this
+        # rank, 1, hidden] and its token count changes every micro-batch: Megatron's own shape
+        # handshake between stages (docs/integration.md, "Pipeline parallelism", says why not
+        # shapes computed from the plan).
+        if not getattr(args, "variable_seq_lengths", False):
+            args.variable_seq_lengths = True
+            notes.append(
+                f"variable_seq_lengths set (--pipeline-model-parallel-size {pp}): the "
+                "activations sent between stages change shape every micro-batch, so the "
+                "stages exchange each one's shape first"
+            )
+        if getattr(args, "moe_token_dispatcher_type", None) == "allgather":
+            # megatron-core's TransformerConfig refuses variable_seq_lengths with the allgather
+            # dispatcher even in a dense model, where no dispatcher is ever built.
+            if getattr(args, "num_experts", None):
+                raise HSPArgsError(
+                    f"--hsp with --pipeline-model-parallel-size {pp} needs Megatron's "
+                    "variable_seq_lengths, which megatron-core refuses with "
+                    "--moe-token-dispatcher-type allgather; pass --moe-token-dispatcher-type "
+                    "alltoall"
+                )
+            args.moe_token_dispatcher_type = "alltoall"
+            notes.append(
+                "--moe-token-dispatcher-type set to alltoall: megatron-core refuses "
+                "variable_seq_lengths with allgather even without experts (dense model: no "
+                "dispatcher is built)"
+            )
     if getattr(args, "hybrid_context_parallel", False):
         raise HSPArgsError(
             "--hsp and --hybrid-context-parallel both schedule dynamic context-parallel groups; "
@@ -591,7 +612,8 @@ def validate_hsp_args(
     world = _get(args, "world_size", int(env.get("WORLD_SIZE", "1")))
     if world % (tp * pp) != 0:
         raise HSPArgsError(
-            f"world size {world} is not a multiple of --tensor-model-parallel-size {tp}"
+            f"world size {world} is not a multiple of --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}"
         )
     if cp > 1:
         # Megatron builds the model for its static context-parallel group (TE attention with

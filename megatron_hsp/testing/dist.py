@@ -45,6 +45,8 @@ def init_cpu_megatron(
     init_method: str,
     *,
     tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
     seed: int = 1234,
 ) -> None:
     """Initialise gloo torch.distributed and megatron ``parallel_state`` on the CPU.
@@ -57,6 +59,8 @@ def init_cpu_megatron(
         world_size,
         init_method,
         tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         seed=seed,
     )
 
@@ -68,6 +72,8 @@ def init_megatron(
     *,
     device: torch.device | None = None,
     tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
     seed: int = 1234,
 ) -> None:
     """torch.distributed and megatron ``parallel_state`` on ``device`` (default: the CPU).
@@ -94,6 +100,8 @@ def init_megatron(
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         create_gloo_process_groups=False,
     )
     if cuda:
