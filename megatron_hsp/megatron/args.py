@@ -774,6 +774,19 @@ def validate_hsp_args(
             )
 
     seed = args.hsp_seed if args.hsp_seed is not None else int(_get(args, "seed", 1234))
+    vpp = int(_get(args, "virtual_pipeline_model_parallel_size", 1))
+    # The planner prices the pipeline (and keeps interleaving's micro-batch multiple) only with
+    # a stage cost model built for it (planner/parallel.py); with any other model it plans the
+    # stage's micro-batches unpipelined and the runtime pads an interleaved count
+    # (hooks._prepare, docs/integration.md).
+    staged = (int(cost.details.get("pp", 1)), int(cost.details.get("vpp", 1))) == (pp, vpp)
+    if pp > 1 and not staged:
+        notes.append(
+            f"the cost model is not a stage model for --pipeline-model-parallel-size {pp}"
+            + (f" x {vpp} virtual stages" if vpp > 1 else "")
+            + ": plans are not priced as a pipeline"
+            + (" and their micro-batch count is padded for interleaving" if vpp > 1 else "")
+        )
     return HSPConfig(
         cost_model=spec,
         world_size=sp_world,
@@ -785,6 +798,8 @@ def validate_hsp_args(
             time_budget_s=float(args.hsp_time_budget_s),
             sizes=tuple(sizes),
             seed=seed,
+            pp=pp if pp > 1 and staged else 1,
+            vpp=vpp if pp > 1 and staged else 1,
         ),
         overlong=args.hsp_overlong,
         global_batch_docs=None if args.hsp_token_budget else int(gbs),
