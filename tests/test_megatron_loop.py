@@ -138,7 +138,7 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
     for e in entries:
         assert e["pipeline"]["pp"] == e["options"]["pp"]
         assert e["pipeline"]["variable_seq_lengths"] is (e["options"]["pp"] > 1)
-    one_f_one_b, interleaved = by["pp2"], by["pp2 vpp2"]
+    one_f_one_b, interleaved = by["pp2"], by["evaluation pp2 vpp2"]
     assert one_f_one_b["options"]["pp"] == 2 and one_f_one_b["options"]["vpp"] is None
     assert one_f_one_b["pipeline"]["model_chunks"] == 1
     assert one_f_one_b["pipeline"]["schedule"] == "forward_backward_pipelining_without_interleaving"
@@ -151,6 +151,7 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
         assert s["schedule_microbatches"] - s["plan_microbatches"] in (0, 1)
     assert any(s["schedule_microbatches"] > s["plan_microbatches"] for s in interleaved["steps"])
     assert "ulysses" in _kinds(one_f_one_b) and "single" in _kinds(one_f_one_b)
+    assert [ev["split"] for ev in interleaved["evaluations"]] == ["valid"] * 3 + ["test"]
 
 
 def _planted(plant: str, steps: int, options: int = 0) -> dict:

@@ -282,9 +282,10 @@ DEFAULT_OPTIONS = (
     LoopOptions(distributed_optimizer=True, evaluation=True, blend=True, resume=True),
     # Issue 17: 2 pipeline stages of 2 data-parallel slots (groups of 1 and 2; 100 tokens per
     # rank fit the 200-token documents in a group of 2), 1F1B; then interleaved with 2 virtual
-    # stages per rank (one layer per chunk).
+    # stages per rank (one layer per chunk), with evaluation (forward-only interleaved schedule,
+    # per-chunk evaluation iterators).
     LoopOptions(pp=2, tokens_per_rank=100),
-    LoopOptions(pp=2, vpp=2, tokens_per_rank=100),
+    LoopOptions(pp=2, vpp=2, evaluation=True, tokens_per_rank=100),
 )
 
 
@@ -918,10 +919,11 @@ def _evaluate(
     evaluation = hooks.eval_iterator_of(iterator)
     before = 0 if evaluation is None else len(evaluation.batches)
     losses, _, _ = training.evaluate(forward_step, iterator, model, None, config, verbose=False)
+    loss = losses.get("lm loss")  # on the last pipeline stage only
     record: dict[str, Any] = {
         "after_step": it,
         "split": split,
-        "loss": float(losses["lm loss"]),
+        "loss": _last_stage_value(None if loss is None else float(loss)),
         "consumed_valid_samples": int(args.consumed_valid_samples),
     }
     if evaluation is not None:
