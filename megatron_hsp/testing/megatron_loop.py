@@ -1324,10 +1324,10 @@ def _pipeline_state(rank: int, world_size: int, options: LoopOptions):
         pipeline_model_parallel_size=options.pp,
         virtual_pipeline_model_parallel_size=options.vpp,
     )
-    try:
-        yield
-    finally:
-        init_cpu_megatron(rank, world_size, "", tensor_model_parallel_size=options.tp)
+    yield
+    # Not on an exception: re-initialising is collective, and a rank that raised would wait
+    # there for ranks still inside the run instead of reporting its error.
+    init_cpu_megatron(rank, world_size, "", tensor_model_parallel_size=options.tp)
 
 
 def _data_checks(options: LoopOptions, hsp: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
