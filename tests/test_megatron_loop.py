@@ -3,7 +3,8 @@
 Runs megatron-core 0.19.2's ``megatron.training.training.train_step`` (the wheel ships
 ``megatron/training``) on 4 gloo CPU ranks, HSP side and stock side, for every option set of
 ``DEFAULT_OPTIONS`` (plain DDP, distributed optimizer, overlapped grad reduce, TP 2 with sequence
-parallelism under Ulysses and under ring groups, pure-ring and hybrid groups), and shows that
+parallelism under Ulysses and under ring groups, pure-ring and hybrid groups, evaluation, blend
+and resume, and pipeline parallelism: 1F1B and interleaved), and shows that
 each planted bug of ``PLANTS`` is caught, by how much (printed: run with ``-s``).
 """
 

@@ -46,6 +46,14 @@ stock side runs through). Checked besides: every batch trained or evaluated is a
 run's, lies in Megatron's own split of its dataset, and the blend's token shares follow its
 weights (``_data_checks``).
 
+Issue 17's option sets run the HSP side on 2 pipeline stages (``--pipeline-model-parallel-size
+2``: 1F1B, then interleaved with a chunk per virtual stage, and evaluating): Megatron's parallel
+state with the pipeline for the HSP side only (``_pipeline_state``), its model chunks built as
+``training.get_model`` builds them (``_hsp_model``), its provider called once per chunk
+(``_hsp_iterators``). The stock side is the *unpipelined* model on the same documents (why:
+``_pipeline_state``); parameters are compared by their unpipelined names (``global_names``:
+a stage's ``decoder.layers.<i>`` by its global layer number), each on the stage that holds it.
+
 What ``train()`` does around ``train_step`` is not run (it is one long function without a seam).
 The few lines this loop needs from it are reproduced and named: the ``config`` hooks
 ``train()`` sets before its loop (``grad_scale_func``, ``no_sync_func``/``grad_sync_func`` under
