@@ -305,7 +305,7 @@ def _next_input(inputs: list[Any], read: dict[int, int], chunk: int, what: str) 
     i = read.get(chunk, 0)
     if i >= len(inputs):
         raise RuntimeError(
-            f"megatron-hsp: {what} asked for more micro-batches than its plan has; "
+            f"megatron-hsp: {what} asked for more micro-batches than the plan has; "
             "train_step / get_forward_backward_func is not patched (was "
             "megatron_hsp.megatron.install called before pretrain()?)"
         )
@@ -412,9 +412,14 @@ def _prepare(run: HSPRun, pipeline: StepPipeline) -> tuple[PreparedStep, list[An
         local_multiple=run.local_multiple,
         te_layout=run.te_layout,
     )
-    multiple = run.microbatch_multiple
-    inputs += [None] * (max(multiple, -(-len(inputs) // multiple) * multiple) - len(inputs))
+    inputs += [None] * (schedule_count(len(inputs), run.microbatch_multiple) - len(inputs))
     return prepared, inputs
+
+
+def schedule_count(planned: int, multiple: int) -> int:
+    """Micro-batches the schedule runs for a plan of ``planned``: the next multiple of
+    ``multiple`` (at least one multiple), the padding being empty micro-batches (``_prepare``)."""
+    return max(multiple, -(-planned // multiple) * multiple)
 
 
 def begin_step(run: HSPRun) -> None:
@@ -444,7 +449,7 @@ def end_step(run: HSPRun, loss: float | None = None) -> None:
 def current_num_microbatches(run: HSPRun) -> int:
     """The micro-batch count the schedule runs: the plan's (padded under interleaving)."""
     assert run.current is not None, "megatron-hsp: no step prepared"
-    return len(run.inputs)
+    return schedule_count(len(run.current.plan.microbatches), run.microbatch_multiple)
 
 
 def _loss_func(loss_mask: Any, output_tensor: Any, num_tokens_override: int | None = None):
