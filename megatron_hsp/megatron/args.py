@@ -566,6 +566,15 @@ def validate_hsp_args(
     notes: list[str] = []
 
     pp = _get(args, "pipeline_model_parallel_size", 1)
+    dispatcher = getattr(args, "moe_token_dispatcher_type", None)
+    if pp > 1 and dispatcher == "allgather" and getattr(args, "num_experts", None):
+        # megatron-core's TransformerConfig refuses variable_seq_lengths (below) with the
+        # allgather dispatcher.
+        raise HSPArgsError(
+            f"--hsp with --pipeline-model-parallel-size {pp} needs Megatron's "
+            "variable_seq_lengths, which megatron-core refuses with --moe-token-dispatcher-type "
+            "allgather; pass --moe-token-dispatcher-type alltoall"
+        )
     if pp > 1 and not early:
         # Every stage runs the same plan, but a micro-batch's activation is [tokens of this
         # rank, 1, hidden] and its token count changes every micro-batch: Megatron's own shape
@@ -578,16 +587,8 @@ def validate_hsp_args(
                 "activations sent between stages change shape every micro-batch, so the "
                 "stages exchange each one's shape first"
             )
-        if getattr(args, "moe_token_dispatcher_type", None) == "allgather":
-            # megatron-core's TransformerConfig refuses variable_seq_lengths with the allgather
-            # dispatcher even in a dense model, where no dispatcher is ever built.
-            if getattr(args, "num_experts", None):
-                raise HSPArgsError(
-                    f"--hsp with --pipeline-model-parallel-size {pp} needs Megatron's "
-                    "variable_seq_lengths, which megatron-core refuses with "
-                    "--moe-token-dispatcher-type allgather; pass --moe-token-dispatcher-type "
-                    "alltoall"
-                )
+        if dispatcher == "allgather":
+            # The same refusal fires in a dense model too, where no dispatcher is ever built.
             args.moe_token_dispatcher_type = "alltoall"
             notes.append(
                 "--moe-token-dispatcher-type set to alltoall: megatron-core refuses "
