@@ -15,6 +15,11 @@ micro-batch count, and the same per evaluation batch) are the ``train_step`` and
 ``get_forward_backward_func`` patches in ``patches.py``; they call ``begin_step`` /
 ``current_num_microbatches`` and ``eval_iterator_of(...).begin()`` here.
 
+Under pipeline parallelism every stage runs the same agreed plan with its own slot's inputs;
+under virtual stages the provider is called once per model chunk and every chunk reads the same
+micro-batches (``_ChunkInputs``); an interleaved schedule's count is padded with empty
+micro-batches (``schedule_count``). docs/integration.md, "Pipeline parallelism under --hsp".
+
 ``selftest --megatron`` (``testing/megatron_loop.py``) runs this module under Megatron's own
 ``train_step`` on gloo CPU ranks against the stock path; ``pretrain()``/``train()`` themselves
 need CUDA (docs/integration.md says what only a GPU run shows).
