@@ -93,9 +93,51 @@ def test_tensor_parallel_makes_slots():
     assert cfg.world_size == 4 and cfg.gpus_per_node == 4 and cfg.group_sizes == (1, 2, 3, 4)
 
 
-def test_pipeline_parallel_rejected_naming_the_flag():
-    with pytest.raises(HSPArgsError, match="--pipeline-model-parallel-size 2"):
-        validate_hsp_args(parse([*BASE, "--hsp", "--pipeline-model-parallel-size", "2"]), env={})
+def test_pipeline_parallel_accepted_with_megatrons_shape_handshake():
+    """Issue 17: every stage runs the plan; its slots are the ranks of one stage (world / (tp x
+    pp)), and the activations between stages change shape every micro-batch, so Megatron's
+    variable_seq_lengths is set (and the dispatcher megatron-core refuses it with, dense)."""
+    args = parse(
+        [*BASE, "--hsp", "--pipeline-model-parallel-size", "2", "--hsp-gpus-per-node", "8"]
+    )
+    args.moe_token_dispatcher_type = "allgather"  # Megatron's default
+    cfg = validate_hsp_args(args, env={"WORLD_SIZE": "8"})
+    assert cfg.world_size == 4 and cfg.group_sizes == (1, 2, 3, 4)
+    assert args.variable_seq_lengths is True and args.moe_token_dispatcher_type == "alltoall"
+    assert any("variable_seq_lengths" in n for n in cfg.notes)
+    plain = parse([*BASE, "--hsp"])
+    validate_hsp_args(plain, env={})
+    assert not getattr(plain, "variable_seq_lengths", False)  # untouched without a pipeline
+
+
+@pytest.mark.parametrize(("details", "planned_pp"), [("", 1), ("details: {pp: 2}\n", 2)])
+def test_the_planner_prices_the_pipeline_only_with_a_stage_cost_model(
+    tmp_path, details, planned_pp
+):
+    """A cost model built for this pipeline (``details`` pp/vpp, planner/parallel.py) makes
+    the planner price it; any other plans the stage unpipelined, and says so."""
+    path = tmp_path / "fit.yaml"
+    _two_size_model(tmp_path)  # writes fit.yaml
+    path.write_text(path.read_text() + details)
+    args = parse(
+        [*BASE, "--hsp", "--hsp-cost-model", str(path), "--pipeline-model-parallel-size", "2"]
+    )
+    cfg = validate_hsp_args(args, env={"WORLD_SIZE": "8"})
+    assert (cfg.planner.pp, cfg.planner.vpp) == (planned_pp, 1)
+    assert any("not a stage model" in n for n in cfg.notes) is (planned_pp == 1)
+
+
+def test_pipeline_parallel_world_must_divide():
+    args = parse([*BASE, "--hsp", "--pipeline-model-parallel-size", "3"])
+    with pytest.raises(HSPArgsError, match="--pipeline-model-parallel-size 3"):
+        validate_hsp_args(args, env={"WORLD_SIZE": "8"})
+
+
+def test_pipeline_parallel_refuses_the_allgather_dispatcher_with_experts():
+    args = parse([*BASE, "--hsp", "--pipeline-model-parallel-size", "2"])
+    args.moe_token_dispatcher_type, args.num_experts = "allgather", 8
+    with pytest.raises(HSPArgsError, match="--moe-token-dispatcher-type alltoall"):
+        validate_hsp_args(args, env={"WORLD_SIZE": "8"})
 
 
 def test_sizes_the_heads_do_not_split_run_ulysses_x_ring_and_say_so():
@@ -294,7 +336,6 @@ def test_features_hsp_does_not_run_are_refused_naming_the_flag(attr, value, flag
     ("extra", "flag"),
     [
         (["--context-parallel-size", "2"], "--context-parallel-size 2"),
-        (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
         (["--micro-batch-size", "2"], "--micro-batch-size must be 1"),
         (["--hybrid-layer-pattern", "M*-"], "'M' in --hybrid-layer-pattern M*-"),
         (["--hsp-hardware", "h200-sxm", "--hsp-cost-model", "x.yaml"], "--hsp-hardware h200-sxm"),

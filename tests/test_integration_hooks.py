@@ -232,3 +232,64 @@ def test_evaluation_schedule_runs_the_plans_count_only_for_hsp_eval_iterators(
         schedule(data_iterator=evaluation, num_microbatches=4, collect_non_loss_data=True)
     with pytest.raises(RuntimeError, match="evaluation on the valid split asked for more"):
         next(evaluation)
+
+
+# ------------------------------------------------------------------ pipeline parallelism (issue 17)
+
+
+def test_interleaved_schedule_counts_are_padded_to_the_group_multiple():
+    """megatron-core's interleaved schedule needs a multiple of its micro-batch group size (at
+    least one group); 1F1B (multiple 1) runs the plan's count as is."""
+    assert [hooks.schedule_count(n, 2) for n in (1, 2, 3, 4, 5)] == [2, 2, 4, 4, 6]
+    assert [hooks.schedule_count(n, 1) for n in (1, 3, 7)] == [1, 3, 7]
+    assert hooks.schedule_count(4, 3) == 6
+
+
+def test_every_model_chunk_reads_every_micro_batch_in_order():
+    """Virtual pipeline: one iterator per chunk over the same inputs, each from its own
+    position, and none past the plan's count."""
+    run = hooks.HSPRun(config=None)
+    run.inputs, run.read = ["mb0", "mb1", None], {}
+    first, second = hooks._MicroBatchIterator(run, 0), hooks._MicroBatchIterator(run, 1)
+    assert [next(first), next(second), next(second), next(first)] == ["mb0", "mb0", "mb1", "mb1"]
+    assert next(second) is None and next(first) is None
+    with pytest.raises(RuntimeError, match="more micro-batches than the plan has"):
+        next(first)
+    evaluation = hooks._EvalIterator(run, "valid", pipeline=None)
+    evaluation.inputs = ["e0"]
+    assert hooks.eval_iterator_of([evaluation, evaluation.chunk(1)]) is evaluation
+    assert next(evaluation.chunk(1)) == "e0" and next(evaluation) == "e0"
+
+
+def test_an_idle_micro_batch_keeps_every_stage_boundary_connected():
+    """A rank idle in a micro-batch sends a zero activation on (not the last stage) and, past
+    the first stage, ties it to what it received, so a zero gradient goes back: every send and
+    receive of Megatron's schedule has its partner."""
+    import torch
+
+    from megatron_hsp.runtime.schedule import forward_microbatch
+
+    class Stage(torch.nn.Module):
+        def __init__(self, pre: bool, post: bool) -> None:
+            super().__init__()
+            self.pre_process, self.post_process = pre, post
+            self.weight = torch.nn.Parameter(torch.ones(3))
+            self.decoder = types.SimpleNamespace(input_tensor=None)
+            self.config = types.SimpleNamespace(hidden_size=8)
+
+    middle = Stage(pre=False, post=False)
+    middle.decoder.input_tensor = received = torch.randn(5, 1, 8, requires_grad=True)
+    out, mask = forward_microbatch(middle, None)
+    assert out.shape == (1, 1, 8) and float(out.abs().sum()) == 0.0 and float(mask.sum()) == 0
+    out.backward(torch.ones_like(out))
+    assert received.grad is not None and float(received.grad.abs().sum()) == 0.0
+    assert middle.weight.grad is not None
+    last = Stage(pre=False, post=True)
+    last.decoder.input_tensor = received = torch.randn(5, 1, 8, requires_grad=True)
+    loss, _ = forward_microbatch(last, None)
+    assert loss.shape == (1, 1)
+    loss.sum().backward()
+    assert received.grad is not None
+    first = Stage(pre=True, post=False)
+    out, _ = forward_microbatch(first, None)
+    assert out.shape == (1, 1, 8) and out.requires_grad

@@ -3,7 +3,8 @@
 Runs megatron-core 0.19.2's ``megatron.training.training.train_step`` (the wheel ships
 ``megatron/training``) on 4 gloo CPU ranks, HSP side and stock side, for every option set of
 ``DEFAULT_OPTIONS`` (plain DDP, distributed optimizer, overlapped grad reduce, TP 2 with sequence
-parallelism under Ulysses and under ring groups, pure-ring and hybrid groups), and shows that
+parallelism under Ulysses and under ring groups, pure-ring and hybrid groups, evaluation, blend
+and resume, and pipeline parallelism: 1F1B and interleaved), and shows that
 each planted bug of ``PLANTS`` is caught, by how much (printed: run with ``-s``).
 """
 
@@ -89,7 +90,7 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
             assert s["grad_norm_ref"] > 0
         # The plans really differ from Megatron's own count (8 / dp micro-batches per rank), so
         # the LR increment being right is not a coincidence of equal counts.
-        dp = 4 // e["options"]["tp"]
+        dp = 4 // (e["options"]["tp"] * e["options"]["pp"])
         assert any(s["plan_microbatches"] != 8 // dp for s in e["steps"])
     by = {o.label: e for o, e in zip(DEFAULT_OPTIONS, entries, strict=True)}
     assert any(e["options"]["distributed_optimizer"] for e in entries)
@@ -146,6 +147,26 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
     assert all(e["resume"] is None for e in entries if not e["options"]["resume"])
     for e in entries:
         assert all(e["pieces_as_uninterrupted"].values()) and e["outside_split"] == []
+    # Issue 17: the HSP side ran Megatron's pipeline schedules on 2 stages (the stock side is
+    # the unpipelined model), 1F1B with one chunk, interleaved with a chunk per virtual stage;
+    # the interleaved schedule ran a multiple of pp micro-batches (empty ones padding the plan).
+    for e in entries:
+        assert e["pipeline"]["pp"] == e["options"]["pp"]
+        assert e["pipeline"]["variable_seq_lengths"] is (e["options"]["pp"] > 1)
+    one_f_one_b, interleaved = by["pp2"], by["evaluation pp2 vpp2"]
+    assert one_f_one_b["options"]["pp"] == 2 and one_f_one_b["options"]["vpp"] is None
+    assert one_f_one_b["pipeline"]["model_chunks"] == 1
+    assert one_f_one_b["pipeline"]["schedule"] == "forward_backward_pipelining_without_interleaving"
+    assert interleaved["options"]["pp"] == 2 and interleaved["options"]["vpp"] == 2
+    assert interleaved["pipeline"]["model_chunks"] == 2
+    assert interleaved["pipeline"]["layers_per_chunk"] == [1, 1]
+    assert interleaved["pipeline"]["schedule"] == "forward_backward_pipelining_with_interleaving"
+    for s in interleaved["steps"]:
+        assert s["schedule_microbatches"] % 2 == 0
+        assert s["schedule_microbatches"] - s["plan_microbatches"] in (0, 1)
+    assert any(s["schedule_microbatches"] > s["plan_microbatches"] for s in interleaved["steps"])
+    assert "ulysses" in _kinds(one_f_one_b) and "single" in _kinds(one_f_one_b)
+    assert [ev["split"] for ev in interleaved["evaluations"]] == ["valid"] * 3 + ["test"]
 
 
 def _planted(plant: str, steps: int, options: int = 0) -> dict:
@@ -204,6 +225,7 @@ def test_a_parameter_left_out_of_the_optimizer_is_caught_by_the_weights():
 
 
 ISSUE_18 = [o.label for o in DEFAULT_OPTIONS].index("distopt evaluation blend resume")
+PIPELINE = [o.label for o in DEFAULT_OPTIONS].index("pp2")
 
 
 @pytest.mark.slow
@@ -245,8 +267,22 @@ def test_a_resume_that_restores_the_optimizer_wrongly_is_caught_by_the_weights()
     assert [f for f in entry["failures"] if "weights after" in f]
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_stage_boundary_that_rolls_the_tokens_is_caught():
+    """Issue 17: the activation a pipeline stage receives has its tokens rolled by one (pp=2,
+    1F1B): the loss and the gradients of the later stage's layers differ from the unpipelined
+    stock model's."""
+    entry = _planted("stage-boundary-tokens-rolled", steps=1, options=PIPELINE)
+    assert entry["pipeline"]["pp"] == 2
+    (step,) = entry["steps"]
+    assert abs(step["loss_hsp"] - step["loss_ref"]) > LOSS_RTOL * abs(step["loss_ref"])
+    assert step["max_rel_grad_diff"] > GRAD_RTOL
+
+
 def test_every_plant_has_a_test():
     assert set(PLANTS) == {
+        "stage-boundary-tokens-rolled",
         "plan-count-in-lr-increment",
         "smallest-gradient-scaled-1.0001",
         "reader-start-shift",

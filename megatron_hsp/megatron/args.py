@@ -566,13 +566,35 @@ def validate_hsp_args(
     notes: list[str] = []
 
     pp = _get(args, "pipeline_model_parallel_size", 1)
-    if pp > 1:
+    dispatcher = getattr(args, "moe_token_dispatcher_type", None)
+    if pp > 1 and dispatcher == "allgather" and getattr(args, "num_experts", None):
+        # megatron-core's TransformerConfig refuses variable_seq_lengths (below) with the
+        # allgather dispatcher.
         raise HSPArgsError(
-            f"--hsp does not support pipeline parallelism (--pipeline-model-parallel-size {pp}): "
-            "micro-batch counts and group layouts change every step, which the pipeline "
-            "schedules cannot follow. Use --pipeline-model-parallel-size 1 and scale with "
-            "data/sequence parallel ranks, or drop --hsp."
+            f"--hsp with --pipeline-model-parallel-size {pp} needs Megatron's "
+            "variable_seq_lengths, which megatron-core refuses with --moe-token-dispatcher-type "
+            "allgather; pass --moe-token-dispatcher-type alltoall"
         )
+    if pp > 1 and not early:
+        # Every stage runs the same plan, but a micro-batch's activation is [tokens of this
+        # rank, 1, hidden] and its token count changes every micro-batch: Megatron's own shape
+        # handshake between stages (docs/integration.md, "Pipeline parallelism", says why not
+        # shapes computed from the plan).
+        if not getattr(args, "variable_seq_lengths", False):
+            args.variable_seq_lengths = True
+            notes.append(
+                f"variable_seq_lengths set (--pipeline-model-parallel-size {pp}): the "
+                "activations sent between stages change shape every micro-batch, so the "
+                "stages exchange each one's shape first"
+            )
+        if dispatcher == "allgather":
+            # The same refusal fires in a dense model too, where no dispatcher is ever built.
+            args.moe_token_dispatcher_type = "alltoall"
+            notes.append(
+                "--moe-token-dispatcher-type set to alltoall: megatron-core refuses "
+                "variable_seq_lengths with allgather even without experts (dense model: no "
+                "dispatcher is built)"
+            )
     if getattr(args, "hybrid_context_parallel", False):
         raise HSPArgsError(
             "--hsp and --hybrid-context-parallel both schedule dynamic context-parallel groups; "
@@ -591,7 +613,8 @@ def validate_hsp_args(
     world = _get(args, "world_size", int(env.get("WORLD_SIZE", "1")))
     if world % (tp * pp) != 0:
         raise HSPArgsError(
-            f"world size {world} is not a multiple of --tensor-model-parallel-size {tp}"
+            f"world size {world} is not a multiple of --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}"
         )
     if cp > 1:
         # Megatron builds the model for its static context-parallel group (TE attention with
@@ -752,6 +775,19 @@ def validate_hsp_args(
             )
 
     seed = args.hsp_seed if args.hsp_seed is not None else int(_get(args, "seed", 1234))
+    vpp = int(_get(args, "virtual_pipeline_model_parallel_size", 1))
+    # The planner prices the pipeline (and keeps interleaving's micro-batch multiple) only with
+    # a stage cost model built for it (planner/parallel.py); with any other model it plans the
+    # stage's micro-batches unpipelined and the runtime pads an interleaved count
+    # (hooks._prepare, docs/integration.md).
+    staged = (int(cost.details.get("pp", 1)), int(cost.details.get("vpp", 1))) == (pp, vpp)
+    if pp > 1 and not staged:
+        notes.append(
+            f"the cost model is not a stage model for --pipeline-model-parallel-size {pp}"
+            + (f" x {vpp} virtual stages" if vpp > 1 else "")
+            + ": plans are not priced as a pipeline"
+            + (" and their micro-batch count is padded for interleaving" if vpp > 1 else "")
+        )
     return HSPConfig(
         cost_model=spec,
         world_size=sp_world,
@@ -763,6 +799,8 @@ def validate_hsp_args(
             time_budget_s=float(args.hsp_time_budget_s),
             sizes=tuple(sizes),
             seed=seed,
+            pp=pp if pp > 1 and staged else 1,
+            vpp=vpp if pp > 1 and staged else 1,
         ),
         overlong=args.hsp_overlong,
         global_batch_docs=None if args.hsp_token_budget else int(gbs),

@@ -15,6 +15,11 @@ micro-batch count, and the same per evaluation batch) are the ``train_step`` and
 ``get_forward_backward_func`` patches in ``patches.py``; they call ``begin_step`` /
 ``current_num_microbatches`` and ``eval_iterator_of(...).begin()`` here.
 
+Under pipeline parallelism every stage runs the same agreed plan with its own slot's inputs;
+under virtual stages the provider is called once per model chunk and every chunk reads the same
+micro-batches (``_ChunkInputs``); an interleaved schedule's count is padded with empty
+micro-batches (``schedule_count``). docs/integration.md, "Pipeline parallelism under --hsp".
+
 ``selftest --megatron`` (``testing/megatron_loop.py``) runs this module under Megatron's own
 ``train_step`` on gloo CPU ranks against the stock path; ``pretrain()``/``train()`` themselves
 need CUDA (docs/integration.md says what only a GPU run shows).
@@ -43,6 +48,10 @@ class HSPRun:
     observer: StepObserver | None = None
     current: PreparedStep | None = None
     inputs: list[Any] = field(default_factory=list)
+    # Micro-batches each model chunk's iterator has read this step (chunk -> count): under
+    # virtual pipeline stages every chunk reads the same inputs in order (``_ChunkInputs``).
+    read: dict[int, int] = field(default_factory=dict)
+    microbatch_multiple: int = 1  # interleaved pipeline: the schedule's count must divide by pp
     step_started: float = 0.0
     local_multiple: int = 1  # per-rank token count multiple (TP size under --sequence-parallel)
     device: Any = None
@@ -139,6 +148,12 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     # The layer spec's "auto" backend is Transformer Engine wherever TE and CUDA are present
     # (runtime.backends.make_backend); its context-parallel route needs padded documents.
     run.te_layout = te_available()
+    # megatron-core's interleaved schedule runs micro-batches in groups of
+    # microbatch_group_size_per_vp_stage (default pp) and refuses a count that is not a
+    # multiple of it (a shorter last group would stall the pipeline): ``_prepare`` pads.
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):
+        group = getattr(args, "microbatch_group_size_per_vp_stage", None)
+        run.microbatch_multiple = int(group or args.pipeline_model_parallel_size)
 
     def pipeline(split_sampler: Any, split_planner: Any) -> StepPipeline:
         return build_step_pipeline(
@@ -256,52 +271,83 @@ class _EvalIterator:
         self.split = split
         self.pipeline = pipeline
         self.inputs: list[Any] = []
+        self.read: dict[int, int] = {}  # chunk -> micro-batches read (``_ChunkInputs``)
         self.current: PreparedStep | None = None
         self.batches: list[Any] = []  # every batch evaluated (``DocumentBatch``), for reports
 
     def begin(self) -> int:
-        """Prepare the next evaluation batch; returns its plan's micro-batch count."""
+        """Prepare the next evaluation batch; returns the micro-batch count the schedule runs
+        (the plan's, padded for an interleaved pipeline: ``_prepare``)."""
         self.current, self.inputs = _prepare(self.run, self.pipeline)
+        self.read = {}
         self.batches.append(self.current.batch)
-        return len(self.current.plan.microbatches)
+        return len(self.inputs)
+
+    def chunk(self, index: int) -> _ChunkInputs:
+        """The iterator of virtual pipeline chunk ``index`` (``hsp_datasets_provider``)."""
+        return self if index == 0 else _ChunkInputs(self, index)
 
     def __iter__(self) -> _EvalIterator:
         return self
 
     def __next__(self) -> Any:
-        if not self.inputs:
-            raise RuntimeError(
-                f"megatron-hsp: evaluation on the {self.split} split asked for more "
-                "micro-batches than its plan has; get_forward_backward_func is not patched "
-                "(was megatron_hsp.megatron.install called before pretrain()?)"
-            )
-        return self.inputs.pop(0)
+        return _next_input(self.inputs, self.read, 0, f"evaluation on the {self.split} split")
+
+
+class _ChunkInputs:
+    """What virtual pipeline chunk ``index`` > 0 reads: the same micro-batches as chunk 0, in
+    the same order, from its own position (every chunk of a stage runs every micro-batch, and
+    each needs its ``PackedSeqParams``; the interleaved schedule pulls one iterator per chunk)."""
+
+    def __init__(self, owner: Any, index: int) -> None:
+        self.owner = owner
+        self.index = index
+
+    def __iter__(self) -> _ChunkInputs:
+        return self
+
+    def __next__(self) -> Any:
+        what = getattr(self.owner, "split", None)
+        what = "training" if what is None else f"evaluation on the {what} split"
+        return _next_input(self.owner.inputs, self.owner.read, self.index, what)
+
+
+def _next_input(inputs: list[Any], read: dict[int, int], chunk: int, what: str) -> Any:
+    """Micro-batch ``read[chunk]`` of ``inputs`` for model chunk ``chunk``; moves it on."""
+    i = read.get(chunk, 0)
+    if i >= len(inputs):
+        raise RuntimeError(
+            f"megatron-hsp: {what} asked for more micro-batches than the plan has; "
+            "train_step / get_forward_backward_func is not patched (was "
+            "megatron_hsp.megatron.install called before pretrain()?)"
+        )
+    read[chunk] = i + 1
+    return inputs[i]
 
 
 def eval_iterator_of(data_iterator: Any) -> _EvalIterator | None:
     """The HSP evaluation iterator behind what ``evaluate()`` hands the schedule (Megatron
-    wraps external iterators in ``RerunDataIterator``), else None."""
+    wraps external iterators in ``RerunDataIterator``; under virtual pipeline stages it hands
+    one per chunk, chunk 0's first), else None."""
+    if isinstance(data_iterator, list | tuple):
+        data_iterator = data_iterator[0] if data_iterator else None
     inner = getattr(data_iterator, "iterable", data_iterator)
     return inner if isinstance(inner, _EvalIterator) else None
 
 
 class _MicroBatchIterator:
-    """The external data iterator Megatron's schedule pulls micro-batches from."""
+    """The external data iterator Megatron's schedule pulls micro-batches from (one per model
+    chunk under virtual pipeline stages, each reading every micro-batch: ``_ChunkInputs``)."""
 
-    def __init__(self, run: HSPRun) -> None:
+    def __init__(self, run: HSPRun, chunk: int = 0) -> None:
         self.run = run
+        self.chunk = chunk
 
     def __iter__(self) -> _MicroBatchIterator:
         return self
 
     def __next__(self) -> Any:
-        if not self.run.inputs:
-            raise RuntimeError(
-                "megatron-hsp: the schedule asked for more micro-batches than the plan has; "
-                "train_step is not patched (was megatron_hsp.megatron.install called before "
-                "pretrain()?)"
-            )
-        return self.run.inputs.pop(0)
+        return _next_input(self.run.inputs, self.run.read, self.chunk, "the training schedule")
 
 
 def hsp_datasets_provider(train_val_test_num_samples: Any, vp_stage: Any = None) -> tuple:
@@ -315,6 +361,18 @@ def hsp_datasets_provider(train_val_test_num_samples: Any, vp_stage: Any = None)
         raise RuntimeError("megatron-hsp: install() was not called before pretrain()")
     import torch.distributed as dist
 
+    if vp_stage:
+        # Virtual pipeline: pretrain() calls the provider once per model chunk; the pipeline
+        # (planner, groups, samplers) is built once, for chunk 0, and every other chunk reads
+        # the same micro-batches through its own iterators.
+        if run.pipeline is None:
+            raise RuntimeError("megatron-hsp: the provider ran for chunk 0 after a later chunk")
+        valid, test = run.evaluation.get("valid"), run.evaluation.get("test")
+        return (
+            _MicroBatchIterator(run, vp_stage),
+            None if valid is None else valid.chunk(vp_stage),
+            None if test is None else test.chunk(vp_stage),
+        )
     # A refusal while building (a --load whose data differs from the checkpoint's, an empty
     # training split) is one line and exit 2 on every rank, like a refused flag's.
     run.pipeline = exit_on_refusal(lambda: build_pipeline(run, get_args()))
@@ -351,6 +409,11 @@ def _prepare(run: HSPRun, pipeline: StepPipeline) -> tuple[PreparedStep, list[An
 
     The inputs come from ``schedule.step_inputs``, the one builder ``run_step`` (demo, selftest)
     uses too, so the ring layout and process-group binding cannot differ between them.
+
+    Under an interleaved pipeline the list is padded with empty micro-batches (None: every
+    rank idle, ``forward_microbatch``'s zero output with loss mask 0, so they train nothing and
+    change no loss, token count or gradient) up to ``run.microbatch_multiple``, megatron-core's
+    micro-batch group size: the count its interleaved schedule accepts.
     """
     from megatron_hsp.runtime.schedule import step_inputs
 
@@ -363,13 +426,21 @@ def _prepare(run: HSPRun, pipeline: StepPipeline) -> tuple[PreparedStep, list[An
         local_multiple=run.local_multiple,
         te_layout=run.te_layout,
     )
+    inputs += [None] * (schedule_count(len(inputs), run.microbatch_multiple) - len(inputs))
     return prepared, inputs
+
+
+def schedule_count(planned: int, multiple: int) -> int:
+    """Micro-batches the schedule runs for a plan of ``planned``: the next multiple of
+    ``multiple`` (at least one multiple), the padding being empty micro-batches (``_prepare``)."""
+    return max(multiple, -(-planned // multiple) * multiple)
 
 
 def begin_step(run: HSPRun) -> None:
     """Prepare the training step about to run: plan, dispatch."""
     assert run.pipeline is not None
     run.current, run.inputs = _prepare(run, run.pipeline)
+    run.read = {}
     run.step_started = time.perf_counter()
 
 
@@ -390,8 +461,9 @@ def end_step(run: HSPRun, loss: float | None = None) -> None:
 
 
 def current_num_microbatches(run: HSPRun) -> int:
+    """The micro-batch count the schedule runs: the plan's (padded under interleaving)."""
     assert run.current is not None, "megatron-hsp: no step prepared"
-    return len(run.current.plan.microbatches)
+    return schedule_count(len(run.current.plan.microbatches), run.microbatch_multiple)
 
 
 def _loss_func(loss_mask: Any, output_tensor: Any, num_tokens_override: int | None = None):

@@ -142,11 +142,17 @@ def forward_microbatch(
     -- all members of the group skip it together, so no partner waits -- and the output is a zero
     tied to every trainable parameter with an all-zero mask, so backward and the step's gradient
     reduction stay identical on every rank.
+
+    Under pipeline parallelism (``_idle_stage_output``) a stage that is not the last returns a
+    zero activation ``[1, 1, hidden]`` instead, which Megatron's schedule sends on (its
+    ``variable_seq_lengths`` handshake carries the shape), and a stage that is not the first
+    ties the zero to the activation it received, so a (zero) gradient flows back to the stage
+    before: every send and receive of the schedule has its partner.
     """
     if inputs is None:
         params = [p for p in model.parameters() if p.requires_grad]
         zero = sum((p.view(-1)[:1] * 0.0).sum() for p in params)
-        return zero.view(1, 1), torch.zeros(1, 1, device=zero.device)
+        return _idle_stage_output(model, zero)
     output = model(
         inputs.input_ids,
         inputs.position_ids,
@@ -156,6 +162,34 @@ def forward_microbatch(
         packed_seq_params=inputs.packed_seq_params,
     )
     return output, inputs.loss_mask
+
+
+def _idle_stage_output(
+    model: torch.nn.Module, zero: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, loss mask) of an idle micro-batch on this pipeline stage (``forward_microbatch``).
+
+    The stage is read from the (possibly DDP-wrapped) ``GPTModel``: ``pre_process`` (it embeds
+    tokens, else it received ``decoder.input_tensor``) and ``post_process`` (it computes the
+    loss, else it sends an activation). Without a pipeline both are true: ``[1, 1]`` zero loss.
+    """
+    from megatron.core.utils import get_attr_wrapped_model
+
+    def stage(attr: str) -> bool:
+        try:
+            return bool(get_attr_wrapped_model(model, attr))
+        except RuntimeError:  # not a megatron-core model (tests' toys): no pipeline
+            return True
+
+    if not stage("pre_process"):
+        received = get_attr_wrapped_model(model, "decoder").input_tensor
+        if received is not None:
+            zero = zero + (received.view(-1)[:1] * 0.0).sum()
+    mask = torch.zeros(1, 1, device=zero.device)
+    if not stage("post_process"):
+        hidden = get_attr_wrapped_model(model, "config").hidden_size
+        return zero * torch.zeros(1, 1, hidden, device=zero.device, dtype=zero.dtype), mask
+    return zero.view(1, 1), mask
 
 
 @dataclass

@@ -45,6 +45,8 @@ def init_cpu_megatron(
     init_method: str,
     *,
     tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
     seed: int = 1234,
     gloo_process_groups: bool = False,
 ) -> None:
@@ -61,6 +63,8 @@ def init_cpu_megatron(
         world_size,
         init_method,
         tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         seed=seed,
         gloo_process_groups=gloo_process_groups,
     )
@@ -73,6 +77,8 @@ def init_megatron(
     *,
     device: torch.device | None = None,
     tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
     seed: int = 1234,
     gloo_process_groups: bool = False,
 ) -> None:
@@ -100,6 +106,8 @@ def init_megatron(
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         create_gloo_process_groups=gloo_process_groups,
     )
     if cuda:

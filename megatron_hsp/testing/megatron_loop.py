@@ -50,6 +50,14 @@ token shares follow its weights, and what the load restored (iteration, consumed
 scheduler's steps, the weights bit for bit, HSP's resume record) is what the uninterrupted run
 had at the save (``_data_checks``).
 
+Issue 17's option sets run the HSP side on 2 pipeline stages (``--pipeline-model-parallel-size
+2``: 1F1B, then interleaved with a chunk per virtual stage, and evaluating): Megatron's parallel
+state with the pipeline for the HSP side only (``_pipeline_state``), its model chunks built as
+``training.get_model`` builds them (``_hsp_model``), its provider called once per chunk
+(``_hsp_iterators``). The stock side is the *unpipelined* model on the same documents (why:
+``_pipeline_state``); parameters are compared by their unpipelined names (``global_names``:
+a stage's ``decoder.layers.<i>`` by its global layer number), each on the stage that holds it.
+
 What ``train()`` does around ``train_step`` is not run (it is one long function without a seam).
 The few lines this loop needs from it are reproduced and named: the ``config`` hooks
 ``train()`` sets before its loop (``grad_scale_func``, ``no_sync_func``/``grad_sync_func`` under
@@ -84,6 +92,7 @@ RESUME_AFTER = 2  # the resumed HSP side trains steps 2.. after a restart
 HEAD_DIM = 4  # --hidden-size is HEAD_DIM x --num-attention-heads
 KV_GROUPS = 2
 SP_SPEC = ("megatron_hsp.testing.sp_spec", "local_sp_block_spec")
+PIPELINE_LAYERS = 4  # layers of the pipeline option sets: 2 per stage, 1 per virtual stage
 
 # What a user would pass Megatron for this tiny fp32 model (local modules, no fusions on CPU);
 # heads, hidden size and parallelism come from ``LoopOptions.flags``.
@@ -134,6 +143,11 @@ class LoopOptions:
     evaluation: bool = False
     blend: bool = False
     resume: bool = False
+    # Issue 17: pipeline stages of the HSP side (1F1B), and virtual stages per pipeline rank
+    # (None: none; > 1: the interleaved schedule). The stock side is the unpipelined model
+    # (``_run_stock``), so both sides get PIPELINE_LAYERS layers.
+    pp: int = 1
+    vpp: int | None = None
 
     def flags(self) -> list[str]:
         """Megatron flags of this option set (both sides)."""
@@ -153,6 +167,20 @@ class LoopOptions:
             out.append("--overlap-grad-reduce")
         if self.evaluation:
             out += ["--eval-iters", str(EVAL_ITERS), "--eval-interval", str(EVAL_INTERVAL)]
+        if self.pp > 1:
+            out += ["--num-layers", str(PIPELINE_LAYERS)]
+        return out
+
+    def pipeline_flags(self) -> list[str]:
+        """Megatron's pipeline flags (HSP side only: the stock reference is unpipelined).
+        Interleaving on 2 stages needs Megatron's default overlapped p2p communication (its
+        ``validate_args`` refuses it under ``--no-overlap-p2p-communication``)."""
+        if self.pp == 1:
+            return []
+        out = ["--pipeline-model-parallel-size", str(self.pp)]
+        if self.vpp:
+            per_chunk = PIPELINE_LAYERS // (self.pp * self.vpp)
+            out += ["--num-layers-per-virtual-pipeline-stage", str(per_chunk)]
         return out
 
     def hsp_flags(self) -> list[str]:
@@ -209,9 +237,9 @@ class LoopOptions:
             "evaluation": self.evaluation,
             "blend": self.blend,
             "resume": self.resume,
-            # Placeholders for issue 17 (pipeline, virtual pipeline, MoE): this loop runs none.
-            "pp": 1,
-            "vpp": None,
+            "pp": self.pp,
+            "vpp": self.vpp,
+            # Placeholders for issue 17's MoE: this loop runs none.
             "num_experts": None,
             "ep": 1,
         }
@@ -232,6 +260,8 @@ class LoopOptions:
         if self.position_embedding_type != "rope":
             parts.append(self.position_embedding_type)
         parts += [n for n in ("evaluation", "blend", "resume") if getattr(self, n)]
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}" + (f" vpp{self.vpp}" if self.vpp else ""))
         return " ".join(parts) or "ddp"
 
 
@@ -262,6 +292,12 @@ DEFAULT_OPTIONS = (
     # Issue 18: evaluation on the validation and test splits, a two-dataset blend, and a resume
     # after step 2 (the validation sampler resumed too), with the distributed optimizer.
     LoopOptions(distributed_optimizer=True, evaluation=True, blend=True, resume=True),
+    # Issue 17: 2 pipeline stages of 2 data-parallel slots (groups of 1 and 2; 100 tokens per
+    # rank fit the 200-token documents in a group of 2), 1F1B; then interleaved with 2 virtual
+    # stages per rank (one layer per chunk), with evaluation (forward-only interleaved schedule,
+    # per-chunk evaluation iterators).
+    LoopOptions(pp=2, tokens_per_rank=100),
+    LoopOptions(pp=2, vpp=2, evaluation=True, tokens_per_rank=100),
 )
 
 
@@ -383,19 +419,37 @@ def _stock_model(args: Any) -> torch.nn.Module:
     return _gpt(GPTModel, config, spec, args)
 
 
-def _hsp_model(args: Any) -> torch.nn.Module:
-    """The model Megatron builds under ``--hsp``: the spec layer_spec.py hands ``--spec``."""
+def _hsp_model(args: Any) -> list[torch.nn.Module]:
+    """The model chunks Megatron builds on this rank under ``--hsp`` (the spec layer_spec.py
+    hands ``--spec``): one without a pipeline; under one, this stage's layers, one chunk per
+    virtual stage, ``pre_process``/``post_process`` as ``training.get_model`` sets them."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.pipeline_parallel.utils import (
+        is_pp_first_stage,
+        is_pp_last_stage,
+        is_vp_first_stage,
+        is_vp_last_stage,
+    )
     from megatron.training.arguments import core_transformer_config_from_args
 
     from megatron_hsp.megatron.layer_spec import hsp_spec_from_args
     from megatron_hsp.testing.cpu_shims import use_cpu_rotary
 
     config = core_transformer_config_from_args(args)
-    return use_cpu_rotary(_gpt(GPTModel, config, hsp_spec_from_args(args), args))
+    spec = hsp_spec_from_args(args)
+    group = parallel_state.get_pipeline_model_parallel_group()
+    vp = args.virtual_pipeline_model_parallel_size
+    chunks = []
+    for i in range(vp) if vp else [None]:
+        pre = is_pp_first_stage(group) and (i is None or is_vp_first_stage(i, vp))
+        post = is_pp_last_stage(group) and (i is None or is_vp_last_stage(i, vp))
+        model = _gpt(GPTModel, config, spec, args, pre_process=pre, post_process=post, vp_stage=i)
+        chunks.append(use_cpu_rotary(model))
+    return chunks
 
 
-def _gpt(cls: Any, config: Any, spec: Any, args: Any) -> torch.nn.Module:
+def _gpt(cls: Any, config: Any, spec: Any, args: Any, **stage: Any) -> torch.nn.Module:
     return cls(
         config=config,
         transformer_layer_spec=spec,
@@ -403,25 +457,61 @@ def _gpt(cls: Any, config: Any, spec: Any, args: Any) -> torch.nn.Module:
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
+        **stage,
     )
 
 
-def _load_weights(module: torch.nn.Module, init: dict[str, torch.Tensor]) -> None:
-    """Copy ``init`` in by parameter name; the HSP spec swaps only parameter-free attention
-    modules, so both models must have exactly the same names."""
-    own = dict(module.named_parameters())
-    if sorted(own) != sorted(init):
+def global_names(module: torch.nn.Module) -> dict[str, str]:
+    """Parameter name in ``module`` (a model chunk) -> its name in the unpipelined model.
+
+    A pipeline stage numbers its layers from 0 (``decoder.layers.<i>``); megatron-core keeps
+    each layer's global ``layer_number`` (1-based, ``get_transformer_layer_offset``), which is
+    what maps it onto the stock model's layer. Other names (embedding, final norm, output
+    layer) are the same on the stage that holds them."""
+    out = {}
+    for name, _ in module.named_parameters():
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            layer = module.decoder.layers[int(parts[2])]
+            parts[2] = str(layer.layer_number - 1)
+        out[name] = ".".join(parts)
+    return out
+
+
+def _chunk_parameters(modules: Sequence[torch.nn.Module]) -> dict[str, torch.nn.Parameter]:
+    """This rank's parameters of every chunk by their unpipelined name (``global_names``)."""
+    out = {}
+    for module in modules:
+        names = global_names(module)
+        out.update({names[n]: p for n, p in module.named_parameters()})
+    return out
+
+
+def _load_weights(modules: Sequence[torch.nn.Module], init: dict[str, torch.Tensor]) -> None:
+    """Copy ``init`` in by (unpipelined) parameter name; the HSP spec swaps only parameter-free
+    attention modules, so both models must have the same names. Without a pipeline every
+    parameter is here; with one, this stage's (``per_param_diff`` checks every parameter is
+    on some stage)."""
+    own = _chunk_parameters(modules)
+    pipelined = len(modules) > 1 or not (
+        getattr(modules[0], "pre_process", True) and getattr(modules[0], "post_process", True)
+    )
+    if sorted(own) != sorted(init) and (not pipelined or set(own) - set(init)):
         raise RuntimeError(
             f"HSP and stock models have different parameters: {sorted(set(own) ^ set(init))}"
         )
     with torch.no_grad():
-        for name, value in init.items():
-            own[name].copy_(value)
+        for name, param in own.items():
+            param.copy_(init[name])
 
 
-def _wrap(args: Any, module: torch.nn.Module) -> tuple[list[Any], Any, Any, Any]:
+def _wrap(
+    args: Any, module: torch.nn.Module | Sequence[torch.nn.Module]
+) -> tuple[list[Any], Any, Any, Any]:
     """megatron-core DDP + Megatron's optimizer and scheduler, configured from ``args`` by
-    Megatron's own helpers; plus the ``config`` hooks ``train()`` sets before its loop."""
+    Megatron's own helpers; plus the ``config`` hooks ``train()`` sets before its loop.
+    ``module``: one model, or the chunks of a virtual pipeline (one DDP each, bucketing only
+    for the first, as ``training.get_model`` does)."""
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.utils import get_model_config
@@ -431,9 +521,13 @@ def _wrap(args: Any, module: torch.nn.Module) -> tuple[list[Any], Any, Any, Any]
         get_optimizer_param_scheduler,
     )
 
-    config = get_model_config(module)
+    modules = list(module) if isinstance(module, Sequence) else [module]
+    config = get_model_config(modules[0])
     ddp_config = get_megatron_ddp_config(args)
-    model = [DistributedDataParallel(config, ddp_config, module)]
+    model = [
+        DistributedDataParallel(config, ddp_config, m, disable_bucketing=i > 0)
+        for i, m in enumerate(modules)
+    ]
     opt_config, overrides = get_megatron_optimizer_config(args)
     optimizer = get_megatron_optimizer(
         opt_config,
@@ -472,8 +566,9 @@ def _stock_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def param_grads(model: Any, distributed_optimizer: bool) -> dict[str, torch.Tensor]:
-    """Each parameter's gradient as ``finalize_model_grads`` left it for the optimizer, by name.
+def param_grads(model: Sequence[Any], distributed_optimizer: bool) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient as ``finalize_model_grads`` left it for the optimizer, by its
+    unpipelined name (``global_names``), over this rank's DDP model chunks ``model``.
 
     The DDP gradient buffer is cut back into parameters with megatron-core's own
     ``param_index_map`` (``param -> (start, end, bucket_id)`` in the buffer). Under the
@@ -485,9 +580,9 @@ def param_grads(model: Any, distributed_optimizer: bool) -> dict[str, torch.Tens
 
     dp = parallel_state.get_data_parallel_world_size()
     rank = parallel_state.get_data_parallel_rank()
-    names = {p: n for n, p in model.module.named_parameters()}
+    names = {p: n for n, p in _chunk_parameters([m.module for m in model]).items()}
     out: dict[str, torch.Tensor] = {}
-    for buffer in model.buffers:
+    for buffer in (b for m in model for b in m.buffers):
         for param, (start, end, bucket_id) in buffer.param_index_map.items():
             lo, hi = start, end
             if distributed_optimizer:
@@ -741,6 +836,25 @@ def _plant_resume_shares_the_adam_step(
     return hook
 
 
+def _plant_stage_boundary_tokens_rolled(stack: contextlib.ExitStack) -> None:
+    """PLANTED BUG (issue 17): the activation a pipeline stage receives has its tokens in the
+    wrong order (rolled by one along the sequence), as a boundary that mixed up the layout of
+    the tokens it sends would: each token's hidden state lands on its neighbour's position and
+    document. Gradients still flow back through the roll, so nothing fails; only the numbers."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    original = GPTModel.set_input_tensor
+
+    def set_input_tensor(self: Any, input_tensor: Any) -> None:
+        received = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+        if received is not None and received.shape[0] > 1:
+            received = torch.roll(received, 1, dims=0)
+        original(self, [received])
+
+    GPTModel.set_input_tensor = set_input_tensor
+    stack.callback(setattr, GPTModel, "set_input_tensor", original)
+
+
 PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
     "plan-count-in-lr-increment": _plant_plan_count_everywhere_in_train_step,
     "smallest-gradient-scaled-1.0001": _plant_smallest_gradient_scaled,
@@ -749,6 +863,7 @@ PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
     "evaluation-draws-training-batches": _plant_evaluation_draws_training_batches,
     "resume-restarts-the-samplers": _plant_resume_restarts_the_samplers,
     "resume-shares-the-adam-step": _plant_resume_shares_the_adam_step,
+    "stage-boundary-tokens-rolled": _plant_stage_boundary_tokens_rolled,
 }
 
 
@@ -764,7 +879,7 @@ def _hsp_argv(
         *options.hsp_flags(),
         *options.data_flags(prefixes),
     ]
-    return [*MODEL_FLAGS, *options.flags(), *hsp_flags]
+    return [*MODEL_FLAGS, *options.flags(), *options.pipeline_flags(), *hsp_flags]
 
 
 def _start_hsp(argv: list[str]) -> tuple[Any, Any, Any]:
@@ -784,14 +899,26 @@ def _start_hsp(argv: list[str]) -> tuple[Any, Any, Any]:
     return args, provider, forward_step
 
 
-def _hsp_iterators(provider: Any) -> tuple[Any, Any, Any]:
+def _hsp_iterators(provider: Any, chunks: int = 1) -> tuple[Any, Any, Any]:
     """The training, validation and test iterators as ``pretrain()`` builds them from the
     provider: Megatron's own ``build_train_valid_test_data_iterators`` (sample counts, the
     ``is_distributed`` provider called on every rank, external loaders passed through and
-    wrapped in ``RerunDataIterator``, ``do_valid``/``do_test`` agreed over ranks)."""
+    wrapped in ``RerunDataIterator``, ``do_valid``/``do_test`` agreed over ranks). Under
+    virtual pipeline stages (``chunks`` > 1), as ``setup_model_and_optimizer``'s caller does:
+    the provider once per chunk (``vp_stage``), each split a list of per-chunk iterators."""
+    import functools
+
     import megatron.training.training as training
 
-    return training.build_train_valid_test_data_iterators(provider)
+    if chunks == 1:
+        return training.build_train_valid_test_data_iterators(provider)
+    per_chunk = []
+    for vp_stage in range(chunks):
+        chunk_provider = functools.partial(provider, vp_stage=vp_stage)
+        chunk_provider.is_distributed = getattr(provider, "is_distributed", False)
+        per_chunk.append(training.build_train_valid_test_data_iterators(chunk_provider))
+    train, valid, test = (list(split) for split in zip(*per_chunk, strict=True))
+    return train, valid, test
 
 
 def _uninterrupted(run: Any, steps: int) -> dict[str, list[list[tuple[int, int, int]]]]:
@@ -828,10 +955,11 @@ def _evaluate(
     evaluation = hooks.eval_iterator_of(iterator)
     before = 0 if evaluation is None else len(evaluation.batches)
     losses, _, _ = training.evaluate(forward_step, iterator, model, None, config, verbose=False)
+    loss = losses.get("lm loss")  # on the last pipeline stage only
     record: dict[str, Any] = {
         "after_step": it,
         "split": split,
-        "loss": float(losses["lm loss"]),
+        "loss": _last_stage_value(None if loss is None else float(loss)),
         "consumed_valid_samples": int(args.consumed_valid_samples),
     }
     if evaluation is not None:
@@ -862,13 +990,13 @@ def _run_hsp(
     with contextlib.ExitStack() as stack:
         stack.callback(_close_hsp_run, hooks, patches)
         hook = PLANTS[plant](stack) if plant is not None else None
-        module = _hsp_model(args)
-        _load_weights(module, init)
-        model, optimizer, scheduler, config = _wrap(args, module)
+        chunks = _hsp_model(args)
+        _load_weights(chunks, init)
+        model, optimizer, scheduler, config = _wrap(args, chunks)
         if hook is not None:
             hook(model, optimizer, config)
         _load_through_megatron(args, model, optimizer, scheduler)  # nothing there yet: step 0
-        train_it, valid_it, test_it = _hsp_iterators(provider)
+        train_it, valid_it, test_it = _hsp_iterators(provider, len(chunks))
         run = hooks.active_run()
         expected = _uninterrupted(run, steps)
         resume = None
@@ -881,16 +1009,16 @@ def _run_hsp(
                 # load_checkpoint, HSP rebuilt from the flags (docs/reliability.md).
                 saved = _save_through_megatron(it, model, optimizer, scheduler)
                 _close_hsp_run(hooks, patches)
-                del model, optimizer, scheduler, module, train_it, valid_it, test_it, run
+                del model, optimizer, scheduler, chunks, train_it, valid_it, test_it, run
                 refused = _refused_resume(argv)
                 args, provider, forward_step = _start_hsp(argv)
-                module = _hsp_model(args)  # fresh: its own initial weights, not the trained
-                model, optimizer, scheduler, config = _wrap(args, module)
+                chunks = _hsp_model(args)  # fresh: its own initial weights, not the trained
+                model, optimizer, scheduler, config = _wrap(args, chunks)
                 if hook is not None:
                     hook(model, optimizer, config)
                 _load_through_megatron(args, model, optimizer, scheduler)
-                resume = {**_resume_record(args, saved, module, scheduler), **refused}
-                train_it, valid_it, test_it = _hsp_iterators(provider)
+                resume = {**_resume_record(args, saved, chunks, scheduler), **refused}
+                train_it, valid_it, test_it = _hsp_iterators(provider, len(chunks))
                 run = hooks.active_run()
             out = training.train_step(
                 forward_step,
@@ -902,10 +1030,13 @@ def _run_hsp(
                 get_forward_backward_func(),
                 iteration=it,
             )
-            grads.append(param_grads(model[0], options.distributed_optimizer))
+            grads.append(param_grads(model, options.distributed_optimizer))
             rec = _step_record(args, out, scheduler, optimizer)
+            rec["loss"] = _last_stage_value(rec["loss"])
             plan = run.current.plan
             rec["plan_microbatches"] = len(plan.microbatches)
+            # What the schedule ran: the plan's count, padded under interleaving (hooks._prepare)
+            rec["schedule_microbatches"] = hooks.current_num_microbatches(run)
             rec["documents"] = len(run.current.batch.pieces)
             rec["layouts"] = [
                 [_layout(g, heads) for g in mb.groups if g.seq_ids] for mb in plan.microbatches
@@ -921,9 +1052,10 @@ def _run_hsp(
             evaluations.append(
                 _evaluate(args, "test", forward_step, test_it, model, config, steps - 1)
             )
-        weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+        weights = {n: p.detach().clone() for n, p in _chunk_parameters(chunks).items()}
         next_draw = run.pipeline.sampler.next_batch().pieces  # after the run: harmless
         return {
+            "pipeline": _pipeline_record(chunks, get_forward_backward_func()),
             "train_next": [[(p.doc, p.offset, p.length) for p in next_draw]],
             "records": records,
             "pieces": pieces,
@@ -933,6 +1065,34 @@ def _run_hsp(
             "expected": expected,
             "resume": resume,
         }
+
+
+def _last_stage_value(value: Any) -> Any:
+    """``value`` as the last global rank holds it (the last pipeline stage, where Megatron's
+    schedule reduces the loss; other stages get none); the value itself without a pipeline."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_world_size() - 1)
+    return box[0]
+
+
+def _pipeline_record(chunks: Sequence[torch.nn.Module], schedule: Any) -> dict[str, Any]:
+    """What the HSP side ran: pipeline stages and this rank's stage, model chunks per rank,
+    Megatron's schedule function and whether activations exchange shapes per micro-batch."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_model_config
+
+    return {
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "model_chunks": len(chunks),
+        "schedule": getattr(schedule, "__name__", str(schedule)),
+        "variable_seq_lengths": bool(get_model_config(chunks[0]).variable_seq_lengths),
+        "layers_per_chunk": [len(c.decoder.layers) for c in chunks],
+    }
 
 
 def _layout(group: Any, heads: Any) -> dict[str, int]:
@@ -981,7 +1141,7 @@ def _save_through_megatron(
     from megatron.training.checkpointing import save_checkpoint
 
     save_checkpoint(iteration, model, optimizer, scheduler, 0)
-    return {n: p.detach().clone() for n, p in model[0].module.named_parameters()}
+    return {n: p.detach().clone() for n, p in _chunk_parameters([m.module for m in model]).items()}
 
 
 def _load_through_megatron(args: Any, model: list[Any], optimizer: Any, scheduler: Any) -> None:
@@ -1038,7 +1198,7 @@ def _refused_resume(argv: list[str]) -> dict[str, Any]:
 
 
 def _resume_record(
-    args: Any, saved: dict[str, torch.Tensor], module: torch.nn.Module, scheduler: Any
+    args: Any, saved: dict[str, torch.Tensor], chunks: Sequence[torch.nn.Module], scheduler: Any
 ) -> dict[str, Any]:
     """What the load restored (``_resume_checks`` compares it with the stock run at that step):
     ``args``' iteration and consumed samples, the scheduler's step count, whether every rank's
@@ -1048,7 +1208,7 @@ def _resume_record(
 
     from megatron_hsp.megatron.hooks import DATA_RECORD
 
-    own = dict(module.named_parameters())
+    own = _chunk_parameters(chunks)
     same = torch.tensor(
         [float(sorted(own) == sorted(saved) and all(torch.equal(own[n], saved[n]) for n in saved))]
     )
@@ -1097,7 +1257,7 @@ def _run_stock(
     args = _megatron_args([*MODEL_FLAGS, *options.flags()])
     _set_megatron_globals(args)
     module = _stock_model(args)
-    _load_weights(module, init)
+    _load_weights([module], init)
     model, optimizer, scheduler, config = _wrap(args, module)
     dp = parallel_state.get_data_parallel_world_size()
     rank = parallel_state.get_data_parallel_rank()
@@ -1126,7 +1286,7 @@ def _run_stock(
             get_forward_backward_func(),
             iteration=it,
         )
-        grads.append(param_grads(model[0], options.distributed_optimizer))
+        grads.append(param_grads(model, options.distributed_optimizer))
         records.append(_step_record(args, out, scheduler, optimizer))
         for e, batches in zip(evaluations, evaluated, strict=True):
             if e["after_step"] != it:
@@ -1166,20 +1326,27 @@ def per_param_diff(
 
     Collective (MAX all-reduce over the world): a parameter's shards (TP) and slices
     (distributed optimizer) on every rank count. A parameter whose scale is 0 everywhere is
-    compared absolutely (any difference is infinite relative error).
+    compared absolutely (any difference is infinite relative error). ``got`` may hold a subset
+    of ``want`` on a rank (a pipeline stage's parameters against the unpipelined reference),
+    but every parameter must be on some rank.
     """
     import torch.distributed as dist
 
     names = sorted(want)
-    if sorted(got) != names or sorted(scale) != names:
+    if set(got) - set(names) or sorted(scale) != names:
         raise RuntimeError(f"parameter names differ: {set(got) ^ set(want)}")
-    table = torch.zeros(len(names), 2, dtype=torch.float64)
+    table = torch.zeros(len(names), 3, dtype=torch.float64)
     for i, n in enumerate(names):
-        if want[n].numel():
-            table[i, 0] = float((got[n] - want[n]).abs().max())
+        if n in got:
+            table[i, 2] = 1.0
+            if want[n].numel():
+                table[i, 0] = float((got[n] - want[n]).abs().max())
         if scale[n].numel():
             table[i, 1] = float(scale[n].abs().max())
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    absent = [n for i, n in enumerate(names) if table[i, 2] == 0]
+    if absent:
+        raise RuntimeError(f"parameters on no rank of the compared side: {absent[:5]}")
     rel, peak = {}, {}
     for i, n in enumerate(names):
         err, top = float(table[i, 0]), float(table[i, 1])
@@ -1245,7 +1412,8 @@ def _worker(
         cpu_device_arch_version(),
     ):
         stock_init = _initial_weights(options)
-        hsp = _run_hsp(options, prefixes, cost_path, world_size, steps, stock_init, plant)
+        with _pipeline_state(rank, world_size, options):
+            hsp = _run_hsp(options, prefixes, cost_path, world_size, steps, stock_init, plant)
         ref = _run_stock(options, prefixes, hsp["pieces"], stock_init, hsp["evaluations"])
         expected = megatron_schedule(ref["args"], steps)
     data = _data_checks(options, hsp, ref)
@@ -1282,6 +1450,7 @@ def _worker(
                 "smallest_grad_ratio": peak[small] / top,
                 "rel_grad_diff_of_smallest": rel[small],
                 "plan_microbatches": h["plan_microbatches"],
+                "schedule_microbatches": h["schedule_microbatches"],
                 "layouts": h["layouts"],
             }
         )
@@ -1294,7 +1463,34 @@ def _worker(
         "max_rel_weight_diff_after": wworst,
         "worst_weight_param": wname,
         "planted_param": PLANTED.get("param"),
+        "pipeline": hsp["pipeline"],
     }
+
+
+@contextlib.contextmanager
+def _pipeline_state(rank: int, world_size: int, options: LoopOptions):
+    """Megatron's parallel state with ``options``' pipeline for the HSP side, the unpipelined
+    one (the stock reference's) again on exit. Why the stock side runs without a pipeline: it
+    is then the plain model on the same documents, sharing none of the schedule's stage
+    machinery (p2p, shape handshake, last-stage loss) with the HSP side, so an error at a stage
+    boundary cannot hide in a reference that makes it too."""
+    from megatron_hsp.testing.dist import init_cpu_megatron
+
+    if options.pp == 1:
+        yield
+        return
+    init_cpu_megatron(
+        rank,
+        world_size,
+        "",
+        tensor_model_parallel_size=options.tp,
+        pipeline_model_parallel_size=options.pp,
+        virtual_pipeline_model_parallel_size=options.vpp,
+    )
+    yield
+    # Not on an exception: re-initialising is collective, and a rank that raised would wait
+    # there for ranks still inside the run instead of reporting its error.
+    init_cpu_megatron(rank, world_size, "", tensor_model_parallel_size=options.tp)
 
 
 def _data_checks(options: LoopOptions, hsp: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
