@@ -50,6 +50,9 @@ class HSPRun:
     data: Any = None  # datasets.HSPData: which datasets feed which split (set by ``install``)
     evaluation: dict[str, Any] = field(default_factory=dict)  # split -> _EvalIterator
     te_layout: bool = False  # pad ring groups' documents for TE's context parallelism
+    # Expert parallelism: MoE all-to-alls span plan groups, so a group without documents in a
+    # micro-batch still runs the model, on padding (``schedule.step_inputs``).
+    run_empty_groups: bool = False
 
 
 _RUN: HSPRun | None = None
@@ -139,6 +142,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     # The layer spec's "auto" backend is Transformer Engine wherever TE and CUDA are present
     # (runtime.backends.make_backend); its context-parallel route needs padded documents.
     run.te_layout = te_available()
+    run.run_empty_groups = int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1
 
     def pipeline(split_sampler: Any, split_planner: Any) -> StepPipeline:
         return build_step_pipeline(
@@ -353,6 +357,7 @@ def _prepare(run: HSPRun, pipeline: StepPipeline) -> tuple[PreparedStep, list[An
         run.device,
         local_multiple=run.local_multiple,
         te_layout=run.te_layout,
+        run_empty_groups=run.run_empty_groups,
     )
     return prepared, inputs
 

@@ -45,6 +45,7 @@ def init_cpu_megatron(
     init_method: str,
     *,
     tensor_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
     seed: int = 1234,
 ) -> None:
     """Initialise gloo torch.distributed and megatron ``parallel_state`` on the CPU.
@@ -57,6 +58,7 @@ def init_cpu_megatron(
         world_size,
         init_method,
         tensor_model_parallel_size=tensor_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
         seed=seed,
     )
 
@@ -68,6 +70,7 @@ def init_megatron(
     *,
     device: torch.device | None = None,
     tensor_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
     seed: int = 1234,
 ) -> None:
     """torch.distributed and megatron ``parallel_state`` on ``device`` (default: the CPU).
@@ -94,6 +97,7 @@ def init_megatron(
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
         create_gloo_process_groups=False,
     )
     if cuda:

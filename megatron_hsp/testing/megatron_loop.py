@@ -78,6 +78,7 @@ EVAL_SPLIT = "6,1,1"  # 64 + 32 documents: 48 + 24 train, 8 + 4 validation, 8 + 
 BLEND_WEIGHTS = (0.4, 0.6)
 RESUME_AFTER = 2  # the resumed HSP side trains steps 2.. after a restart
 HEAD_DIM = 4  # --hidden-size is HEAD_DIM x --num-attention-heads
+MOE_TOPK = 2  # --moe-router-topk of the MoE option sets
 KV_GROUPS = 2
 SP_SPEC = ("megatron_hsp.testing.sp_spec", "local_sp_block_spec")
 
@@ -130,6 +131,30 @@ class LoopOptions:
     evaluation: bool = False
     blend: bool = False
     resume: bool = False
+    # Issue 17: MoE layers (megatron-core's local block spec, SequentialMLP experts, top-2,
+    # dropless) with ``ep`` expert-parallel ranks and the given token dispatcher; the
+    # per-sequence aux loss and z-loss coefficients (0: off).
+    num_experts: int | None = None
+    ep: int = 1
+    moe_dispatcher: str = "alltoall"
+    seq_aux_loss: float = 0.0
+    z_loss: float = 0.0
+
+    def moe_flags(self) -> list[str]:
+        """Megatron's MoE flags of this option set (none for a dense model)."""
+        if not self.num_experts:
+            return []
+        out = [
+            *("--num-experts", str(self.num_experts), "--moe-router-topk", str(MOE_TOPK)),
+            *("--expert-model-parallel-size", str(self.ep)),
+            *("--moe-token-dispatcher-type", self.moe_dispatcher),
+        ]
+        if self.seq_aux_loss:
+            out += ["--moe-router-load-balancing-type", "seq_aux_loss"]
+            out += ["--moe-aux-loss-coeff", str(self.seq_aux_loss)]
+        if self.z_loss:
+            out += ["--moe-z-loss-coeff", str(self.z_loss)]
+        return out
 
     def flags(self) -> list[str]:
         """Megatron flags of this option set (both sides)."""
@@ -149,7 +174,7 @@ class LoopOptions:
             out.append("--overlap-grad-reduce")
         if self.evaluation:
             out += ["--eval-iters", str(EVAL_ITERS), "--eval-interval", str(EVAL_INTERVAL)]
-        return out
+        return out + self.moe_flags()
 
     def hsp_flags(self) -> list[str]:
         """``--hsp*`` flags beyond the data and cost model (HSP side only)."""
@@ -205,11 +230,14 @@ class LoopOptions:
             "evaluation": self.evaluation,
             "blend": self.blend,
             "resume": self.resume,
-            # Placeholders for issue 17 (pipeline, virtual pipeline, MoE): this loop runs none.
+            # Placeholders for issue 17's pipeline and virtual pipeline: this loop runs none.
             "pp": 1,
             "vpp": None,
-            "num_experts": None,
-            "ep": 1,
+            "num_experts": self.num_experts,
+            "ep": self.ep,
+            "moe_dispatcher": self.moe_dispatcher if self.num_experts else None,
+            "seq_aux_loss": self.seq_aux_loss,
+            "z_loss": self.z_loss,
         }
 
     @property
@@ -228,6 +256,12 @@ class LoopOptions:
         if self.position_embedding_type != "rope":
             parts.append(self.position_embedding_type)
         parts += [n for n in ("evaluation", "blend", "resume") if getattr(self, n)]
+        if self.num_experts:
+            parts.append(f"moe{self.num_experts} ep{self.ep} {self.moe_dispatcher}")
+            if self.seq_aux_loss:
+                parts.append(f"seqaux {self.seq_aux_loss:g}")
+            if self.z_loss:
+                parts.append(f"z {self.z_loss:g}")
         return " ".join(parts) or "ddp"
 
 
@@ -258,6 +292,11 @@ DEFAULT_OPTIONS = (
     # Issue 18: evaluation on the validation and test splits, a two-dataset blend, and a resume
     # after step 2 (the validation sampler resumed too), with the distributed optimizer.
     LoopOptions(distributed_optimizer=True, evaluation=True, blend=True, resume=True),
+    # Issue 17: dropless MoE, 4 experts top-2, alltoall. EP 1 without router losses; EP 2
+    # (2 experts per rank, expert-data-parallel 2) with the per-sequence aux loss and the
+    # z-loss, which HSP computes per document over the ranks holding it (runtime/moe.py).
+    LoopOptions(num_experts=4),
+    LoopOptions(num_experts=4, ep=2, seq_aux_loss=0.1, z_loss=0.01),
 )
 
 
@@ -374,6 +413,10 @@ def _stock_model(args: Any) -> torch.nn.Module:
         from megatron.core.transformer.spec_utils import import_module
 
         spec = import_module(tuple(args.spec))
+    elif args.num_experts:  # gpt_builder's MoE branch: megatron-core's decoder block spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, False, normalization=args.normalization)
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization)
     return _gpt(GPTModel, config, spec, args)
@@ -475,15 +518,15 @@ def param_grads(model: Any, distributed_optimizer: bool) -> dict[str, torch.Tens
     ``param_index_map`` (``param -> (start, end, bucket_id)`` in the buffer). Under the
     distributed optimizer only this data-parallel rank's shard of each bucket is reduced
     (reduce-scatter): a parameter contributes the slice of its range inside that shard (empty
-    when none is).
+    when none is). Expert parameters (MoE under expert parallelism) sit in DDP's
+    ``expert_parallel_buffers``, reduced and sharded over the expert-data-parallel group: each
+    buffer's own group gives the shard size and this rank's place.
     """
-    from megatron.core import parallel_state
-
-    dp = parallel_state.get_data_parallel_world_size()
-    rank = parallel_state.get_data_parallel_rank()
     names = {p: n for n, p in model.module.named_parameters()}
     out: dict[str, torch.Tensor] = {}
-    for buffer in model.buffers:
+    for buffer in [*model.buffers, *model.expert_parallel_buffers]:
+        dp = buffer.data_parallel_group.size()
+        rank = buffer.data_parallel_group.rank()
         for param, (start, end, bucket_id) in buffer.param_index_map.items():
             lo, hi = start, end
             if distributed_optimizer:
@@ -1058,7 +1101,13 @@ def _worker_all(
 
     out = []
     for options, cost_path in runs:
-        init_cpu_megatron(rank, world_size, "", tensor_model_parallel_size=options.tp)
+        init_cpu_megatron(
+            rank,
+            world_size,
+            "",
+            tensor_model_parallel_size=options.tp,
+            expert_model_parallel_size=options.ep,
+        )
         out.append(_worker(rank, world_size, prefixes, cost_path, options, steps, plant))
     return out
 
