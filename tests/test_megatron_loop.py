@@ -132,6 +132,45 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
     assert e18["blend"]["worst_deviation_in_documents"] <= 1.0
     for e in entries:
         assert all(e["pieces_as_uninterrupted"].values()) and e["outside_split"] == []
+    # Issue 17: the MoE option sets ran with the experts and expert parallelism they claim.
+    moe = [e for e in entries if e["options"]["num_experts"]]
+    assert [e["options"]["ep"] for e in moe] == [1, 2]
+    for e in moe:
+        _assert_moe_ran_as_claimed(e)
+    assert any(e["options"]["seq_aux_loss"] > 0 and e["options"]["ep"] == 2 for e in moe)
+    for e in entries:
+        if not e["options"]["num_experts"]:
+            assert e["moe"] is None and e["options"]["ep"] == 1
+
+
+def _assert_moe_ran_as_claimed(entry: dict) -> None:
+    """An MoE entry's model had its experts split over its EP ranks, HSP's router in every MoE
+    layer, and expert parameters reduced over the expert-data-parallel group (4 ranks / EP)."""
+    o, m = entry["options"], entry["moe"]
+    assert m["ep"] == o["ep"] and m["expert_dp"] == 4 // o["ep"]
+    assert m["local_experts"] == o["num_experts"] // o["ep"]
+    assert m["moe_layers"] == 2 and m["routers"] == ["HSPTopKRouter"]
+    # fc1 and fc2 of each local expert in both layers, compared per parameter.
+    assert entry["expert_params_compared"] == m["expert_params"] == 2 * 2 * m["local_experts"]
+
+
+MOE_OPTIONS = [i for i, o in enumerate(DEFAULT_OPTIONS) if o.num_experts]
+MOE_EP2 = next(i for i in MOE_OPTIONS if DEFAULT_OPTIONS[i].ep == 2)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_dropless_moe_at_ep_1_and_2_matches_the_stock_path():
+    """Issue 17 alone (the main test runs these too): dropless MoE, 4 experts top-2, alltoall,
+    at EP 1 and at EP 2 with the per-sequence aux loss and the z-loss, per parameter (expert
+    parameters: what each rank holds)."""
+    options = [DEFAULT_OPTIONS[i] for i in MOE_OPTIONS]
+    entries = run_megatron_loop(4, options, steps=3, timeout_s=600)
+    for e in entries:
+        print(f"{e['options']}: worst / tolerance {e['margin']:.3f}, {e['moe']}")
+        assert e["ok"], e["failures"]
+        assert e["margin"] < 0.5
+        _assert_moe_ran_as_claimed(e)
 
 
 def _planted(plant: str, steps: int, options: int = 0) -> dict:
@@ -214,6 +253,24 @@ def test_a_resume_that_restarts_the_samplers_is_caught():
     assert all(s["max_rel_grad_diff"] <= GRAD_RTOL for s in entry["steps"])
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+def test_expert_grads_not_reduced_over_expert_data_parallel_ranks_are_caught():
+    entry = _planted("expert-grads-not-reduced", steps=1, options=MOE_EP2)
+    assert "experts" in entry["steps"][0]["worst_grad_param"]
+    assert entry["steps"][0]["max_rel_grad_diff"] > 100 * GRAD_RTOL
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_document_expert_counts_not_reduced_over_the_group_are_caught():
+    """The per-sequence aux loss with each document's expert counts from one rank's tokens:
+    only the router weights' gradients carry it."""
+    entry = _planted("document-expert-counts-not-reduced", steps=1, options=MOE_EP2)
+    assert "router" in entry["steps"][0]["worst_grad_param"]
+    assert entry["steps"][0]["max_rel_grad_diff"] > 100 * GRAD_RTOL
+
+
 def test_every_plant_has_a_test():
     assert set(PLANTS) == {
         "plan-count-in-lr-increment",
@@ -222,6 +279,8 @@ def test_every_plant_has_a_test():
         "one-parameter-not-updated",
         "evaluation-draws-training-batches",
         "resume-restarts-the-samplers",
+        "expert-grads-not-reduced",
+        "document-expert-counts-not-reduced",
     }
 
 

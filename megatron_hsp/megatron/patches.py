@@ -56,6 +56,16 @@ replaced attribute                                 why
                                                    the CPU float type ``torch.cuda.FloatTensor``
                                                    for ``clip_grad_by_total_norm_fp32``'s assert.
                                                    Placement only: no result or logic changes.
+``token_dispatcher.maybe_move_tensor_to_cpu``      ``selftest --megatron`` only, inside
+(megatron-core MoE; ``testing.cpu_shims.           ``cpu_megatron_training``: megatron-core's
+_cpu_dtoh``)                                       version converts only CUDA tensors to numpy,
+                                                   and the alltoall dispatcher then hands CPU
+                                                   tensors to ``all_to_all_single`` as split
+                                                   sizes, which torch refuses; CPU tensors asked
+                                                   ``as_numpy`` become numpy as CUDA ones would.
+                                                   Null streams compare equal and record null
+                                                   events (its side-stream bookkeeping).
+                                                   Placement only.
 ``megatron.training.arguments``'s                  ``selftest --megatron`` only, while it parses
 ``get_device_arch_version``                        flags (``testing.cpu_shims.
 (``testing.cpu_shims.cpu_device_arch_version``)    cpu_device_arch_version``): ``validate_args``

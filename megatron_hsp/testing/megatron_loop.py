@@ -756,6 +756,39 @@ def _plant_resume_restarts_the_samplers(stack: contextlib.ExitStack) -> None:
         stack.callback(setattr, cls, "fast_forward", original)
 
 
+def _plant_expert_grads_not_reduced(
+    stack: contextlib.ExitStack,
+) -> Callable[[Any, Any, Any], None]:
+    """PLANTED BUG (issue 17): the expert parameters' gradients are not reduced over the
+    expert-data-parallel ranks (DDP's expert bucket groups left out of the gradient sync, as
+    an integration that reduced only over the dense data-parallel buffers would): each rank
+    steps its experts on its own tokens' gradient."""
+
+    def hook(model: list[Any], optimizer: Any, config: Any) -> None:
+        ddp = model[0]
+        if not ddp.expert_parallel_bucket_groups:
+            raise RuntimeError("expert-grads-not-reduced needs an option set with experts")
+        ddp.expert_parallel_bucket_groups = []
+        PLANTED["param"] = "expert parameters"
+
+    return hook
+
+
+def _plant_document_expert_counts_not_reduced(stack: contextlib.ExitStack) -> None:
+    """PLANTED BUG (issue 17): the per-sequence aux loss counts each document's experts over
+    this rank's tokens only, not over the plan group that holds the document (the all-reduce
+    over the group left out)."""
+    from megatron_hsp.runtime import moe
+
+    original = moe.tokens_per_expert_per_document
+
+    def local_only(routing_map: torch.Tensor, state: Any) -> torch.Tensor:
+        return original(routing_map, moe.MoEMicroBatch(state.documents, state.num_documents, None))
+
+    moe.tokens_per_expert_per_document = local_only
+    stack.callback(setattr, moe, "tokens_per_expert_per_document", original)
+
+
 PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
     "plan-count-in-lr-increment": _plant_plan_count_everywhere_in_train_step,
     "smallest-gradient-scaled-1.0001": _plant_smallest_gradient_scaled,
@@ -763,6 +796,8 @@ PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
     "one-parameter-not-updated": _plant_one_parameter_not_updated,
     "evaluation-draws-training-batches": _plant_evaluation_draws_training_batches,
     "resume-restarts-the-samplers": _plant_resume_restarts_the_samplers,
+    "expert-grads-not-reduced": _plant_expert_grads_not_reduced,
+    "document-expert-counts-not-reduced": _plant_document_expert_counts_not_reduced,
 }
 
 
@@ -878,6 +913,7 @@ def _run_hsp(
         module = _hsp_model(args)
         _load_weights(module, init)
         model, optimizer, scheduler, config = _wrap(args, module)
+        moe = _moe_record(model[0])
         if hook is not None:
             hook(model, optimizer, config)
         train_it, valid_it, test_it = _hsp_iterators(provider)
@@ -940,7 +976,28 @@ def _run_hsp(
             "weights": weights,
             "evaluations": evaluations,
             "expected": expected,
+            "moe": moe,
         }
+
+
+def _moe_record(ddp: Any) -> dict[str, Any] | None:
+    """What the HSP model's MoE layers ran with, read from the model and megatron's groups
+    (None for a dense model): experts on this rank, expert-parallel and expert-data-parallel
+    sizes, the router class, and how many parameters DDP reduces over the expert groups."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    layers = [m for m in ddp.module.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        return None
+    return {
+        "moe_layers": len(layers),
+        "local_experts": len(layers[0].experts.local_experts),
+        "ep": parallel_state.get_expert_model_parallel_world_size(),
+        "expert_dp": parallel_state.get_expert_data_parallel_world_size(),
+        "routers": sorted({type(m.router).__name__ for m in layers}),
+        "expert_params": sum(len(b.param_index_map) for b in ddp.expert_parallel_buffers),
+    }
 
 
 def _layout(group: Any, heads: Any) -> dict[str, int]:
@@ -1188,6 +1245,9 @@ def _worker(
         "max_rel_weight_diff_after": wworst,
         "worst_weight_param": wname,
         "planted_param": PLANTED.get("param"),
+        "moe": hsp["moe"],
+        # Expert parameters compared per parameter (each rank's own experts; 0 when dense).
+        "expert_params_compared": sum(".experts." in n for n in wrel),
     }
 
 
