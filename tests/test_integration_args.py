@@ -284,6 +284,10 @@ def test_dropless_moe_is_accepted(changes):
         ),
         ({"moe_router_load_balancing_type": ["sinkhorn"]}, "type sinkhorn: Sinkhorn"),
         ({"moe_token_dispatcher_type": "flex"}, "--moe-token-dispatcher-type flex"),
+        (
+            {"moe_token_dispatcher_type": "allgather"},
+            "allgather with --expert-model-parallel-size 2",
+        ),
         ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size 2 with --num-experts"),
         ({"expert_tensor_parallel_size": 2}, "--expert-tensor-parallel-size 2"),
         ({"moe_router_enable_expert_bias": True}, "--moe-router-enable-expert-bias"),

@@ -549,6 +549,14 @@ def _refuse_moe_hsp_cannot_run(args: argparse.Namespace) -> None:
             f"{' and '.join(_MOE_DISPATCHERS)} are checked (the flex dispatcher needs DeepEP or "
             "HybridEP on GPUs, unproven here); use alltoall"
         )
+    ep = _get(args, "expert_model_parallel_size", 1)
+    if dispatcher == "allgather" and ep > 1:
+        raise HSPArgsError(
+            f"--hsp does not support --moe-token-dispatcher-type allgather with "
+            f"--expert-model-parallel-size {ep}: its all-gather over the expert-parallel ranks "
+            "needs every rank to hold as many tokens as the others, and HSP's ranks hold "
+            "different counts; use alltoall"
+        )
     for attr, flag, why in _MOE_UNSUPPORTED_WITH_HSP:
         value = getattr(args, attr, None)
         if value in (None, False, 0, "none", ""):

@@ -5,7 +5,9 @@
 things in ``self_attention``: the module (``HSPSelfAttention``, which hands RoPE for packed input
 to the core attention) and ``core_attention`` (``HSPCoreAttention``: Ulysses over the micro-batch's
 group + varlen causal attention). Everything else (linears, norms, MLP, bias-dropout-add) is
-megatron's, so parameters and state dicts are those of the stock spec.
+megatron's, so parameters and state dicts are those of the stock spec. In MoE layers (issue 17)
+the router class becomes ``runtime.moe.HSPTopKRouter`` (same parameters): its per-sequence aux
+loss and z-loss follow the packed documents instead of the micro-batch.
 
 Local (pure megatron-core) variant on CPU: without Apex megatron-core's local spec already falls
 back to ``WrappedTorchNorm`` (torch LayerNorm/RMSNorm); linears are megatron's

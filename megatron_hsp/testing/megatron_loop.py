@@ -297,6 +297,19 @@ DEFAULT_OPTIONS = (
     # z-loss, which HSP computes per document over the ranks holding it (runtime/moe.py).
     LoopOptions(num_experts=4),
     LoopOptions(num_experts=4, ep=2, seq_aux_loss=0.1, z_loss=0.01),
+    # EP 2 with the distributed optimizer (expert buffers sharded over expert-data-parallel
+    # ranks) and sizes 1 and 2: some micro-batches leave a group without documents, whose
+    # ranks run on padding to join the all-to-alls.
+    LoopOptions(
+        num_experts=4,
+        ep=2,
+        distributed_optimizer=True,
+        group_sizes=(1, 2),
+        tokens_per_rank=100,
+        seq_aux_loss=0.1,
+    ),
+    # The allgather dispatcher (EP 1: HSP refuses it under EP > 1, args.py says why).
+    LoopOptions(num_experts=4, moe_dispatcher="allgather", seq_aux_loss=0.1, z_loss=0.01),
 )
 
 
@@ -955,6 +968,9 @@ def _run_hsp(
             rec["layouts"] = [
                 [_layout(g, heads) for g in mb.groups if g.seq_ids] for mb in plan.microbatches
             ]
+            # Groups without documents in a micro-batch: skipped, or run on padding under
+            # expert parallelism (their ranks join the MoE all-to-alls).
+            rec["empty_groups"] = sum(not g.seq_ids for mb in plan.microbatches for g in mb.groups)
             records.append(rec)
             # Plan data only: which piece of which document; the stock side reads the tokens.
             pieces.append([(p.doc, p.offset, p.length) for p in run.current.batch.pieces])
@@ -1233,6 +1249,7 @@ def _worker(
                 "smallest_grad_ratio": peak[small] / top,
                 "rel_grad_diff_of_smallest": rel[small],
                 "plan_microbatches": h["plan_microbatches"],
+                "empty_groups": h["empty_groups"],
                 "layouts": h["layouts"],
             }
         )
