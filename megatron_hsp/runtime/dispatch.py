@@ -184,10 +184,12 @@ class PackedMicroBatch:
     def document_index(self) -> np.ndarray:
         """Per local token, its document's index in the group buffer (0 .. ``len(seq_ids)``
         - 1, the order of ``seq_ids``), -1 for padding (MoE routers: ``runtime.moe``)."""
-        out = np.full(self.doc_ids.shape, -1, dtype=np.int64)
-        for i, s in enumerate(self.seq_ids):
-            out[self.doc_ids == s] = i
-        return out
+        if not self.seq_ids:
+            return np.full(self.doc_ids.shape, -1, dtype=np.int64)
+        lookup = np.full(max(self.seq_ids) + 1, -1, dtype=np.int64)
+        lookup[list(self.seq_ids)] = np.arange(len(self.seq_ids))
+        real = self.doc_ids >= 0
+        return np.where(real, lookup[np.where(real, self.doc_ids, 0)], -1)
 
 
 def padding_for(total: int, group_size: int, local_multiple: int = 1) -> int:
