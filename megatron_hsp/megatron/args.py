@@ -462,8 +462,10 @@ _UNSUPPORTED_WITH_HSP: tuple[tuple[str, str, str], ...] = (
 )  # fmt: skip
 
 
-def _refuse_features_hsp_does_not_run(args: argparse.Namespace) -> None:
-    for attr, flag, why in _UNSUPPORTED_WITH_HSP:
+def _refuse_features_hsp_does_not_run(
+    args: argparse.Namespace, table: tuple[tuple[str, str, str], ...] = _UNSUPPORTED_WITH_HSP
+) -> None:
+    for attr, flag, why in table:
         value = getattr(args, attr, None)
         if value in (None, False, 0, "none", ""):
             continue
@@ -557,12 +559,7 @@ def _refuse_moe_hsp_cannot_run(args: argparse.Namespace) -> None:
             "needs every rank to hold as many tokens as the others, and HSP's ranks hold "
             "different counts; use alltoall"
         )
-    for attr, flag, why in _MOE_UNSUPPORTED_WITH_HSP:
-        value = getattr(args, attr, None)
-        if value in (None, False, 0, "none", ""):
-            continue
-        shown = "" if value is True else f" {value}"
-        raise HSPArgsError(f"--hsp does not support {flag}{shown}: {why}; drop {flag} or --hsp")
+    _refuse_features_hsp_does_not_run(args, _MOE_UNSUPPORTED_WITH_HSP)
     types = _as_list(getattr(args, "moe_router_load_balancing_type", "aux_loss") or "none")
     coeffs = _as_list(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0)
     for i, kind in enumerate(types):
