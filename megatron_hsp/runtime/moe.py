@@ -114,10 +114,13 @@ class HSPTopKRouter(TopKRouter):
         counts = tokens_per_expert_per_document(routing_map, state)  # [docs, E]
         lengths = counts.sum(dim=1) / self.topk  # each document's tokens, whole group
         real = ~state.padding
-        # Per document: the sum of its local tokens' scores per expert (the part of its loss
-        # this rank's tokens carry), scored by switch_load_balancing_loss_func with that
-        # document's own token count and expert counts, weighted by its length (stock's
-        # "loss x local tokens" of a one-document micro-batch).
+        # Per document d of L_d tokens, megatron-core's switch loss is
+        #   E x coeff / (k x L_d^2) x sum_e P[d, e] x f[d, e]
+        # (P: the sum of its tokens' scores per expert, here only this rank's tokens, the part
+        # of the loss they carry; f: its expert counts over the group), and stock weighs it by
+        # L_d. The sum over documents of that product is one switch loss over the flattened
+        # [docs x E] terms P x f / L_d with unit counts and T = 1: megatron-core's own function
+        # computes it, with no per-document host read of L_d (no device sync per layer).
         local_scores = torch.zeros(
             state.num_documents,
             scores_for_aux_loss.shape[1],
@@ -125,21 +128,17 @@ class HSPTopKRouter(TopKRouter):
             device=scores_for_aux_loss.device,
         )
         local_scores = local_scores.index_add(0, state.documents[real], scores_for_aux_loss[real])
-        weighted = scores_for_aux_loss.new_zeros(())
-        for d in range(state.num_documents):
-            length = float(lengths[d])
-            if length == 0:
-                continue
-            loss_d = switch_load_balancing_loss_func(
-                probs=local_scores[d : d + 1],
-                tokens_per_expert=counts[d],
-                total_num_tokens=length,
-                topk=self.topk,
-                num_experts=self.config.num_moe_experts,
-                moe_aux_loss_coeff=coeff,
-                fused=self.config.moe_router_fusion,
-            )
-            weighted = weighted + loss_d * length
+        inverse = torch.where(lengths > 0, 1.0 / lengths.clamp(min=1.0), 0.0)
+        terms = (local_scores * counts * inverse[:, None]).reshape(1, -1)
+        weighted = switch_load_balancing_loss_func(
+            probs=terms,
+            tokens_per_expert=torch.ones_like(terms[0]),
+            total_num_tokens=1,
+            topk=self.topk,
+            num_experts=self.config.num_moe_experts,
+            moe_aux_loss_coeff=coeff,
+            fused=False,  # the fused kernel takes [tokens, E] scores; these are not
+        )
         # attach_and_log_load_balancing_loss multiplies by the token count passed (and by the
         # TP-CP size, 1 under HSP): pass 1 so the attached value is the weighted sum itself.
         return self.attach_and_log_load_balancing_loss(
