@@ -250,3 +250,26 @@ def test_te_layout_leaves_ulysses_groups_unpadded():
     plan = manual_plan(2, lengths, [[(2, [0, 1])]])
     packs = dispatch(_batch(lengths), plan, 0, te_layout=True)
     assert packs[0].cu_seqlens.tolist() == [0, 5, 8]
+
+
+def test_empty_groups_pack_padding_under_expert_parallelism():
+    """Issue 17: ``pad_empty`` gives a group without documents one padding segment (2 x d x
+    local_multiple tokens, split evenly, ring layouts included): no loss, no documents, so its
+    ranks can run the model beside other groups in the MoE all-to-alls."""
+    b = _batch([4, 6])
+    assert pack_group_slice(b, Group(ranks=(2, 3)), 3).num_local_tokens == 0
+    for ring in (1, 2):
+        packs = [
+            pack_group_slice(b, Group(ranks=(0, 1)), s, pad_empty=True, local_multiple=2, ring=ring)
+            for s in (0, 1)
+        ]
+        for p in packs:
+            assert p.empty and p.num_local_tokens == 4 and p.num_loss_tokens == 0
+            assert (p.doc_ids == -1).all() and (p.document_index() == -1).all()
+            assert p.cu_seqlens.tolist() == [0, 8]
+    # A group with documents is packed as without pad_empty; document_index follows seq_ids.
+    g = Group(ranks=(0, 1), seq_ids=(1, 0), lengths=(6, 4))
+    with_docs = pack_group_slice(b, g, 0, pad_empty=True)
+    assert with_docs.input_ids.tolist() == pack_group_slice(b, g, 0).input_ids.tolist()
+    assert with_docs.document_index().tolist() == [0, 0, 0, 0, 0]
+    assert pack_group_slice(b, g, 1).document_index().tolist() == [0, 1, 1, 1, 1]

@@ -251,7 +251,6 @@ def test_parsers():
 @pytest.mark.parametrize(
     ("attr", "value", "flag"),
     [
-        ("num_experts", 8, "--num-experts 8"),
         ("mtp_num_layers", 1, "--mtp-num-layers 1"),
         ("multi_latent_attention", True, "--multi-latent-attention"),
         ("experimental_attention_variant", "dsa", "--experimental-attention-variant dsa"),
@@ -266,6 +265,82 @@ def test_models_hsp_attention_cannot_carry_are_refused(attr, value, flag):
         validate_hsp_args(args, env={})
     setattr(args, attr, None)
     assert validate_hsp_args(args, env={}) is not None
+
+
+# Issue 17: MoE. Attribute names and "off" values are Megatron's (TransformerConfig fields).
+MOE = {
+    "num_experts": 4,
+    "moe_router_topk": 2,
+    "moe_token_dispatcher_type": "alltoall",
+    "expert_model_parallel_size": 2,
+    "moe_router_load_balancing_type": ["aux_loss"],  # Megatron's default, with coefficient 0
+    "moe_aux_loss_coeff": 0.0,
+}
+
+
+def _moe_args(**changes):
+    args = parse([*BASE, "--hsp"], world_size=4)
+    for attr, value in {**MOE, **changes}.items():
+        setattr(args, attr, value)
+    return args
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"expert_model_parallel_size": 1, "moe_token_dispatcher_type": "allgather"},
+        {
+            "moe_router_load_balancing_type": ["seq_aux_loss"],
+            "moe_aux_loss_coeff": [0.01],
+            "moe_z_loss_coeff": 0.001,
+        },
+        {"moe_router_load_balancing_type": "none"},
+    ],
+)
+def test_dropless_moe_is_accepted(changes):
+    """What selftest --megatron runs exactly (dropless, alltoall, EP 1 and 2, seq_aux_loss and
+    z-loss), and the default micro-batch aux loss at coefficient 0 (no loss)."""
+    assert validate_hsp_args(_moe_args(**changes), env={}) is not None
+
+
+@pytest.mark.parametrize(
+    ("changes", "flag"),
+    [
+        ({"moe_expert_capacity_factor": 1.0}, "--moe-expert-capacity-factor 1.0: token dropping"),
+        ({"moe_pad_expert_input_to_capacity": True}, "--moe-pad-expert-input-to-capacity"),
+        (
+            {"moe_aux_loss_coeff": [0.01]},
+            "--moe-router-load-balancing-type aux_loss with --moe-aux-loss-coeff 0.01",
+        ),
+        (
+            {"moe_router_load_balancing_type": ["global_aux_loss"], "moe_aux_loss_coeff": 0.01},
+            "--moe-router-load-balancing-type global_aux_loss",
+        ),
+        (
+            {
+                "moe_router_load_balancing_type": ["seq_aux_loss", "aux_loss"],
+                "moe_aux_loss_coeff": [0.01, 0.001],
+            },
+            "--moe-router-load-balancing-type aux_loss",
+        ),
+        ({"moe_router_load_balancing_type": ["sinkhorn"]}, "type sinkhorn: Sinkhorn"),
+        ({"moe_token_dispatcher_type": "flex"}, "--moe-token-dispatcher-type flex"),
+        (
+            {"moe_token_dispatcher_type": "allgather"},
+            "allgather with --expert-model-parallel-size 2",
+        ),
+        ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size 2 with --num-experts"),
+        ({"expert_tensor_parallel_size": 2}, "--expert-tensor-parallel-size 2"),
+        ({"moe_router_enable_expert_bias": True}, "--moe-router-enable-expert-bias"),
+        ({"moe_input_jitter_eps": 0.01}, "--moe-input-jitter-eps 0.01"),
+        ({"overlap_moe_expert_parallel_comm": True}, "--overlap-moe-expert-parallel-comm"),
+    ],
+)
+def test_moe_options_hsp_cannot_match_are_refused_naming_the_flag(changes, flag):
+    with pytest.raises(HSPArgsError, match=re.escape(flag)) as refused:
+        validate_hsp_args(_moe_args(**changes), env={})
+    assert "\n" not in str(refused.value)
 
 
 def _two_size_model(tmp_path):
@@ -337,6 +412,10 @@ def test_features_hsp_does_not_run_are_refused_naming_the_flag(attr, value, flag
     [
         (["--context-parallel-size", "2"], "--context-parallel-size 2"),
         (["--micro-batch-size", "2"], "--micro-batch-size must be 1"),
+        (
+            ["--num-experts", "4", "--moe-expert-capacity-factor", "1.5"],
+            "--moe-expert-capacity-factor 1.5",
+        ),
         (["--hybrid-layer-pattern", "M*-"], "'M' in --hybrid-layer-pattern M*-"),
         (["--hsp-hardware", "h200-sxm", "--hsp-cost-model", "x.yaml"], "--hsp-hardware h200-sxm"),
     ],

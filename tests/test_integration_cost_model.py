@@ -70,6 +70,21 @@ def test_the_default_cost_model_is_the_model_megatrons_flags_describe():
     assert "32 layers" in note and "h100-sxm" in note and "no GPU visible" in note
 
 
+def test_moe_flags_price_the_active_experts():
+    """Issue 17: with --num-experts the default model's FFN is the active experts' (top-k x
+    the expert width + shared), and a note says what it leaves out (expert memory, dispatch)."""
+    argv = [*BASE, *LLAMA3_8B, "--use-distributed-optimizer"]
+    args = parse([*argv, "--num-experts", "8"], world_size=8)
+    args.moe_router_topk, args.moe_ffn_hidden_size = 2, 1024
+    args.moe_shared_expert_intermediate_size = 512
+    cfg = validate_hsp_args(args, env={}, gpu_names=[])
+    assert cfg.cost_model["model"]["ffn_hidden"] == 2 * 1024 + 512
+    note = next(n for n in cfg.notes if n.startswith("MoE"))
+    assert "8 experts, top-2" in note and "dispatch" in note and "--hsp-cost-model" in note
+    dense = config(argv)
+    assert priced(cfg).linear_ms_per_token < priced(dense).linear_ms_per_token
+
+
 def test_the_spec_reaches_the_planner_process_unchanged():
     cfg = config([*BASE, *LLAMA3_8B, "--use-distributed-optimizer"])
     again = pickle.loads(pickle.dumps(cfg.cost_model))  # what the spawned planner receives

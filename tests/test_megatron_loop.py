@@ -90,8 +90,11 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
             assert s["grad_norm_ref"] > 0
         # The plans really differ from Megatron's own count (8 / dp micro-batches per rank), so
         # the LR increment being right is not a coincidence of equal counts.
+        # (Not asked of the EP 2 set with sizes 1 and 2, whose plans happen to run 2 per step:
+        # it is there for the groups run on padding; the other sets show the count.)
         dp = 4 // (e["options"]["tp"] * e["options"]["pp"])
-        assert any(s["plan_microbatches"] != 8 // dp for s in e["steps"])
+        if not (e["options"]["num_experts"] and e["options"]["group_sizes"] == [1, 2]):
+            assert any(s["plan_microbatches"] != 8 // dp for s in e["steps"])
     by = {o.label: e for o, e in zip(DEFAULT_OPTIONS, entries, strict=True)}
     assert any(e["options"]["distributed_optimizer"] for e in entries)
     assert any(e["options"]["tp"] == 2 and e["options"]["sequence_parallel"] for e in entries)
@@ -167,6 +170,61 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
     assert any(s["schedule_microbatches"] > s["plan_microbatches"] for s in interleaved["steps"])
     assert "ulysses" in _kinds(one_f_one_b) and "single" in _kinds(one_f_one_b)
     assert [ev["split"] for ev in interleaved["evaluations"]] == ["valid"] * 3 + ["test"]
+    # Issue 17: the MoE option sets ran with the experts and expert parallelism they claim.
+    moe = [e for e in entries if e["options"]["num_experts"]]
+    _assert_moe_sets(moe)
+    for e in entries:
+        if not e["options"]["num_experts"]:
+            assert e["moe"] is None and e["options"]["ep"] == 1
+
+
+def _assert_moe_ran_as_claimed(entry: dict) -> None:
+    """An MoE entry's model had its experts split over its EP ranks, HSP's router in every MoE
+    layer, and expert parameters reduced over the expert-data-parallel group (4 ranks / EP)."""
+    o, m = entry["options"], entry["moe"]
+    assert m["ep"] == o["ep"] and m["expert_dp"] == 4 // o["ep"]
+    assert m["local_experts"] == o["num_experts"] // o["ep"]
+    assert m["moe_layers"] == 2 and m["routers"] == ["HSPTopKRouter"]
+    # fc1 and fc2 of each local expert in both layers, compared per parameter; under EP > 1
+    # DDP holds them in its expert buffers (reduced over expert-data-parallel ranks), at EP 1
+    # with the dense parameters.
+    assert entry["expert_params_compared"] == 2 * 2 * m["local_experts"]
+    assert m["expert_params"] == (entry["expert_params_compared"] if o["ep"] > 1 else 0)
+
+
+def _assert_moe_sets(moe: list[dict]) -> None:
+    """The MoE option sets: EP 1 and 2, alltoall and allgather, the per-sequence aux loss at
+    EP 2, and groups run on padding under EP 2 (a plan that left a group without documents)."""
+    assert [(e["options"]["ep"], e["options"]["moe_dispatcher"]) for e in moe] == [
+        (1, "alltoall"),
+        (2, "alltoall"),
+        (2, "alltoall"),
+        (1, "allgather"),
+    ]
+    for e in moe:
+        _assert_moe_ran_as_claimed(e)
+    assert any(e["options"]["seq_aux_loss"] > 0 and e["options"]["ep"] == 2 for e in moe)
+    assert any(e["options"]["ep"] == 2 and sum(s["empty_groups"] for s in e["steps"]) for e in moe)
+
+
+MOE_OPTIONS = [i for i, o in enumerate(DEFAULT_OPTIONS) if o.num_experts]
+MOE_EP2 = next(i for i in MOE_OPTIONS if DEFAULT_OPTIONS[i].ep == 2)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_dropless_moe_at_ep_1_and_2_matches_the_stock_path():
+    """Issue 17 alone (the main test runs these too): dropless MoE, 4 experts top-2, alltoall
+    at EP 1 and at EP 2 with the per-sequence aux loss and the z-loss (and with the distributed
+    optimizer and groups run on padding), allgather at EP 1, per parameter (expert parameters:
+    what each rank holds)."""
+    options = [DEFAULT_OPTIONS[i] for i in MOE_OPTIONS]
+    entries = run_megatron_loop(4, options, steps=3, timeout_s=600)
+    for e in entries:
+        print(f"{e['options']}: worst / tolerance {e['margin']:.3f}, {e['moe']}")
+        assert e["ok"], e["failures"]
+        assert e["margin"] < 0.5
+    _assert_moe_sets(entries)
 
 
 def _planted(plant: str, steps: int, options: int = 0) -> dict:
@@ -269,6 +327,14 @@ def test_a_resume_that_restores_the_optimizer_wrongly_is_caught_by_the_weights()
 
 @pytest.mark.slow
 @pytest.mark.dist
+def test_expert_grads_not_reduced_over_expert_data_parallel_ranks_are_caught():
+    entry = _planted("expert-grads-not-reduced", steps=1, options=MOE_EP2)
+    assert "experts" in entry["steps"][0]["worst_grad_param"]
+    assert entry["steps"][0]["max_rel_grad_diff"] > 100 * GRAD_RTOL
+
+
+@pytest.mark.slow
+@pytest.mark.dist
 def test_a_stage_boundary_that_rolls_the_tokens_is_caught():
     """Issue 17: the activation a pipeline stage receives has its tokens rolled by one (pp=2,
     1F1B): the loss and the gradients of the later stage's layers differ from the unpipelined
@@ -278,6 +344,16 @@ def test_a_stage_boundary_that_rolls_the_tokens_is_caught():
     (step,) = entry["steps"]
     assert abs(step["loss_hsp"] - step["loss_ref"]) > LOSS_RTOL * abs(step["loss_ref"])
     assert step["max_rel_grad_diff"] > GRAD_RTOL
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_document_expert_counts_not_reduced_over_the_group_are_caught():
+    """The per-sequence aux loss with each document's expert counts from one rank's tokens:
+    only the router weights' gradients carry it."""
+    entry = _planted("document-expert-counts-not-reduced", steps=1, options=MOE_EP2)
+    assert "router" in entry["steps"][0]["worst_grad_param"]
+    assert entry["steps"][0]["max_rel_grad_diff"] > 100 * GRAD_RTOL
 
 
 def test_every_plant_has_a_test():
@@ -290,6 +366,8 @@ def test_every_plant_has_a_test():
         "evaluation-draws-training-batches",
         "resume-restarts-the-samplers",
         "resume-shares-the-adam-step",
+        "expert-grads-not-reduced",
+        "document-expert-counts-not-reduced",
     }
 
 

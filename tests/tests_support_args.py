@@ -49,6 +49,9 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--recompute-granularity", default=None)
     p.add_argument("--hybrid-layer-pattern", default=None)
+    # MoE (issue 17): Megatron's names and defaults.
+    p.add_argument("--num-experts", type=int, default=None)
+    p.add_argument("--moe-expert-capacity-factor", type=float, default=None)
     return p
 
 

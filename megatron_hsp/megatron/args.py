@@ -415,7 +415,6 @@ def legal_group_sizes(world_size: int, slots_per_node: int) -> list[int]:
 # through unchanged: --qk-layernorm, --qk-l2-norm, --normalization, --use-te-activation-func,
 # --transformer-impl, --spec (the user's spec gets HSP attention swapped in).
 _UNCARRIED_FEATURES: tuple[tuple[str, str, str], ...] = (
-    ("num_experts", "--num-experts", "MoE layers (block spec, aux losses per micro-batch)"),
     (
         "mtp_num_layers",
         "--mtp-num-layers",
@@ -463,8 +462,10 @@ _UNSUPPORTED_WITH_HSP: tuple[tuple[str, str, str], ...] = (
 )  # fmt: skip
 
 
-def _refuse_features_hsp_does_not_run(args: argparse.Namespace) -> None:
-    for attr, flag, why in _UNSUPPORTED_WITH_HSP:
+def _refuse_features_hsp_does_not_run(
+    args: argparse.Namespace, table: tuple[tuple[str, str, str], ...] = _UNSUPPORTED_WITH_HSP
+) -> None:
+    for attr, flag, why in table:
         value = getattr(args, attr, None)
         if value in (None, False, 0, "none", ""):
             continue
@@ -488,6 +489,91 @@ def _refuse_specs_hsp_cannot_carry(args: argparse.Namespace) -> None:
         )
 
 
+# MoE under --hsp (issue 17): dropless routing is per token, so it does not depend on how HSP
+# packs and splits documents; these do, or are not covered by selftest --megatron (which runs
+# dropless MoE, alltoall/allgather dispatchers, EP 1 and 2, seq_aux_loss and z-loss exactly).
+# (attribute, flag, why); a value of None, False, 0 or "none" means the feature is off.
+_MOE_UNSUPPORTED_WITH_HSP: tuple[tuple[str, str, str], ...] = (
+    ("moe_expert_capacity_factor", "--moe-expert-capacity-factor", "token dropping keeps the "
+     "top tokens of each micro-batch's expert queue, so what is dropped depends on which "
+     "documents share a micro-batch and rank (in stock Megatron with CP or another batch size "
+     "too); HSP's packing differs from any per-sample run: train dropless"),
+    ("moe_pad_expert_input_to_capacity", "--moe-pad-expert-input-to-capacity", "capacity "
+     "padding, as --moe-expert-capacity-factor"),
+    ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias", "the expert-bias "
+     "update counts every routed token, HSP's padding tokens included (not checked)"),
+    ("moe_input_jitter_eps", "--moe-input-jitter-eps", "random per-token noise drawn over the "
+     "micro-batch's shape: no other packing draws the same noise"),
+    ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm", "its schedule "
+     "plan runs two micro-batches interleaved; HSP's micro-batches run their own groups"),
+    ("moe_shared_expert_overlap", "--moe-shared-expert-overlap", "not covered by selftest "
+     "--megatron (shared experts run per token, but the overlap is CUDA-stream work)"),
+)  # fmt: skip
+_MOE_DISPATCHERS = ("alltoall", "allgather")
+# Load-balancing types whose value depends on which tokens share a micro-batch (or, for
+# global_aux_loss, on the running average over the step's micro-batches): HSP packs several
+# documents per micro-batch where a per-sample run has one, so no HSP run equals it.
+_MOE_BALANCING_HSP_CANNOT_MATCH: dict[str, str] = {
+    "aux_loss": "the micro-batch-level aux loss counts experts over the whole micro-batch, "
+    "which under HSP holds several documents (a per-sample run: one); use seq_aux_loss, which "
+    "HSP computes per document over the ranks holding it, or coefficient 0",
+    "global_aux_loss": "the global aux loss averages expert counts over the micro-batches "
+    "seen so far, which differ under HSP; use seq_aux_loss or coefficient 0",
+    "sinkhorn": "Sinkhorn balancing normalises over the micro-batch's tokens",
+    "quantile_balancing": "quantile balancing fits its bias over the micro-batch's tokens",
+}
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _refuse_moe_hsp_cannot_run(args: argparse.Namespace) -> None:
+    """``--num-experts`` under ``--hsp``: refuse what is layout-dependent or unchecked."""
+    experts = getattr(args, "num_experts", None)
+    if not experts:
+        return
+    for flag, attr in (
+        ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
+        ("--expert-tensor-parallel-size", "expert_tensor_parallel_size"),
+    ):
+        size = _get(args, attr, 1)
+        if size > 1:
+            raise HSPArgsError(
+                f"--hsp does not support {flag} {size} with --num-experts: HSP's router "
+                "losses see a rank's whole packed share, unsplit by tensor parallelism (not "
+                f"checked with TP); use {flag} 1 or drop --hsp"
+            )
+    dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather") or "allgather"
+    if dispatcher not in _MOE_DISPATCHERS:
+        raise HSPArgsError(
+            f"--hsp does not support --moe-token-dispatcher-type {dispatcher}: only "
+            f"{' and '.join(_MOE_DISPATCHERS)} are checked (the flex dispatcher needs DeepEP or "
+            "HybridEP on GPUs, unproven here); use alltoall"
+        )
+    ep = _get(args, "expert_model_parallel_size", 1)
+    if dispatcher == "allgather" and ep > 1:
+        raise HSPArgsError(
+            f"--hsp does not support --moe-token-dispatcher-type allgather with "
+            f"--expert-model-parallel-size {ep}: its all-gather over the expert-parallel ranks "
+            "needs every rank to hold as many tokens as the others, and HSP's ranks hold "
+            "different counts; use alltoall"
+        )
+    _refuse_features_hsp_does_not_run(args, _MOE_UNSUPPORTED_WITH_HSP)
+    types = _as_list(getattr(args, "moe_router_load_balancing_type", "aux_loss") or "none")
+    coeffs = _as_list(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0)
+    for i, kind in enumerate(types):
+        coeff = coeffs[i] if i < len(coeffs) else coeffs[-1]
+        why = _MOE_BALANCING_HSP_CANNOT_MATCH.get(kind)
+        if why is None or (kind in ("aux_loss", "global_aux_loss") and not coeff):
+            continue
+        raise HSPArgsError(
+            f"--hsp does not support --moe-router-load-balancing-type {kind}"
+            + (f" with --moe-aux-loss-coeff {coeff:g}" if kind.endswith("aux_loss") else "")
+            + f": {why}"
+        )
+
+
 # Hybrid layer pattern symbols (megatron-core ``hybrid_layer_allocation.Symbols``) and why HSP
 # cannot run each under per-micro-batch groups. HSP replaces the attention layers' SelfAttention
 # ("*") and leaves MLP layers ("-") alone; every other mixer sees its rank's shard of a packed
@@ -499,7 +585,8 @@ _HYBRID_SYMBOLS_HSP_CANNOT_RUN: dict[str, str] = {
     "G": "Gated DeltaNet layers are recurrent over the sequence, as Mamba",
     "D": "DSA (sparse) attention is not megatron-core SelfAttention, which is what HSP replaces",
     "+": "MLA attention is not megatron-core SelfAttention, which is what HSP replaces",
-    "E": "MoE layers (aux losses per micro-batch; as --num-experts)",
+    "E": "hybrid MoE layers are not covered by HSP's checks (selftest --megatron runs MoE in "
+    "GPT models only: --num-experts with pretrain_gpt.py)",
     "/": "multi-token prediction depths (as --mtp-num-layers)",
 }
 
@@ -692,6 +779,7 @@ def validate_hsp_args(
     _refuse_specs_hsp_cannot_carry(args)
     _refuse_hybrid_layers_hsp_cannot_run(args)
     _refuse_features_hsp_does_not_run(args)
+    _refuse_moe_hsp_cannot_run(args)
 
     if not getattr(args, "calculate_per_token_loss", False):
         args.calculate_per_token_loss = True

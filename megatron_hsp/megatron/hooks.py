@@ -59,6 +59,9 @@ class HSPRun:
     data: Any = None  # datasets.HSPData: which datasets feed which split (set by ``install``)
     evaluation: dict[str, Any] = field(default_factory=dict)  # split -> _EvalIterator
     te_layout: bool = False  # pad ring groups' documents for TE's context parallelism
+    # Expert parallelism: MoE all-to-alls span plan groups, so a group without documents in a
+    # micro-batch still runs the model, on padding (``schedule.step_inputs``).
+    run_empty_groups: bool = False
 
 
 _RUN: HSPRun | None = None
@@ -154,6 +157,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     if getattr(args, "virtual_pipeline_model_parallel_size", None):
         group = getattr(args, "microbatch_group_size_per_vp_stage", None)
         run.microbatch_multiple = int(group or args.pipeline_model_parallel_size)
+    run.run_empty_groups = int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1
 
     def pipeline(split_sampler: Any, split_planner: Any) -> StepPipeline:
         return build_step_pipeline(
@@ -425,6 +429,7 @@ def _prepare(run: HSPRun, pipeline: StepPipeline) -> tuple[PreparedStep, list[An
         run.device,
         local_multiple=run.local_multiple,
         te_layout=run.te_layout,
+        run_empty_groups=run.run_empty_groups,
     )
     inputs += [None] * (schedule_count(len(inputs), run.microbatch_multiple) - len(inputs))
     return prepared, inputs

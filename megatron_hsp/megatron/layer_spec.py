@@ -16,7 +16,11 @@ so that ``--hsp`` changes only the attention:
 ``pretrain_hybrid.py`` requires ``--spec`` (its builder takes the hybrid stack spec from it): the
 base is then that stack spec, and ``with_hsp_attention`` rewrites its attention layers only.
 
-Features whose spec is not a plain layer spec (MoE block specs, MTP, MLA, experimental attention,
+With ``--num-experts`` the base is megatron-core's decoder block spec (what ``gpt_builder`` builds
+for MoE); ``with_hsp_attention`` swaps HSP attention into every layer and HSP's router
+(``runtime.moe.HSPTopKRouter``) into the MoE layers.
+
+Features whose spec is not a plain layer or block spec (MTP, MLA, experimental attention,
 heterogeneous layers, hybrid layers other than attention and MLP) are refused earlier, by
 ``validate_hsp_args``.
 """
@@ -31,8 +35,20 @@ from megatron_hsp.megatron.spec import hsp_gpt_layer_spec, with_hsp_attention
 
 
 def megatron_default_spec(args: Any, config: Any) -> Any:
-    """The dense GPT layer spec Megatron-LM's ``gpt_builder`` builds from ``args``/``config``."""
+    """The GPT layer (dense) or block (``--num-experts``) spec Megatron-LM's ``gpt_builder``
+    builds from ``args``/``config``."""
     use_te = getattr(args, "transformer_impl", "") == "transformer_engine"
+    if getattr(args, "num_experts", None):
+        # gpt_builder's MoE branch: megatron-core's decoder block spec (dense and MoE layers as
+        # --moe-layer-freq says), the same call in and outside a checkout.
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(
+            config,
+            use_transformer_engine=use_te,
+            normalization=args.normalization,
+            qk_l2_norm=bool(getattr(args, "qk_l2_norm", False)),
+        )
     try:
         from gpt_builders import _get_transformer_layer_spec  # the checkout's own builder
     except ImportError:

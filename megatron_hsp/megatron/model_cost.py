@@ -189,6 +189,36 @@ def _count_hybrid_layers(pattern: str) -> tuple[int, int]:
     return main.count("*"), main.count("-")
 
 
+def _moe_active_ffn(args: Any, ffn: int, notes: list[str]) -> int:
+    """The dense FFN width whose FLOPs per token equal an MoE layer's active experts: top-k
+    routed experts of ``--moe-ffn-hidden-size`` plus the shared experts.
+
+    Why only that: the default model is a dense ``load_cost_model`` spec, which the planner
+    process rebuilds from plain data; the MoE terms of ``planner/moe.py`` (expert weights over
+    EP, optimizer states over expert-data-parallel ranks, dispatch all-to-all) live in the
+    stage builder of ``planner/parallel.py``, which takes presets, not specs. Compute is what
+    separates plans here; the per-token dispatch and the expert weights cost every plan of a
+    batch alike, except through the memory cap, which this model sets too high: said in a note.
+    """
+    experts = int(args.num_experts)
+    top_k = int(getattr(args, "moe_router_topk", None) or 2)
+    expert_ffn = int(getattr(args, "moe_ffn_hidden_size", None) or ffn)
+    shared = int(getattr(args, "moe_shared_expert_intermediate_size", None) or 0)
+    freq = getattr(args, "moe_layer_freq", 1)
+    every = freq == 1 if isinstance(freq, int) else all(int(x) == 1 for x in freq)
+    active = top_k * expert_ffn + shared
+    notes.append(
+        f"MoE ({experts} experts, top-{top_k}, expert FFN {expert_ffn}"
+        + (f", shared {shared}" if shared else "")
+        + f"): priced as a dense FFN of {active} (the active experts' FLOPs)"
+        + ("" if every else " in every layer, an upper bound for --moe-layer-freq's dense layers")
+        + "; expert weights beyond the active ones, their optimizer states and the dispatch "
+        "all-to-all are not in the default model (its memory cap is optimistic): give "
+        "--hsp-cost-model for a measured fit"
+    )
+    return max(active, ffn) if not every else active
+
+
 def default_cost_model_spec(
     args: Any, hardware: HardwareChoice, tp: int
 ) -> tuple[dict[str, Any], list[str]]:
@@ -216,6 +246,9 @@ def default_cost_model_spec(
         )
     hidden = int(args.hidden_size)
     ffn = getattr(args, "ffn_hidden_size", None) or 4 * hidden
+    experts = getattr(args, "num_experts", None)
+    if experts:
+        ffn = _moe_active_ffn(args, int(ffn), notes)
     vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
     if not vocab:
         vocab = 128256

@@ -72,6 +72,16 @@ torch_adam_distributed_optimizer_load``)           load``; refused where CUDA, T
                                                    parameter gets its own ``step``, the missing
                                                    one is skipped, the copy runs in ``no_grad``:
                                                    every loaded value is the checkpoint's.
+``token_dispatcher.maybe_move_tensor_to_cpu``      ``selftest --megatron`` only, inside
+(megatron-core MoE; ``testing.cpu_shims.           ``cpu_megatron_training``: megatron-core's
+_cpu_dtoh``)                                       version converts only CUDA tensors to numpy,
+                                                   and the alltoall dispatcher then hands CPU
+                                                   tensors to ``all_to_all_single`` as split
+                                                   sizes, which torch refuses; CPU tensors asked
+                                                   ``as_numpy`` become numpy as CUDA ones would.
+                                                   Null streams compare equal and record null
+                                                   events (its side-stream bookkeeping).
+                                                   Placement only.
 ``megatron.training.arguments``'s                  ``selftest --megatron`` only, while it parses
 ``get_device_arch_version``                        flags (``testing.cpu_shims.
 (``testing.cpu_shims.cpu_device_arch_version``)    cpu_device_arch_version``): ``validate_args``

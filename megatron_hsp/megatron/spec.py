@@ -5,7 +5,9 @@
 things in ``self_attention``: the module (``HSPSelfAttention``, which hands RoPE for packed input
 to the core attention) and ``core_attention`` (``HSPCoreAttention``: Ulysses over the micro-batch's
 group + varlen causal attention). Everything else (linears, norms, MLP, bias-dropout-add) is
-megatron's, so parameters and state dicts are those of the stock spec.
+megatron's, so parameters and state dicts are those of the stock spec. In MoE layers (issue 17)
+the router class becomes ``runtime.moe.HSPTopKRouter`` (same parameters): its per-sequence aux
+loss and z-loss follow the packed documents instead of the micro-batch.
 
 Local (pure megatron-core) variant on CPU: without Apex megatron-core's local spec already falls
 back to ``WrappedTorchNorm`` (torch LayerNorm/RMSNorm); linears are megatron's
@@ -101,8 +103,51 @@ def _swap_attention(layer_spec: ModuleSpec, backend: str) -> ModuleSpec:
     return ModuleSpec(
         module=layer_spec.module,
         params=dict(layer_spec.params),
-        submodules=dataclasses.replace(submodules, self_attention=new_attn),
+        submodules=dataclasses.replace(
+            submodules, self_attention=new_attn, mlp=_swap_router(submodules.mlp)
+        ),
     )
+
+
+def _swap_router(mlp: object) -> object:
+    """An MoE layer's router becomes ``HSPTopKRouter`` (per-document sequence aux loss over the
+    plan group, no padding in the router losses: ``runtime.moe`` says why); any other MLP spec
+    is returned as it is. Same parameters as megatron-core's ``TopKRouter``.
+
+    megatron-core 0.19 builds the MoE layer spec as ``partial(MoELayer, submodules=...)``;
+    older releases as a ``ModuleSpec``: both are rewritten.
+    """
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if isinstance(mlp, partial) and isinstance(mlp.func, type) and issubclass(mlp.func, MoELayer):
+        keywords = dict(mlp.keywords)
+        keywords["submodules"] = _hsp_router_submodules(keywords.get("submodules"))
+        return partial(mlp.func, *mlp.args, **keywords)
+    if (
+        isinstance(mlp, ModuleSpec)
+        and isinstance(mlp.module, type)
+        and issubclass(mlp.module, MoELayer)
+    ):
+        return ModuleSpec(
+            module=mlp.module,
+            params=dict(mlp.params),
+            submodules=_hsp_router_submodules(mlp.submodules),
+        )
+    return mlp
+
+
+def _hsp_router_submodules(submodules: object) -> object:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_hsp.runtime.moe import HSPTopKRouter
+
+    router = getattr(submodules, "router", None)
+    if router is not TopKRouter:
+        raise ValueError(
+            f"expected megatron-core TopKRouter in the MoE layer spec, got {router!r}: HSP "
+            "replaces that router only"
+        )
+    return dataclasses.replace(submodules, router=HSPTopKRouter)
 
 
 def hsp_gpt_layer_spec(

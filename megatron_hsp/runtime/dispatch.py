@@ -181,6 +181,16 @@ class PackedMicroBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def document_index(self) -> np.ndarray:
+        """Per local token, its document's index in the group buffer (0 .. ``len(seq_ids)``
+        - 1, the order of ``seq_ids``), -1 for padding (MoE routers: ``runtime.moe``)."""
+        if not self.seq_ids:
+            return np.full(self.doc_ids.shape, -1, dtype=np.int64)
+        lookup = np.full(max(self.seq_ids) + 1, -1, dtype=np.int64)
+        lookup[list(self.seq_ids)] = np.arange(len(self.seq_ids))
+        real = self.doc_ids >= 0
+        return np.where(real, lookup[np.where(real, self.doc_ids, 0)], -1)
+
 
 def padding_for(total: int, group_size: int, local_multiple: int = 1) -> int:
     """Padding tokens that make a group buffer of ``total`` tokens split evenly over its ranks.
@@ -204,6 +214,7 @@ def pack_group_slice(
     pad_id: int = 0,
     ring: int = 1,
     doc_multiple: int = 1,
+    pad_empty: bool = False,
 ) -> PackedMicroBatch:
     """Pack this ``slot``'s share of ``group``'s buffer (see the module docstring).
 
@@ -217,6 +228,11 @@ def pack_group_slice(
     nothing to the loss or to any gradient: the step stays exact (the selftest checks it).
     ``cu_seqlens`` then bounds the padded segments, and TE gets one array for its padded and
     unpadded boundaries (``layout.te_cp_arguments``), which keeps its flash backends usable.
+
+    ``pad_empty``: a group without documents gets a buffer of one padding segment (2 x d x
+    ``local_multiple`` tokens, which every ring layout splits evenly) instead of none, so its
+    ranks can run the model (no loss, no gradient) alongside other groups' ranks in collectives
+    that span groups (MoE expert parallelism).
     """
     d = group.size
     if ring < 1 or d % ring:
@@ -246,6 +262,8 @@ def pack_group_slice(
     np.cumsum(seg, out=cum[1:])
     t_docs = int(cum[-1])
     pad = padding_for(t_docs, d, local_multiple)
+    if pad_empty and not seq_ids.size:
+        pad = 2 * d * local_multiple
     t_total = t_docs + pad
     cu = np.append(cum, t_total) if pad else cum
     idx = rank_tokens(cu, d // ring, ring, i)  # buffer indices this slot holds, in order
@@ -264,10 +282,11 @@ def pack_group_slice(
         input_ids = np.where(real, batch.tokens[flat], pad_id)
         labels = np.where(has_target, nxt, pad_id)
         doc_ids = np.where(real, seq_ids[k], -1)
-    else:  # an empty group: nothing to hold
-        pos = flat = idx
-        has_target = np.zeros(0, dtype=bool)
-        input_ids = labels = doc_ids = idx
+    else:  # an empty group: nothing to hold, or padding only (pad_empty)
+        pos = idx
+        has_target = np.zeros(idx.size, dtype=bool)
+        input_ids = labels = np.full(idx.size, pad_id, dtype=np.int64)
+        doc_ids = np.full(idx.size, -1, dtype=np.int64)
     loss_mask = has_target.astype(np.float32)
     position_ids = pos.astype(np.int64)
     return PackedMicroBatch(
@@ -296,6 +315,7 @@ def dispatch(
     local_multiple: int = 1,
     pad_id: int = 0,
     te_layout: bool = False,
+    pad_empty: bool = False,
 ) -> list[PackedMicroBatch]:
     """This slot's packed share of every micro-batch of ``plan``, in plan order.
 
@@ -318,6 +338,7 @@ def dispatch(
             pad_id=pad_id,
             ring=max(1, mb.group_of(slot).ring),
             doc_multiple=te_doc_multiple(mb.group_of(slot)) if te_layout else 1,
+            pad_empty=pad_empty,
         )
         for m, mb in enumerate(plan.microbatches)
     ]

@@ -372,6 +372,7 @@ def create_groups_from_megatron(
         raise InputError(
             f"megatron's data x context parallel group on rank {reg.rank} is {theirs[:8]} but the "
             f"HSP slot layout (order tp-cp-ep-dp-pp) expects {ours[:8]}; HSP needs megatron's "
-            "default rank order and expert parallel size 1"
+            "default rank order (expert parallelism splits the data-parallel ranks, so it "
+            "leaves this group as it is)"
         )
     return reg

@@ -35,6 +35,7 @@ from megatron_hsp.runtime.loss import (
     microbatch_loss,
     reduce_step_loss,
 )
+from megatron_hsp.runtime.moe import MoEMicroBatch, micro_batch
 from megatron_hsp.runtime.packed import group_packed_seq_params
 
 
@@ -47,6 +48,9 @@ class ModelInputs:
     labels: torch.Tensor
     loss_mask: torch.Tensor
     packed_seq_params: PackedSeqParams
+    # The document map MoE routers read (``runtime.moe``): megatron-core calls MoE layers
+    # without ``packed_seq_params``.
+    moe: MoEMicroBatch | None = None
 
 
 def packed_seq_params(
@@ -85,6 +89,9 @@ def to_model_inputs(
         labels=t(pack.labels),
         loss_mask=t(pack.loss_mask),
         packed_seq_params=packed_seq_params(pack, group, device, hybrid),
+        moe=MoEMicroBatch(
+            torch.from_numpy(pack.document_index()).to(device), len(pack.seq_ids), group
+        ),
     )
 
 
@@ -96,6 +103,7 @@ def step_inputs(
     *,
     local_multiple: int = 1,
     te_layout: bool = False,
+    run_empty_groups: bool = False,
 ) -> list[ModelInputs | None]:
     """This rank's model inputs for every micro-batch of ``plan`` (None: its group trains nothing
     in that micro-batch), each bound to the plan group's process group.
@@ -109,6 +117,9 @@ def step_inputs(
     created yet are created here first: every rank calls this with the same agreed plan.
     ``te_layout`` pads each document of a ring group for Transformer Engine's own context-parallel
     route (``dispatch.te_doc_multiple``); the step is exact either way.
+    ``run_empty_groups``: a group with no documents in a micro-batch runs the model on a buffer of
+    padding instead of skipping it (expert parallelism: its ranks must join the MoE layers'
+    all-to-alls with the ranks of other groups).
     """
     from megatron_hsp.runtime.agreement import resolve_splits
 
@@ -119,10 +130,11 @@ def step_inputs(
         registry.slot,
         local_multiple=local_multiple,
         te_layout=te_layout,
+        pad_empty=run_empty_groups,
     )
     return [
         None
-        if p.empty
+        if p.empty and not run_empty_groups
         else to_model_inputs(
             p,
             registry.group(p.group_size, p.block),
@@ -153,14 +165,15 @@ def forward_microbatch(
         params = [p for p in model.parameters() if p.requires_grad]
         zero = sum((p.view(-1)[:1] * 0.0).sum() for p in params)
         return _idle_stage_output(model, zero)
-    output = model(
-        inputs.input_ids,
-        inputs.position_ids,
-        None,
-        labels=inputs.labels,
-        loss_mask=inputs.loss_mask,
-        packed_seq_params=inputs.packed_seq_params,
-    )
+    with micro_batch(inputs.moe):
+        output = model(
+            inputs.input_ids,
+            inputs.position_ids,
+            None,
+            labels=inputs.labels,
+            loss_mask=inputs.loss_mask,
+            packed_seq_params=inputs.packed_seq_params,
+        )
     return output, inputs.loss_mask
 
 

@@ -103,8 +103,31 @@ class CpuPlacement(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _NullEvent:
+    """Stands in for ``torch.cuda.Event`` (recorded on a ``_NullStream``): nothing to wait for."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: object = None) -> None:
+        pass
+
+
 class _NullStream:
-    """Stands in for ``torch.cuda.Stream`` on the CPU: CPU work is ordered already."""
+    """Stands in for ``torch.cuda.Stream`` on the CPU: CPU work is ordered already.
+
+    All null streams compare equal: there is one CPU stream. (megatron-core's MoE alltoall
+    dispatcher asks ``current_stream() != its side stream`` before recording tensors on it.)
+    """
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _NullStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def record_event(self, event: object = None) -> _NullEvent:
+        return _NullEvent()
 
     def wait_stream(self, other: object) -> None:
         pass
@@ -150,14 +173,34 @@ class cpu_megatron_training:
         self._saved = {name: getattr(torch.cuda, name) for name in self._REPLACED}
         for name, fn in self._REPLACED.items():
             setattr(torch.cuda, name, fn)
+        from megatron.core.transformer.moe import token_dispatcher
+
+        self._dtoh = token_dispatcher.maybe_move_tensor_to_cpu
+        token_dispatcher.maybe_move_tensor_to_cpu = _cpu_dtoh
         self._mode = CpuPlacement()
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        from megatron.core.transformer.moe import token_dispatcher
+
         self._mode.__exit__(None, None, None)
+        token_dispatcher.maybe_move_tensor_to_cpu = self._dtoh
         for name, fn in self._saved.items():
             setattr(torch.cuda, name, fn)
+
+
+def _cpu_dtoh(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron-core's ``moe_utils.maybe_move_tensor_to_cpu`` for tensors already on the CPU.
+
+    The original converts only CUDA tensors (to numpy when ``as_numpy``); a CPU tensor stays a
+    tensor, and the MoE alltoall dispatcher then hands it to ``all_to_all_single`` as its split
+    sizes, which torch refuses (it takes a sequence of ints, as numpy gives). Here a CPU tensor
+    asked ``as_numpy`` becomes numpy too, as a CUDA one would. Placement only.
+    """
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 class cpu_device_arch_version:

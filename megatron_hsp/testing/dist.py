@@ -47,6 +47,7 @@ def init_cpu_megatron(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
+    expert_model_parallel_size: int = 1,
     seed: int = 1234,
     gloo_process_groups: bool = False,
 ) -> None:
@@ -65,6 +66,7 @@ def init_cpu_megatron(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
         seed=seed,
         gloo_process_groups=gloo_process_groups,
     )
@@ -79,6 +81,7 @@ def init_megatron(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
+    expert_model_parallel_size: int = 1,
     seed: int = 1234,
     gloo_process_groups: bool = False,
 ) -> None:
@@ -108,6 +111,7 @@ def init_megatron(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
         create_gloo_process_groups=gloo_process_groups,
     )
     if cuda:

@@ -90,6 +90,7 @@ EVAL_SPLIT = "6,1,1"  # 64 + 32 documents: 48 + 24 train, 8 + 4 validation, 8 + 
 BLEND_WEIGHTS = (0.4, 0.6)
 RESUME_AFTER = 2  # the resumed HSP side trains steps 2.. after a restart
 HEAD_DIM = 4  # --hidden-size is HEAD_DIM x --num-attention-heads
+MOE_TOPK = 2  # --moe-router-topk of the MoE option sets
 KV_GROUPS = 2
 SP_SPEC = ("megatron_hsp.testing.sp_spec", "local_sp_block_spec")
 PIPELINE_LAYERS = 4  # layers of the pipeline option sets: 2 per stage, 1 per virtual stage
@@ -148,6 +149,30 @@ class LoopOptions:
     # (``_run_stock``), so both sides get PIPELINE_LAYERS layers.
     pp: int = 1
     vpp: int | None = None
+    # Issue 17: MoE layers (megatron-core's local block spec, SequentialMLP experts, top-2,
+    # dropless) with ``ep`` expert-parallel ranks and the given token dispatcher; the
+    # per-sequence aux loss and z-loss coefficients (0: off).
+    num_experts: int | None = None
+    ep: int = 1
+    moe_dispatcher: str = "alltoall"
+    seq_aux_loss: float = 0.0
+    z_loss: float = 0.0
+
+    def moe_flags(self) -> list[str]:
+        """Megatron's MoE flags of this option set (none for a dense model)."""
+        if not self.num_experts:
+            return []
+        out = [
+            *("--num-experts", str(self.num_experts), "--moe-router-topk", str(MOE_TOPK)),
+            *("--expert-model-parallel-size", str(self.ep)),
+            *("--moe-token-dispatcher-type", self.moe_dispatcher),
+        ]
+        if self.seq_aux_loss:
+            out += ["--moe-router-load-balancing-type", "seq_aux_loss"]
+            out += ["--moe-aux-loss-coeff", str(self.seq_aux_loss)]
+        if self.z_loss:
+            out += ["--moe-z-loss-coeff", str(self.z_loss)]
+        return out
 
     def flags(self) -> list[str]:
         """Megatron flags of this option set (both sides)."""
@@ -169,7 +194,7 @@ class LoopOptions:
             out += ["--eval-iters", str(EVAL_ITERS), "--eval-interval", str(EVAL_INTERVAL)]
         if self.pp > 1:
             out += ["--num-layers", str(PIPELINE_LAYERS)]
-        return out
+        return out + self.moe_flags()
 
     def pipeline_flags(self) -> list[str]:
         """Megatron's pipeline flags (HSP side only: the stock reference is unpipelined).
@@ -239,9 +264,11 @@ class LoopOptions:
             "resume": self.resume,
             "pp": self.pp,
             "vpp": self.vpp,
-            # Placeholders for issue 17's MoE: this loop runs none.
-            "num_experts": None,
-            "ep": 1,
+            "num_experts": self.num_experts,
+            "ep": self.ep,
+            "moe_dispatcher": self.moe_dispatcher if self.num_experts else None,
+            "seq_aux_loss": self.seq_aux_loss,
+            "z_loss": self.z_loss,
         }
 
     @property
@@ -262,6 +289,12 @@ class LoopOptions:
         parts += [n for n in ("evaluation", "blend", "resume") if getattr(self, n)]
         if self.pp > 1:
             parts.append(f"pp{self.pp}" + (f" vpp{self.vpp}" if self.vpp else ""))
+        if self.num_experts:
+            parts.append(f"moe{self.num_experts} ep{self.ep} {self.moe_dispatcher}")
+            if self.seq_aux_loss:
+                parts.append(f"seqaux {self.seq_aux_loss:g}")
+            if self.z_loss:
+                parts.append(f"z {self.z_loss:g}")
         return " ".join(parts) or "ddp"
 
 
@@ -298,6 +331,24 @@ DEFAULT_OPTIONS = (
     # per-chunk evaluation iterators).
     LoopOptions(pp=2, tokens_per_rank=100),
     LoopOptions(pp=2, vpp=2, evaluation=True, tokens_per_rank=100),
+    # Issue 17: dropless MoE, 4 experts top-2, alltoall. EP 1 without router losses; EP 2
+    # (2 experts per rank, expert-data-parallel 2) with the per-sequence aux loss and the
+    # z-loss, which HSP computes per document over the ranks holding it (runtime/moe.py).
+    LoopOptions(num_experts=4),
+    LoopOptions(num_experts=4, ep=2, seq_aux_loss=0.1, z_loss=0.01),
+    # EP 2 with the distributed optimizer (expert buffers sharded over expert-data-parallel
+    # ranks) and sizes 1 and 2: some micro-batches leave a group without documents, whose
+    # ranks run on padding to join the all-to-alls.
+    LoopOptions(
+        num_experts=4,
+        ep=2,
+        distributed_optimizer=True,
+        group_sizes=(1, 2),
+        tokens_per_rank=100,
+        seq_aux_loss=0.1,
+    ),
+    # The allgather dispatcher (EP 1: HSP refuses it under EP > 1, args.py says why).
+    LoopOptions(num_experts=4, moe_dispatcher="allgather", seq_aux_loss=0.1, z_loss=0.01),
 )
 
 
@@ -414,6 +465,10 @@ def _stock_model(args: Any) -> torch.nn.Module:
         from megatron.core.transformer.spec_utils import import_module
 
         spec = import_module(tuple(args.spec))
+    elif args.num_experts:  # gpt_builder's MoE branch: megatron-core's decoder block spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, False, normalization=args.normalization)
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization)
     return _gpt(GPTModel, config, spec, args)
@@ -574,15 +629,15 @@ def param_grads(model: Sequence[Any], distributed_optimizer: bool) -> dict[str, 
     ``param_index_map`` (``param -> (start, end, bucket_id)`` in the buffer). Under the
     distributed optimizer only this data-parallel rank's shard of each bucket is reduced
     (reduce-scatter): a parameter contributes the slice of its range inside that shard (empty
-    when none is).
+    when none is). Expert parameters (MoE under expert parallelism) sit in DDP's
+    ``expert_parallel_buffers``, reduced and sharded over the expert-data-parallel group: each
+    buffer's own group gives the shard size and this rank's place.
     """
-    from megatron.core import parallel_state
-
-    dp = parallel_state.get_data_parallel_world_size()
-    rank = parallel_state.get_data_parallel_rank()
     names = {p: n for n, p in _chunk_parameters([m.module for m in model]).items()}
     out: dict[str, torch.Tensor] = {}
-    for buffer in (b for m in model for b in m.buffers):
+    for buffer in (b for m in model for b in [*m.buffers, *m.expert_parallel_buffers]):
+        dp = buffer.data_parallel_group.size()
+        rank = buffer.data_parallel_group.rank()
         for param, (start, end, bucket_id) in buffer.param_index_map.items():
             lo, hi = start, end
             if distributed_optimizer:
@@ -836,6 +891,24 @@ def _plant_resume_shares_the_adam_step(
     return hook
 
 
+def _plant_expert_grads_not_reduced(
+    stack: contextlib.ExitStack,
+) -> Callable[[Any, Any, Any], None]:
+    """PLANTED BUG (issue 17): the expert parameters' gradients are not reduced over the
+    expert-data-parallel ranks (DDP's expert bucket groups left out of the gradient sync, as
+    an integration that reduced only over the dense data-parallel buffers would): each rank
+    steps its experts on its own tokens' gradient."""
+
+    def hook(model: list[Any], optimizer: Any, config: Any) -> None:
+        ddp = model[0]
+        if not ddp.expert_parallel_bucket_groups:
+            raise RuntimeError("expert-grads-not-reduced needs an option set with experts")
+        ddp.expert_parallel_bucket_groups = []
+        PLANTED["param"] = "expert parameters"
+
+    return hook
+
+
 def _plant_stage_boundary_tokens_rolled(stack: contextlib.ExitStack) -> None:
     """PLANTED BUG (issue 17): the activation a pipeline stage receives has its tokens in the
     wrong order (rolled by one along the sequence), as a boundary that mixed up the layout of
@@ -855,6 +928,21 @@ def _plant_stage_boundary_tokens_rolled(stack: contextlib.ExitStack) -> None:
     stack.callback(setattr, GPTModel, "set_input_tensor", original)
 
 
+def _plant_document_expert_counts_not_reduced(stack: contextlib.ExitStack) -> None:
+    """PLANTED BUG (issue 17): the per-sequence aux loss counts each document's experts over
+    this rank's tokens only, not over the plan group that holds the document (the all-reduce
+    over the group left out)."""
+    from megatron_hsp.runtime import moe
+
+    original = moe.tokens_per_expert_per_document
+
+    def local_only(routing_map: torch.Tensor, state: Any) -> torch.Tensor:
+        return original(routing_map, moe.MoEMicroBatch(state.documents, state.num_documents, None))
+
+    moe.tokens_per_expert_per_document = local_only
+    stack.callback(setattr, moe, "tokens_per_expert_per_document", original)
+
+
 PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
     "plan-count-in-lr-increment": _plant_plan_count_everywhere_in_train_step,
     "smallest-gradient-scaled-1.0001": _plant_smallest_gradient_scaled,
@@ -864,6 +952,8 @@ PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
     "resume-restarts-the-samplers": _plant_resume_restarts_the_samplers,
     "resume-shares-the-adam-step": _plant_resume_shares_the_adam_step,
     "stage-boundary-tokens-rolled": _plant_stage_boundary_tokens_rolled,
+    "expert-grads-not-reduced": _plant_expert_grads_not_reduced,
+    "document-expert-counts-not-reduced": _plant_document_expert_counts_not_reduced,
 }
 
 
@@ -993,6 +1083,7 @@ def _run_hsp(
         chunks = _hsp_model(args)
         _load_weights(chunks, init)
         model, optimizer, scheduler, config = _wrap(args, chunks)
+        moe = _moe_record(model[0])
         if hook is not None:
             hook(model, optimizer, config)
         _load_through_megatron(args, model, optimizer, scheduler)  # nothing there yet: step 0
@@ -1041,6 +1132,9 @@ def _run_hsp(
             rec["layouts"] = [
                 [_layout(g, heads) for g in mb.groups if g.seq_ids] for mb in plan.microbatches
             ]
+            # Groups without documents in a micro-batch: skipped, or run on padding under
+            # expert parallelism (their ranks join the MoE all-to-alls).
+            rec["empty_groups"] = sum(not g.seq_ids for mb in plan.microbatches for g in mb.groups)
             records.append(rec)
             # Plan data only: which piece of which document; the stock side reads the tokens.
             pieces.append([(p.doc, p.offset, p.length) for p in run.current.batch.pieces])
@@ -1064,6 +1158,7 @@ def _run_hsp(
             "evaluations": evaluations,
             "expected": expected,
             "resume": resume,
+            "moe": moe,
         }
 
 
@@ -1092,6 +1187,26 @@ def _pipeline_record(chunks: Sequence[torch.nn.Module], schedule: Any) -> dict[s
         "schedule": getattr(schedule, "__name__", str(schedule)),
         "variable_seq_lengths": bool(get_model_config(chunks[0]).variable_seq_lengths),
         "layers_per_chunk": [len(c.decoder.layers) for c in chunks],
+    }
+
+
+def _moe_record(ddp: Any) -> dict[str, Any] | None:
+    """What the HSP model's MoE layers ran with, read from the model and megatron's groups
+    (None for a dense model): experts on this rank, expert-parallel and expert-data-parallel
+    sizes, the router class, and how many parameters DDP reduces over the expert groups."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    layers = [m for m in ddp.module.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        return None
+    return {
+        "moe_layers": len(layers),
+        "local_experts": len(layers[0].experts.local_experts),
+        "ep": parallel_state.get_expert_model_parallel_world_size(),
+        "expert_dp": parallel_state.get_expert_data_parallel_world_size(),
+        "routers": sorted({type(m.router).__name__ for m in layers}),
+        "expert_params": sum(len(b.param_index_map) for b in ddp.expert_parallel_buffers),
     }
 
 
@@ -1380,6 +1495,7 @@ def _worker_all(
             "",
             tensor_model_parallel_size=options.tp,
             gloo_process_groups=options.resume,  # Megatron's legacy checkpoint uses them
+            expert_model_parallel_size=options.ep,
         )
         out.append(_worker(rank, world_size, prefixes, cost_path, options, steps, plant))
     return out
@@ -1451,6 +1567,7 @@ def _worker(
                 "rel_grad_diff_of_smallest": rel[small],
                 "plan_microbatches": h["plan_microbatches"],
                 "schedule_microbatches": h["schedule_microbatches"],
+                "empty_groups": h["empty_groups"],
                 "layouts": h["layouts"],
             }
         )
@@ -1464,6 +1581,9 @@ def _worker(
         "worst_weight_param": wname,
         "planted_param": PLANTED.get("param"),
         "pipeline": hsp["pipeline"],
+        "moe": hsp["moe"],
+        # Expert parameters compared per parameter (each rank's own experts; 0 when dense).
+        "expert_params_compared": sum(".experts." in n for n in wrel),
     }
 
 
