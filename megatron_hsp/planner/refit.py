@@ -271,12 +271,22 @@ def refit_cost_model(
     after = _median_rel(x @ rel, y, w)
     # The Huber fit minimises its own loss, not the median error: a few per cent either way is
     # not "worse"; a clearly worse median is (e.g. a fit dragged by a burst of stragglers).
+    # Then the uniform move alone (the current shape at the fitted level, the bounded common
+    # factor on every fitted term) is tried: a machine that got slower as a whole is followed
+    # even while the records cannot agree on a shape.
+    note = ""
     if after > before * 1.1 + 1e-3:
-        return refuse(
-            f"the bounded refit predicts these records worse ({after:.3f} vs {before:.3f} median "
-            "relative error); kept the current model",
-            before,
-        )
+        uniform = ones.copy()
+        uniform[free] = bounded
+        level_after = _median_rel(x @ uniform, y, w)
+        if level_after > before * 1.1 + 1e-3:
+            return refuse(
+                f"the bounded refit predicts these records worse ({after:.3f} vs {before:.3f} "
+                "median relative error), and so does a uniform move; kept the current model",
+                before,
+            )
+        rel, after = uniform, level_after
+        note = " (uniform: the fitted shape predicted worse)"
     theta_new = np.array([cur[k] for k in TERMS]) * rel
     new_scales = {k: float(v) for k, v in zip(TERMS, theta_new, strict=True)}
     new_model = scaled_model(base, new_scales)
@@ -299,7 +309,9 @@ def refit_cost_model(
         new_model,
         new_model.to_spec(),
         True,
-        "refit accepted" + (f" ({', '.join(held)} kept: non-positive in this fit)" if held else ""),
+        "refit accepted"
+        + note
+        + (f" ({', '.join(held)} kept: non-positive in this fit)" if held else ""),
         new_scales,
         before,
         after,
