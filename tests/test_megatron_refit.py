@@ -73,6 +73,10 @@ def test_refit_updates_the_planner_and_writes_a_model_hsp_cost_model_reads(resul
     assert os.path.exists(out)
     final = load_cost_model(out, world_size=4, gpus_per_node=4)
     assert final == load_cost_model(models[-1], world_size=4, gpus_per_node=4)
+    # The per-step cost is learnt only from steps that created no process group (lazy
+    # creation at a size's first use is a one-time cost of that step).
+    clean = [not c for c in r0["created_groups"][1:]]
+    assert any(r0["created_groups"]) and r0["step_timings"] == sum(clean), r0["created_groups"]
     # One line per update, on rank 0 only (this run's and the delayed run's).
     assert len(result[0]["refit_lines"]) == STEPS - 1 + 2
     assert all(not r["refit_lines"] for r in result[1:])

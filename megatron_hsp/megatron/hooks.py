@@ -386,8 +386,10 @@ def _prepare(run: HSPRun, pipeline: StepPipeline) -> tuple[PreparedStep, list[An
 def begin_step(run: HSPRun) -> None:
     """Prepare the training step about to run: plan, dispatch."""
     assert run.pipeline is not None
-    run.current, run.inputs = _prepare(run, run.pipeline)
+    # Read before the dispatch, which creates a size's process groups the first time a plan
+    # uses it (lazy registry): such a step's time holds that one-time cost.
     run.created_at_step_start = run.registry.created if run.registry is not None else 0
+    run.current, run.inputs = _prepare(run, run.pipeline)
     if run.clock is not None:
         run.clock.start_step()
     run.step_started = time.perf_counter()
@@ -467,8 +469,8 @@ def refit_step(run: HSPRun) -> None:
     table = torch.stack(rows).cpu()
     if bool(torch.isnan(table).any()):
         print(
-            f"[megatron-hsp] refit after step {run.current.step}: skipped (a rank marked no "
-            f"{n} micro-batches: the schedule did not pull the plan's micro-batches one by one)",
+            f"[megatron-hsp] refit after step {run.current.step}: skipped (a rank's marks do "
+            f"not cover the plan's {n} micro-batches one by one)",
             flush=True,
         )
         return

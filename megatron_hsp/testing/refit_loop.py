@@ -74,8 +74,9 @@ def _one_run(
 
         config.finalize_model_grads_func = finalize_probe
         train_it, _, _ = _hsp_iterators(provider)
-        plans, models = [], []
+        plans, models, created = [], [], []
         for it in range(steps):
+            before = run.registry.created if run.registry is not None else 0
             training.train_step(
                 forward_step,
                 train_it,
@@ -87,6 +88,7 @@ def _one_run(
                 iteration=it,
             )
             plans.append(run.current.plan.to_dict())
+            created.append(run.registry.created != before)
             if run.refitter is not None:
                 models.append(run.refitter.model.to_spec())
         return {
@@ -94,6 +96,9 @@ def _one_run(
             "models": models,
             "updates": [] if run.refitter is None else run.refitter.updates,
             "refit_on": run.clock is not None,
+            "created_groups": created,  # per step: whether it created process groups
+            # step timings the refit kept (only from steps that created no process group)
+            "step_timings": 0 if run.refitter is None else len(run.refitter.refit._steps),
             "finalize_restored": config.finalize_model_grads_func is finalize_probe,
             "ended_at_finalize": ended_at_finalize,
         }
