@@ -82,3 +82,17 @@ def test_planner_switches_to_a_new_cost_model_for_later_requests(background):
         second = svc.result(1).plan
     assert first.cost_model == "loop-test" and second.cost_model == "doubled"
     assert second.est_step_ms == pytest.approx(2 * first.est_step_ms, rel=1e-6)
+
+
+def test_a_wait_for_a_late_partner_belongs_to_the_previous_microbatch():
+    """Micro-batch 0: a group of 2 (slots 0, 1) takes 300 ms, slots 2 and 3 alone take 100 ms.
+    Micro-batch 1: one group of 4 that computes for 200 ms; slots 2 and 3 entered it 200 ms
+    early and waited in its first collective, so their clocks read 400 ms. The group's time is
+    its members' shortest (200 ms: the member that arrived last waited for no one); the slowest
+    member's (400 ms) would charge micro-batch 1 for micro-batch 0's imbalance."""
+    from megatron_hsp.step.observe import group_timings
+
+    plan = manual_plan(4, [600, 300, 300, 900], [[(2, [0]), (1, [1]), (1, [2])], [(4, [3])]])
+    per_slot = [[0.3, 0.2], [0.3, 0.2], [0.1, 0.4], [0.1, 0.4]]
+    got = [(m, t.d, round(t.measured_ms, 6)) for m, t in group_timings(plan, per_slot)]
+    assert got == [(0, 2, 300.0), (0, 1, 100.0), (0, 1, 100.0), (1, 4, 200.0)]

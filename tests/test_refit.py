@@ -73,9 +73,14 @@ def test_each_update_moves_a_factor_by_at_most_max_step():
     truth = scaled_model(base, {"attn": 10.0, "linear": 10.0, "comm": 10.0, "fixed": 10.0})
     res = refit_cost_model(base, _records(truth, np.random.default_rng(2)), max_step=0.25)
     assert res.accepted
+    # The common move is bounded first (the fit's shape kept), then each factor: every factor
+    # ends within the bound and near it (the truth is 10x; noise shapes the factors by ~1%).
     for k in ("attn", "linear", "comm", "fixed"):
-        assert res.scales[k] == pytest.approx(1.25), k
-    assert res.model.attn_ms_per_token2 == pytest.approx(base.attn_ms_per_token2 * 1.25)
+        assert 1.2 < res.scales[k] <= 1.25 + 1e-12, k
+    assert max(res.scales.values()) == pytest.approx(1.25)
+    assert res.model.attn_ms_per_token2 == pytest.approx(
+        base.attn_ms_per_token2 * res.scales["attn"]
+    )
 
 
 def test_refuses_a_fit_where_time_does_not_grow_with_tokens():
@@ -137,13 +142,34 @@ def test_features_add_up_to_the_model():
 
 
 def test_a_token_term_fitted_to_zero_is_held_and_the_others_refitted():
-    """Records with no attention cost at all: the attention factor would fit to 0 (its time
-    would not grow with s^2), so it keeps its current factor, and the linear, communication and
-    fixed terms are refitted without it instead of the whole update being refused."""
+    """Records with no attention cost at all: without the prior towards the common factor
+    (``prior_records=0``) the attention factor fits to 0 (its time would not grow with s^2),
+    so it keeps its current factor, and the linear, communication and fixed terms are refitted
+    without it instead of the whole update being refused."""
     base = _comm_heavy()
     truth = scaled_model(base, {"attn": 0.0, "linear": 1.2, "comm": 1.2, "fixed": 1.2})
-    res = refit_cost_model(base, _records(truth, np.random.default_rng(5), noise=0.01))
+    rows = _records(truth, np.random.default_rng(5), noise=0.01)
+    res = refit_cost_model(base, rows, prior_records=0.0)
     assert res.accepted and "attn kept" in res.reason, res.reason
     assert res.scales["attn"] == 1.0
     assert res.scales["linear"] != 1.0
     assert res.median_rel_err_after < res.median_rel_err_before
+
+
+def test_collinear_records_move_the_terms_together():
+    """One step's records on one group size: linear and all-to-all both grow with tokens and
+    attention nearly so, so an unshrunk fit trades terms on noise. On a machine uniformly 1.8x
+    faster, the prior towards the common factor moves every fitted term down together (the
+    demo's early updates were refused as non-monotone, or zeroed one term, without it)."""
+    base = _comm_heavy()
+    truth = scaled_model(base, dict.fromkeys(("attn", "linear", "comm", "fixed"), 1 / 1.8))
+    rng = np.random.default_rng(7)
+    rows = []
+    for _ in range(5):
+        lengths = [int(x) for x in rng.integers(2000, 2600, size=2)]
+        ms = truth.group_ms(lengths, 4) * (1 + 0.15 * rng.standard_normal())
+        rows.append(GroupTiming(lengths, 4, ms))
+    res = refit_cost_model(base, rows, max_step=0.5, min_records=4)
+    assert res.accepted, res.reason
+    for k in ("attn", "linear", "comm", "fixed"):
+        assert res.scales[k] == pytest.approx(1 / 1.5, rel=0.1), (k, res.scales)

@@ -231,7 +231,11 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
 
     steps: list[dict[str, Any]] = []
     kept: list[tuple[Any, Any]] = []  # (DocumentBatch, adaptive plan) for the side-by-side
-    refitter = StepRefitter(cost, out=cfg.refit_out) if cfg.refit and rank == 0 else None
+    refitter = (
+        StepRefitter(cost, out=cfg.refit_out, planner=pipeline.planner)
+        if cfg.refit and rank == 0
+        else None
+    )
     # The per-step cost the prediction adds, by the model each step's plan was made with (plans
     # are requested one step ahead, so a refit after step t prices the plans from t + 2 on).
     overhead_ms = {0: cost.step_overhead_ms}
@@ -263,9 +267,8 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
                     step_s,
                     step_is_clean=registry.created == created,
                 )
-                if update is not None and update.accepted:
-                    assert pipeline.planner is not None
-                    pipeline.planner.use_cost_model(update.spec)
+                if update is not None and not cfg.quiet:
+                    print(refitter.summary_line(), file=sys.stderr, flush=True)
             if len(kept) < cfg.compare_steps:
                 kept.append((prepared.batch, prepared.plan))
             if rank == 0:

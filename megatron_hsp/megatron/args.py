@@ -182,6 +182,20 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Plan in the training process instead of a background process (debugging).",
     )
     g.add_argument(
+        "--hsp-no-refit",
+        action="store_true",
+        help="Keep the cost model fixed. Default: refit it online from each micro-batch's "
+        "measured time (step/observe.StepRefitter) and plan later steps with the refit model.",
+    )
+    g.add_argument(
+        "--hsp-refit-out",
+        default=None,
+        metavar="FILE.yaml",
+        help="Where the refit cost model is written after each accepted update, for the next "
+        f"run's --hsp-cost-model. Default: <--save>/{REFIT_FILE} when --save is given, else "
+        "not written.",
+    )
+    g.add_argument(
         "--hsp-seed",
         type=int,
         default=None,
@@ -240,6 +254,8 @@ class HSPConfig:
     plan_log: str | None = None
     log_interval: int = 1
     background_planner: bool = True
+    refit: bool = True  # online refit of the cost model (--hsp-no-refit turns it off)
+    refit_out: str | None = None  # where the refit model is written (--hsp-refit-out)
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -818,6 +834,7 @@ def validate_hsp_args(
         raise HSPArgsError("--hsp needs --hsp-max-seq or --seq-length to size the cost model")
     if args.hsp_log_interval < 0:
         raise HSPArgsError(f"--hsp-log-interval must be >= 0 (got {args.hsp_log_interval})")
+    refit_out = _refit_out(args)
     hardware = getattr(args, "hsp_hardware", "auto")
     if args.hsp_cost_model and hardware not in (None, "auto"):
         raise HSPArgsError(
@@ -897,8 +914,34 @@ def validate_hsp_args(
         plan_log=args.hsp_plan_log,
         log_interval=args.hsp_log_interval,
         background_planner=not args.hsp_sync_planner,
+        refit=not getattr(args, "hsp_no_refit", False),
+        refit_out=refit_out,
         notes=tuple(notes),
     )
+
+
+REFIT_FILE = "hsp-cost-model.yaml"
+
+
+def _refit_out(args: argparse.Namespace) -> str | None:
+    """Where the online refit writes its model: ``--hsp-refit-out``, else ``<--save>/``
+    ``hsp-cost-model.yaml``, else nowhere. Checked now, not after hours of training."""
+    from pathlib import Path
+
+    from megatron_hsp.commands.common import check_output_path
+
+    out = getattr(args, "hsp_refit_out", None)
+    if getattr(args, "hsp_no_refit", False):
+        if out:
+            raise HSPArgsError(
+                f"--hsp-refit-out {out} names where the online refit writes its model, and "
+                "--hsp-no-refit turns the refit off; drop one of them"
+            )
+        return None
+    if out:
+        return check_output_path("--hsp-refit-out", out)
+    save = _get(args, "save", None)
+    return str(Path(save) / REFIT_FILE) if save else None
 
 
 def refuse_before_megatron(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> None:

@@ -34,7 +34,8 @@ from typing import Any
 
 from megatron_hsp.megatron.args import HSPConfig, exit_on_refusal
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.step.observe import StepObserver, StepRecord
+from megatron_hsp.step.mbclock import MicrobatchClock
+from megatron_hsp.step.observe import StepObserver, StepRecord, StepRefitter
 from megatron_hsp.step.pipeline import PreparedStep, StepPipeline
 
 
@@ -62,6 +63,11 @@ class HSPRun:
     # Expert parallelism: MoE all-to-alls span plan groups, so a group without documents in a
     # micro-batch still runs the model, on padding (``schedule.step_inputs``).
     run_empty_groups: bool = False
+    # Online refit (on by default, --hsp-no-refit): every rank marks its training micro-batches,
+    # rank 0 (where the planner runs) refits and switches the planner (``refit_step``).
+    clock: MicrobatchClock | None = None
+    refitter: StepRefitter | None = None
+    created_at_step_start: int = 0  # registry.created: a step that created groups paid for it
 
 
 _RUN: HSPRun | None = None
@@ -163,6 +169,22 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         return build_step_pipeline(
             split_sampler, reader, run.registry, rank=rank, planner=split_planner
         )
+
+    run.clock, run.refitter = None, None
+    if cfg.refit:
+        if int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+            # Under a pipeline schedule a stage's micro-batch starts interleave with other
+            # micro-batches' backwards: the marks would not bound one micro-batch.
+            if rank0:
+                print(
+                    "[megatron-hsp] online refit off: micro-batch times are not measured under "
+                    "--pipeline-model-parallel-size > 1 (the cost model stays fixed)",
+                    flush=True,
+                )
+        else:
+            run.clock = MicrobatchClock(run.device)
+            if rank0:
+                run.refitter = StepRefitter(cost, out=cfg.refit_out, planner=planner)
 
     run.evaluation = {}
     eval_iters = getattr(args, "eval_iters", 0) or 0
@@ -351,6 +373,11 @@ class _MicroBatchIterator:
         return self
 
     def __next__(self) -> Any:
+        # The schedule pulls a micro-batch as its forward starts: micro-batch m begins here
+        # (and m - 1's backward is done). Model chunk 0's pull only (virtual pipeline stages
+        # pull each micro-batch once per chunk); the clock is off under a pipeline.
+        if self.chunk == 0 and self.run.clock is not None:
+            self.run.clock.mark()
         return _next_input(self.run.inputs, self.run.read, self.chunk, "the training schedule")
 
 
@@ -444,12 +471,46 @@ def schedule_count(planned: int, multiple: int) -> int:
 def begin_step(run: HSPRun) -> None:
     """Prepare the training step about to run: plan, dispatch."""
     assert run.pipeline is not None
+    # Read before the dispatch, which creates a size's process groups the first time a plan
+    # uses it (lazy registry): such a step's time holds that one-time cost.
+    run.created_at_step_start = run.registry.created if run.registry is not None else 0
     run.current, run.inputs = _prepare(run, run.pipeline)
+    if run.clock is not None:
+        run.clock.start_step()
     run.read = {}
     run.step_started = time.perf_counter()
 
 
+def end_microbatches(run: HSPRun) -> None:
+    """The last training micro-batch's backward is done (before the gradient reduction where
+    the schedule runs one, and again when the schedule returns: the first call counts)."""
+    if run.clock is not None:
+        run.clock.end()
+
+
+def around_finalize(run: HSPRun, config: Any) -> Any:
+    """Have Megatron's ``config.finalize_model_grads_func`` (set by ``train()``, called by the
+    schedule after the last backward) first end the step's micro-batches, so the gradient
+    reduction is not counted in the last micro-batch. Returns the function that restores it.
+    A config seam (the attribute ``train()`` itself sets), not a patch of Megatron code."""
+    finalize = getattr(config, "finalize_model_grads_func", None)
+    if run.clock is None or finalize is None:
+        return lambda: None
+
+    def finalize_after_marking(*a: Any, **kw: Any) -> Any:
+        end_microbatches(run)
+        return finalize(*a, **kw)
+
+    config.finalize_model_grads_func = finalize_after_marking
+
+    def restore() -> None:
+        config.finalize_model_grads_func = finalize
+
+    return restore
+
+
 def end_step(run: HSPRun, loss: float | None = None) -> None:
+    refit_step(run)
     if run.current is None or run.observer is None:
         return
     p = run.current
@@ -463,6 +524,55 @@ def end_step(run: HSPRun, loss: float | None = None) -> None:
         step_overhead_ms=run.step_overhead_ms,
     )
     run.observer.record(rec, p.plan)
+
+
+def refit_step(run: HSPRun) -> None:
+    """Collective when the refit is on: every rank's micro-batch times to rank 0, which feeds
+    ``StepRefitter`` (the demo's, shared) and prints one line per update.
+
+    One small all-gather per step, after the step (the CUDA events are read once here). A slot's
+    time is its slowest tensor-parallel rank's; ``observe.group_timings`` turns slots into
+    groups.
+    """
+    if run.clock is None or run.current is None:
+        return
+    import torch
+    import torch.distributed as dist
+
+    plan = run.current.plan
+    n = len(plan.microbatches)
+    times = run.clock.read()
+    row = torch.full((n + 2,), float("nan"), dtype=torch.float64)
+    row[0] = float(run.registry.slot)
+    row[1] = time.perf_counter() - run.step_started
+    if len(times) == n:
+        row[2:] = torch.tensor(times, dtype=torch.float64)
+    row = row.to(run.device)
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    if run.refitter is None:
+        return
+    table = torch.stack(rows).cpu()
+    if bool(torch.isnan(table).any()):
+        print(
+            f"[megatron-hsp] refit after step {run.current.step}: skipped (a rank's marks do "
+            f"not cover the plan's {n} micro-batches one by one)",
+            flush=True,
+        )
+        return
+    per_slot: list[list[float]] = [[0.0] * n for _ in range(run.config.world_size)]
+    for r in table.tolist():
+        slot = int(r[0])
+        per_slot[slot] = [max(a, b) for a, b in zip(per_slot[slot], r[2:], strict=True)]
+    result = run.refitter.record(
+        run.current.step,
+        plan,
+        per_slot,
+        float(table[:, 1].max()),
+        step_is_clean=run.registry.created == run.created_at_step_start,
+    )
+    if result is not None:
+        print("[megatron-hsp] " + run.refitter.summary_line(), flush=True)
 
 
 def current_num_microbatches(run: HSPRun) -> int:

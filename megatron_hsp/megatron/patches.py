@@ -9,7 +9,11 @@ replaced attribute                                 why
 ``megatron.training.training.train_step``          ``train()`` has no per-step callback; HSP must
                                                    fetch and dispatch the step's plan before the
                                                    schedule pulls micro-batches, and measure the
-                                                   step. It also hands the schedule the plan's
+                                                   step (and, for the online refit, mark the end
+                                                   of its micro-batches: the schedule's return,
+                                                   or earlier ``config.finalize_model_grads_func``
+                                                   wrapped for the call and restored). It also
+                                                   hands the schedule the plan's
                                                    micro-batch count: ``train_step``'s own
                                                    ``forward_backward_func`` argument is wrapped
                                                    to pass ``num_microbatches`` from the plan.
@@ -119,7 +123,7 @@ TRAINING_PATCHES = (
     Patch(
         "megatron.training.training",
         "train_step",
-        "per-step hook: plan, dispatch, the plan's micro-batch count, measure",
+        "per-step hook: plan, dispatch, the plan's micro-batch count, measure (and refit)",
     ),
     Patch(
         "megatron.training.training",
@@ -234,10 +238,16 @@ def apply_training_patches() -> None:
             # scheduler increment inside train_step and for consumed_train_samples in train().
             def forward_backward_func(*fa, **fkw):
                 fkw["num_microbatches"] = count
-                return schedule(*fa, **fkw)
+                result = schedule(*fa, **fkw)
+                hooks.end_microbatches(run)  # the online refit's last mark, if not taken yet
+                return result
 
             bound.arguments["forward_backward_func"] = forward_backward_func
-            out = original(*bound.args, **bound.kwargs)
+            restore = hooks.around_finalize(run, bound.arguments.get("config"))
+            try:
+                out = original(*bound.args, **bound.kwargs)
+            finally:
+                restore()
             loss = None
             reduced = out[0] if isinstance(out, tuple) and out else None
             if isinstance(reduced, dict) and "lm loss" in reduced:

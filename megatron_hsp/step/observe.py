@@ -169,6 +169,47 @@ class StepObserver:
 # machine): at 25% per update it takes three accepted updates to halve a factor, at 50% two, and
 # the plan of step t + 2 is the first to see the update after step t.
 REFIT_MAX_STEP = 0.5
+# Group records before the first update. The fit pulls every factor towards one common factor
+# (planner/refit.PRIOR_RECORDS), which any record informs, so a step's handful of records is
+# enough for a bounded first move; at 8 the demo's first update waited for step 2 and a model
+# off by 2x was not corrected in time for step 5.
+REFIT_MIN_RECORDS = 4
+# Steps over which a record's weight halves (planner/refit.OnlineRefit.half_life): the machine's
+# speed changes under other jobs (the demo's steps 2-4 and 5-7 differed by 30% on a loaded
+# machine), and with equal weights the model stayed at the old speed.
+REFIT_HALF_LIFE_STEPS = 2.0
+
+
+def group_timings(plan: Plan, microbatch_s: list[list[float]]) -> list[tuple[int, Any]]:
+    """``(micro-batch index, GroupTiming)`` of every group that trained something.
+
+    ``microbatch_s[slot][m]``: the seconds slot spent in micro-batch ``m``, measured from its
+    start. A group's time is its members' *shortest*: members leave a micro-batch together (its
+    collectives join them up to the end of the backward), but one that left the previous
+    micro-batch early waits in this one's first collective for a late partner, so its time also
+    holds that wait, which belongs to the previous micro-batch (the model charges a step the sum
+    of each micro-batch's slowest group). The member that arrived last waited for no one.
+    """
+    from megatron_hsp.planner.refit import GroupTiming
+
+    return [
+        (
+            m,
+            GroupTiming(
+                lengths=list(g.lengths),
+                d=g.size,
+                measured_ms=1e3 * min(microbatch_s[r][m] for r in g.ranks),
+                split=(g.ulysses, g.ring) if g.ulysses else None,
+            ),
+        )
+        for m, mb in enumerate(plan.microbatches)
+        for g in mb.groups
+        if g.seq_ids
+    ]
+
+
+def _priced(model: Any, t: Any) -> float:
+    return float(model.group_ms(list(t.lengths), t.d, t.split))
 
 
 class StepRefitter:
@@ -183,8 +224,9 @@ class StepRefitter:
     next (``PlannerService.use_cost_model``) and, with ``out``, is written as a YAML spec that
     ``--cost-model`` / ``--hsp-cost-model`` reads on the next run.
 
-    Group time: the slowest member rank's forward + backward of that micro-batch (ranks of one
-    group wait for each other in its collectives; groups of a micro-batch are independent).
+    Group time: ``group_timings``. ``planner``: the ``PlannerService`` an accepted model is
+    handed to (None: the caller plans with ``model`` itself). The demo and the Megatron hooks
+    both drive this class; only how they measure micro-batches differs.
     """
 
     def __init__(
@@ -194,12 +236,19 @@ class StepRefitter:
         skip_steps: int = 1,
         out: str | None = None,
         max_step: float = REFIT_MAX_STEP,
+        min_records: int = REFIT_MIN_RECORDS,
+        half_life: float | None = REFIT_HALF_LIFE_STEPS,
+        planner: Any = None,
     ) -> None:
         from megatron_hsp.planner.refit import OnlineRefit
 
-        self.refit = OnlineRefit(cost, max_step=max_step)
+        self.refit = OnlineRefit(
+            cost, max_step=max_step, min_records=min_records, half_life=half_life
+        )
         self.skip_steps = skip_steps
         self.out = out
+        self.planner = planner
+        self.seen = 0  # steps offered: the first ``skip_steps`` of a run (or a resume) skipped
         self.updates: list[dict[str, Any]] = []
 
     @property
@@ -221,29 +270,32 @@ class StepRefitter:
         ``step_is_clean``: False when the step paid one-time costs outside its micro-batches
         (e.g. created process groups); its step time then does not inform the per-step cost.
         """
-        from megatron_hsp.planner.refit import GroupTiming, StepTiming
+        from megatron_hsp.planner.refit import StepTiming
 
-        if step < self.skip_steps:
+        self.seen += 1
+        if self.seen <= self.skip_steps:
             return None
-        groups = [
-            GroupTiming(
-                lengths=list(g.lengths),
-                d=g.size,
-                measured_ms=1e3 * max(microbatch_s[r][m] for r in g.ranks),
-                split=(g.ulysses, g.ring) if g.ulysses else None,
-            )
-            for m, mb in enumerate(plan.microbatches)
-            for g in mb.groups
-            if g.seq_ids
-        ]
-        mb_ms = 1e3 * sum(
-            max(times[m] for times in microbatch_s) for m in range(len(plan.microbatches))
+        groups = group_timings(plan, microbatch_s)
+        # The step as the model prices it: per micro-batch its slowest group, summed; what the
+        # step took beyond that is the per-step cost (optimizer, gradient all-reduce).
+        mb_ms = sum(
+            max((t.measured_ms for m2, t in groups if m2 == m), default=0.0)
+            for m in range(len(plan.microbatches))
         )
         steps = [StepTiming(step_ms=1e3 * step_s, microbatch_ms=mb_ms)] if step_is_clean else []
-        result = self.refit.update(groups, steps)
+        before = self.refit.model
+        result = self.refit.update([t for _, t in groups], steps)
         self.updates.append(
             {
                 "step": step,
+                "step_ms": 1e3 * step_s,
+                "microbatch_ms": mb_ms,
+                # Each record: micro-batch, group size, tokens, measured ms, the model's ms before
+                # this update (what the demo's JSON shows of each update).
+                "records": [
+                    [m, t.d, sum(t.lengths), round(t.measured_ms, 2), round(_priced(before, t), 2)]
+                    for m, t in groups
+                ],
                 "accepted": result.accepted,
                 "reason": result.reason,
                 "median_rel_err_before": result.median_rel_err_before,
@@ -251,9 +303,31 @@ class StepRefitter:
                 "scales": dict(result.scales),
             }
         )
+        if result.accepted and self.planner is not None:
+            self.planner.use_cost_model(result.spec)
         if result.accepted and self.out:
             import yaml
 
             with open(self.out, "w") as fh:
                 yaml.safe_dump(result.spec, fh, sort_keys=False)
         return result
+
+    def summary_line(self) -> str:
+        """One line on the last update: accepted or refused, why, errors, factors."""
+        u = self.updates[-1]
+        factors = " ".join(f"{k} {v:.2f}" for k, v in u["scales"].items())
+        verdict = "accepted" if u["accepted"] else "refused"
+        errors = (
+            f"median error {u['median_rel_err_before']:.1%} -> {u['median_rel_err_after']:.1%}"
+            if u["median_rel_err_before"] == u["median_rel_err_before"]  # not NaN
+            else "no error measured"
+        )
+        detail = (
+            u["reason"]
+            if not u["accepted"]
+            else errors + (f"; written to {self.out}" if self.out else "")
+        )
+        return (
+            f"refit after step {u['step']}: {verdict} ({len(u['records'])} records this step; "
+            f"{detail}); factors {factors}"
+        )
