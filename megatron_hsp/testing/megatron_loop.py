@@ -957,6 +957,9 @@ PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
 }
 
 
+NO_REFIT = "--hsp-no-refit"
+
+
 def _hsp_argv(
     options: LoopOptions, prefixes: Sequence[str], cost_path: str, nproc: int
 ) -> list[str]:
@@ -964,6 +967,9 @@ def _hsp_argv(
     and Megatron's data flags."""
     hsp_flags = [
         *("--hsp", "--hsp-solver", "greedy", "--hsp-sync-planner"),
+        # The online refit (on by default) would re-plan from this machine's timings: the loop
+        # checks exactness on reproducible plans (testing/refit_loop.py runs the refit).
+        NO_REFIT,
         *("--hsp-gpus-per-node", str(nproc), "--hsp-max-seq", "256"),
         *("--hsp-cost-model", cost_path),
         *options.hsp_flags(),

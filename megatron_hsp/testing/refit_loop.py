@@ -113,7 +113,7 @@ def refit_worker(
     """Three runs on this rank: refit on (written to ``workdir/refit.yaml``), on with the
     virtual delay (written elsewhere), then off."""
     from megatron_hsp.testing.cpu_shims import cpu_device_arch_version, cpu_megatron_training
-    from megatron_hsp.testing.megatron_loop import _hsp_argv
+    from megatron_hsp.testing.megatron_loop import NO_REFIT, _hsp_argv
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
@@ -127,7 +127,7 @@ def refit_worker(
     dist.barrier()
     # The background planner, as users run it (the loop's flags plan in-process): the plan of
     # step t + 2 is the first priced by the update after step t.
-    base = [a for a in _hsp_argv(OPTIONS, (prefix,), cost_path, world_size) if a != SYNC]
+    base = [a for a in _hsp_argv(OPTIONS, (prefix,), cost_path, world_size) if a not in (SYNC, NO_REFIT)]
     out = os.path.join(workdir, "refit.yaml")
     printed = io.StringIO()
     with (
