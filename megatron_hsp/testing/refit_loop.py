@@ -127,7 +127,8 @@ def refit_worker(
     dist.barrier()
     # The background planner, as users run it (the loop's flags plan in-process): the plan of
     # step t + 2 is the first priced by the update after step t.
-    base = [a for a in _hsp_argv(OPTIONS, (prefix,), cost_path, world_size) if a not in (SYNC, NO_REFIT)]
+    loop_argv = _hsp_argv(OPTIONS, (prefix,), cost_path, world_size)
+    base = [a for a in loop_argv if a not in (SYNC, NO_REFIT)]
     out = os.path.join(workdir, "refit.yaml")
     printed = io.StringIO()
     with (
