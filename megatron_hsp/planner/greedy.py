@@ -344,8 +344,10 @@ def build_groups(
                 reach = heap[0][0] + CATCH_UP_MIN * row[j0]
                 if reach < heap[1][0] and reach < heap[2][0]:
                     # Without first fit a larger open size may cost fewer rank-ms: checked.
+                    if state.order is None:
+                        state.order = np.asarray(seq_ids, dtype=np.int64)
                     took = _catch_up(
-                        inst, seq_ids, pos, heap, j0, not first_fit and len(open_js) > 1,
+                        inst, state.order, pos, heap, j0, not first_fit and len(open_js) > 1,
                         room_ms[j0], room_tokens[j0], state,
                     )  # fmt: skip
                     if took:
@@ -403,11 +405,12 @@ class _Groups:
     load: list[float]
     tokens: list[int]
     ids: list[list[int]]
+    order: np.ndarray | None = None  # the walk's sequence order as an array, once bulk runs
 
 
 def _catch_up(
     inst: Instance,
-    seq_ids: Sequence[int],
+    seq_ids: np.ndarray,
     pos: int,
     heap: list[tuple[float, int]],
     j: int,
@@ -430,10 +433,10 @@ def _catch_up(
     load0, g0 = heap[0]
     second = min(heap[1], heap[2])
     # Sequences come longest first: about gap / (this one's time) go in; look at twice that.
-    first = inst.times[seq_ids[pos]][j]
+    first = inst.times[int(seq_ids[pos])][j]
     gap = second[0] - load0
     window = CATCH_UP_WINDOW if first <= 0 else min(CATCH_UP_WINDOW, int(2 * gap / first) + 8)
-    ids = np.asarray(seq_ids[pos : pos + window], dtype=np.int64)
+    ids = seq_ids[pos : pos + window]
     after = np.add.accumulate(np.concatenate([[load0], inst.times_np[ids, j]]))
     before, after = after[:-1], after[1:]
     tokens = groups.tokens[g0] + np.cumsum(inst.lengths_np[ids])
