@@ -21,11 +21,13 @@ from megatron_hsp.testing.megatron_loop import (
     GRAD_RTOL,
     LOSS_RTOL,
     NOT_UPDATED_PARAM,
+    PLANT_RUNS,
     PLANTS,
     WEIGHT_RTOL,
     MegatronDocuments,
     check,
     run_megatron_loop,
+    run_megatron_plants,
     write_corpus,
 )
 
@@ -208,7 +210,6 @@ def _assert_moe_sets(moe: list[dict]) -> None:
 
 
 MOE_OPTIONS = [i for i, o in enumerate(DEFAULT_OPTIONS) if o.num_experts]
-MOE_EP2 = next(i for i in MOE_OPTIONS if DEFAULT_OPTIONS[i].ep == 2)
 
 
 @pytest.mark.slow
@@ -227,21 +228,22 @@ def test_dropless_moe_at_ep_1_and_2_matches_the_stock_path():
     _assert_moe_sets(entries)
 
 
-def _planted(plant: str, steps: int, options: int = 0) -> dict:
-    (entry,) = run_megatron_loop(
-        4, DEFAULT_OPTIONS[options : options + 1], steps=steps, timeout_s=900, plant=plant
-    )
-    print(f"{plant}: caught={not entry['ok']}, worst / tolerance {entry['margin']:.3g}")
+def _planted(plant: str) -> dict:
+    """The loop with ``plant`` on the option set and steps ``PLANT_RUNS`` names (as
+    ``selftest --megatron --mutations`` runs it); it must be caught."""
+    (run,) = run_megatron_plants(4, timeout_s=900, plants=[plant])
+    entry = run["entry"]
+    print(f"{plant}: caught={run['caught']}, worst / tolerance {entry['margin']:.3g}")
     for f in entry["failures"]:
         print("   ", f)
-    assert not entry["ok"]
+    assert run["caught"] and not entry["ok"]
     return entry
 
 
 @pytest.mark.slow
 @pytest.mark.dist
 def test_the_old_lr_increment_bug_is_caught():
-    entry = _planted("plan-count-in-lr-increment", steps=1)
+    entry = _planted("plan-count-in-lr-increment")
     assert any("lr hsp" in f and "Megatron's scheduler" in f for f in entry["failures"])
     s = entry["steps"][0]
     assert s["lr_ref"] == s["lr_megatron"] != s["lr_hsp"]
@@ -250,7 +252,7 @@ def test_the_old_lr_increment_bug_is_caught():
 @pytest.mark.slow
 @pytest.mark.dist
 def test_a_0_01_percent_error_in_the_smallest_gradient_is_caught():
-    entry = _planted("smallest-gradient-scaled-1.0001", steps=1)
+    entry = _planted("smallest-gradient-scaled-1.0001")
     s = entry["steps"][0]
     # The planted parameter is the one with the smallest gradients of the reference model...
     assert entry["planted_param"] == s["smallest_grad_param"] == s["worst_grad_param"]
@@ -266,7 +268,7 @@ def test_a_0_01_percent_error_in_the_smallest_gradient_is_caught():
 @pytest.mark.slow
 @pytest.mark.dist
 def test_a_one_token_reader_shift_in_hsp_is_caught():
-    entry = _planted("reader-start-shift", steps=1)
+    entry = _planted("reader-start-shift")
     failures = " ".join(entry["failures"])
     assert "loss rel diff" in failures and "grad rel diff" in failures
     assert entry["margin"] > 100
@@ -275,15 +277,11 @@ def test_a_one_token_reader_shift_in_hsp_is_caught():
 @pytest.mark.slow
 @pytest.mark.dist
 def test_a_parameter_left_out_of_the_optimizer_is_caught_by_the_weights():
-    entry = _planted("one-parameter-not-updated", steps=2)
+    entry = _planted("one-parameter-not-updated")
     assert entry["worst_weight_param"] == NOT_UPDATED_PARAM
     assert entry["max_rel_weight_diff_after"] >= 100 * WEIGHT_RTOL
     assert [f for f in entry["failures"] if "weights after" in f]
     assert all(s["max_rel_grad_diff"] <= GRAD_RTOL for s in entry["steps"])
-
-
-ISSUE_18 = [o.label for o in DEFAULT_OPTIONS].index("distopt evaluation blend resume")
-PIPELINE = [o.label for o in DEFAULT_OPTIONS].index("pp2")
 
 
 @pytest.mark.slow
@@ -292,7 +290,7 @@ def test_evaluation_that_draws_from_the_training_sampler_is_caught():
     """Validation batches drawn from the training sampler: they leave Megatron's validation
     split, and the training sampler's next draw is not an uninterrupted run's (the prefetched
     batch hides it from the steps themselves)."""
-    entry = _planted("evaluation-draws-training-batches", steps=3, options=ISSUE_18)
+    entry = _planted("evaluation-draws-training-batches")
     same = entry["pieces_as_uninterrupted"]
     assert same["train_next"] is False and same["valid"] is False
     assert entry["outside_split"]
@@ -303,7 +301,7 @@ def test_evaluation_that_draws_from_the_training_sampler_is_caught():
 def test_a_resume_that_restarts_the_samplers_is_caught():
     """Through Megatron's real save_checkpoint/load_checkpoint: the load restores iteration and
     consumed samples correctly, and the samplers that ignore them are still seen."""
-    entry = _planted("resume-restarts-the-samplers", steps=3, options=ISSUE_18)
+    entry = _planted("resume-restarts-the-samplers")
     same = entry["pieces_as_uninterrupted"]
     assert same["train"] is False and same["valid"] is False
     assert entry["resume"]["iteration"] == [2, 2]
@@ -318,7 +316,7 @@ def test_a_resume_that_restores_the_optimizer_wrongly_is_caught_by_the_weights()
     """Every parameter's Adam state sharing one step tensor after Megatron's load_checkpoint
     (megatron-core 0.19.2's bug on torch's Adam, which this loop found): the restored weights,
     loss and gradients are right, the weights after the resumed step are not."""
-    entry = _planted("resume-shares-the-adam-step", steps=3, options=ISSUE_18)
+    entry = _planted("resume-shares-the-adam-step")
     assert entry["resume"]["weights_restored"] == [True, True]
     assert all(s["max_rel_grad_diff"] <= GRAD_RTOL for s in entry["steps"])
     assert entry["max_rel_weight_diff_after"] >= 100 * WEIGHT_RTOL
@@ -328,7 +326,7 @@ def test_a_resume_that_restores_the_optimizer_wrongly_is_caught_by_the_weights()
 @pytest.mark.slow
 @pytest.mark.dist
 def test_expert_grads_not_reduced_over_expert_data_parallel_ranks_are_caught():
-    entry = _planted("expert-grads-not-reduced", steps=1, options=MOE_EP2)
+    entry = _planted("expert-grads-not-reduced")
     assert "experts" in entry["steps"][0]["worst_grad_param"]
     assert entry["steps"][0]["max_rel_grad_diff"] > 100 * GRAD_RTOL
 
@@ -339,7 +337,7 @@ def test_a_stage_boundary_that_rolls_the_tokens_is_caught():
     """Issue 17: the activation a pipeline stage receives has its tokens rolled by one (pp=2,
     1F1B): the loss and the gradients of the later stage's layers differ from the unpipelined
     stock model's."""
-    entry = _planted("stage-boundary-tokens-rolled", steps=1, options=PIPELINE)
+    entry = _planted("stage-boundary-tokens-rolled")
     assert entry["pipeline"]["pp"] == 2
     (step,) = entry["steps"]
     assert abs(step["loss_hsp"] - step["loss_ref"]) > LOSS_RTOL * abs(step["loss_ref"])
@@ -351,9 +349,15 @@ def test_a_stage_boundary_that_rolls_the_tokens_is_caught():
 def test_document_expert_counts_not_reduced_over_the_group_are_caught():
     """The per-sequence aux loss with each document's expert counts from one rank's tokens:
     only the router weights' gradients carry it."""
-    entry = _planted("document-expert-counts-not-reduced", steps=1, options=MOE_EP2)
+    entry = _planted("document-expert-counts-not-reduced")
     assert "router" in entry["steps"][0]["worst_grad_param"]
     assert entry["steps"][0]["max_rel_grad_diff"] > 100 * GRAD_RTOL
+
+
+def test_every_plant_runs_on_an_option_set_that_exists():
+    labels = {o.label for o in DEFAULT_OPTIONS}
+    assert set(PLANT_RUNS) == set(PLANTS)
+    assert all(label in labels and steps >= 1 for label, steps in PLANT_RUNS.values())
 
 
 def test_every_plant_has_a_test():

@@ -121,3 +121,39 @@ def test_selftest_mutations_are_all_caught(capsys, nproc):
         for layout in mb
     }
     assert True in mutated  # a hybrid Ulysses x ring group runs at this rank count
+
+
+def test_megatron_mutations_run_the_loop_plants_and_fail_on_a_survivor(monkeypatch, capsys):
+    """``selftest --megatron --mutations`` also runs the Megatron loop's plants (each on its
+    option set, ``PLANT_RUNS``) and exits 1 when one is not caught. Wiring only: the plants
+    themselves are run by tests/test_megatron_loop.py."""
+    import megatron_hsp.testing.megatron_loop as loop
+    import megatron_hsp.testing.selftest as selftest
+
+    fake = {
+        "ok": True,
+        "cases": [],
+        "_results": [],
+        "_mutations": [],
+        "_timing": {"total_s": 0.0, "reference_s": 0.0},
+    }
+    monkeypatch.setattr(selftest, "run_selftest", lambda *a, **kw: dict(fake))
+    monkeypatch.setattr(selftest, "case_table", lambda *a: "")
+    monkeypatch.setattr(selftest, "mutation_table", lambda *a: "")
+    monkeypatch.setattr(loop, "run_megatron_loop", lambda *a, **kw: [])
+    monkeypatch.setattr(loop, "loop_table", lambda *a: "")
+    seen = []
+
+    def plants(nproc, timeout_s):
+        seen.append(nproc)
+        return [
+            {"plant": name, "options": label, "caught": name != "stage-boundary-tokens-rolled"}
+            for name, (label, _) in loop.PLANT_RUNS.items()
+        ]
+
+    monkeypatch.setattr(loop, "run_megatron_plants", plants)
+    rc = cli.main(["selftest", "--nproc", "4", "--megatron", "--mutations"])
+    out = capsys.readouterr()
+    assert seen == [4] and rc == 1
+    assert "stage-boundary-tokens-rolled" in out.out and "SURVIVED" in out.out
+    assert f"{len(loop.PLANT_RUNS)} Megatron plants" in out.err

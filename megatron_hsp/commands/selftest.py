@@ -20,14 +20,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mutations",
         action="store_true",
         help="also plant each bug of megatron_hsp/testing/mutations.py in turn and require the "
-        "comparison to catch it (exit 1 if any survives)",
+        "comparison to catch it (exit 1 if any survives); with --megatron also each bug of the "
+        "Megatron loop (megatron_loop.PLANTS: stage boundary, expert-gradient reduction, "
+        "per-document aux loss, resume, ...) on its option set",
     )
     parser.add_argument(
         "--megatron",
         action="store_true",
         help="also run Megatron's own train_step with HSP installed against the stock path on 4 "
         "gloo ranks (plain DDP, distributed optimizer, overlapped grad reduce, TP 2 with "
-        "--sequence-parallel, pure-ring and hybrid Ulysses x ring groups; "
+        "--sequence-parallel, pure-ring and hybrid Ulysses x ring groups, evaluation, a blend "
+        "and a restart through Megatron's checkpointing, pipeline parallel 1F1B and "
+        "interleaved, dropless MoE at EP 1 and 2; "
         "megatron_hsp/testing/megatron_loop.py) and compare loss, every parameter's gradient "
         "and final weights, grad norm, and lr / consumed samples against Megatron's own "
         "scheduler and sampler",
@@ -92,6 +96,14 @@ def _run(args: argparse.Namespace) -> int:
         # Always 4 ranks: the layout the loop's batch (8 documents) and checks are sized for.
         result["megatron_loop"] = run_megatron_loop(4, timeout_s=args.timeout)
         result["ok"] = result["ok"] and all(e["ok"] for e in result["megatron_loop"])
+        if args.mutations:
+            from megatron_hsp.testing.megatron_loop import run_megatron_plants
+
+            plants = run_megatron_plants(4, timeout_s=args.timeout)
+            result["megatron_plants"] = [
+                {k: v for k, v in p.items() if k != "entry"} for p in plants
+            ]
+            result["ok"] = result["ok"] and all(p["caught"] for p in plants)
     if args.json:
         doc = {k: v for k, v in result.items() if not k.startswith("_")}
         print(json.dumps(doc, indent=2))
@@ -103,11 +115,21 @@ def _run(args: argparse.Namespace) -> int:
         if args.megatron:
             print()
             print(loop_table(result["megatron_loop"]))
+        if "megatron_plants" in result:
+            print()
+            for p in result["megatron_plants"]:
+                verdict = "caught" if p["caught"] else "SURVIVED"
+                print(f"{p['plant']:<38} on {p['options']!r:<40} {verdict}")
         t = result["_timing"]
         print(
             f"{'ok' if result['ok'] else 'FAILED'}: {len(result['cases'])} cases"
             + (f", {len(result['_mutations'])} mutations" if args.mutations else "")
             + (f", {len(result['megatron_loop'])} Megatron loops" if args.megatron else "")
+            + (
+                f", {len(result['megatron_plants'])} Megatron plants"
+                if "megatron_plants" in result
+                else ""
+            )
             + f" on {args.nproc} processes in {t['total_s']:.1f} s "
             f"(reference {t['reference_s']:.1f} s)",
             file=sys.stderr if not result["ok"] else sys.stdout,

@@ -957,6 +957,49 @@ PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
 }
 
 
+# Where each plant runs (an option set's label in DEFAULT_OPTIONS) and for how many steps: the
+# option set that runs the planted code path at all (a resume plant needs the restart, an
+# expert plant experts under EP 2, ...). The tests and ``selftest --megatron --mutations`` read it.
+PLANT_RUNS: dict[str, tuple[str, int]] = {
+    "plan-count-in-lr-increment": ("ddp", 1),
+    "smallest-gradient-scaled-1.0001": ("ddp", 1),
+    "reader-start-shift": ("ddp", 1),
+    "one-parameter-not-updated": ("ddp", 2),
+    "evaluation-draws-training-batches": ("distopt evaluation blend resume", 3),
+    "resume-restarts-the-samplers": ("distopt evaluation blend resume", 3),
+    "resume-shares-the-adam-step": ("distopt evaluation blend resume", 3),
+    "stage-boundary-tokens-rolled": ("pp2", 1),
+    "expert-grads-not-reduced": ("moe4 ep2 alltoall seqaux 0.1 z 0.01", 1),
+    "document-expert-counts-not-reduced": ("moe4 ep2 alltoall seqaux 0.1 z 0.01", 1),
+}
+
+
+def run_megatron_plants(
+    nproc: int = 4, timeout_s: float = 900.0, plants: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
+    """Each plant of ``PLANTS`` on its option set (``PLANT_RUNS``): one entry per plant with
+    ``caught`` (the loop's comparison failed, as it must) and the first failures it gave."""
+    by_label = {o.label: o for o in DEFAULT_OPTIONS}
+    out = []
+    for plant in PLANT_RUNS if plants is None else plants:
+        label, steps = PLANT_RUNS[plant]
+        (entry,) = run_megatron_loop(
+            nproc, [by_label[label]], steps=steps, timeout_s=timeout_s, plant=plant
+        )
+        out.append(
+            {
+                "plant": plant,
+                "options": label,
+                "steps": steps,
+                "caught": not entry["ok"],
+                "margin": entry["margin"],
+                "failures": entry["failures"][:3],
+                "entry": entry,
+            }
+        )
+    return out
+
+
 NO_REFIT = "--hsp-no-refit"
 
 
