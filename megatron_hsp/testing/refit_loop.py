@@ -58,7 +58,8 @@ def _one_run(
 
         def delay(_module: Any, _inputs: Any) -> None:
             # Inside the forward: after the iterator handed out the micro-batch (its start mark).
-            if extra_s and not run.inputs:
+            # The iterator has handed out the step's last micro-batch (hooks._next_input).
+            if extra_s and run.read.get(0, 0) == len(run.inputs):
                 last = run.current.plan.microbatches[-1]
                 if 0 in last.group_of(run.registry.slot).ranks:
                     offset[0] += extra_s
