@@ -11,7 +11,7 @@ exactly the length heterogeneity HSP exploits. Here a global batch is a set of w
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -101,7 +101,45 @@ class SamplerConfig:
             raise InputError(f"longest trainable length {self.max_length} is below 2 tokens")
 
 
-class GlobalBatchSampler:
+class BatchSampling:
+    """What both samplers share: a global batch is whole sequences, up to the token budget (a
+    sequence that would cross it starts the next batch; a batch has at least one) and at most
+    ``global_batch_docs`` of them (``fill``); batches one after another (``__iter__``); and a
+    resume skips batches by drawing them (``fast_forward``: lengths only, no tokens read).
+    Subclasses say which sequence comes next (``fill``'s two callables) and hold the state."""
+
+    config: SamplerConfig
+
+    def next_batch(self) -> DocumentBatch:
+        raise NotImplementedError
+
+    def fill(self, peek: Callable[[], int], take: Callable[[], Piece]) -> tuple[list[Piece], int]:
+        """The next batch's pieces and tokens: ``peek()`` is the next sequence's length,
+        ``take()`` takes it."""
+        c = self.config
+        pieces: list[Piece] = []
+        tokens = 0
+        while True:
+            n = peek()
+            if c.token_budget is not None and pieces and tokens + n > c.token_budget:
+                break  # whole sequences only: this one starts the next batch
+            pieces.append(take())
+            tokens += n
+            if c.global_batch_docs is not None and len(pieces) >= c.global_batch_docs:
+                break
+        return pieces, tokens
+
+    def __iter__(self) -> Iterator[DocumentBatch]:
+        while True:
+            yield self.next_batch()
+
+    def fast_forward(self, steps: int) -> None:
+        """Skip ``steps`` batches (resume from an iteration count; reads lengths only)."""
+        for _ in range(steps):
+            self.next_batch()
+
+
+class GlobalBatchSampler(BatchSampling):
     """Seeded global batches of whole documents; deterministic given (lengths, config, state).
 
     The overlong policy is applied once, to the whole corpus, at construction: ``error`` fails at
@@ -205,31 +243,13 @@ class GlobalBatchSampler:
         return piece
 
     def next_batch(self) -> DocumentBatch:
-        c, st = self.config, self.state
-        pieces: list[Piece] = []
-        tokens = 0
-        while True:
-            n = self.peek_unit().length
-            if c.token_budget is not None and pieces and tokens + n > c.token_budget:
-                break  # whole sequences only: this one starts the next batch
-            pieces.append(self.take_unit())
-            tokens += n
-            if c.global_batch_docs is not None and len(pieces) >= c.global_batch_docs:
-                break
+        st = self.state
+        pieces, tokens = self.fill(lambda: self.peek_unit().length, self.take_unit)
         batch = DocumentBatch(st.step, tuple(pieces))
         st.step += 1
         st.consumed_sequences += len(pieces)
         st.consumed_tokens += tokens
         return batch
-
-    def __iter__(self) -> Iterator[DocumentBatch]:
-        while True:
-            yield self.next_batch()
-
-    def fast_forward(self, steps: int) -> None:
-        """Skip ``steps`` batches (resume from an iteration count; reads lengths only)."""
-        for _ in range(steps):
-            self.next_batch()
 
     # -------------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:
@@ -278,7 +298,7 @@ class BlendComponent:
     lengths: np.ndarray
 
 
-class BlendedBatchSampler:
+class BlendedBatchSampler(BatchSampling):
     """Global batches of whole documents from several datasets, blend weights honoured by tokens.
 
     Why by tokens: Megatron's blend weights are shares of its fixed-length samples, i.e. of
@@ -339,20 +359,21 @@ class BlendedBatchSampler:
         return int(np.argmax(deficit))
 
     def next_batch(self) -> DocumentBatch:
-        c = self.config
-        pieces: list[Piece] = []
         self._batch_tokens, self._batch_from = 0, np.zeros(len(self.components), dtype=np.int64)
-        while True:
-            i = self._choose()
-            n = self.samplers[i].peek_unit().length
-            if c.token_budget is not None and pieces and self._batch_tokens + n > c.token_budget:
-                break  # whole sequences only: this one starts the next batch
+        chosen = [0]
+
+        def peek() -> int:
+            chosen[0] = self._choose()  # depends on what this batch took so far
+            return self.samplers[chosen[0]].peek_unit().length
+
+        def take() -> Piece:
+            i = chosen[0]
             p = self.samplers[i].take_unit()
-            pieces.append(Piece(self.components[i].doc_base + p.doc, p.offset, p.length))
-            self._batch_tokens += n
-            self._batch_from[i] += n
-            if c.global_batch_docs is not None and len(pieces) >= c.global_batch_docs:
-                break
+            self._batch_tokens += p.length
+            self._batch_from[i] += p.length
+            return Piece(self.components[i].doc_base + p.doc, p.offset, p.length)
+
+        pieces, _ = self.fill(peek, take)
         batch = DocumentBatch(self.step, tuple(pieces))
         self.step += 1
         self.consumed_sequences += len(pieces)
@@ -360,15 +381,6 @@ class BlendedBatchSampler:
         self.tokens_from = [int(t) for t in np.asarray(self.tokens_from) + self._batch_from]
         self._batch_tokens, self._batch_from = 0, np.zeros(len(self.components), dtype=np.int64)
         return batch
-
-    def __iter__(self) -> Iterator[DocumentBatch]:
-        while True:
-            yield self.next_batch()
-
-    def fast_forward(self, steps: int) -> None:
-        """Skip ``steps`` batches (resume from an iteration count; reads lengths only)."""
-        for _ in range(steps):
-            self.next_batch()
 
     @property
     def state(self) -> SamplerState:

@@ -861,10 +861,9 @@ def _plant_resume_restarts_the_samplers(stack: contextlib.ExitStack) -> None:
     and evaluated (``fast_forward`` does nothing): the resumed run repeats the first batches."""
     from megatron_hsp.step import sampler
 
-    for cls in (sampler.GlobalBatchSampler, sampler.BlendedBatchSampler):
-        original = cls.fast_forward
-        cls.fast_forward = lambda self, steps: None
-        stack.callback(setattr, cls, "fast_forward", original)
+    original = sampler.BatchSampling.fast_forward  # both samplers' (their shared base)
+    sampler.BatchSampling.fast_forward = lambda self, steps: None
+    stack.callback(setattr, sampler.BatchSampling, "fast_forward", original)
 
 
 def _plant_resume_shares_the_adam_step(
