@@ -1,10 +1,11 @@
 """The planner's fast paths for huge batches give what the plain walks give, to the bit.
 
 At 16,384 GPUs (131k sequences) the group builder places most of a longest-first walk's tail
-in bulk (``greedy._catch_up``), and the whole-batch passes (orders, floors, group sums) run in
-numpy (``Instance.*_np``). Each test runs the plain version (the catch-up switched off, or the
-obvious Python expression) on the same instances and compares: the builder's groups exactly,
-the sums to rounding.
+in bulk (``greedy._catch_up``), stops comparing sizes once no larger one can cost less
+(``Instance.no_cheaper_larger_bits``), and the whole-batch passes (orders, floors, group sums)
+run in numpy (``Instance.*_np``). Each test runs the plain version (the catch-up and the early
+stop switched off, or the obvious Python expression) on the same instances and compares: the
+builder's groups exactly, the sums to rounding.
 """
 
 from __future__ import annotations
@@ -70,8 +71,11 @@ def test_bulk_catch_up_builds_the_groups_the_walk_builds(monkeypatch, seed):
                     lambda *a, real=real, calls=calls: calls.append(1) or real(*a),
                 )
                 fast = greedy.build_groups(inst, ids, target, min_size=min_size)
-                monkeypatch.setattr(greedy, "CATCH_UP_MIN", 10**9)  # the walk alone
+                monkeypatch.setattr(greedy, "CATCH_UP_MIN", 10**9)  # the walk alone,
+                bits = inst.no_cheaper_larger_bits  # comparing every open size (no early stop)
+                inst.__dict__["no_cheaper_larger_bits"] = [0] * len(bits)
                 plain = greedy.build_groups(inst, ids, target, min_size=min_size)
+                inst.__dict__["no_cheaper_larger_bits"] = bits
                 monkeypatch.undo()
                 assert fast == plain, (len(inst.lengths), inst.world_size, factor, min_size)
                 bulk_used += len(calls)

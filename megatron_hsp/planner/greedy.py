@@ -318,6 +318,7 @@ def build_groups(
     dmin = inst.dmin
     # When rank-ms never falls with size, the first feasible size (ascending) is the cheapest.
     first_fit = inst.work_grows_with_size
+    cheapest = inst.no_cheaper_larger_bits
     # Per size: the latest load a group may have before a sequence's time (target less the
     # fixed cost) and its token capacity; hoisted out of the per-sequence loop, which is the
     # solve's hot spot at 16,384 GPUs (131k sequences, several builds per micro-batch).
@@ -365,7 +366,8 @@ def build_groups(
                 c = t * sizes[j]
                 if c < best_cost:
                     best_j, best_g, best_cost = j, g, c
-                    if first_fit:
+                    # No larger size costs this sequence fewer rank-ms: none can replace it.
+                    if first_fit or cheapest[i] >> j & 1:
                         break
         if best_g < 0:
             for j in range(jmin, nsz):

@@ -142,6 +142,17 @@ class Instance:
         larger = np.concatenate([larger[:, 1:], np.full((len(work), 1), np.inf)], axis=1)
         return work <= larger
 
+    @cached_property
+    def no_cheaper_larger_bits(self) -> list[int]:
+        """``no_cheaper_larger_np`` per sequence as a bit mask (bit ``j``): what the group
+        builder's inner loop reads (one int per sequence, not a row of booleans)."""
+        table = self.no_cheaper_larger_np
+        if table.shape[1] > 62:
+            # int64 holds 63 bits: fall back to Python ints row by row (beyond planning sizes).
+            return [sum(1 << j for j in np.flatnonzero(row).tolist()) for row in table]
+        weights = np.left_shift(np.int64(1), np.arange(table.shape[1], dtype=np.int64))
+        return (table.astype(np.int64) @ weights).tolist()
+
     def longest_first(self, seq_ids: Sequence[int] | None = None) -> list[int]:
         """Sequence indices longest first, ties by index: the order every builder walks."""
         if seq_ids is None:
