@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_hsp.planner.costmodel import CostModel, flexsp_cost_model
+from megatron_hsp.planner.costmodel import CostModel, flexsp_cost_model, load_cost_model
 from megatron_hsp.planner.solver import SolverConfig, solve
 from megatron_hsp.planner.topology import Cluster
 
@@ -186,6 +186,12 @@ def xl_check(budget: float, steps: int = 3, gpus: int = 4096) -> int:
     )
     print("|---|---|---|---|---|---|---|")
     settings = [
+        # The calibrated H100 model (what the README quotes) on the raw lengths.
+        (
+            "calibrated llama3-8b-h100, raw",
+            load_cost_model("llama3-8b-h100", world_size=gpus),
+            raw[raw <= 192_000],
+        ),
         # The preset's own memory cap on the raw lengths (the "3.7 s step").
         ("preset cap, raw", flexsp_cost_model("flexsp-gpt-7b", gpus, 192), raw[raw <= 192_000]),
         # FlexSP's harness: 30 GB, padded lengths; most sequences then need several ranks.

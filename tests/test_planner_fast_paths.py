@@ -84,7 +84,9 @@ def test_bulk_catch_up_builds_the_groups_the_walk_builds(monkeypatch, seed):
 
 
 def test_whole_batch_passes_equal_their_python_forms():
+    widths = set()
     for inst in _instances(2, 6):
+        widths.add(len(inst.sizes) > 62)
         n = len(inst.lengths)
         rng = np.random.default_rng(n)
         for ids in (None, rng.choice(n, size=min(n, 300), replace=False).tolist()):
@@ -114,9 +116,12 @@ def test_whole_batch_passes_equal_their_python_forms():
         # Python's sum() compensates rounding (3.12), bincount adds plainly: ulps apart.
         assert [ms for _, ms in got] == pytest.approx([ms for _, ms in expect], rel=1e-12)
         work = np.asarray(inst.times) * np.asarray(inst.sizes)[None, :]
+        bits = inst.no_cheaper_larger_bits  # one int per sequence (wider than 62 at 1024 GPUs)
         for j in range(len(inst.sizes)):
             larger = work[:, j + 1 :].min(axis=1) if j + 1 < len(inst.sizes) else np.inf
             assert np.array_equal(inst.no_cheaper_larger_np[:, j], work[:, j] <= larger)
+            assert [b >> j & 1 for b in bits] == inst.no_cheaper_larger_np[:, j].tolist()
+    assert widths >= {True, False}  # both ways of packing the bits were compared
 
 
 def test_single_ranks_take_the_free_ranks_first_fit_gives_them():

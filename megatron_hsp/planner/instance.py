@@ -148,8 +148,9 @@ class Instance:
         builder's inner loop reads (one int per sequence, not a row of booleans)."""
         table = self.no_cheaper_larger_np
         if table.shape[1] > 62:
-            # int64 holds 63 bits: fall back to Python ints row by row (beyond planning sizes).
-            return [sum(1 << j for j in np.flatnonzero(row).tolist()) for row in table]
+            # int64 holds 63 bits: Python ints from the packed rows (hundreds of legal sizes).
+            packed = np.packbits(table, axis=1, bitorder="little")
+            return [int.from_bytes(row.tobytes(), "little") for row in packed]
         weights = np.left_shift(np.int64(1), np.arange(table.shape[1], dtype=np.int64))
         return (table.astype(np.int64) @ weights).tolist()
 
