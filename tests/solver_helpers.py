@@ -10,14 +10,22 @@ from megatron_hsp.planner.topology import Cluster
 
 
 def toy_cost(
-    world_size: int, cap: int, fixed: float = 5.0, a2a: float = 0.002, attn: float = 1e-5
+    world_size: int,
+    cap: int,
+    fixed: float = 5.0,
+    a2a: float = 0.002,
+    attn: float = 1e-5,
+    fixed_per_rank: float = 0.0,
 ) -> CostModel:
-    """A cost model with numbers for every size up to ``world_size`` (non powers of two too)."""
+    """A cost model with numbers for every size up to ``world_size`` (non powers of two too).
+    ``fixed_per_rank`` > 0 makes the fixed cost grow with the group size, as in the calibrated
+    models (collective latencies)."""
+    fixed_ms = {0: fixed, **{d: fixed + fixed_per_rank * d for d in range(1, world_size + 1)}}
     return CostModel(
         name="toy",
         attn_ms_per_token2=attn,
         linear_ms_per_token=0.05,
-        group_fixed_ms={0: fixed},
+        group_fixed_ms=fixed_ms,
         a2a_ms_per_token={d: a2a * (1 + d / 8) / d for d in range(2, world_size + 1)},
         tokens_per_rank=cap,
     )

@@ -12,8 +12,9 @@ Three facts, each true of every valid plan, combined by ``max``:
    a micro-batch, so each pays its own best time; the remaining forced micro-batches pay at
    least ``b_min``.
 4. Critical sequence with memory: the micro-batch holding a long sequence ``s`` in a group of
-   ``d`` lasts ``T(s, d) + b + e`` (``e``: time other sequences add to that group). Its other
-   ``N - d`` ranks can absorb at most ``min((N - d) * (T + e), G((N - d) * cap))`` rank-ms of
+   ``d`` lasts ``T(s, d) + b_d + e`` (``e``: time other sequences add to that group). Its other
+   ``N - d`` ranks can absorb at most ``min((N - d) * (T + e + b_d - b), G((N - d) * cap))``
+   rank-ms (their own groups pay at least ``b``, the smallest fixed cost) of
    the remaining work, where ``G(X)`` is the most minimum-work any ``X`` tokens carry
    (fractional knapsack by work per token), and ``s``'s own group at most ``d * e``. Whatever
    is left runs in other micro-batches at ``W / N + b`` each, and the tokens that do not fit
@@ -210,10 +211,16 @@ def _star_in_size(
         """Tokens the star's group can add in extra time ``e``."""
         return min(room_in_group, e / per_token_ms) if per_token_ms > 0 else room_in_group
 
+    # The other ranks' groups pay at least ``b`` of the micro-batch's ``t + b_d + e``, so each
+    # of those ranks has ``t + e + (b_d - b)`` for work: where fixed costs grow with the group
+    # size (every calibrated model), a large star's group leaves the small groups beside it
+    # more than ``t + e`` (without this term fact 4 exceeded a real 16,384-GPU plan by 0.03%).
+    slack = inst.fixed[j] - b
+
     def absorbed(e: float) -> float:
         """Most minimum-work the star's micro-batch can take besides the star, given e."""
         x2 = carried(e)
-        split = min((n - d) * (t + e), absorb_mem) + min(d * e, most_work(x2))
+        split = min((n - d) * (t + e + slack), absorb_mem) + min(d * e, most_work(x2))
         return min(split, most_work(others_mem + x2))
 
     candidates_e = [0.0]
