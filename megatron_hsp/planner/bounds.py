@@ -117,9 +117,9 @@ def _memory_packing_bound(inst: Instance, m_min: int, deadline: float | None = N
     gives a bound); None of it depends on the plan. Returns 0 when skipped (too large, deadline).
     """
     n = inst.world_size
-    times = np.asarray(inst.times, dtype=np.float64)
-    if times.size > MEMORY_PACKING_MAX_CELLS or _past(deadline):
+    if len(inst.lengths) * len(inst.sizes) > MEMORY_PACKING_MAX_CELLS or _past(deadline):
         return 0.0
+    times = inst.times_np
     lengths = np.asarray(inst.lengths, dtype=np.float64)
     sizes = np.asarray(inst.sizes, dtype=np.float64)
     cols = np.arange(len(inst.sizes))

@@ -514,13 +514,24 @@ def schedule_microbatch(
         best = attempt(limit)
         if best is None:
             return None
-    factors = (1.0, 1.02, 1.06, 1.15, 1.4, *(1.4 * 1.5**k for k in range(1, 40)))
+    factors: tuple[float, ...] = (1.0, 1.02, 1.06, 1.15, 1.4, *(1.4 * 1.5**k for k in range(1, 40)))
+    check_after = MEMORY_CHECK_AFTER
+    if len(ids) > 1024 and floor > inst.best[ids[0]]:
+        # Thousands of sequences under a work floor (16,384 GPUs: 65k-131k per micro-batch,
+        # each build 0.1-0.3 s). Meeting the floor exactly needs every rank at the average load
+        # with every sequence at its cheapest size, which a greedy walk does not do, and the
+        # bisection would next try the midpoint ``1 + rel_tol``: start there (the same plan
+        # whenever the floor itself fails). A step at 1.10 too, tried before the memory check:
+        # a bracket of 6% leaves two bisection builds where 1.06-1.15 leaves four, and a met
+        # target makes the check's build unnecessary.
+        factors = (1.0 + rel_tol, 1.02, 1.06, 1.10, *factors[3:])
+        check_after = MEMORY_CHECK_AFTER + 1
     # The memory check (``fits``) is one more full build, so it runs only once a few targets
     # near the floor failed: a target the builder meets with single ranks allowed already
     # shows the sequences fit, and most micro-batches are met within 6% of their floor.
     checked = best is not None
     for k, factor in enumerate(() if best is not None else factors):
-        if not checked and k == MEMORY_CHECK_AFTER:
+        if not checked and k == check_after:
             checked = True
             if not fits(1):
                 pool = next((d for d in _pool_sizes(inst) if fits(d)), 0)
@@ -545,6 +556,8 @@ def schedule_microbatch(
         # all four in one 64-rank group take 7.05 s. Retrying with larger minimum sizes (one
         # build rejects a size that cannot beat ``hi``) finds such schedules.
         for d in _wider_sizes(inst, best, hi):
+            if hi * (1.0 - rel_tol) < floor:
+                break  # no schedule beats the floor: the retry's target cannot be met
             got = attempt(hi * (1.0 - rel_tol), d)
             if got is not None:
                 hi, best = _bisect(

@@ -91,30 +91,37 @@ class Instance:
     ) -> Instance:
         sizes = sorted(sizes)
         arr = np.asarray(lengths, dtype=np.int64)
-        table = np.stack([cost.seq_ms(arr, d) for d in sizes], axis=1)  # n x |sizes|
+        # Every per-size number depends on the length alone, so the table is built once per
+        # distinct length and its rows shared (131k sequences of a 16,384-GPU batch have ~10x
+        # fewer distinct lengths; the full n x |sizes| table and its list copy took most of a
+        # second). ``times[i]`` rows are read-only everywhere.
+        uniq, inverse = np.unique(arr, return_inverse=True)
+        table = np.stack([cost.seq_ms(uniq, d) for d in sizes], axis=1)  # distinct x |sizes|
         caps = np.asarray([cost.capacity(d) for d in sizes], dtype=np.int64)
-        fits = arr[:, None] <= caps[None, :]
+        fits = uniq[:, None] <= caps[None, :]
         dmin = np.argmax(fits, axis=1)  # caller guarantees every sequence fits the largest size
         work = np.where(fits, table * np.asarray(sizes, dtype=np.float64)[None, :], np.inf)
         fixed = [float(cost.fixed_ms(d)) for d in sizes]
         best = np.where(fits, table + np.asarray(fixed)[None, :], np.inf).min(axis=1)
+        rows = table.tolist()
+        at = inverse.tolist()
         inst = cls(
             lengths=arr.tolist(),
             sizes=list(sizes),
             world_size=cluster.world_size,
             gpus_per_node=cluster.gpus_per_node,
             cap=int(cost.tokens_per_rank),
-            times=table.tolist(),
+            times=[rows[k] for k in at],
             fixed=fixed,
-            dmin=dmin.tolist(),
-            work_min=work.min(axis=1).tolist(),
-            best=best.tolist(),
+            dmin=dmin[inverse].tolist(),
+            work_min=work.min(axis=1)[inverse].tolist(),
+            best=best[inverse].tolist(),
             times_per_token_floor=[float(cost.seq_ms([1], d)[0]) for d in sizes],
             work_grows_with_size=_grows(work),
             buddy=all(d & (d - 1) == 0 and cluster.world_size % d == 0 for d in sizes),
         )
         # The numpy copies the whole-batch passes read (cached_property slots), already at hand.
-        inst.__dict__.update(lengths_np=arr, times_np=table)
+        inst.__dict__.update(lengths_np=arr, _distinct=(table, inverse))
         return inst
 
     @cached_property
@@ -130,29 +137,38 @@ class Instance:
         return np.asarray(self.best, dtype=np.float64)
 
     @cached_property
+    def _distinct(self) -> tuple[np.ndarray, np.ndarray]:
+        """(table per distinct row, row of each sequence): ``build`` sets it from the distinct
+        lengths; an instance made field by field has one row per sequence."""
+        table = np.asarray(self.times, dtype=np.float64).reshape(len(self.lengths), len(self.sizes))
+        return table, np.arange(len(self.lengths))
+
+    @cached_property
     def times_np(self) -> np.ndarray:
         """``times`` as an n x |sizes| array."""
-        return np.asarray(self.times, dtype=np.float64).reshape(len(self.lengths), len(self.sizes))
+        table, inverse = self._distinct
+        return table[inverse]
 
     @cached_property
     def no_cheaper_larger_np(self) -> np.ndarray:
         """n x |sizes|: no larger size costs sequence ``i`` fewer rank-ms than size ``j``."""
-        work = self.times_np * np.asarray(self.sizes, dtype=np.float64)[None, :]
-        larger = np.minimum.accumulate(work[:, ::-1], axis=1)[:, ::-1]  # min over sizes >= j
-        larger = np.concatenate([larger[:, 1:], np.full((len(work), 1), np.inf)], axis=1)
-        return work <= larger
+        table, inverse = self._distinct
+        return _no_cheaper_larger(table, self.sizes)[inverse]
 
     @cached_property
     def no_cheaper_larger_bits(self) -> list[int]:
         """``no_cheaper_larger_np`` per sequence as a bit mask (bit ``j``): what the group
         builder's inner loop reads (one int per sequence, not a row of booleans)."""
-        table = self.no_cheaper_larger_np
-        if table.shape[1] > 62:
+        table, inverse = self._distinct
+        mask = _no_cheaper_larger(table, self.sizes)
+        if mask.shape[1] > 62:
             # int64 holds 63 bits: Python ints from the packed rows (hundreds of legal sizes).
-            packed = np.packbits(table, axis=1, bitorder="little")
-            return [int.from_bytes(row.tobytes(), "little") for row in packed]
-        weights = np.left_shift(np.int64(1), np.arange(table.shape[1], dtype=np.int64))
-        return (table.astype(np.int64) @ weights).tolist()
+            packed = np.packbits(mask, axis=1, bitorder="little")
+            bits = [int.from_bytes(row.tobytes(), "little") for row in packed]
+        else:
+            weights = np.left_shift(np.int64(1), np.arange(mask.shape[1], dtype=np.int64))
+            bits = (mask.astype(np.int64) @ weights).tolist()
+        return [bits[k] for k in inverse.tolist()]
 
     def longest_first(self, seq_ids: Sequence[int] | None = None) -> list[int]:
         """Sequence indices longest first, ties by index: the order every builder walks."""
@@ -188,6 +204,14 @@ class Instance:
             best = self.best
             longest = max(best[i] for i in seq_ids)
         return max(work / self.world_size + self.min_fixed, longest)
+
+
+def _no_cheaper_larger(times: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
+    """Per row and size ``j``: no larger size costs that row fewer rank-ms than ``j``."""
+    work = times * np.asarray(sizes, dtype=np.float64)[None, :]
+    larger = np.minimum.accumulate(work[:, ::-1], axis=1)[:, ::-1]  # min over sizes >= j
+    larger = np.concatenate([larger[:, 1:], np.full((len(work), 1), np.inf)], axis=1)
+    return work <= larger
 
 
 def _grows(work: np.ndarray) -> bool:
