@@ -23,6 +23,11 @@ from megatron_hsp.planner.topology import Cluster
 
 
 def _instances(seed: int, count: int):
+    for inst, _cost in _priced_instances(seed, count):
+        yield inst
+
+
+def _priced_instances(seed: int, count: int):
     """Random batches on both cost-model families: rank-ms growing with size (first fit) and
     not (the builder compares sizes by cost), with many equal lengths (ties in load)."""
     rng = np.random.default_rng(seed)
@@ -48,7 +53,7 @@ def _instances(seed: int, count: int):
         else:
             lengths = rng.choice([100, 500, 1000, 4096], n)
         lengths = np.clip(lengths.astype(int), 1, cost.max_trainable_length(sizes))
-        yield Instance.build(lengths.tolist(), cost, cluster, sizes)
+        yield Instance.build(lengths.tolist(), cost, cluster, sizes), cost
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -147,3 +152,26 @@ def test_single_ranks_take_the_free_ranks_first_fit_gives_them():
             assert fast == walk
             if fast is not None:
                 assert fast_used == walk_used
+
+
+def test_tables_built_per_distinct_length_equal_each_sequence_priced_alone():
+    """``Instance.build`` prices each distinct length once and shares the rows; every number
+    must be what pricing that sequence on its own gives (many repeated lengths included)."""
+    for inst, cost in _priced_instances(3, 4):
+        cost_sizes = inst.sizes
+        n = len(inst.lengths)
+        rng = np.random.default_rng(n)
+        assert len(set(inst.lengths)) < n  # rows are shared
+        for i in rng.choice(n, size=min(n, 200), replace=False).tolist():
+            ln = inst.lengths[i]
+            alone = [float(cost.seq_ms([ln], d)[0]) for d in cost_sizes]
+            assert inst.times[i] == pytest.approx(alone, rel=1e-12)
+            fit = [j for j, d in enumerate(cost_sizes) if ln <= cost.capacity(d)]
+            assert inst.dmin[i] == fit[0]
+            assert inst.work_min[i] == pytest.approx(
+                min(alone[j] * cost_sizes[j] for j in fit), rel=1e-12
+            )
+            assert inst.best[i] == pytest.approx(
+                min(alone[j] + inst.fixed[j] for j in fit), rel=1e-12
+            )
+        assert np.array_equal(inst.times_np, np.asarray(inst.times))
