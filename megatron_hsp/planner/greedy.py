@@ -41,7 +41,7 @@ def group_times(inst: Instance, groups: Sequence[GroupSpec]) -> list[tuple[int, 
     cols = np.asarray([index[d] for d, _ in full], dtype=np.int64)
     flat = np.fromiter(chain.from_iterable(ids for _, ids in full), np.int64, sum(counts))
     seg = np.repeat(np.arange(len(full)), counts)
-    sums = np.bincount(seg, weights=inst.times_np[flat, cols[seg]], minlength=len(full))
+    sums = np.bincount(seg, weights=inst.times_at(flat, cols[seg]), minlength=len(full))
     fixed = inst.fixed
     pairs = zip(full, sums.tolist(), cols.tolist(), strict=True)
     return [(d, t + fixed[j]) for (d, _), t, j in pairs]
@@ -439,13 +439,13 @@ def _catch_up(
     gap = second[0] - load0
     window = CATCH_UP_WINDOW if first <= 0 else min(CATCH_UP_WINDOW, int(2 * gap / first) + 8)
     ids = seq_ids[pos : pos + window]
-    after = np.add.accumulate(np.concatenate([[load0], inst.times_np[ids, j]]))
+    after = np.add.accumulate(np.concatenate([[load0], inst.times_at(ids, j)]))
     before, after = after[:-1], after[1:]
     tokens = groups.tokens[g0] + np.cumsum(inst.lengths_np[ids])
     ok = (before < second[0]) | ((before == second[0]) & (g0 < second[1]))
     ok &= (after <= room_ms) & (tokens <= room_tokens)
     if by_cost:
-        ok &= inst.no_cheaper_larger_np[ids, j]
+        ok &= inst.no_cheaper_larger_at(ids, j)
     took = len(ok) if ok.all() else int(np.argmin(ok))
     if took:
         groups.load[g0] = float(after[took - 1])

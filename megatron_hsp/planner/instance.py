@@ -149,18 +149,31 @@ class Instance:
         table, inverse = self._distinct
         return table[inverse]
 
+    def times_at(self, ids: np.ndarray, cols: np.ndarray | int) -> np.ndarray:
+        """``times[i][j]`` for index arrays (broadcast together), read from the distinct rows:
+        the bulk passes need a few thousand entries, not the n x |sizes| array."""
+        table, inverse = self._distinct
+        return table[inverse[ids], cols]
+
+    @cached_property
+    def _no_cheaper_distinct(self) -> np.ndarray:
+        return _no_cheaper_larger(self._distinct[0], self.sizes)
+
     @cached_property
     def no_cheaper_larger_np(self) -> np.ndarray:
         """n x |sizes|: no larger size costs sequence ``i`` fewer rank-ms than size ``j``."""
-        table, inverse = self._distinct
-        return _no_cheaper_larger(table, self.sizes)[inverse]
+        return self._no_cheaper_distinct[self._distinct[1]]
+
+    def no_cheaper_larger_at(self, ids: np.ndarray, j: int) -> np.ndarray:
+        """``no_cheaper_larger_np[ids, j]`` without building the whole table."""
+        return self._no_cheaper_distinct[self._distinct[1][ids], j]
 
     @cached_property
     def no_cheaper_larger_bits(self) -> list[int]:
         """``no_cheaper_larger_np`` per sequence as a bit mask (bit ``j``): what the group
         builder's inner loop reads (one int per sequence, not a row of booleans)."""
-        table, inverse = self._distinct
-        mask = _no_cheaper_larger(table, self.sizes)
+        inverse = self._distinct[1]
+        mask = self._no_cheaper_distinct
         if mask.shape[1] > 62:
             # int64 holds 63 bits: Python ints from the packed rows (hundreds of legal sizes).
             packed = np.packbits(mask, axis=1, bitorder="little")
