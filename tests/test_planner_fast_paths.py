@@ -175,3 +175,37 @@ def test_tables_built_per_distinct_length_equal_each_sequence_priced_alone():
                 min(alone[j] + inst.fixed[j] for j in fit), rel=1e-12
             )
         assert np.array_equal(inst.times_np, np.asarray(inst.times))
+
+
+@pytest.mark.parametrize("hint", [None, 1.0005, 1.03, 1.2])
+def test_large_microbatch_bracket_ends_within_tolerance_of_a_failed_target(monkeypatch, hint):
+    """Micro-batches of thousands of sequences start their bracket at ``1 + rel_tol`` or at a
+    hint (the previous chunk's ratio) and step down from a met hint; whatever the path, the
+    answer is a met target within ``rel_tol`` of one the builder failed (or of the floor)."""
+    cost = load_cost_model("llama3-8b-h100", world_size=256)
+    cluster = Cluster(256, 8)
+    sizes = planning_sizes(resolve_sizes(cost, cluster, None), 8)
+    rng = np.random.default_rng(7)
+    lengths = np.clip(rng.lognormal(6.0, 1.2, 6000).astype(int), 1, 60_000)
+    lengths = lengths[np.cumsum(lengths) <= 0.6 * 256 * cost.tokens_per_rank]  # one micro-batch
+    assert len(lengths) > 1024
+    inst = Instance.build(lengths.tolist(), cost, cluster, sizes)
+    ids = inst.longest_first()
+    floor = inst.microbatch_floor(ids)
+    tried: list[tuple[float, bool]] = []
+    build = greedy.build_groups
+
+    def traced(inst, seq_ids, target, ranks=None, min_size=1):
+        got = build(inst, seq_ids, target, ranks=ranks, min_size=min_size)
+        tried.append((target, got is not None))
+        return got
+
+    monkeypatch.setattr(greedy, "build_groups", traced)
+    hi, groups = greedy.schedule_microbatch(inst, ids, cluster, hint=hint)
+    assert hi == pytest.approx(greedy.groups_makespan(inst, groups))
+    assert any(ok and t >= hi * (1 - 1e-12) for t, ok in tried)  # a met target gave it
+    failed = [t for t, ok in tried if not ok and math.isfinite(t)]
+    assert max([floor, *failed]) >= hi * (1 - 1e-2) - 1e-9  # bracket within rel_tol (1%)
+    assert floor < tried[0][0]  # the floor itself is not tried above 1024 sequences
+    if hint is not None and hint > 1.01:
+        assert tried[0][0] == pytest.approx(floor * hint)

@@ -468,12 +468,15 @@ def schedule_microbatch(
     cluster: Cluster,
     rel_tol: float | None = None,
     limit: float | None = None,
+    hint: float | None = None,
 ) -> tuple[float, list[GroupSpec]] | None:
     """Smallest target makespan the builder meets (bisection), with its placeable groups.
 
     Returns None when no target works (the sequences do not fit the ranks' memory together) or,
     given ``limit``, when the builder cannot finish by ``limit`` (one build call: cheap rejects
     for local search; no pooled memory there, so a move that would need it is rejected).
+    ``hint``: the makespan / floor ratio a similar micro-batch reached (the previous chunk of
+    the same batch); micro-batches of thousands of sequences try it first (below).
     """
     ids = inst.longest_first(seq_ids)
     if not ids:
@@ -526,6 +529,15 @@ def schedule_microbatch(
         # target makes the check's build unnecessary.
         factors = (1.0 + rel_tol, 1.02, 1.06, 1.10, *factors[3:])
         check_after = MEMORY_CHECK_AFTER + 1
+        if hint is not None and hint > 1.0 + rel_tol and best is None:
+            # Chunks of one batch land at similar ratios to their floors (a 16,384-GPU batch's
+            # two micro-batches: 1.100 and 1.090): try the previous one's ratio, then, if met,
+            # half-tolerance steps below it, which bracket the answer in two to four builds
+            # where the ladder from 1 + rel_tol takes five or six. Still a bracket of a failed
+            # target and a met one, so the result is within ``rel_tol`` of a failure as before.
+            factors = (hint, *(f for f in factors if f > hint * (1.0 + rel_tol)))
+    else:
+        hint = None
     # The memory check (``fits``) is one more full build, so it runs only once a few targets
     # near the floor failed: a target the builder meets with single ranks allowed already
     # shows the sequences fit, and most micro-batches are met within 6% of their floor.
@@ -546,6 +558,17 @@ def schedule_microbatch(
     if best is None:
         return None
     hi = groups_makespan(inst, best)
+    # The hint was met at once: half-tolerance steps below it (at most three) until one fails,
+    # for the failure the bracket needs; each met step lowers ``hi`` as bisection would.
+    for _ in range(3 if hint is not None and failed == floor else 0):
+        target = hi / (1.0 + 0.5 * rel_tol)
+        if target <= floor:
+            break
+        below = attempt(target)
+        if below is None:
+            failed = target
+            break
+        best, hi = below, groups_makespan(inst, below)
     lo = min(failed, hi)
     hi, best = _bisect(inst, attempt, lo, hi, best, rel_tol)
     if limit is None:

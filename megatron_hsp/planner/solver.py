@@ -498,10 +498,12 @@ def _schedule_chunks(
         return None
     mbs: list[tuple[float, list[GroupSpec]]] = []
     done = 0.0
+    hint = None
     for b, chunk in enumerate(chunks):
-        got = schedule_microbatch(inst, chunk, cluster)
+        got = schedule_microbatch(inst, chunk, cluster, hint=hint)
         if got is None:
             return None
+        hint = got[0] / floors[b] if floors[b] > 0 else None
         mbs.append(got)
         done += got[0]
         if done + sum(floors[b + 1 :]) >= cutoff:
