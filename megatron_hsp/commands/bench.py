@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods",
         default=",".join(DEFAULT_METHODS),
-        help="comma-separated: hsp, static-best, static-N, batchada, dp-balanced, dp-balanced-N, "
-        "megatron-dcp, lower-bound "
+        help="comma-separated: hsp, static-best, static-N, batchada, flexsp-style (FlexSP's "
+        "planner emulated on our solver), dp-balanced, dp-balanced-N, megatron-dcp, lower-bound "
         "(lower-bound is added whenever hsp runs)",
     )
     parser.add_argument(

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method",
         default="hsp",
-        help="hsp (default), static-N, batchada, dp-balanced-N or megatron-dcp",
+        help="hsp (default), static-N, batchada, flexsp-style, dp-balanced-N or megatron-dcp",
     )
     parser.add_argument("--json", action="store_true", help="print the Plan as JSON")
     parser.add_argument(
@@ -59,6 +59,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
         from megatron_hsp.planner.baselines import batchada_plan
 
         plan = batchada_plan(lengths, cost, cluster, setup.sizes)
+    elif method == "flexsp-style":
+        from megatron_hsp.planner.baselines import flexsp_style_plan
+
+        base = setup.settings(args).solver_config()
+        plan = flexsp_style_plan(lengths, cost, cluster, base, setup.sizes)
     elif method.startswith("static-") and method != "static-best":
         from megatron_hsp.planner.baselines import static_plan
 
