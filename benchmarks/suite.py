@@ -18,6 +18,9 @@ reported unchanged on the others (wikipedia, code-heavy-tail, web-crawl, lognorm
 power-of-two groups >= 2, token-balanced contiguous chunking, no local search), priced by the
 same cost model with the runtime's executable Ulysses x ring split; not FlexSP's code.
 
+"vs megatron-dcp-dev" is Megatron-LM dev's ``DefaultDynamicCPScheduler`` run from the checkout
+named by ``$MEGATRON_HSP_DEV_CHECKOUT`` (add ``megatron-dcp-dev`` to ``--methods``; n/a otherwise).
+
 The Megatron columns come from ``bench`` (CP groups priced by the same rule as hsp's ring groups);
 the two "ring hidden" columns re-price the same batches with Megatron's ring traffic free
 (``RingAssumptions("fully-hidden")``, the bound most favourable to Megatron,
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     columns = (
         "distribution | hsp total | vs static-best | vs batchada | vs flexsp-style | "
-        "vs dp-balanced | vs megatron-dcp | vs dp-balanced, ring hidden | "
+        "vs dp-balanced | vs megatron-dcp | vs megatron-dcp-dev | vs dp-balanced, ring hidden | "
         "vs megatron-dcp, ring hidden | gap to LB | gap to combinatorial LB | "
         "gap to LP LB (converged) | LP master vs combinatorial | solve p50/p99 ms | valid"
     )
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"| {name} | {tot.get('hsp', float('nan')):.1f}s | {sp('static-best')} | "
                 f"{sp('batchada')} | {sp('flexsp-style')} | {sp('dp-balanced')} | "
-                f"{sp('megatron-dcp')} | {hidden} | "
+                f"{sp('megatron-dcp')} | {sp('megatron-dcp-dev')} | {hidden} | "
                 f"{'n/a' if gap is None else f'{gap:.1%}'} | {gaps} | "
                 f"{s['solve_ms_p50']:.0f} / {s['solve_ms_p99']:.0f} | "
                 f"{str(s['all_plans_valid']).lower()} |",

@@ -462,6 +462,21 @@ def memory_model_for(plan: Plan, cost: CostModel) -> CostModel | PerSequenceMemo
     return PerSequenceMemory(cost) if plan.extra.get("execution") == SEQUENTIAL else cost
 
 
+def cp_groups_of_microbatch(
+    sample_ids_per_gpu: Sequence[Sequence[int]],
+) -> list[tuple[int, list[int]]]:
+    """(size, sample ids) per group of one Megatron scheduler micro-batch (its per-rank lists of
+    sample ids): ranks holding the same sample form one CP group."""
+    members: dict[int, set[int]] = {}
+    for rank, ids in enumerate(sample_ids_per_gpu):
+        for sid in ids:
+            members.setdefault(int(sid), set()).add(rank)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for sid, ranks in members.items():
+        groups.setdefault(tuple(sorted(ranks)), []).append(sid)
+    return [(len(r), ids) for r, ids in sorted(groups.items())]
+
+
 def ring_plan_from_layout(
     lengths: Sequence[int] | np.ndarray,
     cost: CostModel,

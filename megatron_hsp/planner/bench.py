@@ -4,7 +4,8 @@ Methods: ``hsp`` (our solver), ``static-N``, ``static-best`` (hindsight), ``batc
 ``flexsp-style`` (FlexSP's planner emulated on our solver, ``baselines.flexsp_style_config``),
 ``dp-balanced-N`` / ``dp-balanced`` (Megatron's packing scheduler; hindsight CP size) and
 ``lower-bound``; callers may add more (``megatron-hsp bench`` adds ``megatron-dcp``, which needs
-torch and therefore is injected from outside ``planner/``). Every plan is checked with
+torch, and ``megatron-dcp-dev``, which runs a Megatron-LM checkout's code, so both are injected
+from outside ``planner/``). Every plan is checked with
 ``Plan.validate(lengths, cost, world_size)``; speedups are ratios of summed estimated step
 times over the same batches (baseline / hsp), as docs/design.md section 3 defines.
 
@@ -115,6 +116,7 @@ def parse_methods(text: str | Sequence[str]) -> list[str]:
         "batchada",
         "flexsp-style",
         "megatron-dcp",
+        "megatron-dcp-dev",
         "dp-balanced",
         "lower-bound",
     }
@@ -122,8 +124,8 @@ def parse_methods(text: str | Sequence[str]) -> list[str]:
     if bad or not names:
         raise InputError(
             f"--methods: unknown {bad or 'empty list'}; choose from hsp, static-best, static-N "
-            "(e.g. static-64), batchada, flexsp-style, megatron-dcp, dp-balanced, dp-balanced-N, "
-            "lower-bound"
+            "(e.g. static-64), batchada, flexsp-style, megatron-dcp, megatron-dcp-dev, "
+            "dp-balanced, dp-balanced-N, lower-bound"
         )
     return list(dict.fromkeys(names))
 
@@ -448,6 +450,7 @@ def summarize(results: Mapping[str, MethodResult], planner_rss_mb: float) -> dic
         "speedup_vs_batchada": speedup("batchada"),
         "speedup_vs_flexsp_style": speedup("flexsp-style"),
         "speedup_vs_megatron_dcp": speedup("megatron-dcp"),
+        "speedup_vs_megatron_dcp_dev": speedup("megatron-dcp-dev"),
         "speedup_vs_dp_balanced": speedup("dp-balanced"),
         "gap_to_lower_bound": (
             hsp_total / total["lower-bound"] - 1.0
