@@ -19,6 +19,7 @@ from megatron_hsp.megatron.dcp_dev_baseline import (
     CHECKOUT_ENV,
     SCHEDULE,
     UTILS,
+    load_dev_dp_balanced,
     load_dev_scheduler,
     megatron_dcp_dev_plan,
 )
@@ -117,6 +118,9 @@ def test_refuses_without_a_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         InputError, match=r"no DefaultDynamicCPScheduler\.get_groups_and_subsamples"
     ):
         load_dev_scheduler(_checkout(tmp_path, schedule=no_method))
+    # The dp_balanced check's loader names its own user and remedy.
+    with pytest.raises(InputError, match=r"dp_balanced_source_check: .* no DpBalancedScheduler"):
+        load_dev_dp_balanced(_checkout(tmp_path))
 
 
 def test_bench_runs_it_from_the_env_checkout_or_exits_2(

@@ -49,6 +49,7 @@ CHECKOUT_ENV = "MEGATRON_HSP_DEV_CHECKOUT"
 UTILS = Path("megatron/core/datasets/data_schedule_utils.py")
 SCHEDULE = Path("megatron/core/datasets/data_schedule.py")
 SCHEDULER_CLASS = "DefaultDynamicCPScheduler"
+DP_BALANCED_CLASS = "DpBalancedScheduler"
 SCHEDULER_METHOD = "get_groups_and_subsamples"
 # What get_groups_and_subsamples calls (and they call), from data_schedule_utils.py.
 SCHEDULER_NAMES = (
@@ -61,11 +62,19 @@ SCHEDULER_NAMES = (
 Schedule = Callable[[list[tuple[int, int]], int, int], list[list[list[int]]]]
 
 
-def _refuse(why: str) -> InputError:
+# Who asks for each class, and what they can do instead of giving a checkout.
+USERS = {
+    SCHEDULER_CLASS: ("megatron-dcp-dev", "leave megatron-dcp-dev out of --methods"),
+    DP_BALANCED_CLASS: ("dp_balanced_source_check", "pass --checkout DIR"),
+}
+
+
+def _refuse(cls: str, why: str) -> InputError:
+    who, instead = USERS[cls]
     return InputError(
-        f"megatron-dcp-dev: {why}; set {CHECKOUT_ENV} to a Megatron-LM checkout of the dev branch "
+        f"{who}: {why}; set {CHECKOUT_ENV} to a Megatron-LM checkout of the dev branch "
         "(d48bd6be0a85 or newer, e.g. `git clone -b dev https://github.com/NVIDIA/Megatron-LM`) "
-        "or leave megatron-dcp-dev out of --methods"
+        f"or {instead}"
     )
 
 
@@ -84,7 +93,7 @@ def _stdlib_imports(tree: ast.Module) -> list[ast.stmt]:
     return out
 
 
-def _definitions(tree: ast.Module, names: Sequence[str], path: Path) -> list[ast.stmt]:
+def _definitions(tree: ast.Module, names: Sequence[str], path: Path, cls: str) -> list[ast.stmt]:
     """Top-level functions and assignments named ``names`` in ``tree``, refusing missing ones."""
     found: dict[str, ast.stmt] = {}
     for node in tree.body:
@@ -97,7 +106,7 @@ def _definitions(tree: ast.Module, names: Sequence[str], path: Path) -> list[ast
                     found[t.id] = node
     missing = [n for n in names if n not in found]
     if missing:
-        raise _refuse(f"{path} defines no {', '.join(missing)}")
+        raise _refuse(cls, f"{path} defines no {', '.join(missing)}")
     return [found[n] for n in names]
 
 
@@ -107,7 +116,37 @@ def _method(tree: ast.Module, cls: str, name: str, path: Path) -> ast.FunctionDe
             for item in node.body:
                 if isinstance(item, ast.FunctionDef) and item.name == name:
                     return item
-    raise _refuse(f"{path} has no {cls}.{name}")
+    raise _refuse(cls, f"{path} has no {cls}.{name}")
+
+
+def _checkout_method(
+    checkout: str | os.PathLike[str] | None, cls: str, utils_names: Sequence[str]
+) -> Callable[..., list[list[list[int]]]]:
+    """``cls.get_groups_and_subsamples`` of ``data_schedule.py`` in ``checkout`` (default:
+    ``$CHECKOUT_ENV``), with ``utils_names`` from ``data_schedule_utils.py``, executed from the
+    source with the two modules' standard-library imports only (module docstring)."""
+    root_text = os.fspath(checkout) if checkout is not None else os.environ.get(CHECKOUT_ENV)
+    if not root_text:
+        raise _refuse(cls, f"{CHECKOUT_ENV} is not set")
+    root = Path(root_text)
+    sources = {}
+    for rel in (UTILS, SCHEDULE):
+        path = root / rel
+        if not path.is_file():
+            raise _refuse(cls, f"{path} does not exist")
+        sources[rel] = (path, ast.parse(path.read_text(), filename=str(path)))
+    utils_path, utils_tree = sources[UTILS]
+    sched_path, sched_tree = sources[SCHEDULE]
+    body = [
+        *_stdlib_imports(utils_tree),
+        *_stdlib_imports(sched_tree),
+        *_definitions(utils_tree, utils_names, utils_path, cls),
+        _method(sched_tree, cls, SCHEDULER_METHOD, sched_path),
+    ]
+    module = ast.Module(body=body, type_ignores=[])
+    namespace: dict[str, object] = {"__name__": "megatron_hsp_dev_schedulers"}
+    exec(compile(module, f"{root}/<{cls} from {SCHEDULE}>", "exec"), namespace)
+    return namespace[SCHEDULER_METHOD]  # type: ignore[return-value]
 
 
 def load_dev_scheduler(checkout: str | os.PathLike[str] | None = None) -> Schedule:
@@ -116,28 +155,7 @@ def load_dev_scheduler(checkout: str | os.PathLike[str] | None = None) -> Schedu
     Returns ``schedule(sample_id_seqlens, total_gpus, max_seq_len_per_rank)``: its
     ``sample_id_groups`` (per micro-batch, per DPxCP rank, the sample ids on that rank).
     """
-    root_text = os.fspath(checkout) if checkout is not None else os.environ.get(CHECKOUT_ENV)
-    if not root_text:
-        raise _refuse(f"{CHECKOUT_ENV} is not set")
-    root = Path(root_text)
-    sources = {}
-    for rel in (UTILS, SCHEDULE):
-        path = root / rel
-        if not path.is_file():
-            raise _refuse(f"{path} does not exist")
-        sources[rel] = (path, ast.parse(path.read_text(), filename=str(path)))
-    utils_path, utils_tree = sources[UTILS]
-    sched_path, sched_tree = sources[SCHEDULE]
-    body = [
-        *_stdlib_imports(utils_tree),
-        *_stdlib_imports(sched_tree),
-        *_definitions(utils_tree, SCHEDULER_NAMES, utils_path),
-        _method(sched_tree, SCHEDULER_CLASS, SCHEDULER_METHOD, sched_path),
-    ]
-    module = ast.Module(body=body, type_ignores=[])
-    namespace: dict[str, object] = {"__name__": "megatron_hsp_dev_dynamic_cp"}
-    exec(compile(module, f"{root}/<{SCHEDULER_CLASS} from {SCHEDULE}>", "exec"), namespace)
-    method = namespace[SCHEDULER_METHOD]
+    method = _checkout_method(checkout, SCHEDULER_CLASS, SCHEDULER_NAMES)
 
     def schedule(
         sample_id_seqlens: list[tuple[int, int]], total_gpus: int, max_seq_len_per_rank: int
@@ -150,7 +168,33 @@ def load_dev_scheduler(checkout: str | os.PathLike[str] | None = None) -> Schedu
             total_hdp_gpus=total_gpus,
             microbatch_group_size_per_vp_stage=None,
         )
-        return method(self, sample_id_seqlens)  # type: ignore[operator]
+        return method(self, sample_id_seqlens)
+
+    return schedule
+
+
+def load_dev_dp_balanced(
+    checkout: str | os.PathLike[str] | None = None,
+) -> Callable[[list[tuple[int, int]], int, int, int], list[list[list[int]]]]:
+    """``DpBalancedScheduler``'s grouping from ``checkout``, to check ``dp-balanced``'s port
+    against (``benchmarks/dp_balanced_source_check.py``).
+
+    Returns ``schedule(sample_id_seqlens, dp, cp, max_seqlen_per_dp_cp_rank)``.
+    """
+    method = _checkout_method(checkout, DP_BALANCED_CLASS, ())
+
+    def schedule(
+        sample_id_seqlens: list[tuple[int, int]], dp: int, cp: int, max_seqlen_per_rank: int
+    ) -> list[list[list[int]]]:
+        # The attributes DpBalancedScheduler.__init__ (and its base) set and this method reads.
+        self = types.SimpleNamespace(
+            max_seq_len_all_ranks=max_seqlen_per_rank * cp,
+            max_num_seqs=None,
+            dp_size=dp,
+            cp_size=cp,
+            microbatch_group_size_per_vp_stage=None,
+        )
+        return method(self, sample_id_seqlens)
 
     return schedule
 
