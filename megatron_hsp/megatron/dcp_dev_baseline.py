@@ -15,6 +15,8 @@ module takes, unchanged, the definitions it needs (``SCHEDULER_NAMES`` from
 ``data_schedule.py``), executes them with their module's standard-library imports only, and
 calls the method on a stand-in ``self`` carrying the four attributes it reads. A checkout whose
 files lack one of those names is refused by name (an older or newer layout needs a new look).
+``load_dev_dp_balanced`` loads ``DpBalancedScheduler.get_groups_and_subsamples`` the same way,
+for ``benchmarks/dp_balanced_source_check.py`` to compare ``dp-balanced``'s port against.
 
 Execution and pricing, as dev runs it: ``build_packed_microbatches`` packs each rank's
 sub-samples of a scheduler group into one THD sequence (one forward/backward per group, unlike

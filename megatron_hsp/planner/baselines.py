@@ -306,7 +306,7 @@ def static_best_degree(
 
 
 # ---------------------------------------------------------------------- FlexSP, emulated
-# FlexSP's search space (Wang et al., ASPLOS '25; Galvatron's flexsp branch): power-of-two SP
+# FlexSP's search space (arXiv 2412.01523; Galvatron's flexsp branch): power-of-two SP
 # groups of at least 2 ranks (every sequence pays an all-to-all), micro-batches chunked
 # contiguously by tokens, one MILP per micro-batch and nothing that moves sequences between
 # micro-batches afterwards.
