@@ -54,6 +54,10 @@ def commands(out: Path) -> dict[str, list[str]]:
         ],
         "pipeline_order": [py, str(HERE / "pipeline_order.py")],
         # Needs a FlexSP checkout (--galvatron / $HSP_GALVATRON) and pyscipopt; says so if absent.
+        # Needs a Megatron-LM dev checkout ($MEGATRON_HSP_DEV_CHECKOUT); says so if absent.
+        "dp_balanced_source_check": [
+            py, str(HERE / "dp_balanced_source_check.py"), "--steps", "1", "--skip-if-missing",
+        ],
         "flexsp_solver_compare": [
             py, str(HERE / "flexsp_solver_compare.py"), "--iters", "1", "--distributions",
             "web-crawl", "--skip-if-missing",

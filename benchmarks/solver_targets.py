@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_hsp.planner.baselines import flexsp_style_config
 from megatron_hsp.planner.costmodel import CostModel, flexsp_cost_model, load_cost_model
 from megatron_hsp.planner.solver import SolverConfig, solve
 from megatron_hsp.planner.topology import Cluster
@@ -109,20 +110,6 @@ def run_plans(batch_list, cost, cluster, config):
 
 def pct(xs, q):
     return float(np.percentile(np.asarray(xs), q))
-
-
-def flexsp_style(cluster: Cluster, cost: CostModel, budget: float) -> SolverConfig:
-    """Our solver restricted to FlexSP's choices: token-balanced contiguous chunking, group
-    sizes >= 2, no local search. An emulation (our MILP, not FlexSP's code or SCIP), to show
-    where the gain comes from on data FlexSP's published numbers do not cover."""
-    sizes = tuple(d for d in cluster.power_of_two_sizes() if d >= 2 and d in cost.sizes)
-    return SolverConfig(
-        time_budget_s=budget,
-        sizes=sizes,
-        chunkings=("contiguous-tokens",),
-        improve_evals=0,
-        milp_min_gap=0.0,
-    )
 
 
 def summarise(plans) -> dict[str, float]:
@@ -318,7 +305,7 @@ def main() -> int:
         cost = flexsp_cost_model("flexsp-gpt-7b", 64, 192, cap, as_published=True)
         plans = run_plans(b10, cost, cluster, config)
         s = summarise(plans)
-        emu = summarise(run_plans(b10, cost, cluster, flexsp_style(cluster, cost, args.budget)))
+        emu = summarise(run_plans(b10, cost, cluster, flexsp_style_config(cost, cluster, config)))
         table = static_table(b10, cost, cluster)
         best, ada = static_best_and_batchada(table)
         s64 = sum(table[64]) / 1e3
@@ -360,7 +347,7 @@ def main() -> int:
                 all_cpu.extend(p.extra["cpu_ms"] for p in plans)
                 s = summarise(plans)
                 emu = summarise(
-                    run_plans(bl, cost, cluster, flexsp_style(cluster, cost, args.budget))
+                    run_plans(bl, cost, cluster, flexsp_style_config(cost, cluster, config))
                 )
                 best, ada = static_best_and_batchada(static_table(bl, cost, cluster))
                 tot = s["total_s"]

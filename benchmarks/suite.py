@@ -14,6 +14,13 @@ reported unchanged on the others (wikipedia, code-heavy-tail, web-crawl, lognorm
 
     PYTHONPATH=. python benchmarks/suite.py --steps 5 [--gpus 64] [--global-batch 512]
 
+"vs flexsp-style" is FlexSP's planner *emulated* on our MILP (``baselines.flexsp_style_config``:
+power-of-two groups >= 2, token-balanced contiguous chunking, no local search), priced by the
+same cost model with the runtime's executable Ulysses x ring split; not FlexSP's code.
+
+"vs megatron-dcp-dev" is Megatron-LM dev's ``DefaultDynamicCPScheduler`` run from the checkout
+named by ``$MEGATRON_HSP_DEV_CHECKOUT`` (add ``megatron-dcp-dev`` to ``--methods``; n/a otherwise).
+
 The Megatron columns come from ``bench`` (CP groups priced by the same rule as hsp's ring groups);
 the two "ring hidden" columns re-price the same batches with Megatron's ring traffic free
 (``RingAssumptions("fully-hidden")``, the bound most favourable to Megatron,
@@ -98,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seq", type=int, default=192_000)
     ap.add_argument("--cost-model", default="flexsp-gpt-7b")
     ap.add_argument(
-        "--methods", default="hsp,static-best,batchada,dp-balanced,megatron-dcp,lower-bound"
+        "--methods",
+        default="hsp,static-best,batchada,flexsp-style,dp-balanced,megatron-dcp,lower-bound",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -129,12 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.cost_model}, {args.gpus} GPUs, max-seq {args.max_seq}, GBS {args.global_batch}, "
         f"{args.steps} batches, methods {args.methods}\n"
     )
-    print(
-        "| distribution | hsp total | vs static-best | vs batchada | vs dp-balanced | "
-        "vs megatron-dcp | vs dp-balanced, ring hidden | vs megatron-dcp, ring hidden | "
-        "gap to LB | gap to combinatorial LB | gap to LP LB (converged) | "
-        "LP master vs combinatorial | solve p50/p99 ms | valid |\n|" + "---|" * 14
+    columns = (
+        "distribution | hsp total | vs static-best | vs batchada | vs flexsp-style | "
+        "vs dp-balanced | vs megatron-dcp | vs megatron-dcp-dev | vs dp-balanced, ring hidden | "
+        "vs megatron-dcp, ring hidden | gap to LB | gap to combinatorial LB | "
+        "gap to LP LB (converged) | LP master vs combinatorial | solve p50/p99 ms | valid"
     )
+    print(f"| {columns} |\n|" + "---|" * (columns.count("|") + 1))
     with tempfile.TemporaryDirectory() as tmp:
         for name in DISTRIBUTIONS:
             if name == "wikipedia":
@@ -180,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(
                 f"| {name} | {tot.get('hsp', float('nan')):.1f}s | {sp('static-best')} | "
-                f"{sp('batchada')} | {sp('dp-balanced')} | {sp('megatron-dcp')} | {hidden} | "
+                f"{sp('batchada')} | {sp('flexsp-style')} | {sp('dp-balanced')} | "
+                f"{sp('megatron-dcp')} | {sp('megatron-dcp-dev')} | {hidden} | "
                 f"{'n/a' if gap is None else f'{gap:.1%}'} | {gaps} | "
                 f"{s['solve_ms_p50']:.0f} / {s['solve_ms_p99']:.0f} | "
                 f"{str(s['all_plans_valid']).lower()} |",

@@ -93,8 +93,8 @@ def test_every_baseline_plan_in_bench_is_executable() -> None:
         lens = np.concatenate([rng.integers(500, 20_000, size=60), [300_000, 120_000]])
         batches.append(GlobalBatch(step, lens.astype(np.int64), np.arange(lens.size)))
     methods = [
-        "hsp", "static-best", "static-64", "batchada", "dp-balanced", "dp-balanced-64",
-        "megatron-dcp",
+        "hsp", "static-best", "static-64", "batchada", "flexsp-style", "dp-balanced",
+        "dp-balanced-64", "megatron-dcp",
     ]  # fmt: skip
     out = run_bench(
         batches,

@@ -29,8 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods",
         default=",".join(DEFAULT_METHODS),
-        help="comma-separated: hsp, static-best, static-N, batchada, dp-balanced, dp-balanced-N, "
-        "megatron-dcp, lower-bound "
+        help="comma-separated: hsp, static-best, static-N, batchada, flexsp-style (FlexSP's "
+        "planner emulated on our solver), dp-balanced, dp-balanced-N, megatron-dcp, "
+        "megatron-dcp-dev (dev's DefaultDynamicCPScheduler from the Megatron-LM checkout named by "
+        "$MEGATRON_HSP_DEV_CHECKOUT), lower-bound "
         "(lower-bound is added whenever hsp runs)",
     )
     parser.add_argument(
@@ -54,6 +56,14 @@ def _megatron_dcp(setup) -> PlanFn:
     return lambda lengths: megatron_dcp_plan(lengths, setup.cost, setup.cluster)
 
 
+def _megatron_dcp_dev(setup) -> PlanFn:
+    # Reads the checkout named by $MEGATRON_HSP_DEV_CHECKOUT; refuses (exit 2) without one.
+    from megatron_hsp.megatron.dcp_dev_baseline import load_dev_scheduler, megatron_dcp_dev_plan
+
+    schedule = load_dev_scheduler()
+    return lambda lengths: megatron_dcp_dev_plan(lengths, setup.cost, setup.cluster, schedule)
+
+
 def run_from_args(
     args: argparse.Namespace,
     hsp_plans: list[Plan] | None = None,
@@ -75,7 +85,10 @@ def run_from_args(
         hsp=setup.settings(args),
         pipeline=setup.pipeline,
         sizes=setup.sizes,
-        extra_methods={"megatron-dcp": lambda: _megatron_dcp(setup)},
+        extra_methods={
+            "megatron-dcp": lambda: _megatron_dcp(setup),
+            "megatron-dcp-dev": lambda: _megatron_dcp_dev(setup),
+        },
         plans_sink={"hsp": hsp_plans} if hsp_plans is not None else None,
         progress=(lambda m: print(f"bench: running {m} ...", file=sys.stderr))
         if not args.json

@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method",
         default="hsp",
-        help="hsp (default), static-N, batchada, dp-balanced-N or megatron-dcp",
+        help="hsp (default), static-N, batchada, flexsp-style, dp-balanced-N, megatron-dcp or "
+        "megatron-dcp-dev (needs $MEGATRON_HSP_DEV_CHECKOUT)",
     )
     parser.add_argument("--json", action="store_true", help="print the Plan as JSON")
     parser.add_argument(
@@ -55,10 +56,19 @@ def make_plan(args: argparse.Namespace) -> Plan:
         from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
 
         plan = megatron_dcp_plan(lengths, cost, cluster)
+    elif method == "megatron-dcp-dev":
+        from megatron_hsp.megatron.dcp_dev_baseline import load_dev_scheduler, megatron_dcp_dev_plan
+
+        plan = megatron_dcp_dev_plan(lengths, cost, cluster, load_dev_scheduler())
     elif method == "batchada":
         from megatron_hsp.planner.baselines import batchada_plan
 
         plan = batchada_plan(lengths, cost, cluster, setup.sizes)
+    elif method == "flexsp-style":
+        from megatron_hsp.planner.baselines import flexsp_style_plan
+
+        base = setup.settings(args).solver_config()
+        plan = flexsp_style_plan(lengths, cost, cluster, base, setup.sizes)
     elif method.startswith("static-") and method != "static-best":
         from megatron_hsp.planner.baselines import static_plan
 

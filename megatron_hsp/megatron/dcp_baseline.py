@@ -30,7 +30,11 @@ from collections.abc import Sequence
 import numpy as np
 from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
-from megatron_hsp.planner.baselines import RingAssumptions, ring_plan_from_layout
+from megatron_hsp.planner.baselines import (
+    RingAssumptions,
+    cp_groups_of_microbatch,
+    ring_plan_from_layout,
+)
 from megatron_hsp.planner.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.plan import Plan
@@ -45,20 +49,6 @@ class _WorldSizeOnly:
 
     def size(self) -> int:
         return self._size
-
-
-def _groups_of_microbatch(
-    sample_ids_per_gpu: Sequence[Sequence[int]],
-) -> list[tuple[int, list[int]]]:
-    """(size, sample ids) per group: ranks holding the same sample form one CP group."""
-    members: dict[int, set[int]] = {}
-    for rank, ids in enumerate(sample_ids_per_gpu):
-        for sid in ids:
-            members.setdefault(int(sid), set()).add(rank)
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for sid, ranks in members.items():
-        groups.setdefault(tuple(sorted(ranks)), []).append(sid)
-    return [(len(r), ids) for r, ids in sorted(groups.items())]
 
 
 def megatron_dcp_plan(
@@ -90,7 +80,7 @@ def megatron_dcp_plan(
         )
     except AssertionError as exc:  # its internal invariants, e.g. "cannot redistribute"
         raise InfeasibleError(f"megatron-dcp: megatron-core's scheduler gave up: {exc}") from None
-    layout = [_groups_of_microbatch(sample_ids) for sample_ids in sample_id_groups]
+    layout = [cp_groups_of_microbatch(sample_ids) for sample_ids in sample_id_groups]
     return ring_plan_from_layout(
         lens,
         cost,

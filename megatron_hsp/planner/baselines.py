@@ -18,6 +18,10 @@
 
 - ``static-best``: the one N with the least summed step time over the whole run (hindsight).
 - ``batchada``: the best N for each batch separately (FlexSP's ``adaptive``).
+- ``flexsp-style``: FlexSP's heterogeneous planner *emulated* on our MILP solver
+  (``flexsp_style_config``): our solver restricted to FlexSP's choices, priced by the cost model
+  in use with the runtime's executable Ulysses x ring split. Not FlexSP's code: its released
+  solver prices with its own hard-coded model (benchmarks/flexsp_solver_compare.py runs it).
 
 Candidate N: sizes that divide the world size (a homogeneous layout must use every GPU), the
 cluster can place as aligned blocks, and the cost model can cost. ``megatron-dcp`` lives in
@@ -31,6 +35,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,6 +44,9 @@ from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.groupspace import largest_ulysses
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 from megatron_hsp.planner.topology import Cluster
+
+if TYPE_CHECKING:
+    from megatron_hsp.planner.solver import SolverConfig
 
 FLEXSP_BIN_FILL = 0.9  # FlexSP packs bins to 90% of the memory-cap token capacity
 
@@ -297,6 +305,77 @@ def static_best_degree(
     return best, per_degree
 
 
+# ---------------------------------------------------------------------- FlexSP, emulated
+# FlexSP's search space (arXiv 2412.01523; Galvatron's flexsp branch): power-of-two SP
+# groups of at least 2 ranks (every sequence pays an all-to-all), micro-batches chunked
+# contiguously by tokens, one MILP per micro-batch and nothing that moves sequences between
+# micro-batches afterwards.
+FLEXSP_STYLE_MIN_SIZE = 2
+FLEXSP_STYLE_CHUNKING = "contiguous-tokens"
+
+
+def flexsp_style_sizes(
+    cost: CostModel, cluster: Cluster, sizes: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    """FlexSP's group sizes here: powers of two >= 2 that tile the cluster and are costed
+    (within ``sizes`` when the user restricted them)."""
+    pool = set(cost.sizes) if sizes is None else set(sizes) & set(cost.sizes)
+    out = tuple(
+        d
+        for d in cluster.power_of_two_sizes()
+        if d >= FLEXSP_STYLE_MIN_SIZE and d in pool and cluster.size_fits(d)
+    )
+    if not out:
+        raise InputError(
+            f"flexsp-style: no power-of-two group size >= {FLEXSP_STYLE_MIN_SIZE} among "
+            f"{sorted(pool)} fits {cluster.world_size} ranks; widen --sizes (e.g. pow2)"
+        )
+    return out
+
+
+def flexsp_style_config(
+    cost: CostModel,
+    cluster: Cluster,
+    base: SolverConfig | None = None,
+    sizes: Sequence[int] | None = None,
+) -> SolverConfig:
+    """Our solver restricted to FlexSP's choices (the one place they are written down).
+
+    ``base`` supplies what is not FlexSP's choice (backend, budget, seed, MILP work limits);
+    the pipeline is dropped because FlexSP plans without one (``bench`` prices the plan under
+    the pipeline in its own order, as every baseline). What remains differs from FlexSP's own
+    solver: our bucketed MILP and HiGHS instead of its SCIP model, and our cost model's prices
+    (docs/baselines.md).
+    """
+    from megatron_hsp.planner.solver import SolverConfig
+
+    return dataclasses.replace(
+        base or SolverConfig(),
+        sizes=flexsp_style_sizes(cost, cluster, sizes),
+        chunkings=(FLEXSP_STYLE_CHUNKING,),
+        improve_evals=0,  # no local search between micro-batches
+        use_milp=True,  # FlexSP always solves its MILP (hsp's greedy mode is not its choice)
+        milp_min_gap=0.0,  # every micro-batch goes to the MILP, however close to its floor
+        pipeline=None,
+    )
+
+
+def flexsp_style_plan(
+    lengths: Sequence[int] | np.ndarray,
+    cost: CostModel,
+    cluster: Cluster,
+    base: SolverConfig | None = None,
+    sizes: Sequence[int] | None = None,
+) -> Plan:
+    """``flexsp-style``: one batch planned by ``flexsp_style_config``'s restricted solver."""
+    from megatron_hsp.planner.solver import solve
+
+    config = flexsp_style_config(cost, cluster, base, sizes)
+    plan = solve([int(x) for x in lengths], cost, cluster, config)
+    extra = {**plan.extra, "method": "flexsp-style", "milp_backend": plan.solver}
+    return dataclasses.replace(plan, solver="flexsp-style", extra=extra)
+
+
 # ---------------------------------------------------------------------- Megatron's own schedulers
 # How much of a Megatron CP group's ring traffic shows (``RingAssumptions.overlap``), mapped to
 # ``CostModel.seq_ms``'s ``ring`` knob; "cost-model" is the rule hsp's ring groups get.
@@ -381,6 +460,21 @@ SEQUENTIAL = "one-pass-per-sequence"
 def memory_model_for(plan: Plan, cost: CostModel) -> CostModel | PerSequenceMemory:
     """The memory check that matches how ``plan`` executes (see ``PerSequenceMemory``)."""
     return PerSequenceMemory(cost) if plan.extra.get("execution") == SEQUENTIAL else cost
+
+
+def cp_groups_of_microbatch(
+    sample_ids_per_gpu: Sequence[Sequence[int]],
+) -> list[tuple[int, list[int]]]:
+    """(size, sample ids) per group of one Megatron scheduler micro-batch (its per-rank lists of
+    sample ids): ranks holding the same sample form one CP group."""
+    members: dict[int, set[int]] = {}
+    for rank, ids in enumerate(sample_ids_per_gpu):
+        for sid in ids:
+            members.setdefault(int(sid), set()).add(rank)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for sid, ranks in members.items():
+        groups.setdefault(tuple(sorted(ranks)), []).append(sid)
+    return [(len(r), ids) for r, ids in sorted(groups.items())]
 
 
 def ring_plan_from_layout(

@@ -1,9 +1,11 @@
 """Benchmark harness: the same batches, cost model and validator for every method (torch-free).
 
 Methods: ``hsp`` (our solver), ``static-N``, ``static-best`` (hindsight), ``batchada``,
+``flexsp-style`` (FlexSP's planner emulated on our solver, ``baselines.flexsp_style_config``),
 ``dp-balanced-N`` / ``dp-balanced`` (Megatron's packing scheduler; hindsight CP size) and
 ``lower-bound``; callers may add more (``megatron-hsp bench`` adds ``megatron-dcp``, which needs
-torch and therefore is injected from outside ``planner/``). Every plan is checked with
+torch, and ``megatron-dcp-dev``, which runs a Megatron-LM checkout's code, so both are injected
+from outside ``planner/``). Every plan is checked with
 ``Plan.validate(lengths, cost, world_size)``; speedups are ratios of summed estimated step
 times over the same batches (baseline / hsp), as docs/design.md section 3 defines.
 
@@ -17,6 +19,7 @@ lower bound becomes ``pipeline.pipeline_lower_bound`` of the summed bound.
 
 from __future__ import annotations
 
+import functools
 import re
 import resource
 import sys
@@ -32,6 +35,7 @@ from megatron_hsp.planner.baselines import (
     batchada_plan,
     dp_balanced_best_degree,
     dp_balanced_plan,
+    flexsp_style_plan,
     memory_model_for,
     static_best_degree,
     static_plan,
@@ -106,12 +110,22 @@ def lower_bounds_fn(
 
 def parse_methods(text: str | Sequence[str]) -> list[str]:
     names = [m.strip() for m in (text.split(",") if isinstance(text, str) else text) if m.strip()]
-    known = {"hsp", "static-best", "batchada", "megatron-dcp", "dp-balanced", "lower-bound"}
+    known = {
+        "hsp",
+        "static-best",
+        "batchada",
+        "flexsp-style",
+        "megatron-dcp",
+        "megatron-dcp-dev",
+        "dp-balanced",
+        "lower-bound",
+    }
     bad = [m for m in names if m not in known and not (_STATIC.match(m) or _DP_BALANCED.match(m))]
     if bad or not names:
         raise InputError(
             f"--methods: unknown {bad or 'empty list'}; choose from hsp, static-best, static-N "
-            "(e.g. static-64), batchada, megatron-dcp, dp-balanced, dp-balanced-N, lower-bound"
+            "(e.g. static-64), batchada, flexsp-style, megatron-dcp, megatron-dcp-dev, "
+            "dp-balanced, dp-balanced-N, lower-bound"
         )
     return list(dict.fromkeys(names))
 
@@ -277,6 +291,12 @@ def run_bench(
             fn = hsp_plan_fn(cost, cluster, hsp)
         elif name == "batchada":
             fn = lambda b: batchada_plan(b, cost, cluster, sizes)  # noqa: E731
+        elif name == "flexsp-style":
+            # hsp's backend, budget and seed; FlexSP's choices on top (baselines.py)
+            base = hsp.solver_config()
+            fn = functools.partial(
+                flexsp_style_plan, cost=cost, cluster=cluster, base=base, sizes=sizes
+            )
         elif m := _STATIC.match(name):
             degree = int(m.group(1))
             fn = lambda b, d=degree: static_plan(b, cost, cluster, d)  # noqa: E731
@@ -428,7 +448,9 @@ def summarize(results: Mapping[str, MethodResult], planner_rss_mb: float) -> dic
     out: dict[str, Any] = {
         "speedup_vs_static_best": speedup("static-best"),
         "speedup_vs_batchada": speedup("batchada"),
+        "speedup_vs_flexsp_style": speedup("flexsp-style"),
         "speedup_vs_megatron_dcp": speedup("megatron-dcp"),
+        "speedup_vs_megatron_dcp_dev": speedup("megatron-dcp-dev"),
         "speedup_vs_dp_balanced": speedup("dp-balanced"),
         "gap_to_lower_bound": (
             hsp_total / total["lower-bound"] - 1.0
