@@ -45,6 +45,7 @@ def commands(out: Path) -> dict[str, list[str]]:
         "ring_memory": [py, str(HERE / "ring_memory.py")],
         "calibration": [py, str(HERE / "calibration.py")],
         "gap_decomposition": [py, str(HERE / "gap_decomposition.py"), "--steps", "1"],
+        "pairing_check": [py, str(HERE / "pairing_check.py")],
         "solve_time": [py, str(HERE / "solve_time.py"), "1"],
         "communicators": [py, str(HERE / "communicators.py")],
         # One step, JSON to the temp dir: the committed 5-step results stay as docs quote them.
@@ -53,11 +54,11 @@ def commands(out: Path) -> dict[str, list[str]]:
             "--json-dir", tempfile.gettempdir(),
         ],
         "pipeline_order": [py, str(HERE / "pipeline_order.py")],
-        # Needs a FlexSP checkout (--galvatron / $HSP_GALVATRON) and pyscipopt; says so if absent.
         # Needs a Megatron-LM dev checkout ($MEGATRON_HSP_DEV_CHECKOUT); says so if absent.
         "dp_balanced_source_check": [
             py, str(HERE / "dp_balanced_source_check.py"), "--steps", "1", "--skip-if-missing",
         ],
+        # Needs a FlexSP checkout (--galvatron / $HSP_GALVATRON) and pyscipopt; says so if absent.
         "flexsp_solver_compare": [
             py, str(HERE / "flexsp_solver_compare.py"), "--iters", "1", "--distributions",
             "web-crawl", "--skip-if-missing",
