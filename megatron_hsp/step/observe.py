@@ -37,6 +37,33 @@ def layout_summary(plan: Plan) -> str:
     return f"{len(plan.microbatches)} mb: " + " | ".join(parts)
 
 
+def plan_ms(plan: Plan, model: Any) -> float:
+    """A plan's micro-batch time under ``model``: per micro-batch its slowest group, summed (how
+    the planner prices ``est_step_ms`` outside a pipeline)."""
+    return float(
+        sum(
+            max(
+                (
+                    model.group_ms(
+                        list(g.lengths), g.size, (g.ulysses, g.ring) if g.ulysses else None
+                    )
+                    for g in mb.groups
+                    if g.seq_ids
+                ),
+                default=0.0,
+            )
+            for mb in plan.microbatches
+        )
+    )
+
+
+def predicted_step_ms(plan: Plan, model: Any) -> float:
+    """What ``model`` predicts for the step that runs ``plan``: its micro-batches plus the
+    model's per-step cost (``CostModel.step_overhead_ms``). The one pricing rule of every logged
+    prediction (the demo's JSON, the Megatron hooks' records)."""
+    return plan_ms(plan, model) + model.step_overhead_ms
+
+
 @dataclass
 class StepRecord:
     step: int
@@ -52,6 +79,9 @@ class StepRecord:
     planner_wait_ms: float
     status: str
     solver: str
+    # The plan's own estimate (``est_step_ms`` + the per-step cost of the model the plan was made
+    # with); ``predicted_ms`` re-prices the plan with the newest model when the step starts.
+    planned_ms: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -65,8 +95,22 @@ class StepRecord:
         solve_s: float | None = None,
         wait_s: float = 0.0,
         step_overhead_ms: float = 0.0,
+        model: Any = None,
         **extra: Any,
     ) -> StepRecord:
+        """``step_overhead_ms``: the per-step cost of the model the plan was made with (goes to
+        ``planned_ms``). ``model``: the newest cost model when the step started (a refit one):
+        ``predicted_ms`` is the plan priced by it (``predicted_step_ms``). Why: plans are made
+        ahead of their step (the demo and the hooks prefetch one step), so the model a plan was
+        made with lags the machine by one more step than the newest one. None, or a pipelined
+        plan (its ``est_step_ms`` is the pipelined step, not a sum of micro-batches; the refit is
+        off under a pipeline anyway): ``predicted_ms`` is the plan's own estimate."""
+        planned = plan.est_step_ms + step_overhead_ms
+        predicted = (
+            predicted_step_ms(plan, model)
+            if model is not None and "pipeline" not in plan.extra
+            else planned
+        )
         return cls(
             step=step,
             loss=loss,
@@ -74,13 +118,14 @@ class StepRecord:
             group_sizes=[mb.group_sizes for mb in plan.microbatches],
             num_sequences=plan.num_sequences,
             tokens=sum(g.tokens for mb in plan.microbatches for g in mb.groups),
-            predicted_ms=plan.est_step_ms + step_overhead_ms,
+            predicted_ms=predicted,
             measured_ms=None if measured_s is None else measured_s * 1e3,
             imbalance=group_imbalance(plan),
             solve_ms=plan.solve_ms if solve_s is None else solve_s * 1e3,
             planner_wait_ms=wait_s * 1e3,
             status=plan.status,
             solver=plan.solver,
+            planned_ms=planned,
             extra=dict(extra),
         )
 
