@@ -253,6 +253,22 @@ def group_timings(plan: Plan, microbatch_s: list[list[float]]) -> list[tuple[int
     ]
 
 
+# ``StepRefitter.model_state``'s length: the four factors (planner/refit.TERMS), the step cost.
+MODEL_STATE = 5
+
+
+def model_from_state(base: Any, state: list[float]) -> Any:
+    """The refitter's model rebuilt from ``StepRefitter.model_state`` on a rank that has only
+    the starting model ``base``: the same coefficients, so the same price for every plan."""
+    import dataclasses
+
+    from megatron_hsp.planner.refit import TERMS, scaled_model
+
+    assert len(state) == MODEL_STATE == len(TERMS) + 1
+    model = scaled_model(base, dict(zip(TERMS, state[: len(TERMS)], strict=True)))
+    return dataclasses.replace(model, details={**base.details, "step_ms": float(state[-1])})
+
+
 def _priced(model: Any, t: Any) -> float:
     return float(model.group_ms(list(t.lengths), t.d, t.split))
 
@@ -300,6 +316,14 @@ class StepRefitter:
     def model(self) -> Any:
         return self.refit.model
 
+    def model_state(self) -> list[float]:
+        """The current model in ``MODEL_STATE`` numbers (its factors against the starting model,
+        then its per-step cost): what rank 0 sends the logging rank so that it prices plans with
+        the same model (``model_from_state``) without a spec in a collective."""
+        from megatron_hsp.planner.refit import TERMS
+
+        return [float(self.refit.scales[k]) for k in TERMS] + [self.model.step_overhead_ms]
+
     def record(
         self,
         step: int,
@@ -346,6 +370,8 @@ class StepRefitter:
                 "median_rel_err_before": result.median_rel_err_before,
                 "median_rel_err_after": result.median_rel_err_after,
                 "scales": dict(result.scales),
+                # The per-step cost of the model after this update (what a prediction adds).
+                "step_overhead_ms": self.refit.model.step_overhead_ms,
             }
         )
         if result.accepted and self.planner is not None:
