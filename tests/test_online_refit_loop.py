@@ -147,8 +147,9 @@ def test_the_logging_rank_rebuilds_the_refit_model_from_its_state():
     base = load_cost_model(SPEC, world_size=4, gpus_per_node=4)
     truth = scaled_model(base, {"attn": 1.3, "linear": 1.6, "comm": 0.8, "fixed": 1.2})
     refitter = StepRefitter(base, skip_steps=0)
-    lengths = [2500, 1800, 1100, 700, 2000, 1500]
-    plan = manual_plan(4, lengths, [[(1, [0]), (1, [1]), (1, [2]), (1, [3])], [(2, [4]), (4, [5])]])
+    lengths = [2500, 1800, 1100, 700, 2000, 1500, 3000]
+    layout = [[(1, [0]), (1, [1]), (1, [2]), (1, [3])], [(2, [4]), (2, [5])], [(4, [6])]]
+    plan = manual_plan(4, lengths, layout)
     for step in range(3):
         per_slot = [
             [
@@ -157,7 +158,7 @@ def test_the_logging_rank_rebuilds_the_refit_model_from_its_state():
             ]
             for s in range(4)
         ]
-        step_s = 0.05 + sum(max(t[m] for t in per_slot) for m in range(2))
+        step_s = 0.05 + sum(max(t[m] for t in per_slot) for m in range(3))
         assert refitter.record(step, plan, per_slot, step_s).accepted
     assert refitter.model.step_overhead_ms > 0
     rebuilt = model_from_state(base, refitter.model_state())

@@ -303,6 +303,8 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
                         "sequences": rec.num_sequences,
                         "tokens": rec.tokens,
                         "status": rec.status,
+                        # Groups, documents and lengths: what a replay of the refit re-prices.
+                        "plan": prepared.plan.to_dict(),
                     }
                 )
                 _progress(
