@@ -221,8 +221,13 @@ REFIT_MAX_STEP = 0.5
 REFIT_MIN_RECORDS = 4
 # Steps over which a record's weight halves (planner/refit.OnlineRefit.half_life): the machine's
 # speed changes under other jobs (the demo's steps 2-4 and 5-7 differed by 30% on a loaded
-# machine), and with equal weights the model stayed at the old speed.
-REFIT_HALF_LIFE_STEPS = 2.0
+# machine), and with equal weights the model stayed at the old speed. At 2 steps a machine 2x
+# slower from step 3 on was still predicted 20-40% fast at steps 5-7: in the window the older,
+# faster records outweighed the newest step's few (the 50% bound was not what held it: replayed
+# at 100% the errors were the same; docs/costmodel.md, "Re-pricing the prefetched plan"). At 0.5
+# the step before weighs 1/4, the one before that 1/16; the prior towards the common factor still
+# holds the model's shape, and a factor still moves at most REFIT_MAX_STEP per update.
+REFIT_HALF_LIFE_STEPS = 0.5
 
 
 def group_timings(plan: Plan, microbatch_s: list[list[float]]) -> list[tuple[int, Any]]:
