@@ -74,3 +74,37 @@ def test_demo_plans_and_predicts_with_the_given_model(tmp_path, monkeypatch, cap
     assert pred["cost_model"] == "slow-test-model" and pred["steps"] >= 1
     assert pred["median_rel_err"] > 0
     assert "prediction (slow-test-model)" in capsys.readouterr().out
+
+
+@pytest.mark.dist
+def test_each_step_is_predicted_by_the_model_refit_after_the_step_before(tmp_path, monkeypatch):
+    """Plans are prefetched a step ahead, so step t's plan was made before the refit after step
+    t - 1; its ``predicted_ms`` must still be that newest model's price of the plan (its group
+    records in the refit after step t carry that model's ms), not the plan's own estimate
+    (``planned_ms``). A model 10x too slow makes every accepted update move it."""
+    spec = {
+        "name": "slow-test-model",
+        "coefficients": {
+            "attn_ms_per_token2": 1e-6,
+            "linear_ms_per_token": 0.01,
+            "group_fixed_ms": {1: 1000.0, 2: 1000.0},
+            "a2a_ms_per_token": {2: 0.001},
+            "tokens_per_rank": 1024,
+        },
+    }
+    path = tmp_path / "slow.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    result = _demo(tmp_path, monkeypatch, "--cost-model", str(path), "--steps", "4")
+    updates = {u["step"]: u for u in result["refit"]["updates"]}
+    # Two ranks, four documents a step: the first update may wait for a second step's records.
+    assert updates[1]["accepted"] or updates[2]["accepted"], updates[2]["reason"]
+    moved = 0
+    for s in result["steps"][1:]:
+        t = s["step"]
+        # The model at step t's start: its ms of each group record of the refit after step t.
+        records = updates[t]["records"]
+        by_mb = [max(r[4] for r in records if r[0] == m) for m in {r[0] for r in records}]
+        overhead = updates[t - 1]["step_overhead_ms"] if t - 1 in updates else 0.0
+        assert s["predicted_ms"] == pytest.approx(sum(by_mb) + overhead, rel=1e-3), t
+        moved += abs(s["predicted_ms"] - s["planned_ms"]) > 0.05 * s["planned_ms"]
+    assert moved >= 1  # the plan's own estimate differs from the newest model's

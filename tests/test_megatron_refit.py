@@ -12,6 +12,7 @@ import pytest
 
 from megatron_hsp.planner.costmodel import load_cost_model
 from megatron_hsp.planner.plan import Plan
+from megatron_hsp.step.observe import predicted_step_ms
 from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 from megatron_hsp.testing.megatron_loop import write_corpus
 from megatron_hsp.testing.refit_loop import refit_worker
@@ -68,6 +69,15 @@ def test_refit_updates_the_planner_and_writes_a_model_hsp_cost_model_reads(resul
         assert est == pytest.approx(_price(models[t - 2], plans[t]), rel=1e-6), t
         if t >= 3:  # after the first update (step 1)
             assert est != pytest.approx(_price(start, plans[t]), rel=0.05), t
+    # The logging rank (the last) prices step t's plan with the model in force as step t
+    # started (after step t - 1's update; step 0: the starting one), not with the model the
+    # prefetched plan was made with (``planned_ms``).
+    preds = {t: (p, q) for t, p, q in result[-1]["on"]["predictions"]}
+    assert sorted(preds) == list(range(STEPS))
+    for t in range(STEPS):
+        model = load_cost_model(models[t - 1] if t else start, world_size=4, gpus_per_node=4)
+        assert preds[t][0] == pytest.approx(predicted_step_ms(plans[t], model), rel=1e-9), t
+    assert any(preds[t][0] != pytest.approx(preds[t][1], rel=0.05) for t in range(2, STEPS))
     # Written on rank 0 and read back by --hsp-cost-model's loader as the final model.
     out = result[0]["out"]
     assert os.path.exists(out)
@@ -94,6 +104,8 @@ def test_no_refit_flag_turns_it_off(result):
         assert r["on"]["refit_on"] and not r["off"]["refit_on"]
         assert r["off"]["updates"] == [] and r["off"]["models"] == []
         assert r["off"]["ended_at_finalize"] == [False, False]  # no clock: nothing marked
+    # Refit off: the logged prediction is the plan's own estimate.
+    assert all(p == q for _, p, q in result[-1]["off"]["predictions"])
 
 
 @pytest.mark.slow

@@ -107,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE|PRESET",
         help="cost model the planner uses: a YAML/JSON file (e.g. from `megatron-hsp profile`) "
         "or a preset name (default: the demo's built-in CPU model). Each step's predicted_s in "
-        "--json is this model's estimate",
+        "--json is its plan priced by this model, refit online up to the previous step unless "
+        "--no-refit (planned_ms: the plan's own estimate)",
     )
     parser.add_argument(
         "--no-refit",
@@ -179,7 +180,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     from megatron_hsp.runtime.schedule import run_step
     from megatron_hsp.step.corpus import DEMO_VOCAB_SIZE
     from megatron_hsp.step.documents import DocumentIndex, DocumentReader
-    from megatron_hsp.step.observe import StepRecord, StepRefitter, layout_summary
+    from megatron_hsp.step.observe import StepRecord, StepRefitter, layout_summary, plan_ms
     from megatron_hsp.step.pipeline import build_step_pipeline
     from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
     from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
@@ -236,12 +237,16 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
         if cfg.refit and rank == 0
         else None
     )
-    # The per-step cost the prediction adds, by the model each step's plan was made with (plans
-    # are requested one step ahead, so a refit after step t prices the plans from t + 2 on).
+    # The per-step cost the plan's own estimate adds, by the model each step's plan was made with
+    # (plans are requested one step ahead, so a refit after step t prices the plans from t + 2
+    # on): the JSON's planned_ms.
     overhead_ms = {0: cost.step_overhead_ms}
     try:
         for i in range(cfg.steps):
             prepared = pipeline.next_step()
+            # The newest model as the step starts (refit after the previous step): it re-prices
+            # the prefetched plan for predicted_ms, so the prediction lags the machine one step,
+            # not two (the plan itself stays as it was made).
             current = refitter.model if refitter is not None else cost
             overhead_ms[prepared.step + 1] = current.step_overhead_ms
             created = registry.created
@@ -280,6 +285,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
                     solve_s=prepared.solve_s,
                     wait_s=prepared.wait_s,
                     step_overhead_ms=overhead_ms.get(prepared.step, cost.step_overhead_ms),
+                    model=current,
                 )
                 steps.append(
                     {
@@ -290,12 +296,15 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
                         "step_s": step_s,
                         "predicted_s": rec.predicted_ms / 1e3,
                         "predicted_ms": rec.predicted_ms,
+                        "planned_ms": rec.planned_ms,
                         "solve_ms": rec.solve_ms,
                         "planner_wait_ms": rec.planner_wait_ms,
                         "imbalance": rec.imbalance,
                         "sequences": rec.num_sequences,
                         "tokens": rec.tokens,
                         "status": rec.status,
+                        # Groups, documents and lengths: what a replay of the refit re-prices.
+                        "plan": prepared.plan.to_dict(),
                     }
                 )
                 _progress(
@@ -350,7 +359,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
                     "measured_s": _max_over_ranks(time.perf_counter() - t0),
                     # Both layouts priced by the one model the run ended on (the adaptive plan
                     # was made under an earlier one while the refit settled).
-                    "predicted_ms": _priced_ms(plan, priced),
+                    "predicted_ms": plan_ms(plan, priced),
                     "microbatches": len(plan.microbatches),
                     "group_sizes": [mb.group_sizes for mb in plan.microbatches],
                 }
@@ -386,26 +395,6 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     }
 
 
-def _priced_ms(plan: Any, cost: Any) -> float:
-    """A plan's step time under ``cost``: per micro-batch its slowest group, summed (how the
-    planner prices a plan's ``est_step_ms``)."""
-    return float(
-        sum(
-            max(
-                (
-                    cost.group_ms(
-                        list(g.lengths), g.size, (g.ulysses, g.ring) if g.ulysses else None
-                    )
-                    for g in mb.groups
-                    if g.seq_ids
-                ),
-                default=0.0,
-            )
-            for mb in plan.microbatches
-        )
-    )
-
-
 # ------------------------------------------------------------------------- the model's accuracy
 WARMUP_STEPS = 2  # step 0 pays first-touch allocation and the planner's start-up
 REFIT_SCORED_FROM_STEP = 5
@@ -423,19 +412,30 @@ def prediction_summary(steps: list[dict[str, Any]], cost_spec: dict[str, Any]) -
     errs = [abs(s["predicted_s"] - s["step_s"]) / s["step_s"] for s in scored if s["step_s"] > 0]
     import statistics
 
-    late = [
-        abs(s["predicted_s"] - s["step_s"]) / s["step_s"]
+    late_steps = [
+        s
         for i, s in enumerate(steps)
         if s.get("step", i) >= REFIT_SCORED_FROM_STEP and s["step_s"] > 0
+    ]
+    late = [abs(s["predicted_s"] - s["step_s"]) / s["step_s"] for s in late_steps]
+    # The plans' own estimates (the model each plan was made with, a step older than the one
+    # predicted_s re-prices with), scored on the same steps.
+    late_planned = [
+        abs(s["planned_ms"] / 1e3 - s["step_s"]) / s["step_s"]
+        for s in late_steps
+        if s.get("planned_ms") is not None
     ]
     return {
         "cost_model": cost_spec.get("name", "?"),
         "warmup_steps": warm,
         "steps": len(errs),
         "median_rel_err": statistics.median(errs) if errs else None,
-        # From step 5 on: the plans there are priced by a refit model (the first refit follows
-        # step 1 and applies two steps later, bounded steps compound over a few updates).
+        # From step 5 on: the steps there are priced by a refit model (the first refit follows
+        # step 1 and prices step 2 on, bounded steps compound over a few updates).
         "median_rel_err_from_step_5": statistics.median(late) if late else None,
+        "median_rel_err_from_step_5_planned": (
+            statistics.median(late_planned) if late_planned else None
+        ),
         "mean_predicted_over_measured": (
             sum(s["predicted_s"] / s["step_s"] for s in scored) / len(scored) if scored else None
         ),

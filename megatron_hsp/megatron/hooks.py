@@ -35,7 +35,13 @@ from typing import Any
 from megatron_hsp.megatron.args import HSPConfig, exit_on_refusal
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.step.mbclock import MicrobatchClock
-from megatron_hsp.step.observe import StepObserver, StepRecord, StepRefitter
+from megatron_hsp.step.observe import (
+    MODEL_STATE,
+    StepObserver,
+    StepRecord,
+    StepRefitter,
+    model_from_state,
+)
 from megatron_hsp.step.pipeline import PreparedStep, StepPipeline
 
 
@@ -68,6 +74,10 @@ class HSPRun:
     clock: MicrobatchClock | None = None
     refitter: StepRefitter | None = None
     created_at_step_start: int = 0  # registry.created: a step that created groups paid for it
+    # The starting cost model (every rank), and the refitter's model as the current step started,
+    # rebuilt from rank 0's state in ``refit_step``'s gather: it prices the logged prediction.
+    cost_model: Any = None
+    predict_model: Any = None
 
 
 _RUN: HSPRun | None = None
@@ -117,6 +127,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     )
     cost = spec.load_cost_model()
     run.step_overhead_ms = cost.step_overhead_ms
+    run.cost_model, run.predict_model = cost, None
     mmap = bool(getattr(args, "mmap_bin_files", True))
     indices = {p: DocumentIndex(p, mmap=mmap) for p in data.prefixes}
     reader = BlendedDocumentReader([indices[p] for p in data.prefixes])
@@ -522,6 +533,7 @@ def end_step(run: HSPRun, loss: float | None = None) -> None:
         solve_s=p.solve_s if p.solve_s else None,
         wait_s=p.wait_s,
         step_overhead_ms=run.step_overhead_ms,
+        model=run.predict_model,  # None (refit off): the plan's own estimate
     )
     run.observer.record(rec, p.plan)
 
@@ -532,7 +544,9 @@ def refit_step(run: HSPRun) -> None:
 
     One small all-gather per step, after the step (the CUDA events are read once here). A slot's
     time is its slowest tensor-parallel rank's; ``observe.group_timings`` turns slots into
-    groups.
+    groups. Rank 0's row also carries its refitter's model as the step started
+    (``StepRefitter.model_state``, before this step's update): the logging rank prices the
+    step's prediction with it (``run.predict_model``), as the demo does.
     """
     if run.clock is None or run.current is None:
         return
@@ -542,17 +556,22 @@ def refit_step(run: HSPRun) -> None:
     plan = run.current.plan
     n = len(plan.microbatches)
     times = run.clock.read()
-    row = torch.full((n + 2,), float("nan"), dtype=torch.float64)
+    k = 2 + MODEL_STATE  # slot, step seconds, rank 0's model state, then the micro-batches
+    row = torch.full((k + n,), float("nan"), dtype=torch.float64)
     row[0] = float(run.registry.slot)
     row[1] = time.perf_counter() - run.step_started
+    if run.refitter is not None:
+        row[2:k] = torch.tensor(run.refitter.model_state(), dtype=torch.float64)
     if len(times) == n:
-        row[2:] = torch.tensor(times, dtype=torch.float64)
+        row[k:] = torch.tensor(times, dtype=torch.float64)
     row = row.to(run.device)
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, row)
+    if run.observer is not None:
+        run.predict_model = model_from_state(run.cost_model, rows[0][2:k].cpu().tolist())
     if run.refitter is None:
         return
-    table = torch.stack(rows).cpu()
+    table = torch.stack(rows).cpu()[:, [0, 1, *range(k, k + n)]]
     if bool(torch.isnan(table).any()):
         print(
             f"[megatron-hsp] refit after step {run.current.step}: skipped (a rank's marks do "

@@ -37,6 +37,33 @@ def layout_summary(plan: Plan) -> str:
     return f"{len(plan.microbatches)} mb: " + " | ".join(parts)
 
 
+def plan_ms(plan: Plan, model: Any) -> float:
+    """A plan's micro-batch time under ``model``: per micro-batch its slowest group, summed (how
+    the planner prices ``est_step_ms`` outside a pipeline)."""
+    return float(
+        sum(
+            max(
+                (
+                    model.group_ms(
+                        list(g.lengths), g.size, (g.ulysses, g.ring) if g.ulysses else None
+                    )
+                    for g in mb.groups
+                    if g.seq_ids
+                ),
+                default=0.0,
+            )
+            for mb in plan.microbatches
+        )
+    )
+
+
+def predicted_step_ms(plan: Plan, model: Any) -> float:
+    """What ``model`` predicts for the step that runs ``plan``: its micro-batches plus the
+    model's per-step cost (``CostModel.step_overhead_ms``). The one pricing rule of every logged
+    prediction (the demo's JSON, the Megatron hooks' records)."""
+    return plan_ms(plan, model) + model.step_overhead_ms
+
+
 @dataclass
 class StepRecord:
     step: int
@@ -52,6 +79,9 @@ class StepRecord:
     planner_wait_ms: float
     status: str
     solver: str
+    # The plan's own estimate (``est_step_ms`` + the per-step cost of the model the plan was made
+    # with); ``predicted_ms`` re-prices the plan with the newest model when the step starts.
+    planned_ms: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -65,8 +95,22 @@ class StepRecord:
         solve_s: float | None = None,
         wait_s: float = 0.0,
         step_overhead_ms: float = 0.0,
+        model: Any = None,
         **extra: Any,
     ) -> StepRecord:
+        """``step_overhead_ms``: the per-step cost of the model the plan was made with (goes to
+        ``planned_ms``). ``model``: the newest cost model when the step started (a refit one):
+        ``predicted_ms`` is the plan priced by it (``predicted_step_ms``). Why: plans are made
+        ahead of their step (the demo and the hooks prefetch one step), so the model a plan was
+        made with lags the machine by one more step than the newest one. None, or a pipelined
+        plan (its ``est_step_ms`` is the pipelined step, not a sum of micro-batches; the refit is
+        off under a pipeline anyway): ``predicted_ms`` is the plan's own estimate."""
+        planned = plan.est_step_ms + step_overhead_ms
+        predicted = (
+            predicted_step_ms(plan, model)
+            if model is not None and "pipeline" not in plan.extra
+            else planned
+        )
         return cls(
             step=step,
             loss=loss,
@@ -74,13 +118,14 @@ class StepRecord:
             group_sizes=[mb.group_sizes for mb in plan.microbatches],
             num_sequences=plan.num_sequences,
             tokens=sum(g.tokens for mb in plan.microbatches for g in mb.groups),
-            predicted_ms=plan.est_step_ms + step_overhead_ms,
+            predicted_ms=predicted,
             measured_ms=None if measured_s is None else measured_s * 1e3,
             imbalance=group_imbalance(plan),
             solve_ms=plan.solve_ms if solve_s is None else solve_s * 1e3,
             planner_wait_ms=wait_s * 1e3,
             status=plan.status,
             solver=plan.solver,
+            planned_ms=planned,
             extra=dict(extra),
         )
 
@@ -176,8 +221,13 @@ REFIT_MAX_STEP = 0.5
 REFIT_MIN_RECORDS = 4
 # Steps over which a record's weight halves (planner/refit.OnlineRefit.half_life): the machine's
 # speed changes under other jobs (the demo's steps 2-4 and 5-7 differed by 30% on a loaded
-# machine), and with equal weights the model stayed at the old speed.
-REFIT_HALF_LIFE_STEPS = 2.0
+# machine), and with equal weights the model stayed at the old speed. At 2 steps a machine 2x
+# slower from step 3 on was still predicted 20-40% fast at steps 5-7: in the window the older,
+# faster records outweighed the newest step's few (the 50% bound was not what held it: replayed
+# at 100% the errors were the same; docs/costmodel.md, "Re-pricing the prefetched plan"). At 0.5
+# the step before weighs 1/4, the one before that 1/16; the prior towards the common factor still
+# holds the model's shape, and a factor still moves at most REFIT_MAX_STEP per update.
+REFIT_HALF_LIFE_STEPS = 0.5
 
 
 def group_timings(plan: Plan, microbatch_s: list[list[float]]) -> list[tuple[int, Any]]:
@@ -206,6 +256,22 @@ def group_timings(plan: Plan, microbatch_s: list[list[float]]) -> list[tuple[int
         for g in mb.groups
         if g.seq_ids
     ]
+
+
+# ``StepRefitter.model_state``'s length: the four factors (planner/refit.TERMS), the step cost.
+MODEL_STATE = 5
+
+
+def model_from_state(base: Any, state: list[float]) -> Any:
+    """The refitter's model rebuilt from ``StepRefitter.model_state`` on a rank that has only
+    the starting model ``base``: the same coefficients, so the same price for every plan."""
+    import dataclasses
+
+    from megatron_hsp.planner.refit import TERMS, scaled_model
+
+    assert len(state) == MODEL_STATE == len(TERMS) + 1
+    model = scaled_model(base, dict(zip(TERMS, state[: len(TERMS)], strict=True)))
+    return dataclasses.replace(model, details={**base.details, "step_ms": float(state[-1])})
 
 
 def _priced(model: Any, t: Any) -> float:
@@ -255,6 +321,14 @@ class StepRefitter:
     def model(self) -> Any:
         return self.refit.model
 
+    def model_state(self) -> list[float]:
+        """The current model in ``MODEL_STATE`` numbers (its factors against the starting model,
+        then its per-step cost): what rank 0 sends the logging rank so that it prices plans with
+        the same model (``model_from_state``) without a spec in a collective."""
+        from megatron_hsp.planner.refit import TERMS
+
+        return [float(self.refit.scales[k]) for k in TERMS] + [self.model.step_overhead_ms]
+
     def record(
         self,
         step: int,
@@ -301,6 +375,8 @@ class StepRefitter:
                 "median_rel_err_before": result.median_rel_err_before,
                 "median_rel_err_after": result.median_rel_err_after,
                 "scales": dict(result.scales),
+                # The per-step cost of the model after this update (what a prediction adds).
+                "step_overhead_ms": self.refit.model.step_overhead_ms,
             }
         )
         if result.accepted and self.planner is not None:

@@ -102,6 +102,10 @@ def _one_run(
             "step_timings": 0 if run.refitter is None else len(run.refitter.refit._steps),
             "finalize_restored": config.finalize_model_grads_func is finalize_probe,
             "ended_at_finalize": ended_at_finalize,
+            # The logging rank's records (the last rank): (step, predicted_ms, planned_ms).
+            "predictions": []
+            if run.observer is None
+            else [(r.step, r.predicted_ms, r.planned_ms) for r in run.observer.records],
         }
     finally:
         MicrobatchClock._now = real_now  # type: ignore[method-assign]
