@@ -4,6 +4,7 @@ prediction (``predicted_s``), and the run ends with the model's median error."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -49,10 +50,8 @@ def test_bad_cost_model_exits_2_naming_the_flag(tmp_path, capsys):
     assert "--cost-model" in capsys.readouterr().err
 
 
-@pytest.mark.dist
-def test_demo_plans_and_predicts_with_the_given_model(tmp_path, monkeypatch, capsys):
-    # A model no real step matches: 1 s per micro-batch group. If the flag were ignored, the
-    # built-in model (tens of ms) would be in predicted_s.
+def _slow_model(tmp_path) -> Path:
+    """A model no real step matches (1 s per micro-batch group), written as a YAML spec."""
     spec = {
         "name": "slow-test-model",
         "coefficients": {
@@ -65,6 +64,14 @@ def test_demo_plans_and_predicts_with_the_given_model(tmp_path, monkeypatch, cap
     }
     path = tmp_path / "slow.yaml"
     path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.dist
+def test_demo_plans_and_predicts_with_the_given_model(tmp_path, monkeypatch, capsys):
+    # A model no real step matches: 1 s per micro-batch group. If the flag were ignored, the
+    # built-in model (tens of ms) would be in predicted_s.
+    path = _slow_model(tmp_path)
     result = _demo(tmp_path, monkeypatch, "--cost-model", str(path))
     assert result["config"]["cost_model"]["name"] == "slow-test-model"
     for s in result["steps"]:
@@ -82,18 +89,7 @@ def test_each_step_is_predicted_by_the_model_refit_after_the_step_before(tmp_pat
     t - 1; its ``predicted_ms`` must still be that newest model's price of the plan (its group
     records in the refit after step t carry that model's ms), not the plan's own estimate
     (``planned_ms``). A model 10x too slow makes every accepted update move it."""
-    spec = {
-        "name": "slow-test-model",
-        "coefficients": {
-            "attn_ms_per_token2": 1e-6,
-            "linear_ms_per_token": 0.01,
-            "group_fixed_ms": {1: 1000.0, 2: 1000.0},
-            "a2a_ms_per_token": {2: 0.001},
-            "tokens_per_rank": 1024,
-        },
-    }
-    path = tmp_path / "slow.yaml"
-    path.write_text(yaml.safe_dump(spec))
+    path = _slow_model(tmp_path)
     result = _demo(tmp_path, monkeypatch, "--cost-model", str(path), "--steps", "4")
     updates = {u["step"]: u for u in result["refit"]["updates"]}
     # Two ranks, four documents a step: the first update may wait for a second step's records.
