@@ -59,11 +59,38 @@ def _size_multisets(total: int, sizes: list[int]):
     return out
 
 
+def _placeable(cfg: list[int], cluster: Cluster) -> bool:
+    """Whether aligned blocks (``Cluster.block_starts``) hold every group of ``cfg`` at once:
+    exhaustive search, independent of the planner's placement code."""
+    used = [False] * cluster.world_size
+
+    def rec(k: int) -> bool:
+        if k == len(cfg):
+            return True
+        d = cfg[k]
+        for s in cluster.block_starts(d):
+            if not any(used[s : s + d]):
+                used[s : s + d] = [True] * d
+                if rec(k + 1):
+                    return True
+                used[s : s + d] = [False] * d
+        return False
+
+    return rec(0)
+
+
 def brute_force_ms(
-    lengths: Sequence[int], cost: CostModel, cluster: Cluster, sizes: list[int]
+    lengths: Sequence[int],
+    cost: CostModel,
+    cluster: Cluster,
+    sizes: list[int],
+    placed: bool = False,
 ) -> float:
-    """Optimal step time by enumeration (ignores rank alignment, so it is a true lower value)."""
+    """Optimal step time by enumeration. By default it ignores rank alignment, so it is a true
+    lower value; ``placed`` keeps only the size mixes aligned blocks hold (the runtime's rule)."""
     configs = _size_multisets(cluster.world_size, sizes)
+    if placed:
+        configs = [cfg for cfg in configs if _placeable(sorted(cfg, reverse=True), cluster)]
     memo: dict[tuple[int, ...], float] = {}
 
     def micro(ids: tuple[int, ...]) -> float:

@@ -1,0 +1,345 @@
+"""A lower bound over the plans the runtime can place: cross-node groups in aligned blocks.
+
+Why (issue 19 item 5): every fact of ``bounds.py`` and its configuration LP let any group sizes
+share a micro-batch as long as their ranks add up. The runtime does not: a group of more than one
+node occupies a fixed block (``groupspace.Cluster.block_starts``: whole nodes, starting at a
+multiple of its size), so on 64 ranks in nodes of 8 a 40-rank group and a 24-rank group never run
+side by side (40 starts at 0 only, 24 at 0 or 24). On batches whose work is almost all in
+sequences longer than a node holds (bimodal, long-context SFT mixes), which sizes can pair decides
+the step, and a bound blind to it measures the placement rule, not the planner.
+
+The bound is the LP relaxation of a micro-batch-pattern formulation in which only *long*
+sequences (no group inside one node holds them) are placed explicitly:
+
+- A pattern is one micro-batch's cross-node groups: a multiset of sizes that aligned blocks can
+  hold at once (enumerated exactly, ``cross_node_mixes``), each group with a multiset of long
+  classes whose tokens fit its memory; its makespan ``M`` is its slowest group,
+  ``sum T(l, d) + b_d``.
+- Everything else (sequences a node can hold, all of them fractional) must fit in the time and
+  memory the patterns leave: a pattern offers ``N M - N b_min - sum_g d_g (T_g + b_g - b_min)``
+  rank-ms of work (every rank pays at least the smallest fixed cost ``b_min``) and
+  ``N cap - sum_g L_g`` tokens. Two more columns buy that capacity without long sequences: one ms
+  of every rank (cost 1, ``N`` rank-ms; lengthening any micro-batch) and a micro-batch of short
+  sequences only (cost ``b_min``, ``N cap`` tokens).
+
+    min sum_p M_p lambda_p + t + b_min m
+    s.t. sum_p a_pk lambda_p >= n_k                          every long class covered
+         sum_p Wcap_p lambda_p + N t >= W_short               the other sequences' minimum work
+         sum_p Tok_p lambda_p + N cap m >= L_short             and their tokens
+
+Every micro-batch of every plan the runtime places is a pattern (with its short sequences' work
+at least their minimum, its long classes at their shortest member's length), so the optimum is a
+step-time bound; any superset of patterns only lowers it. Columns come from a pricing MILP
+(HiGHS) that chooses the mix, fills each group and pays its makespan. When a limit stops the
+column generation first, Farley's scaled dual bound ``D / (1 + z* / M_low)`` is returned
+(``z*``: the pricing MILP's dual bound on the best reduced value; every priced pattern holds a
+long sequence, so ``M >= M_low``, its cheapest alone), as ``bounds.instance_lp_bound`` does.
+
+What it does not model: placement inside a node (sizes 3, 5, 6, 7 leave ranks over; all
+sequences a node holds are fractional here), and the combinatorial facts (use ``max`` with
+``bounds.instance_lower_bound``). It is a benchmark's bound (seconds to a minute at 64 ranks and
+512 sequences), not the planner's per-solve one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_hsp.planner.highs import quiet_highs
+from megatron_hsp.planner.instance import Instance
+from megatron_hsp.planner.topology import Cluster
+
+# Mixes enumerated at most; past it the bound is not computed (None): the enumeration is exact or
+# the bound would exclude placeable mixes and be invalid.
+MAX_MIXES = 5000
+# Relative MILP gaps of the pricing: loose while columns are worth much, then tight.
+LOOSE_GAP, TIGHT_GAP = 0.05, 1e-6
+
+
+@dataclass(frozen=True)
+class PlacementBound:
+    """The placement-aware LP bound and how it was reached."""
+
+    bound_ms: float  # valid even when not converged (Farley's scaled dual bound)
+    lp_ms: float  # restricted master LP value at the end (== bound_ms when converged)
+    converged: bool
+    iterations: int
+    long_sequences: int
+    classes: int
+    mixes: int  # maximal cross-node size mixes that aligned blocks place
+
+
+def cross_node_mixes(cluster: Cluster, sizes: Sequence[int]) -> list[dict[int, int]] | None:
+    """Every maximal multiset of cross-node ``sizes`` that aligned blocks hold at once.
+
+    Exact: a depth-first search over block starts (whole nodes), sizes descending, equal sizes in
+    increasing start order. None past ``MAX_MIXES`` mixes (the bound then is not computed).
+    """
+    g = cluster.node_width
+    big = sorted({int(d) for d in sizes if d > g}, reverse=True)
+    nodes = cluster.world_size // g
+    if not big:
+        return [{}]
+    starts = {d: [s // g for s in cluster.block_starts(d)] for d in big}
+    found: set[tuple[int, ...]] = set()
+    used = [False] * nodes
+
+    def free(s: int, w: int) -> bool:
+        return not any(used[s : s + w])
+
+    def dfs(k: int, counts: list[int], low: int) -> bool:
+        """Extend with sizes big[k:]; True when the mix was cut (too many)."""
+        if len(found) > MAX_MIXES:
+            return True
+        if k == len(big):
+            found.add(tuple(counts))
+            return False
+        w = big[k] // g
+        # Place another big[k] (starts after the previous one of this size) or move on.
+        for s in starts[big[k]]:
+            if s >= low and free(s, w):
+                for t in range(s, s + w):
+                    used[t] = True
+                counts[k] += 1
+                cut = dfs(k, counts, s + w)
+                counts[k] -= 1
+                for t in range(s, s + w):
+                    used[t] = False
+                if cut:
+                    return True
+        return dfs(k + 1, counts, 0)
+
+    if dfs(0, [0] * len(big), 0):
+        return None
+    mixes = [dict(zip(big, c, strict=True)) for c in found]
+
+    def dominated(a: dict[int, int]) -> bool:
+        return any(b != a and all(b[d] >= a[d] for d in big) for b in mixes)
+
+    return [m for m in mixes if not dominated(m) and any(m.values())]
+
+
+def placement_lp_bound(
+    inst: Instance,
+    cluster: Cluster,
+    *,
+    rel_width: float = 0.02,
+    max_iterations: int = 2000,
+    time_limit_s: float = 60.0,
+    price_limit_s: float = 5.0,
+    seed: Sequence[Sequence[tuple[int, Sequence[int]]]] = (),
+) -> PlacementBound | None:
+    """Step time no placeable plan beats (module docstring); None where it is not computed.
+
+    None: no sequence is long (the bound would be the short work's, which ``bounds.py`` already
+    gives), or more than ``MAX_MIXES`` placeable mixes. ``rel_width`` groups long lengths into
+    classes priced at their shortest member (a relaxation: time and memory grow with length).
+    ``seed``: micro-batches of a plan, as (group size, sequence ids) per group, whose long groups
+    start the column generation (any placed plan's; it speeds convergence, the bound does not
+    depend on it).
+    """
+    import highspy
+
+    t_end = time.perf_counter() + time_limit_s
+    n, g = inst.world_size, cluster.node_width
+    sizes = inst.sizes
+    long_ids = [i for i in range(len(inst.lengths)) if sizes[inst.dmin[i]] > g]
+    if not long_ids:
+        return None
+    mixes = cross_node_mixes(cluster, sizes)
+    if mixes is None:
+        return None
+    cross = [j for j, d in enumerate(sizes) if d > g]
+    b_min = inst.min_fixed
+    cap = inst.cap
+    short = [i for i in range(len(inst.lengths)) if sizes[inst.dmin[i]] <= g]
+    w_short = float(sum(inst.work_min[i] for i in short))
+    tok_short = float(sum(inst.lengths[i] for i in short))
+
+    # Long classes: lengths within 1 + rel_width of the class's shortest, priced at it.
+    classes: list[list[int]] = []
+    class_of: dict[int, int] = {}
+    for i in sorted(long_ids, key=lambda i: inst.lengths[i]):
+        if classes and inst.lengths[i] <= (1 + rel_width) * inst.lengths[classes[-1][0]]:
+            classes[-1].append(i)
+        else:
+            classes.append([i])
+        class_of[i] = len(classes) - 1
+    nk = len(classes)
+    rep = [inst.lengths[c[0]] for c in classes]
+    count = [len(c) for c in classes]
+    tk = [[inst.times[c[0]][j] for j in range(len(sizes))] for c in classes]
+    fits = [[j for j in cross if rep[k] <= sizes[j] * cap] for k in range(nk)]
+    m_low = min(tk[k][j] + inst.fixed[j] for k in range(nk) for j in fits[k])
+
+    # Master LP: rows 0..nk-1 cover classes, nk the short work, nk + 1 the short tokens.
+    master = quiet_highs()
+    master.setOptionValue("threads", 1)
+    inf = highspy.kHighsInf
+    for k in range(nk):
+        master.addRow(float(count[k]), inf, 0, np.array([], np.int32), np.array([]))
+    master.addRow(w_short, inf, 0, np.array([], np.int32), np.array([]))
+    master.addRow(tok_short, inf, 0, np.array([], np.int32), np.array([]))
+
+    def add_column(cost: float, entries: dict[int, float]) -> None:
+        idx = np.array(list(entries.keys()), np.int32)
+        val = np.array(list(entries.values()), dtype=np.float64)
+        master.addCol(cost, 0.0, inf, len(idx), idx, val)
+
+    add_column(1.0, {nk: float(n)})  # one ms of every rank
+    add_column(b_min, {nk + 1: float(n * cap)})  # a micro-batch of short sequences only
+
+    def pattern_column(groups: list[tuple[int, dict[int, int]]]) -> tuple[float, dict[int, float]]:
+        """(makespan, master entries) of a pattern: (size index, class counts) per group."""
+        makespan = b_min
+        long_rank_ms, long_tokens = 0.0, 0.0
+        cover: dict[int, float] = {}
+        for j, content in groups:
+            d = sizes[j]
+            t_g = sum(tk[k][j] * c for k, c in content.items())
+            makespan = max(makespan, t_g + inst.fixed[j])
+            long_rank_ms += d * (t_g + inst.fixed[j] - b_min)
+            long_tokens += sum(rep[k] * c for k, c in content.items())
+            for k, c in content.items():
+                cover[k] = cover.get(k, 0.0) + c
+        entries = dict(cover)
+        entries[nk] = max(0.0, n * (makespan - b_min) - long_rank_ms)
+        entries[nk + 1] = max(0.0, n * cap - long_tokens)
+        return makespan, entries
+
+    for k in range(nk):  # each class alone in its fastest group
+        j = min(fits[k], key=lambda j: tk[k][j] + inst.fixed[j])
+        add_column(*pattern_column([(j, {k: 1})]))
+    index_of = {d: j for j, d in enumerate(sizes)}
+    for micro in seed:
+        groups = []
+        for d, ids in micro:
+            content: dict[int, int] = {}
+            for i in ids:
+                if i in class_of:
+                    content[class_of[i]] = content.get(class_of[i], 0) + 1
+            if content and d in index_of:
+                groups.append((index_of[d], content))
+        if groups:
+            add_column(*pattern_column(groups))
+
+    # Pricing MILP, built once; only its objective changes.
+    price = quiet_highs()
+    price.setOptionValue("threads", 1)
+    ncols = 0
+
+    def var(lb: float, ub: float, integer: bool) -> int:
+        nonlocal ncols
+        price.addCol(0.0, lb, ub, 0, np.array([], np.int32), np.array([]))
+        if integer:
+            price.changeColIntegrality(ncols, highspy.HighsVarType.kInteger)
+        ncols += 1
+        return ncols - 1
+
+    def row(lb: float, ub: float, terms: list[tuple[int, float]]) -> None:
+        price.addRow(lb, ub, len(terms), np.array([c for c, _ in terms], np.int32),
+                     np.array([v for _, v in terms], dtype=np.float64))  # fmt: skip
+
+    mvar = var(m_low, inf, False)
+    yvar = [var(0.0, 1.0, True) for _ in mixes]
+    row(-inf, 1.0, [(y, 1.0) for y in yvar])
+    slots: list[tuple[int, int]] = []  # (size index, u variable)
+    xvar: dict[tuple[int, int], int] = {}  # (slot, class) -> variable
+    for j in cross:
+        d = sizes[j]
+        most = max(m.get(d, 0) for m in mixes)
+        us = [var(0.0, 1.0, True) for _ in range(most)]
+        if not us:
+            continue
+        row(-inf, 0.0, [(u, 1.0) for u in us] + [(y, -float(m.get(d, 0))) for y, m in
+                                                 zip(yvar, mixes, strict=True)])  # fmt: skip
+        for a, b in itertools.pairwise(us):
+            row(0.0, inf, [(a, 1.0), (b, -1.0)])  # symmetry: fill slots in order
+        for u in us:
+            s = len(slots)
+            slots.append((j, u))
+            mem, tim = [(u, -float(d * cap))], [(u, inst.fixed[j]), (mvar, -1.0)]
+            for k in range(nk):
+                if j in fits[k]:
+                    x = var(0.0, float(min(count[k], (d * cap) // rep[k])), True)
+                    xvar[s, k] = x
+                    mem.append((x, float(rep[k])))
+                    tim.append((x, tk[k][j]))
+            row(-inf, 0.0, mem)
+            row(-inf, 0.0, tim)
+    if not slots:
+        return None
+    for k in range(nk):
+        terms = [(x, 1.0) for (s, kk), x in xvar.items() if kk == k]
+        if terms:
+            row(-inf, float(count[k]), terms)
+    row(1.0, inf, [(x, 1.0) for x in xvar.values()])  # a pattern holds a long sequence: M >= m_low
+    price.changeObjectiveSense(highspy.ObjSense.kMaximize)
+
+    # Early columns need only improve the master: a loose MILP gap finds them fast; once the best
+    # column found is worth little, the pricing is solved tightly, which convergence needs.
+    rel_gap = LOOSE_GAP
+    iterations, z_rmp, z_star = 0, 0.0, math.inf
+    while True:
+        master.run()
+        z_rmp = master.getInfo().objective_function_value
+        duals = master.getSolution().row_dual
+        pi = [max(0.0, float(duals[k])) for k in range(nk)]
+        sw = max(0.0, float(duals[nk]))
+        st = max(0.0, float(duals[nk + 1]))
+        remaining = t_end - time.perf_counter()
+        if iterations >= max_iterations or remaining <= 0:
+            break
+        iterations += 1
+        costs = np.zeros(ncols)
+        costs[mvar] = sw * n - 1.0
+        for j, u in slots:
+            costs[u] = -sw * sizes[j] * (inst.fixed[j] - b_min)
+        for (s, k), x in xvar.items():
+            j = slots[s][0]
+            costs[x] = pi[k] - sw * sizes[j] * tk[k][j] - st * rep[k]
+        offset = -sw * n * b_min + st * n * cap
+        price.changeColsCost(ncols, np.arange(ncols, dtype=np.int32), costs)
+        price.setOptionValue("mip_rel_gap", rel_gap)
+        price.setOptionValue("time_limit", max(0.05, min(price_limit_s, remaining)))
+        price.run()
+        info = price.getInfo()
+        z_star = max(0.0, float(info.mip_dual_bound) + offset)
+        sol = price.getSolution().col_value
+        tol = 1e-7 * max(1.0, z_rmp)
+        found = float(info.objective_function_value) + offset if sol else 0.0
+        if z_star <= tol:
+            break
+        if found <= max(tol, 1e-3 * z_rmp / max(1, nk)) and rel_gap > TIGHT_GAP:
+            rel_gap = TIGHT_GAP  # too little found to go on loosely: solve tightly next
+            if found <= tol:
+                continue
+        elif found <= tol:
+            break
+        groups: list[tuple[int, dict[int, int]]] = []
+        for s, (j, u) in enumerate(slots):
+            if sol[u] < 0.5:
+                continue
+            content = {k: round(sol[x]) for (ss, k), x in xvar.items() if ss == s and sol[x] > 0.5}
+            if content:
+                groups.append((j, content))
+        if not groups:
+            break
+        add_column(*pattern_column(groups))
+    dual_obj = sum(p * c for p, c in zip(pi, count, strict=True)) + sw * w_short + st * tok_short
+    converged = z_star <= 1e-7 * max(1.0, z_rmp)
+    z_eff = max(z_star, 1e-7 * max(1.0, z_rmp))
+    # Farley's scaled duals, or Lagrangian: a plan has at most one micro-batch with long
+    # sequences per long sequence, so it costs at least D - n_long z*.
+    bound = max(dual_obj / (1.0 + z_eff / m_low), dual_obj - len(long_ids) * z_eff, 0.0)
+    if converged:
+        bound = min(z_rmp, bound)
+    return PlacementBound(
+        bound * (1 - 1e-7), z_rmp, converged, iterations, len(long_ids), nk, len(mixes)
+    )

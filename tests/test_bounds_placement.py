@@ -1,0 +1,126 @@
+"""The placement-aware LP bound: below every plan aligned blocks can hold, above plans they cannot.
+
+The reference is ``solver_helpers.brute_force_ms(..., placed=True)``: every set partition of the
+batch, every size mix an exhaustive search over ``Cluster.block_starts`` places, every assignment;
+it shares no code with ``placement_bound`` (which enumerates mixes by its own search and prices
+patterns by a MILP).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from solver_helpers import brute_force_ms, toy_cost
+
+from megatron_hsp.planner import placement_bound
+from megatron_hsp.planner.bounds import lower_bound_ms
+from megatron_hsp.planner.instance import Instance, check_lengths, resolve_sizes
+from megatron_hsp.planner.placement_bound import cross_node_mixes, placement_lp_bound
+from megatron_hsp.planner.solver import SolverConfig, solve
+from megatron_hsp.planner.topology import Cluster
+
+
+def _bound(lengths, cost, cluster, **kw):
+    sizes = resolve_sizes(cost, cluster, None)
+    inst = Instance.build(check_lengths(lengths, cost, sizes), cost, cluster, sizes)
+    return placement_lp_bound(inst, cluster, **kw), sizes
+
+
+def test_mixes_on_eight_nodes_of_eight_are_the_ten_that_aligned_blocks_hold():
+    mixes = cross_node_mixes(Cluster(64, 8), [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64])
+    got = sorted(tuple(sorted((d, c) for d, c in m.items() if c)) for m in mixes)
+    assert got == sorted(
+        [
+            ((64, 1),),
+            ((56, 1),),
+            ((16, 1), (48, 1)),
+            ((16, 1), (40, 1)),
+            ((32, 2),),
+            ((24, 1), (32, 1)),  # 24 at 0, 32 at 32
+            ((16, 2), (32, 1)),
+            ((16, 1), (24, 2)),
+            ((16, 2), (24, 1)),
+            ((16, 4),),
+        ]
+    )
+    # 40 + 24 is not there: 40 starts at 0 only, 24 at 0 or 24.
+    assert not any(m.get(40) and m.get(24) for m in mixes)
+
+
+def test_mixes_past_the_limit_are_not_enumerated(monkeypatch):
+    monkeypatch.setattr(placement_bound, "MAX_MIXES", 3)
+    assert cross_node_mixes(Cluster(64, 8), [16, 24, 32, 40, 48, 56, 64]) is None
+
+
+def test_no_long_sequence_means_no_bound():
+    cluster = Cluster(4, 2)
+    cost = toy_cost(4, 100)
+    bound, _ = _bound([50, 150, 200], cost, cluster)
+    assert bound is None  # every sequence fits a node: bounds.py's facts already cover it
+
+
+def test_bound_counts_the_placement_rule_on_ten_ranks():
+    """A sequence needing 6 ranks and one needing 4 fill 10 ranks, but 4-rank blocks start at 0
+    and 4 and the only 6-rank block at 0: they never run side by side. The bound must sit above
+    the alignment-free optimum (which pairs them) and at or below the placed optimum."""
+    cluster = Cluster(10, 2)
+    # Fixed costs growing with the size (as calibrated models' do) make one 10-rank group for
+    # both dearer than side by side.
+    cost = toy_cost(10, 100, fixed=5.0, attn=1e-4, fixed_per_rank=2.0)
+    lengths = [590, 390]
+    bound, sizes = _bound(lengths, cost, cluster)
+    free = brute_force_ms(lengths, cost, cluster, sizes)
+    placed = brute_force_ms(lengths, cost, cluster, sizes, placed=True)
+    assert bound is not None and bound.converged
+    assert free < placed
+    assert free * 1.2 < bound.bound_ms <= placed * (1 + 1e-9)
+    assert bound.bound_ms == pytest.approx(placed, rel=1e-6)  # tight here
+    assert lower_bound_ms(lengths, cost, cluster) < free * (1 + 1e-9)  # blind to placement
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shape=st.sampled_from([(4, 1), (6, 2), (8, 2), (10, 2), (6, 1)]),
+    cap=st.integers(50, 300),
+    fixed=st.floats(0.5, 20.0),
+    attn=st.sampled_from([1e-5, 1e-4, 1e-3]),
+    grow=st.sampled_from([0.0, 0.5]),
+    data=st.data(),
+)
+def test_bound_below_the_placed_brute_force_optimum(shape, cap, fixed, attn, grow, data):
+    world, gpn = shape
+    cluster = Cluster(world, gpn)
+    cost = toy_cost(world, cap, fixed, attn=attn, fixed_per_rank=grow)
+    sizes = resolve_sizes(cost, cluster, None)
+    longest = cost.max_trainable_length(sizes)
+    node = gpn * cap  # longer than a node holds: a long sequence, placed explicitly
+    if node >= longest:
+        return
+    long = data.draw(st.lists(st.integers(node + 1, longest), min_size=1, max_size=2))
+    short = data.draw(st.lists(st.integers(1, node), max_size=3))
+    lengths = data.draw(st.permutations(long + short))
+    bound, _ = _bound(lengths, cost, cluster, rel_width=data.draw(st.sampled_from([0.0, 0.2])))
+    assert bound is not None
+    optimum = brute_force_ms(lengths, cost, cluster, sizes, placed=True)
+    assert bound.bound_ms <= optimum * (1 + 1e-7) + 1e-7
+
+
+def test_bound_below_the_planner_on_a_long_heavy_batch():
+    """A 64-rank batch like the suite's bimodal one (long sequences of 50-100% of the longest
+    trainable, the rest short): the planner's plan is placeable, so it can be no better."""
+    import numpy as np
+
+    cluster = Cluster(64, 8)
+    cost = toy_cost(64, 200, fixed=20.0, attn=2e-4, fixed_per_rank=0.1)
+    sizes = resolve_sizes(cost, cluster, None)
+    rng = np.random.default_rng(3)
+    longest = cost.max_trainable_length(sizes)
+    lengths = [int(x) for x in rng.integers(longest // 2, longest, 12)]
+    lengths += [int(x) for x in rng.integers(20, 400, 60)]
+    bound, _ = _bound(lengths, cost, cluster, time_limit_s=30.0)
+    plan = solve(lengths, cost, cluster, SolverConfig(time_budget_s=2.0))
+    assert bound is not None
+    assert bound.bound_ms <= plan.est_step_ms * (1 + 1e-9)
+    assert bound.bound_ms > 0.5 * plan.est_step_ms  # not a trivial bound
+    assert bound.long_sequences == 12
