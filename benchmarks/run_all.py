@@ -46,6 +46,10 @@ def commands(out: Path) -> dict[str, list[str]]:
         "calibration": [py, str(HERE / "calibration.py")],
         "gap_decomposition": [py, str(HERE / "gap_decomposition.py"), "--steps", "1"],
         "pairing_check": [py, str(HERE / "pairing_check.py")],
+        "placement_gap": [
+            py, str(HERE / "placement_gap.py"), "--steps", "1", "--only", "bimodal",
+            "--time-limit", "60",
+        ],
         "solve_time": [py, str(HERE / "solve_time.py"), "1"],
         "communicators": [py, str(HERE / "communicators.py")],
         # One step, JSON to the temp dir: the committed 5-step results stay as docs quote them.

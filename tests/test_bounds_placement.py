@@ -16,7 +16,11 @@ from solver_helpers import brute_force_ms, toy_cost
 from megatron_hsp.planner import placement_bound
 from megatron_hsp.planner.bounds import lower_bound_ms
 from megatron_hsp.planner.instance import Instance, check_lengths, resolve_sizes
-from megatron_hsp.planner.placement_bound import cross_node_mixes, placement_lp_bound
+from megatron_hsp.planner.placement_bound import (
+    cross_node_mixes,
+    node_configs,
+    placement_lp_bound,
+)
 from megatron_hsp.planner.solver import SolverConfig, solve
 from megatron_hsp.planner.topology import Cluster
 
@@ -53,11 +57,44 @@ def test_mixes_past_the_limit_are_not_enumerated(monkeypatch):
     assert cross_node_mixes(Cluster(64, 8), [16, 24, 32, 40, 48, 56, 64]) is None
 
 
-def test_no_long_sequence_means_no_bound():
+def test_node_configurations_of_eight_slots_are_the_ten_that_offsets_hold():
+    configs = node_configs(Cluster(64, 8), [1, 2, 3, 4, 5, 6, 7, 8, 16])
+    got = sorted(tuple(sorted((d, c) for d, c in m.items() if c)) for m in configs)
+    assert got == sorted(
+        [
+            ((8, 1),),
+            ((7, 1),),
+            ((2, 1), (6, 1)),
+            ((2, 1), (5, 1)),  # 5 at 0, 2 at 6; 3 fits beside 5 nowhere (offsets 0 and 3)
+            ((4, 2),),
+            ((3, 1), (4, 1)),  # 3 at 0, 4 at 4
+            ((2, 2), (4, 1)),
+            ((2, 1), (3, 2)),
+            ((2, 2), (3, 1)),
+            ((2, 4),),
+        ]
+    )
+
+
+def test_no_multi_rank_sequence_means_no_bound():
     cluster = Cluster(4, 2)
     cost = toy_cost(4, 100)
-    bound, _ = _bound([50, 150, 200], cost, cluster)
-    assert bound is None  # every sequence fits a node: bounds.py's facts already cover it
+    bound, _ = _bound([50, 80, 100], cost, cluster, intra_node=True)
+    assert bound is None  # every sequence fits one rank: bounds.py's facts already cover it
+
+
+def test_bound_counts_the_placement_rule_inside_a_node():
+    """Sequences needing 5 and 3 ranks fill a node of 8, but a 3-rank block starts at offset 0
+    or 3 and the 5-rank block at 0: never side by side."""
+    cluster = Cluster(8, 8)
+    cost = toy_cost(8, 100, fixed=5.0, attn=1e-4, fixed_per_rank=2.0)
+    lengths = [490, 290]
+    bound, sizes = _bound(lengths, cost, cluster, intra_node=True)
+    free = brute_force_ms(lengths, cost, cluster, sizes)
+    placed = brute_force_ms(lengths, cost, cluster, sizes, placed=True)
+    assert bound is not None and bound.converged
+    assert free * 1.15 < bound.bound_ms <= placed * (1 + 1e-9)
+    assert bound.bound_ms == pytest.approx(placed, rel=1e-6)
 
 
 def test_bound_counts_the_placement_rule_on_ten_ranks():
@@ -81,7 +118,7 @@ def test_bound_counts_the_placement_rule_on_ten_ranks():
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    shape=st.sampled_from([(4, 1), (6, 2), (8, 2), (10, 2), (6, 1)]),
+    shape=st.sampled_from([(4, 1), (6, 2), (8, 2), (10, 2), (6, 1), (8, 8), (8, 4)]),
     cap=st.integers(50, 300),
     fixed=st.floats(0.5, 20.0),
     attn=st.sampled_from([1e-5, 1e-4, 1e-3]),
@@ -94,14 +131,20 @@ def test_bound_below_the_placed_brute_force_optimum(shape, cap, fixed, attn, gro
     cost = toy_cost(world, cap, fixed, attn=attn, fixed_per_rank=grow)
     sizes = resolve_sizes(cost, cluster, None)
     longest = cost.max_trainable_length(sizes)
-    node = gpn * cap  # longer than a node holds: a long sequence, placed explicitly
-    if node >= longest:
-        return
-    long = data.draw(st.lists(st.integers(node + 1, longest), min_size=1, max_size=2))
-    short = data.draw(st.lists(st.integers(1, node), max_size=3))
+    # Longer than a rank holds: placed explicitly (in a cross-node or an intra-node group).
+    long = data.draw(st.lists(st.integers(cap + 1, longest), min_size=1, max_size=2))
+    short = data.draw(st.lists(st.integers(1, cap), max_size=3))
     lengths = data.draw(st.permutations(long + short))
-    bound, _ = _bound(lengths, cost, cluster, rel_width=data.draw(st.sampled_from([0.0, 0.2])))
-    assert bound is not None
+    bound, _ = _bound(
+        lengths,
+        cost,
+        cluster,
+        rel_width=data.draw(st.sampled_from([0.0, 0.2])),
+        intra_node=data.draw(st.booleans()),
+    )
+    if bound is None:  # nothing to place explicitly: every sequence fits a node
+        assert max(lengths) <= gpn * cap
+        return
     optimum = brute_force_ms(lengths, cost, cluster, sizes, placed=True)
     assert bound.bound_ms <= optimum * (1 + 1e-7) + 1e-7
 

@@ -125,6 +125,48 @@ def cross_node_mixes(cluster: Cluster, sizes: Sequence[int]) -> list[dict[int, i
     return [m for m in mixes if not dominated(m) and any(m.values())]
 
 
+def node_configs(cluster: Cluster, sizes: Sequence[int]) -> list[dict[int, int]]:
+    """Every maximal multiset of multi-rank sizes up to a node that one node's aligned blocks
+    (offsets ``k * d``, ``k < G // d``) hold at once; exact (one node is tiny)."""
+    g = cluster.node_width
+    small = sorted({int(d) for d in sizes if 1 < d <= g}, reverse=True)
+    found: set[tuple[int, ...]] = set()
+    used = [False] * g
+
+    def dfs(k: int, counts: list[int], low: int) -> None:
+        if k == len(small):
+            found.add(tuple(counts))
+            return
+        d = small[k]
+        for off in range(low, g - d + 1, d):
+            if off % d == 0 and not any(used[off : off + d]):
+                used[off : off + d] = [True] * d
+                counts[k] += 1
+                dfs(k, counts, off + d)
+                counts[k] -= 1
+                used[off : off + d] = [False] * d
+        dfs(k + 1, counts, 0)
+
+    dfs(0, [0] * len(small), 0)
+    configs = [dict(zip(small, c, strict=True)) for c in found]
+
+    def dominated(a: dict[int, int]) -> bool:
+        return any(b != a and all(b[d] >= a[d] for d in small) for b in configs)
+
+    return [c for c in configs if not dominated(c) and any(c.values())]
+
+
+def _classes(ids: list[int], lengths: Sequence[int], rel_width: float) -> list[list[int]]:
+    """Sequences by length, each class within ``1 + rel_width`` of its shortest (first) member."""
+    classes: list[list[int]] = []
+    for i in sorted(ids, key=lambda i: lengths[i]):
+        if classes and lengths[i] <= (1 + rel_width) * lengths[classes[-1][0]]:
+            classes[-1].append(i)
+        else:
+            classes.append([i])
+    return classes
+
+
 def placement_lp_bound(
     inst: Instance,
     cluster: Cluster,
@@ -134,48 +176,58 @@ def placement_lp_bound(
     time_limit_s: float = 60.0,
     price_limit_s: float = 5.0,
     seed: Sequence[Sequence[tuple[int, Sequence[int]]]] = (),
+    upper_ms: float | None = None,
+    intra_node: bool = False,
 ) -> PlacementBound | None:
     """Step time no placeable plan beats (module docstring); None where it is not computed.
 
-    None: no sequence is long (the bound would be the short work's, which ``bounds.py`` already
-    gives), or more than ``MAX_MIXES`` placeable mixes. ``rel_width`` groups long lengths into
-    classes priced at their shortest member (a relaxation: time and memory grow with length).
-    ``seed``: micro-batches of a plan, as (group size, sequence ids) per group, whose long groups
-    start the column generation (any placed plan's; it speeds convergence, the bound does not
-    depend on it).
+    None: no sequence needs more than the smallest group (the bound would be the short work's,
+    which ``bounds.py`` already gives), or more than ``MAX_MIXES`` placeable mixes. ``rel_width``
+    groups lengths into classes priced at their shortest member (a relaxation: time and memory
+    grow with length). ``seed``: micro-batches of a plan, as (group size, sequence ids) per
+    group, that start the column generation (any plan's; it speeds convergence, the bound does
+    not depend on it). ``upper_ms``: a plan's step time (no micro-batch of a better plan lasts
+    longer; it only tightens the pricing's linearisation). ``intra_node``: also place the
+    multi-rank sequences a node holds (pooled per size in node configurations); exact on small
+    instances, but its pricing MILP is slow: at 64 ranks and 512 sequences it does not converge
+    in minutes. Without it they are short (fractional) and only cross-node placement counts.
     """
     import highspy
 
     t_end = time.perf_counter() + time_limit_s
     n, g = inst.world_size, cluster.node_width
     sizes = inst.sizes
-    long_ids = [i for i in range(len(inst.lengths)) if sizes[inst.dmin[i]] > g]
-    if not long_ids:
+    nodes = max(1, n // g)
+    need = [sizes[inst.dmin[i]] for i in range(len(inst.lengths))]
+    long_ids = [i for i in range(len(inst.lengths)) if need[i] > g]
+    mid_ids = [i for i in range(len(inst.lengths)) if sizes[0] < need[i] <= g and intra_node]
+    if not long_ids and not mid_ids:
         return None
     mixes = cross_node_mixes(cluster, sizes)
     if mixes is None:
         return None
+    configs = node_configs(cluster, sizes)
     cross = [j for j, d in enumerate(sizes) if d > g]
+    intra = [j for j, d in enumerate(sizes) if 1 < d <= g]
     b_min = inst.min_fixed
     cap = inst.cap
-    short = [i for i in range(len(inst.lengths)) if sizes[inst.dmin[i]] <= g]
+    explicit = set(long_ids) | set(mid_ids)
+    short = [i for i in range(len(inst.lengths)) if i not in explicit]
     w_short = float(sum(inst.work_min[i] for i in short))
     tok_short = float(sum(inst.lengths[i] for i in short))
+    m_cap = upper_ms if upper_ms is not None else float(sum(inst.best)) + b_min
 
-    # Long classes: lengths within 1 + rel_width of the class's shortest, priced at it.
-    classes: list[list[int]] = []
-    class_of: dict[int, int] = {}
-    for i in sorted(long_ids, key=lambda i: inst.lengths[i]):
-        if classes and inst.lengths[i] <= (1 + rel_width) * inst.lengths[classes[-1][0]]:
-            classes[-1].append(i)
-        else:
-            classes.append([i])
-        class_of[i] = len(classes) - 1
+    # Classes: long ones (only cross-node groups hold them), then the multi-rank ones a node holds.
+    classes = _classes(long_ids, inst.lengths, rel_width) + _classes(
+        mid_ids, inst.lengths, rel_width
+    )
+    class_of = {i: k for k, c in enumerate(classes) for i in c}
     nk = len(classes)
     rep = [inst.lengths[c[0]] for c in classes]
     count = [len(c) for c in classes]
     tk = [[inst.times[c[0]][j] for j in range(len(sizes))] for c in classes]
-    fits = [[j for j in cross if rep[k] <= sizes[j] * cap] for k in range(nk)]
+    fits = [[j for j in range(len(sizes)) if rep[k] <= sizes[j] * cap and sizes[j] > 1]
+            for k in range(nk)]  # fmt: skip
     m_low = min(tk[k][j] + inst.fixed[j] for k in range(nk) for j in fits[k])
 
     # Master LP: rows 0..nk-1 cover classes, nk the short work, nk + 1 the short tokens.
@@ -195,39 +247,62 @@ def placement_lp_bound(
     add_column(1.0, {nk: float(n)})  # one ms of every rank
     add_column(b_min, {nk + 1: float(n * cap)})  # a micro-batch of short sequences only
 
-    def pattern_column(groups: list[tuple[int, dict[int, int]]]) -> tuple[float, dict[int, float]]:
-        """(makespan, master entries) of a pattern: (size index, class counts) per group."""
+    def pattern_column(
+        groups: list[tuple[int, dict[int, int]]], pooled: dict[int, tuple[int, dict[int, int]]]
+    ) -> tuple[float, dict[int, float]]:
+        """(makespan, master entries) of a pattern: cross-node groups as (size index, class
+        counts); intra-node groups pooled per size index as (groups, class counts)."""
         makespan = b_min
-        long_rank_ms, long_tokens = 0.0, 0.0
+        rank_ms, tokens = 0.0, 0.0
         cover: dict[int, float] = {}
         for j, content in groups:
-            d = sizes[j]
             t_g = sum(tk[k][j] * c for k, c in content.items())
             makespan = max(makespan, t_g + inst.fixed[j])
-            long_rank_ms += d * (t_g + inst.fixed[j] - b_min)
-            long_tokens += sum(rep[k] * c for k, c in content.items())
+            rank_ms += sizes[j] * (t_g + inst.fixed[j] - b_min)
+            tokens += sum(rep[k] * c for k, c in content.items())
+            for k, c in content.items():
+                cover[k] = cover.get(k, 0.0) + c
+        for j, (ng, content) in pooled.items():
+            t_all = sum(tk[k][j] * c for k, c in content.items())
+            makespan = max(makespan, (t_all + inst.fixed[j] * ng) / ng)
+            makespan = max(makespan, *(tk[k][j] + inst.fixed[j] for k in content))
+            rank_ms += sizes[j] * (t_all + (inst.fixed[j] - b_min) * ng)
+            tokens += sum(rep[k] * c for k, c in content.items())
             for k, c in content.items():
                 cover[k] = cover.get(k, 0.0) + c
         entries = dict(cover)
-        entries[nk] = max(0.0, n * (makespan - b_min) - long_rank_ms)
-        entries[nk + 1] = max(0.0, n * cap - long_tokens)
+        entries[nk] = max(0.0, n * (makespan - b_min) - rank_ms)
+        entries[nk + 1] = max(0.0, n * cap - tokens)
         return makespan, entries
 
-    for k in range(nk):  # each class alone in its fastest group
-        j = min(fits[k], key=lambda j: tk[k][j] + inst.fixed[j])
-        add_column(*pattern_column([(j, {k: 1})]))
-    index_of = {d: j for j, d in enumerate(sizes)}
-    for micro in seed:
-        groups = []
+    def split(micro: Sequence[tuple[int, Sequence[int]]]):
+        """A micro-batch's explicit sequences as pattern_column's arguments."""
+        groups, pooled = [], {}
+        index_of = {d: j for j, d in enumerate(sizes)}
         for d, ids in micro:
             content: dict[int, int] = {}
             for i in ids:
                 if i in class_of:
                     content[class_of[i]] = content.get(class_of[i], 0) + 1
-            if content and d in index_of:
-                groups.append((index_of[d], content))
-        if groups:
-            add_column(*pattern_column(groups))
+            if not content or d not in index_of:
+                continue
+            j = index_of[d]
+            if d > g:
+                groups.append((j, content))
+            else:
+                ng, pool = pooled.get(j, (0, {}))
+                for k, c in content.items():
+                    pool[k] = pool.get(k, 0) + c
+                pooled[j] = (ng + 1, pool)
+        return groups, pooled
+
+    for k in range(nk):  # each class alone in its fastest group
+        j = min(fits[k], key=lambda j: tk[k][j] + inst.fixed[j])
+        add_column(*pattern_column(*split([(sizes[j], [classes[k][0]])])))
+    for micro in seed:
+        groups, pooled = split(micro)
+        if groups or pooled:
+            add_column(*pattern_column(groups, pooled))
 
     # Pricing MILP, built once; only its objective changes.
     price = quiet_highs()
@@ -248,12 +323,14 @@ def placement_lp_bound(
 
     mvar = var(m_low, inf, False)
     yvar = [var(0.0, 1.0, True) for _ in mixes]
-    row(-inf, 1.0, [(y, 1.0) for y in yvar])
-    slots: list[tuple[int, int]] = []  # (size index, u variable)
+    if yvar:
+        row(-inf, 1.0, [(y, 1.0) for y in yvar])
+    slots: list[tuple[int, int]] = []  # cross-node groups: (size index, u variable)
     xvar: dict[tuple[int, int], int] = {}  # (slot, class) -> variable
+    node_terms: list[tuple[int, float]] = []  # nodes taken, by cross-node groups and node configs
     for j in cross:
         d = sizes[j]
-        most = max(m.get(d, 0) for m in mixes)
+        most = max((m.get(d, 0) for m in mixes), default=0)
         us = [var(0.0, 1.0, True) for _ in range(most)]
         if not us:
             continue
@@ -264,6 +341,7 @@ def placement_lp_bound(
         for u in us:
             s = len(slots)
             slots.append((j, u))
+            node_terms.append((u, float(d // g)))
             mem, tim = [(u, -float(d * cap))], [(u, inst.fixed[j]), (mvar, -1.0)]
             for k in range(nk):
                 if j in fits[k]:
@@ -273,13 +351,50 @@ def placement_lp_bound(
                     tim.append((x, tk[k][j]))
             row(-inf, 0.0, mem)
             row(-inf, 0.0, tim)
-    if not slots:
-        return None
+    # Intra-node groups, pooled per size: ``ng`` groups (bits of it, to price ``ng * M``) in the
+    # nodes the configurations give; every class in it fits one group and finishes by M, and
+    # together they fit the groups' memory and ``ng`` makespans (a relaxation of one by one).
+    cvar = [var(0.0, float(nodes), True) for _ in configs]
+    node_terms += [(c, 1.0) for c in cvar]
+    row(-inf, float(nodes), node_terms)
+    bits: dict[int, list[tuple[int, int]]] = {}  # size index -> [(2^i, bit variable)]
+    pvar: dict[tuple[int, int], int] = {}  # (size index, class) -> pooled count
+    for j in intra:
+        d = sizes[j]
+        most = nodes * (g // d)
+        ks = [k for k in range(nk) if j in fits[k]]
+        if not ks or not any(c.get(d, 0) for c in configs):
+            continue
+        bs = [(1 << i, var(0.0, 1.0, True)) for i in range(most.bit_length())]
+        bits[j] = bs
+        groups_terms = [(b, float(w)) for w, b in bs]
+        row(-inf, 0.0, groups_terms + [(c, -float(cf.get(d, 0))) for c, cf in
+                                       zip(cvar, configs, strict=True)])  # fmt: skip
+        mem = [(b, -float(w * d * cap)) for w, b in bs]
+        tim = [(b, float(w) * inst.fixed[j]) for w, b in bs]
+        for w, b in bs:  # v_b = bit * M, linearised: v <= M, v <= m_cap * bit
+            v = var(0.0, inf, False)
+            row(-inf, 0.0, [(v, 1.0), (mvar, -1.0)])
+            row(-inf, 0.0, [(v, 1.0), (b, -m_cap)])
+            tim.append((v, -float(w)))
+        for k in ks:
+            most_k = min(count[k], most * ((d * cap) // rep[k]))
+            x = var(0.0, float(most_k), True)
+            z = var(0.0, 1.0, True)
+            pvar[j, k] = x
+            row(-inf, 0.0, [(x, 1.0), (z, -float(most_k))])
+            row(-inf, 0.0, [(z, tk[k][j] + inst.fixed[j]), (mvar, -1.0)])
+            mem.append((x, float(rep[k])))
+            tim.append((x, tk[k][j]))
+        row(-inf, 0.0, mem)
+        row(-inf, 0.0, tim)
     for k in range(nk):
         terms = [(x, 1.0) for (s, kk), x in xvar.items() if kk == k]
+        terms += [(x, 1.0) for (j, kk), x in pvar.items() if kk == k]
         if terms:
             row(-inf, float(count[k]), terms)
-    row(1.0, inf, [(x, 1.0) for x in xvar.values()])  # a pattern holds a long sequence: M >= m_low
+    # A pattern holds an explicit sequence, so M >= m_low.
+    row(1.0, inf, [(x, 1.0) for x in [*xvar.values(), *pvar.values()]])
     price.changeObjectiveSense(highspy.ObjSense.kMaximize)
 
     # Early columns need only improve the master: a loose MILP gap finds them fast; once the best
@@ -303,6 +418,11 @@ def placement_lp_bound(
             costs[u] = -sw * sizes[j] * (inst.fixed[j] - b_min)
         for (s, k), x in xvar.items():
             j = slots[s][0]
+            costs[x] = pi[k] - sw * sizes[j] * tk[k][j] - st * rep[k]
+        for j, bs in bits.items():
+            for w, b in bs:
+                costs[b] = -sw * sizes[j] * (inst.fixed[j] - b_min) * w
+        for (j, k), x in pvar.items():
             costs[x] = pi[k] - sw * sizes[j] * tk[k][j] - st * rep[k]
         offset = -sw * n * b_min + st * n * cap
         price.changeColsCost(ncols, np.arange(ncols, dtype=np.int32), costs)
@@ -329,15 +449,21 @@ def placement_lp_bound(
             content = {k: round(sol[x]) for (ss, k), x in xvar.items() if ss == s and sol[x] > 0.5}
             if content:
                 groups.append((j, content))
-        if not groups:
+        pooled: dict[int, tuple[int, dict[int, int]]] = {}
+        for j, bs in bits.items():
+            content = {k: round(sol[x]) for (jj, k), x in pvar.items() if jj == j and sol[x] > 0.5}
+            ng = sum(w for w, b in bs if sol[b] > 0.5)
+            if content and ng:
+                pooled[j] = (ng, content)
+        if not groups and not pooled:
             break
-        add_column(*pattern_column(groups))
+        add_column(*pattern_column(groups, pooled))
     dual_obj = sum(p * c for p, c in zip(pi, count, strict=True)) + sw * w_short + st * tok_short
     converged = z_star <= 1e-7 * max(1.0, z_rmp)
     z_eff = max(z_star, 1e-7 * max(1.0, z_rmp))
-    # Farley's scaled duals, or Lagrangian: a plan has at most one micro-batch with long
-    # sequences per long sequence, so it costs at least D - n_long z*.
-    bound = max(dual_obj / (1.0 + z_eff / m_low), dual_obj - len(long_ids) * z_eff, 0.0)
+    # Farley's scaled duals, or Lagrangian: a plan has at most one micro-batch with explicit
+    # sequences per explicit sequence, so it costs at least D - n_explicit z*.
+    bound = max(dual_obj / (1.0 + z_eff / m_low), dual_obj - len(explicit) * z_eff, 0.0)
     if converged:
         bound = min(z_rmp, bound)
     return PlacementBound(
