@@ -30,11 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
-from megatron_hsp.planner.baselines import (
-    RingAssumptions,
-    cp_groups_of_microbatch,
-    ring_plan_from_layout,
-)
+from megatron_hsp.planner.baselines import RingAssumptions, plan_from_scheduler
 from megatron_hsp.planner.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.plan import Plan
@@ -74,20 +70,13 @@ def megatron_dcp_plan(
             f"megatron-dcp: sequence of length {longest} needs a CP group of {need} > {n} GPUs"
         )
     scheduler = BalancedCPScheduler(cost.tokens_per_rank, _WorldSizeOnly(n))
-    try:
-        _, sample_id_groups = scheduler.get_groups_and_subsamples(
-            [(i, int(x)) for i, x in enumerate(lens.tolist())], config=None
-        )
-    except AssertionError as exc:  # its internal invariants, e.g. "cannot redistribute"
-        raise InfeasibleError(f"megatron-dcp: megatron-core's scheduler gave up: {exc}") from None
-    layout = [cp_groups_of_microbatch(sample_ids) for sample_ids in sample_id_groups]
-    return ring_plan_from_layout(
+    return plan_from_scheduler(
         lens,
         cost,
         cluster,
-        layout,
-        assume or RingAssumptions(),
+        lambda samples: scheduler.get_groups_and_subsamples(samples, config=None)[1],
+        method="megatron-dcp",
+        who="megatron-core's scheduler",
         sequential=True,
-        solver="megatron-dcp",
-        extra={"method": "megatron-dcp", "scheduler_microbatches": len(sample_id_groups)},
+        assume=assume,
     )

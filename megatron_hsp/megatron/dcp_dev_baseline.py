@@ -37,13 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_hsp.planner.baselines import (
-    RingAssumptions,
-    cp_groups_of_microbatch,
-    ring_plan_from_layout,
-)
+from megatron_hsp.planner.baselines import RingAssumptions, plan_from_scheduler
 from megatron_hsp.planner.costmodel import CostModel
-from megatron_hsp.planner.errors import InfeasibleError, InputError
+from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.plan import Plan
 from megatron_hsp.planner.topology import Cluster
 
@@ -213,20 +209,13 @@ def megatron_dcp_dev_plan(
     if lens.size == 0:
         raise InputError("the global batch is empty; nothing to plan")
     n = cluster.world_size
-    try:
-        sample_id_groups = schedule(
-            [(i, int(x)) for i, x in enumerate(lens.tolist())], n, int(cost.tokens_per_rank)
-        )
-    except AssertionError as exc:  # its invariants, e.g. a sequence needing more than n ranks
-        raise InfeasibleError(f"megatron-dcp-dev: dev's scheduler gave up: {exc}") from None
-    layout = [cp_groups_of_microbatch(sample_ids) for sample_ids in sample_id_groups]
-    return ring_plan_from_layout(
+    return plan_from_scheduler(
         lens,
         cost,
         cluster,
-        layout,
-        assume or RingAssumptions(),
+        lambda samples: schedule(samples, n, int(cost.tokens_per_rank)),
+        method="megatron-dcp-dev",
+        who="dev's scheduler",
         sequential=False,
-        solver="megatron-dcp-dev",
-        extra={"method": "megatron-dcp-dev", "scheduler_microbatches": len(sample_id_groups)},
+        assume=assume,
     )

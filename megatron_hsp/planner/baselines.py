@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -475,6 +475,40 @@ def cp_groups_of_microbatch(
     for sid, ranks in members.items():
         groups.setdefault(tuple(sorted(ranks)), []).append(sid)
     return [(len(r), ids) for r, ids in sorted(groups.items())]
+
+
+def plan_from_scheduler(
+    lens: np.ndarray,
+    cost: CostModel,
+    cluster: Cluster,
+    schedule: Callable[[list[tuple[int, int]]], list],
+    *,
+    method: str,
+    who: str,
+    sequential: bool,
+    assume: RingAssumptions | None = None,
+) -> Plan:
+    """A Megatron scheduler's micro-batches as a ring ``Plan`` (both ``megatron-dcp`` baselines).
+
+    ``schedule`` maps ``[(sample id, length)]`` to the scheduler's groups of sample ids per
+    micro-batch; its internal assertions (e.g. "cannot redistribute") become an
+    ``InfeasibleError`` naming ``method`` and ``who``.
+    """
+    try:
+        sample_id_groups = schedule([(i, int(x)) for i, x in enumerate(lens.tolist())])
+    except AssertionError as exc:
+        raise InfeasibleError(f"{method}: {who} gave up: {exc}") from None
+    layout = [cp_groups_of_microbatch(sample_ids) for sample_ids in sample_id_groups]
+    return ring_plan_from_layout(
+        lens,
+        cost,
+        cluster,
+        layout,
+        assume or RingAssumptions(),
+        sequential=sequential,
+        solver=method,
+        extra={"method": method, "scheduler_microbatches": len(sample_id_groups)},
+    )
 
 
 def ring_plan_from_layout(
