@@ -1,4 +1,4 @@
-"""A lower bound over the plans the runtime can place: cross-node groups in aligned blocks.
+"""A lower bound over the plans the runtime can place: groups in aligned blocks.
 
 Why (issue 19 item 5): every fact of ``bounds.py`` and its configuration LP let any group sizes
 share a micro-batch as long as their ranks add up. The runtime does not: a group of more than one
@@ -30,14 +30,23 @@ sequences (no group inside one node holds them) are placed explicitly:
 Every micro-batch of every plan the runtime places is a pattern (with its short sequences' work
 at least their minimum, its long classes at their shortest member's length), so the optimum is a
 step-time bound; any superset of patterns only lowers it. Columns come from a pricing MILP
-(HiGHS) that chooses the mix, fills each group and pays its makespan. When a limit stops the
-column generation first, Farley's scaled dual bound ``D / (1 + z* / M_low)`` is returned
-(``z*``: the pricing MILP's dual bound on the best reduced value; every priced pattern holds a
-long sequence, so ``M >= M_low``, its cheapest alone), as ``bounds.instance_lp_bound`` does.
+(HiGHS) that chooses the mix, fills each group and pays its makespan; a loose MILP gap while
+columns are worth much, a tight one to prove convergence. When a limit stops the column
+generation first, the larger of Farley's scaled dual bound ``D / (1 + z* / M_low)`` and the
+Lagrangian ``D - n z*`` is returned (``z*``: the pricing MILP's dual bound on the best reduced
+value; every priced pattern holds an explicit sequence, so ``M >= M_low``, the cheapest one
+alone, and a plan has at most ``n``, one per explicit sequence), as
+``bounds.instance_lp_bound`` does.
 
-What it does not model: placement inside a node (sizes 3, 5, 6, 7 leave ranks over; all
-sequences a node holds are fractional here), and the combinatorial facts (use ``max`` with
-``bounds.instance_lower_bound``). It is a benchmark's bound (seconds to a minute at 64 ranks and
+With ``intra_node`` the multi-rank sequences a node holds are explicit too: intra-node groups
+are pooled per size (their count, memory and ``count x M`` of time, with ``count x M``
+linearised by the count's bits), in nodes that per-node configurations of aligned offsets fill
+(``node_configs``: sizes 5 and 3 never share a node of 8). Exact on small instances, slow at 512
+sequences (its pricing MILP rarely converges in minutes), so off by default: then those
+sequences are fractional and only cross-node placement counts.
+
+What it does not model: the combinatorial facts (use ``max`` with
+``bounds.instance_lower_bound``). It is a benchmark's bound (seconds to minutes at 64 ranks and
 512 sequences), not the planner's per-solve one.
 """
 
