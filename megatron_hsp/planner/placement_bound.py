@@ -442,7 +442,9 @@ def placement_lp_bound(
         z_star = max(0.0, float(info.mip_dual_bound) + offset)
         sol = price.getSolution().col_value
         tol = 1e-7 * max(1.0, z_rmp)
-        found = float(info.objective_function_value) + offset if sol else 0.0
+        # A column only from a feasible MILP solution (a time limit may leave none).
+        feasible = bool(sol) and int(info.primal_solution_status) == 2
+        found = float(info.objective_function_value) + offset if feasible else 0.0
         if z_star <= tol:
             break
         if found <= max(tol, 1e-3 * z_rmp / max(1, nk)) and rel_gap > TIGHT_GAP:
