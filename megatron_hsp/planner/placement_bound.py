@@ -136,9 +136,11 @@ def cross_node_mixes(cluster: Cluster, sizes: Sequence[int]) -> list[dict[int, i
 
 def node_configs(cluster: Cluster, sizes: Sequence[int]) -> list[dict[int, int]]:
     """Every maximal multiset of multi-rank sizes up to a node that one node's aligned blocks
-    (offsets ``k * d``, ``k < G // d``) hold at once; exact (one node is tiny)."""
+    hold at once; exact (one node is tiny)."""
     g = cluster.node_width
     small = sorted({int(d) for d in sizes if 1 < d <= g}, reverse=True)
+    # The first node's blocks (``Cluster.block_starts`` owns the rule; every node has the same).
+    offsets = {d: [s for s in cluster.block_starts(d) if s + d <= g] for d in small}
     found: set[tuple[int, ...]] = set()
     used = [False] * g
 
@@ -147,8 +149,8 @@ def node_configs(cluster: Cluster, sizes: Sequence[int]) -> list[dict[int, int]]
             found.add(tuple(counts))
             return
         d = small[k]
-        for off in range(low, g - d + 1, d):
-            if off % d == 0 and not any(used[off : off + d]):
+        for off in offsets[d]:
+            if off >= low and not any(used[off : off + d]):
                 used[off : off + d] = [True] * d
                 counts[k] += 1
                 dfs(k, counts, off + d)
