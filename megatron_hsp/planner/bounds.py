@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_hsp.planner.costmodel import CostModel
-from megatron_hsp.planner.highs import quiet_highs
+from megatron_hsp.planner.highs import add_row, quiet_highs
 from megatron_hsp.planner.instance import Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.topology import Cluster
 
@@ -418,8 +418,7 @@ def instance_lp_bound(
                 zvar[k, j] = var(0.0, 1.0, True, ("z", k, j))
 
     def row(lb: float, ub: float, terms: list[tuple[int, float]]) -> None:
-        price.addRow(lb, ub, len(terms), np.array([c for c, _ in terms], np.int32),
-                     np.array([v for _, v in terms], dtype=np.float64))  # fmt: skip
+        add_row(price, lb, ub, terms)
 
     row(-inf, float(n_ranks), [(gvar[j], float(d)) for j, d in enumerate(sizes)])
     for j, d in enumerate(sizes):

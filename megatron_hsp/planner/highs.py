@@ -42,3 +42,11 @@ def quiet_highs():
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     return h
+
+
+def add_row(h, lb: float, ub: float, terms: list[tuple[int, float]]) -> None:
+    """``lb <= sum coef * x[col] <= ub`` for ``terms`` of (column, coefficient) on ``h``."""
+    import numpy as np
+
+    h.addRow(lb, ub, len(terms), np.array([c for c, _ in terms], np.int32),
+             np.array([v for _, v in terms], dtype=np.float64))  # fmt: skip

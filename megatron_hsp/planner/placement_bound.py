@@ -60,7 +60,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_hsp.planner.highs import quiet_highs
+from megatron_hsp.planner.bounds import LpBound
+from megatron_hsp.planner.highs import add_row, quiet_highs
 from megatron_hsp.planner.instance import Instance
 from megatron_hsp.planner.topology import Cluster
 
@@ -72,16 +73,11 @@ LOOSE_GAP, TIGHT_GAP = 0.05, 1e-6
 
 
 @dataclass(frozen=True)
-class PlacementBound:
-    """The placement-aware LP bound and how it was reached."""
+class PlacementBound(LpBound):
+    """The placement-aware LP bound and how it was reached (``LpBound``'s fields, and more)."""
 
-    bound_ms: float  # valid even when not converged (Farley's scaled dual bound)
-    lp_ms: float  # restricted master LP value at the end (== bound_ms when converged)
-    converged: bool
-    iterations: int
-    long_sequences: int
-    classes: int
-    mixes: int  # maximal cross-node size mixes that aligned blocks place
+    long_sequences: int = 0  # sequences only cross-node groups hold
+    mixes: int = 0  # maximal cross-node size mixes that aligned blocks place
 
 
 def cross_node_mixes(cluster: Cluster, sizes: Sequence[int]) -> list[dict[int, int]] | None:
@@ -329,8 +325,7 @@ def placement_lp_bound(
         return ncols - 1
 
     def row(lb: float, ub: float, terms: list[tuple[int, float]]) -> None:
-        price.addRow(lb, ub, len(terms), np.array([c for c, _ in terms], np.int32),
-                     np.array([v for _, v in terms], dtype=np.float64))  # fmt: skip
+        add_row(price, lb, ub, terms)
 
     mvar = var(m_low, inf, False)
     yvar = [var(0.0, 1.0, True) for _ in mixes]
@@ -480,5 +475,11 @@ def placement_lp_bound(
     if converged:
         bound = min(z_rmp, bound)
     return PlacementBound(
-        bound * (1 - 1e-7), z_rmp, converged, iterations, len(long_ids), nk, len(mixes)
+        bound_ms=bound * (1 - 1e-7),
+        lp_ms=z_rmp,
+        converged=converged,
+        iterations=iterations,
+        classes=nk,
+        long_sequences=len(long_ids),
+        mixes=len(mixes),
     )
