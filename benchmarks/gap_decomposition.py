@@ -19,12 +19,11 @@ question); docs/solver.md reads it.
 from __future__ import annotations
 
 import argparse
-import gzip
 import math
 import sys
 
 import numpy as np
-from suite import DISTRIBUTIONS, EMBEDDED, SHARED, generate
+from suite import DISTRIBUTIONS, sequential_batches
 
 from megatron_hsp.planner.costmodel import load_cost_model
 from megatron_hsp.planner.groupspace import planning_sizes
@@ -122,16 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         * 10
     )
     for name in DISTRIBUTIONS:
-        if name == "wikipedia":
-            path = SHARED if SHARED.exists() else EMBEDDED
-            with gzip.open(path, "rt") as fh:
-                raw = np.array([int(x) for x in fh.read().split()[: 4 * args.global_batch * 5]])
-        else:
-            raw = generate(name, 2 * args.global_batch * 5, 192_000, rng)
-        raw = raw[raw <= cost.max_trainable_length()]
         tot: dict[str, float] = {}
-        for s in range(args.steps):
-            batch = raw[s * args.global_batch : (s + 1) * args.global_batch].tolist()
+        for batch in sequential_batches(name, cost, args.global_batch, args.steps, rng):
             for k, v in decompose(batch, cost, cluster, args.budget).items():
                 tot[k] = tot.get(k, 0.0) + v
         assert abs(tot["check"] - tot["plan"]) <= 1e-6 * tot["plan"] + 1e-6, tot

@@ -20,7 +20,6 @@ closes the gap with this LP. ``--intra-node`` also places the multi-rank sequenc
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 import time
@@ -29,25 +28,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from suite import DISTRIBUTIONS, EMBEDDED, SHARED, generate
+from suite import DISTRIBUTIONS, sequential_batches
 
 from megatron_hsp.planner.costmodel import load_cost_model
 from megatron_hsp.planner.instance import Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.placement_bound import placement_lp_bound
 from megatron_hsp.planner.solver import SolverConfig, solve
 from megatron_hsp.planner.topology import Cluster
-
-
-def batches(name: str, cost, gbs: int, steps: int, rng: np.random.Generator) -> list[list[int]]:
-    """The first ``steps`` batches of ``name`` as gap_decomposition.py draws them."""
-    if name == "wikipedia":
-        path = SHARED if SHARED.exists() else EMBEDDED
-        with gzip.open(path, "rt") as fh:
-            raw = np.array([int(x) for x in fh.read().split()[: 4 * gbs * 5]])
-    else:
-        raw = generate(name, 2 * gbs * 5, 192_000, rng)
-    raw = raw[raw <= cost.max_trainable_length()]
-    return [raw[s * gbs : (s + 1) * gbs].tolist() for s in range(steps)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = []
     for name in DISTRIBUTIONS:
-        todo = batches(name, cost, args.global_batch, args.steps, rng)
+        todo = sequential_batches(name, cost, args.global_batch, args.steps, rng)
         if args.only is not None and name not in args.only:
             continue
         plan_s = comb_s = best_s = pb_s = master_s = lp_time = 0.0

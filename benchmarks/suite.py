@@ -78,6 +78,22 @@ def generate(name: str, n: int, max_seq: int, rng: np.random.Generator) -> np.nd
     return np.clip(x, 128, max_seq).astype(np.int64)
 
 
+def sequential_batches(
+    name: str, cost, gbs: int, steps: int, rng: np.random.Generator
+) -> list[list[int]]:
+    """The first ``steps`` sequential batches of ``name`` as ``gap_decomposition.py`` and
+    ``placement_gap.py`` draw them (one ``rng`` over the distributions in order, 5 batches' worth
+    each, lengths above the longest trainable dropped)."""
+    if name == "wikipedia":
+        path = SHARED if SHARED.exists() else EMBEDDED
+        with gzip.open(path, "rt") as fh:
+            raw = np.array([int(x) for x in fh.read().split()[: 4 * gbs * 5]])
+    else:
+        raw = generate(name, 2 * gbs * 5, 192_000, rng)
+    raw = raw[raw <= cost.max_trainable_length()]
+    return [raw[s * gbs : (s + 1) * gbs].tolist() for s in range(steps)]
+
+
 DISTRIBUTIONS = ["wikipedia", "code-heavy-tail", "web-crawl", "sft-long-mix", "lognormal-dcp",
                  "bimodal"]  # fmt: skip
 
