@@ -1,6 +1,7 @@
 """Issue 9 item 4, signals to the launcher: SIGTERM/SIGINT to torchrun running
-``megatron_hsp.launch`` on 2 gloo ranks stops every rank and its background planner within seconds
-and removes the ranks' temporary directories; no process of the job survives.
+``megatron_hsp.launch`` on 2 gloo ranks stops every rank and its background planner before
+torchrun's own SIGKILL (30 s; 2-3 s when the machine is not overloaded) and removes the ranks'
+temporary directories; no process of the job survives.
 
 torchrun (torch.distributed.elastic) turns SIGTERM/SIGINT into a ``SignalException`` and forwards
 the same signal to every worker, then SIGKILLs them after 30 s. Our part, tested here, is what a
@@ -22,7 +23,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BOUND_S = 15.0
+# Under torchrun's SIGKILL at 30 s: stopping before it, with the temporary directories gone and no
+# "forcefully exiting" line, shows our handler (not torchrun's fallback) ended the ranks. Alone
+# the shutdown takes 2-3 s; 15 s failed twice in full CI runs (16.1 s, 16.4 s: six processes
+# unloading torch on 2 cores beside two test workers), so the bound is not a speed target.
+BOUND_S = 28.0
 
 SCRIPT = """
 import json, os, sys, tempfile, time
@@ -100,6 +105,7 @@ def test_signal_to_torchrun_stops_ranks_planners_and_cleans_tmp(tmp_path, sig):
         took = time.monotonic() - t0
         out = proc.stdout.read().decode()
         assert took < BOUND_S, (took, out[-3000:])
+        assert "forcefully exiting" not in out, out[-3000:]  # torchrun's SIGKILL fallback
         time.sleep(1.0)
         assert _session_pids(proc.pid) == [], out[-3000:]
         for info in infos:
