@@ -116,19 +116,35 @@ def test_bound_counts_the_placement_rule_on_ten_ranks():
     assert lower_bound_ms(lengths, cost, cluster) < free * (1 + 1e-9)  # blind to placement
 
 
+def test_bound_counts_short_sequences_inside_a_long_group_at_their_cross_node_cost():
+    """A 519-token sequence needs a 6-rank group (cross-node); the 75-token one fits a rank.
+    Beside the long group no rank is free, so the short one runs in another micro-batch (a
+    fixed cost) or inside the long group at its 6-rank cost (all-to-all heavy here), never at
+    its one-rank minimum in the long group's spare memory, which a bound pooling all memory and
+    time assumed (40.55 ms against the placed optimum's 42.73)."""
+    cluster = Cluster(6, 2)
+    cost = toy_cost(6, 100, fixed=20.0, a2a=0.1, attn=1e-5)
+    lengths = [519, 75]
+    bound, sizes = _bound(lengths, cost, cluster)
+    placed = brute_force_ms(lengths, cost, cluster, sizes, placed=True)
+    assert bound is not None and bound.converged
+    assert 0.99 * placed <= bound.bound_ms <= placed * (1 + 1e-9)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     shape=st.sampled_from([(4, 1), (6, 2), (8, 2), (10, 2), (6, 1), (8, 8), (8, 4)]),
     cap=st.integers(50, 300),
     fixed=st.floats(0.5, 20.0),
     attn=st.sampled_from([1e-5, 1e-4, 1e-3]),
+    a2a=st.sampled_from([0.002, 0.1]),  # 0.1: short sequences cost far more in big groups
     grow=st.sampled_from([0.0, 0.5]),
     data=st.data(),
 )
-def test_bound_below_the_placed_brute_force_optimum(shape, cap, fixed, attn, grow, data):
+def test_bound_below_the_placed_brute_force_optimum(shape, cap, fixed, attn, a2a, grow, data):
     world, gpn = shape
     cluster = Cluster(world, gpn)
-    cost = toy_cost(world, cap, fixed, attn=attn, fixed_per_rank=grow)
+    cost = toy_cost(world, cap, fixed, a2a=a2a, attn=attn, fixed_per_rank=grow)
     sizes = resolve_sizes(cost, cluster, None)
     longest = cost.max_trainable_length(sizes)
     # Longer than a rank holds: placed explicitly (in a cross-node or an intra-node group).

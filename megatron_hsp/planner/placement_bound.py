@@ -174,6 +174,63 @@ def _classes(ids: list[int], lengths: Sequence[int], rel_width: float) -> list[l
     return classes
 
 
+# Supporting lines kept per subset curve (any subset of them is valid; more only tightens).
+CURVE_LINES = 48
+
+
+def _inflated_work(inst: Instance, i: int, cross: Sequence[int]) -> float:
+    """Least rank-ms sequence ``i`` costs in a cross-node group (inf if none holds it)."""
+    return min(
+        (inst.sizes[j] * inst.times[i][j] for j in cross if inst.times[i][j] < math.inf),
+        default=math.inf,
+    )
+
+
+def _subset_curves(
+    tokens: Sequence[float], work: Sequence[float], inflated: Sequence[float]
+) -> list[tuple[float, float, tuple[float, float, float]]]:
+    """Rows ``lo <= (x, w, c) . coef <= hi`` that every subset of the short sequences satisfies,
+    with ``x`` its tokens, ``w`` its minimum work and ``c`` its work in cross-node groups.
+
+    Fractional knapsacks give the extreme subsets: the most work ``x`` tokens carry (densest
+    first, concave in ``x``), the least cross-node work they cost (cheapest per token first,
+    convex) and the least cross-node work that carries ``w`` of minimum work (least inflated
+    first, convex). Each segment's line bounds its curve everywhere, so any ``CURVE_LINES`` of
+    them are valid rows. Sequences no cross-node group holds cannot be in the subset at all.
+    """
+    ok = [k for k in range(len(tokens)) if inflated[k] < math.inf and tokens[k] > 0]
+    x_all = float(sum(tokens[k] for k in ok))
+    w_all = float(sum(work[k] for k in ok))
+    rows: list[tuple[float, float, tuple[float, float, float]]] = [
+        (-math.inf, x_all, (1.0, 0.0, 0.0)),
+        (-math.inf, w_all, (0.0, 1.0, 0.0)),
+    ]
+    if not ok:
+        return rows
+
+    def lines(order: list[int], num, den) -> list[tuple[float, float, float]]:
+        """(slope, intercept, start) of each segment of the cumulative (den, num) curve."""
+        out, a, b = [], 0.0, 0.0
+        for k in order:
+            slope = num[k] / den[k] if den[k] > 0 else math.inf
+            if slope < math.inf:
+                out.append((slope, b - slope * a))
+            a, b = a + den[k], b + num[k]
+        step = max(1, math.ceil(len(out) / CURVE_LINES))
+        return out[::step] + ([out[-1]] if (len(out) - 1) % step else [])
+
+    by_density = sorted(ok, key=lambda k: -work[k] / tokens[k])
+    for slope, icept in lines(by_density, work, tokens):
+        rows.append((-math.inf, icept, (-slope, 1.0, 0.0)))  # w <= icept + slope x
+    by_cost = sorted(ok, key=lambda k: inflated[k] / tokens[k])
+    for slope, icept in lines(by_cost, inflated, tokens):
+        rows.append((icept, math.inf, (-slope, 0.0, 1.0)))  # c >= icept + slope x
+    by_inflation = sorted(ok, key=lambda k: inflated[k] / max(work[k], 1e-300))
+    for slope, icept in lines(by_inflation, inflated, work):
+        rows.append((icept, math.inf, (0.0, -slope, 1.0)))  # c >= icept + slope w
+    return rows
+
+
 def placement_lp_bound(
     inst: Instance,
     cluster: Cluster,
@@ -237,7 +294,10 @@ def placement_lp_bound(
             for k in range(nk)]  # fmt: skip
     m_low = min(tk[k][j] + inst.fixed[j] for k in range(nk) for j in fits[k])
 
-    # Master LP: rows 0..nk-1 cover classes, nk the short work, nk + 1 the short tokens.
+    # Master LP (module docstring): rows 0..nk-1 cover classes, then the short sequences' work and
+    # tokens on free ranks, their inflated work and tokens inside long groups, and the curves
+    # that tie what a subset of them carries into long groups to its tokens.
+    row_wf, row_tf, row_wl, row_tl = nk, nk + 1, nk + 2, nk + 3
     master = quiet_highs()
     master.setOptionValue("threads", 1)
     inf = highspy.kHighsInf
@@ -245,14 +305,34 @@ def placement_lp_bound(
         master.addRow(float(count[k]), inf, 0, np.array([], np.int32), np.array([]))
     master.addRow(w_short, inf, 0, np.array([], np.int32), np.array([]))
     master.addRow(tok_short, inf, 0, np.array([], np.int32), np.array([]))
+    master.addRow(0.0, inf, 0, np.array([], np.int32), np.array([]))
+    master.addRow(0.0, inf, 0, np.array([], np.int32), np.array([]))
+    curves = _subset_curves(
+        [float(inst.lengths[i]) for i in short],
+        [float(inst.work_min[i]) for i in short],
+        [_inflated_work(inst, i, cross) for i in short],
+    )
+    first_curve = nk + 4
+    for lo, hi, _ in curves:
+        master.addRow(lo, hi, 0, np.array([], np.int32), np.array([]))
 
     def add_column(cost: float, entries: dict[int, float]) -> None:
         idx = np.array(list(entries.keys()), np.int32)
         val = np.array(list(entries.values()), dtype=np.float64)
         master.addCol(cost, 0.0, inf, len(idx), idx, val)
 
-    add_column(1.0, {nk: float(n)})  # one ms of every rank
-    add_column(b_min, {nk + 1: float(n * cap)})  # a micro-batch of short sequences only
+    add_column(1.0, {row_wf: float(n)})  # one ms of every rank, for work on free ranks
+    add_column(1.0, {row_wl: float(n)})  # or inside long groups (a relaxation of both at once)
+    add_column(b_min, {row_tf: float(n * cap)})  # a micro-batch of short sequences only
+    # The short sequences carried into long groups: tokens x, minimum work w, inflated work c.
+    for var_index in range(3):
+        entries = {
+            first_curve + r: coef[var_index]
+            for r, (_, _, coef) in enumerate(curves)
+            if coef[var_index]
+        }
+        entries.update([{row_tf: 1.0, row_tl: -1.0}, {row_wf: 1.0}, {row_wl: -1.0}][var_index])
+        add_column(0.0, entries)
 
     def pattern_column(
         groups: list[tuple[int, dict[int, int]]], pooled: dict[int, tuple[int, dict[int, int]]]
@@ -260,13 +340,15 @@ def placement_lp_bound(
         """(makespan, master entries) of a pattern: cross-node groups as (size index, class
         counts); intra-node groups pooled per size index as (groups, class counts)."""
         makespan = b_min
-        rank_ms, tokens = 0.0, 0.0
+        rank_ms, tokens = 0.0, 0.0  # on free ranks (pooled intra-node groups)
+        long_ranks, long_ms, long_tokens = 0, 0.0, 0.0  # cross-node groups
         cover: dict[int, float] = {}
         for j, content in groups:
             t_g = sum(tk[k][j] * c for k, c in content.items())
             makespan = max(makespan, t_g + inst.fixed[j])
-            rank_ms += sizes[j] * (t_g + inst.fixed[j] - b_min)
-            tokens += sum(rep[k] * c for k, c in content.items())
+            long_ranks += sizes[j]
+            long_ms += sizes[j] * (t_g + inst.fixed[j])
+            long_tokens += sum(rep[k] * c for k, c in content.items())
             for k, c in content.items():
                 cover[k] = cover.get(k, 0.0) + c
         for j, (ng, content) in pooled.items():
@@ -277,9 +359,12 @@ def placement_lp_bound(
             tokens += sum(rep[k] * c for k, c in content.items())
             for k, c in content.items():
                 cover[k] = cover.get(k, 0.0) + c
+        free = n - long_ranks
         entries = dict(cover)
-        entries[nk] = max(0.0, n * (makespan - b_min) - rank_ms)
-        entries[nk + 1] = max(0.0, n * cap - tokens)
+        entries[row_wf] = max(0.0, free * (makespan - b_min) - rank_ms)
+        entries[row_tf] = max(0.0, free * cap - tokens)
+        entries[row_wl] = max(0.0, long_ranks * makespan - long_ms)
+        entries[row_tl] = max(0.0, long_ranks * cap - long_tokens)
         return makespan, entries
 
     def split(micro: Sequence[tuple[int, Sequence[int]]]):
@@ -327,11 +412,12 @@ def placement_lp_bound(
     def row(lb: float, ub: float, terms: list[tuple[int, float]]) -> None:
         add_row(price, lb, ub, terms)
 
-    mvar = var(m_low, inf, False)
+    mvar = var(m_low, max(m_low, m_cap), False)
     yvar = [var(0.0, 1.0, True) for _ in mixes]
     if yvar:
         row(-inf, 1.0, [(y, 1.0) for y in yvar])
     slots: list[tuple[int, int]] = []  # cross-node groups: (size index, u variable)
+    uvm: list[int] = []  # per slot, u x M linearised (free ranks' time is (N - sum d u) M)
     xvar: dict[tuple[int, int], int] = {}  # (slot, class) -> variable
     node_terms: list[tuple[int, float]] = []  # nodes taken, by cross-node groups and node configs
     for j in cross:
@@ -348,6 +434,11 @@ def placement_lp_bound(
             s = len(slots)
             slots.append((j, u))
             node_terms.append((u, float(d // g)))
+            v = var(0.0, inf, False)
+            uvm.append(v)
+            row(-inf, 0.0, [(v, 1.0), (mvar, -1.0)])
+            row(-inf, 0.0, [(v, 1.0), (u, -m_cap)])
+            row(-m_cap, inf, [(v, 1.0), (mvar, -1.0), (u, -m_cap)])
             mem, tim = [(u, -float(d * cap))], [(u, inst.fixed[j]), (mvar, -1.0)]
             for k in range(nk):
                 if j in fits[k]:
@@ -357,6 +448,9 @@ def placement_lp_bound(
                     tim.append((x, tk[k][j]))
             row(-inf, 0.0, mem)
             row(-inf, 0.0, tim)
+            # A pattern's cross-node groups are those holding an explicit sequence (a group of
+            # short ones only is free ranks); an empty one would also mis-price its u x M.
+            row(-inf, 0.0, [(u, 1.0)] + [(xvar[s, k], -1.0) for k in range(nk) if (s, k) in xvar])
     # Intra-node groups, pooled per size: ``ng`` groups (bits of it, to price ``ng * M``) in the
     # nodes the configurations give; every class in it fits one group and finishes by M, and
     # together they fit the groups' memory and ``ng`` makespans (a relaxation of one by one).
@@ -412,19 +506,28 @@ def placement_lp_bound(
         z_rmp = master.getInfo().objective_function_value
         duals = master.getSolution().row_dual
         pi = [max(0.0, float(duals[k])) for k in range(nk)]
-        sw = max(0.0, float(duals[nk]))
-        st = max(0.0, float(duals[nk + 1]))
+        sw, st, sl, stl = (max(0.0, float(duals[r])) for r in (row_wf, row_tf, row_wl, row_tl))
+        curve_dual = 0.0
+        for r, (lo, hi, _) in enumerate(curves):
+            y = float(duals[first_curve + r])
+            side = lo if y > 0 else hi
+            if abs(side) < math.inf:  # a dual on the infinite side is numerical noise
+                curve_dual += y * side
         remaining = t_end - time.perf_counter()
         if iterations >= max_iterations or remaining <= 0:
             break
         iterations += 1
         costs = np.zeros(ncols)
+        # Reduced value: sw (N - D)(M - b_min) + st (N - D) cap + sl (D M - sum d (T + b))
+        # + stl (D cap - sum L) + covers - M, with D = sum d u and D M = sum d v.
         costs[mvar] = sw * n - 1.0
-        for j, u in slots:
-            costs[u] = -sw * sizes[j] * (inst.fixed[j] - b_min)
+        for (j, u), v in zip(slots, uvm, strict=True):
+            d = sizes[j]
+            costs[u] = d * (sw * b_min - st * cap + stl * cap - sl * inst.fixed[j])
+            costs[v] = d * (sl - sw)
         for (s, k), x in xvar.items():
             j = slots[s][0]
-            costs[x] = pi[k] - sw * sizes[j] * tk[k][j] - st * rep[k]
+            costs[x] = pi[k] - sl * sizes[j] * tk[k][j] - stl * rep[k]
         for j, bs in bits.items():
             for w, b in bs:
                 costs[b] = -sw * sizes[j] * (inst.fixed[j] - b_min) * w
@@ -467,6 +570,7 @@ def placement_lp_bound(
             break
         add_column(*pattern_column(groups, pooled))
     dual_obj = sum(p * c for p, c in zip(pi, count, strict=True)) + sw * w_short + st * tok_short
+    dual_obj += curve_dual
     converged = z_star <= 1e-7 * max(1.0, z_rmp)
     z_eff = max(z_star, 1e-7 * max(1.0, z_rmp))
     # Farley's scaled duals, or Lagrangian: a plan has at most one micro-batch with explicit
