@@ -131,6 +131,20 @@ def test_bound_counts_short_sequences_inside_a_long_group_at_their_cross_node_co
     assert 0.99 * placed <= bound.bound_ms <= placed * (1 + 1e-9)
 
 
+def test_bound_ties_short_sequences_work_to_their_tokens_in_every_micro_batch():
+    """A 449-token sequence needs all 4 ranks; three short ones fill nearly a rank each. The
+    tokens that do not fit beside the long one need a micro-batch of their own, which then also
+    carries their work: a bound that put their tokens there but their work in the long
+    micro-batch's idle ranks stayed at 24.30 ms against the placed optimum's 26.23."""
+    cluster = Cluster(4, 1)
+    cost = toy_cost(4, 200, fixed=5.0, a2a=0.02, attn=1e-4)
+    lengths = [449, 101, 101, 116]
+    bound, sizes = _bound(lengths, cost, cluster)
+    placed = brute_force_ms(lengths, cost, cluster, sizes, placed=True)
+    assert bound is not None and bound.converged
+    assert 0.98 * placed <= bound.bound_ms <= placed * (1 + 1e-9)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     shape=st.sampled_from([(4, 1), (6, 2), (8, 2), (10, 2), (6, 1), (8, 8), (8, 4)]),

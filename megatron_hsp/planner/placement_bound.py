@@ -15,17 +15,28 @@ sequences (no group inside one node holds them) are placed explicitly:
   hold at once (enumerated exactly, ``cross_node_mixes``), each group with a multiset of long
   classes whose tokens fit its memory; its makespan ``M`` is its slowest group,
   ``sum T(l, d) + b_d``.
-- Everything else (sequences a node can hold, all of them fractional) must fit in the time and
-  memory the patterns leave: a pattern offers ``N M - N b_min - sum_g d_g (T_g + b_g - b_min)``
-  rank-ms of work (every rank pays at least the smallest fixed cost ``b_min``) and
-  ``N cap - sum_g L_g`` tokens. Two more columns buy that capacity without long sequences: one ms
-  of every rank (cost 1, ``N`` rank-ms; lengthening any micro-batch) and a micro-batch of short
-  sequences only (cost ``b_min``, ``N cap`` tokens).
+- Everything else (*short*: sequences a node can hold, all of them fractional) runs in one of
+  three places, and each place must hold its part's tokens and minimum work:
+  the pattern's *free ranks* (those in no long group: ``(N - D) (M - b_min)`` rank-ms, every
+  rank paying at least the smallest fixed cost ``b_min``, and ``(N - D) cap`` tokens, ``D`` the
+  long groups' ranks); *inside its long groups* (``sum_g d_g (M - T_g - b_g)`` rank-ms and
+  ``sum_g (d_g cap - L_g)`` tokens, where a short sequence costs its cross-node rank-ms,
+  ``min_{d > G} d T(s, d)``, not its minimum); or *micro-batches of short sequences only*
+  (cost ``b_min`` each for ``N cap`` tokens, and their work's time). One ms of every rank (cost
+  1, ``N`` rank-ms) buys time in any of the three (lengthening a micro-batch).
 
-    min sum_p M_p lambda_p + t + b_min m
-    s.t. sum_p a_pk lambda_p >= n_k                          every long class covered
-         sum_p Wcap_p lambda_p + N t >= W_short               the other sequences' minimum work
-         sum_p Tok_p lambda_p + N cap m >= L_short             and their tokens
+    min sum_p M_p lambda_p + t_f + t_l + t_s + b_min m
+    s.t. sum_p a_pk lambda_p >= n_k                    every long class covered
+         sum_p WF_p lambda_p + N t_f >= w_f,  sum_p TF_p lambda_p >= x_f      free ranks
+         sum_p WL_p lambda_p + N t_l >= c_l,  sum_p TL_p lambda_p >= x_l      long groups
+         N t_s >= W_short - w_f - w_l,  N cap m >= L_short - x_f - x_l       short-only
+         (x_f, w_f), (x_l, w_l, c_l) and their union: what a subset of the short sequences
+         can be (``_subset_curves``: the most work x tokens carry, the least cross-node work)
+
+  Pooling memory and time over a micro-batch, or over all of them, is what this separates: a
+  long group's spare memory holds no short sequence at its one-rank cost, and tokens moved to
+  short-only micro-batches take their work with them (on lognormal-dcp and code-heavy-tail
+  those two pools were most of the gap).
 
 Every micro-batch of every plan the runtime places is a pattern (with its short sequences' work
 at least their minimum, its long classes at their shortest member's length), so the optimum is a
@@ -186,48 +197,62 @@ def _inflated_work(inst: Instance, i: int, cross: Sequence[int]) -> float:
     )
 
 
+# The master's variables for where the short sequences run (module docstring).
+SHORT_VARS = ("x_free", "w_free", "x_long", "w_long", "c_long")
+
+
 def _subset_curves(
     tokens: Sequence[float], work: Sequence[float], inflated: Sequence[float]
-) -> list[tuple[float, float, tuple[float, float, float]]]:
-    """Rows ``lo <= (x, w, c) . coef <= hi`` that every subset of the short sequences satisfies,
-    with ``x`` its tokens, ``w`` its minimum work and ``c`` its work in cross-node groups.
+) -> list[tuple[float, float, dict[str, float]]]:
+    """Rows ``lo <= sum coef[v] v <= hi`` over ``SHORT_VARS`` that every split of the short
+    sequences into free ranks of long patterns (tokens ``x_free``, minimum work ``w_free``),
+    long groups (tokens ``x_long``, minimum work ``w_long``, cross-node work ``c_long``) and
+    micro-batches of short sequences only (the rest) satisfies.
 
     Fractional knapsacks give the extreme subsets: the most work ``x`` tokens carry (densest
-    first, concave in ``x``), the least cross-node work they cost (cheapest per token first,
-    convex) and the least cross-node work that carries ``w`` of minimum work (least inflated
-    first, convex). Each segment's line bounds its curve everywhere, so any ``CURVE_LINES`` of
-    them are valid rows. Sequences no cross-node group holds cannot be in the subset at all.
+    first, concave in ``x``) bounds the free ranks' part, the long groups' part and their union
+    (whose complement, the short-only micro-batches, so carries at least the least work of its
+    tokens); the least cross-node work ``x`` tokens cost (cheapest per token first, convex) and
+    the least cross-node work that carries ``w`` of minimum work (least inflated first,
+    convex) bound the long groups' part. Each segment's line bounds its curve everywhere, so
+    any ``CURVE_LINES`` of them are valid rows. Sequences no cross-node group holds are never in
+    the long groups' part.
     """
-    ok = [k for k in range(len(tokens)) if inflated[k] < math.inf and tokens[k] > 0]
-    x_all = float(sum(tokens[k] for k in ok))
-    w_all = float(sum(work[k] for k in ok))
-    rows: list[tuple[float, float, tuple[float, float, float]]] = [
-        (-math.inf, x_all, (1.0, 0.0, 0.0)),
-        (-math.inf, w_all, (0.0, 1.0, 0.0)),
+    ids = [k for k in range(len(tokens)) if tokens[k] > 0]
+    ok = [k for k in ids if inflated[k] < math.inf]
+    rows: list[tuple[float, float, dict[str, float]]] = [
+        (-math.inf, float(sum(tokens[k] for k in ids)), {"x_free": 1.0, "x_long": 1.0}),
+        (-math.inf, float(sum(work[k] for k in ids)), {"w_free": 1.0, "w_long": 1.0}),
+        (-math.inf, float(sum(tokens[k] for k in ok)), {"x_long": 1.0}),
+        (0.0, math.inf, {"c_long": 1.0, "w_long": -1.0}),
     ]
-    if not ok:
-        return rows
 
-    def lines(order: list[int], num, den) -> list[tuple[float, float, float]]:
-        """(slope, intercept, start) of each segment of the cumulative (den, num) curve."""
+    def lines(order: list[int], num, den) -> list[tuple[float, float]]:
+        """(slope, intercept) of each segment of the cumulative (den, num) curve."""
         out, a, b = [], 0.0, 0.0
         for k in order:
-            slope = num[k] / den[k] if den[k] > 0 else math.inf
-            if slope < math.inf:
+            if den[k] > 0:
+                slope = num[k] / den[k]
                 out.append((slope, b - slope * a))
             a, b = a + den[k], b + num[k]
+        if not out:
+            return out
         step = max(1, math.ceil(len(out) / CURVE_LINES))
         return out[::step] + ([out[-1]] if (len(out) - 1) % step else [])
 
-    by_density = sorted(ok, key=lambda k: -work[k] / tokens[k])
-    for slope, icept in lines(by_density, work, tokens):
-        rows.append((-math.inf, icept, (-slope, 1.0, 0.0)))  # w <= icept + slope x
+    by_density = sorted(ids, key=lambda k: -work[k] / tokens[k])
+    for slope, icept in lines(by_density, work, tokens):  # w <= icept + slope x
+        rows.append((-math.inf, icept, {"w_free": 1.0, "x_free": -slope}))
+        rows.append((-math.inf, icept, {"w_long": 1.0, "x_long": -slope}))
+        rows.append(
+            (-math.inf, icept, {"w_free": 1.0, "w_long": 1.0, "x_free": -slope, "x_long": -slope})
+        )
     by_cost = sorted(ok, key=lambda k: inflated[k] / tokens[k])
-    for slope, icept in lines(by_cost, inflated, tokens):
-        rows.append((icept, math.inf, (-slope, 0.0, 1.0)))  # c >= icept + slope x
+    for slope, icept in lines(by_cost, inflated, tokens):  # c >= icept + slope x
+        rows.append((icept, math.inf, {"c_long": 1.0, "x_long": -slope}))
     by_inflation = sorted(ok, key=lambda k: inflated[k] / max(work[k], 1e-300))
-    for slope, icept in lines(by_inflation, inflated, work):
-        rows.append((icept, math.inf, (0.0, -slope, 1.0)))  # c >= icept + slope w
+    for slope, icept in lines(by_inflation, inflated, work):  # c >= icept + slope w
+        rows.append((icept, math.inf, {"c_long": 1.0, "w_long": -slope}))
     return rows
 
 
@@ -294,25 +319,23 @@ def placement_lp_bound(
             for k in range(nk)]  # fmt: skip
     m_low = min(tk[k][j] + inst.fixed[j] for k in range(nk) for j in fits[k])
 
-    # Master LP (module docstring): rows 0..nk-1 cover classes, then the short sequences' work and
-    # tokens on free ranks, their inflated work and tokens inside long groups, and the curves
-    # that tie what a subset of them carries into long groups to its tokens.
-    row_wf, row_tf, row_wl, row_tl = nk, nk + 1, nk + 2, nk + 3
+    # Master LP (module docstring): rows 0..nk-1 cover classes; then the short sequences' work
+    # and tokens on long patterns' free ranks, inside their long groups and in micro-batches of
+    # short sequences only; then the curves that tie each part's work to its tokens.
+    row_wf, row_tf, row_wl, row_tl, row_ws, row_ts = range(nk, nk + 6)
     master = quiet_highs()
     master.setOptionValue("threads", 1)
     inf = highspy.kHighsInf
     for k in range(nk):
         master.addRow(float(count[k]), inf, 0, np.array([], np.int32), np.array([]))
-    master.addRow(w_short, inf, 0, np.array([], np.int32), np.array([]))
-    master.addRow(tok_short, inf, 0, np.array([], np.int32), np.array([]))
-    master.addRow(0.0, inf, 0, np.array([], np.int32), np.array([]))
-    master.addRow(0.0, inf, 0, np.array([], np.int32), np.array([]))
+    for rhs in (0.0, 0.0, 0.0, 0.0, w_short, tok_short):
+        master.addRow(rhs, inf, 0, np.array([], np.int32), np.array([]))
     curves = _subset_curves(
         [float(inst.lengths[i]) for i in short],
         [float(inst.work_min[i]) for i in short],
         [_inflated_work(inst, i, cross) for i in short],
     )
-    first_curve = nk + 4
+    first_curve = nk + 6
     for lo, hi, _ in curves:
         master.addRow(lo, hi, 0, np.array([], np.int32), np.array([]))
 
@@ -321,17 +344,21 @@ def placement_lp_bound(
         val = np.array(list(entries.values()), dtype=np.float64)
         master.addCol(cost, 0.0, inf, len(idx), idx, val)
 
-    add_column(1.0, {row_wf: float(n)})  # one ms of every rank, for work on free ranks
-    add_column(1.0, {row_wl: float(n)})  # or inside long groups (a relaxation of both at once)
-    add_column(b_min, {row_tf: float(n * cap)})  # a micro-batch of short sequences only
-    # The short sequences carried into long groups: tokens x, minimum work w, inflated work c.
-    for var_index in range(3):
-        entries = {
-            first_curve + r: coef[var_index]
-            for r, (_, _, coef) in enumerate(curves)
-            if coef[var_index]
-        }
-        entries.update([{row_tf: 1.0, row_tl: -1.0}, {row_wf: 1.0}, {row_wl: -1.0}][var_index])
+    # One ms of every rank: for free ranks, long groups or short-only micro-batches (the first
+    # two a relaxation of lengthening a long pattern, which gives both at once).
+    for r in (row_wf, row_wl, row_ws):
+        add_column(1.0, {r: float(n)})
+    add_column(b_min, {row_ts: float(n * cap)})  # a micro-batch of short sequences only
+    moves = {  # what each short-sequence variable takes from its area and gives the rest
+        "x_free": {row_tf: -1.0, row_ts: 1.0},
+        "w_free": {row_wf: -1.0, row_ws: 1.0},
+        "x_long": {row_tl: -1.0, row_ts: 1.0},
+        "w_long": {row_ws: 1.0},
+        "c_long": {row_wl: -1.0},
+    }
+    for name in SHORT_VARS:
+        entries = {first_curve + r: c[name] for r, (_, _, c) in enumerate(curves) if name in c}
+        entries.update(moves[name])
         add_column(0.0, entries)
 
     def pattern_column(
@@ -506,7 +533,9 @@ def placement_lp_bound(
         z_rmp = master.getInfo().objective_function_value
         duals = master.getSolution().row_dual
         pi = [max(0.0, float(duals[k])) for k in range(nk)]
-        sw, st, sl, stl = (max(0.0, float(duals[r])) for r in (row_wf, row_tf, row_wl, row_tl))
+        sw, st, sl, stl, sws, sts = (
+            max(0.0, float(duals[r])) for r in (row_wf, row_tf, row_wl, row_tl, row_ws, row_ts)
+        )
         curve_dual = 0.0
         for r, (lo, hi, _) in enumerate(curves):
             y = float(duals[first_curve + r])
@@ -569,7 +598,7 @@ def placement_lp_bound(
         if not groups and not pooled:
             break
         add_column(*pattern_column(groups, pooled))
-    dual_obj = sum(p * c for p, c in zip(pi, count, strict=True)) + sw * w_short + st * tok_short
+    dual_obj = sum(p * c for p, c in zip(pi, count, strict=True)) + sws * w_short + sts * tok_short
     dual_obj += curve_dual
     converged = z_star <= 1e-7 * max(1.0, z_rmp)
     z_eff = max(z_star, 1e-7 * max(1.0, z_rmp))
