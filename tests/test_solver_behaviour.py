@@ -76,13 +76,26 @@ def test_sequence_exactly_at_capacity_is_scheduled():
 
 
 def test_non_power_of_two_sizes_when_cluster_allows():
-    cluster = Cluster(12, 6)  # sizes 1, 2, 3, 6, 12
+    cluster = Cluster(12, 6)  # sizes 1-6 inside a node, 12 across both
     cost = toy_cost(12, cap=1000)
     lengths = [2400] * 3 + [300] * 20  # 2400 tokens need 3 ranks
     plan = solve(lengths, cost, cluster)
     plan.validate(lengths, cost, 12)
     sizes = {g.size for mb in plan.microbatches for g in mb.groups if g.seq_ids}
-    assert 3 in sizes or 6 in sizes
+    assert any(d & (d - 1) for d in sizes)  # 3, 5, 6 or 12
+    only_powers = solve(lengths, cost, cluster, SolverConfig(sizes=(1, 2, 4)))
+    assert plan.est_step_ms < only_powers.est_step_ms
+
+
+def test_power_of_two_sizes_not_dividing_the_node_are_placed_inside_nodes():
+    """4-rank blocks in nodes of 6 start at offset 0 of each node only; the buddy placement
+    (offsets that are multiples of the size) once put one at rank 4, across two nodes."""
+    cluster = Cluster(12, 6)
+    cost = toy_cost(12, cap=1000)
+    lengths = [2400] * 3 + [300] * 20
+    plan = solve(lengths, cost, cluster, SolverConfig(sizes=(1, 2, 4)))
+    plan.validate(lengths, cost, 12)
+    assert all(cluster.is_aligned_block(g.ranks) for mb in plan.microbatches for g in mb.groups)
 
 
 def test_time_budget_holds_and_falls_back_to_greedy():

@@ -118,7 +118,14 @@ class Instance:
             best=best[inverse].tolist(),
             times_per_token_floor=[float(cost.seq_ms([1], d)[0]) for d in sizes],
             work_grows_with_size=_grows(work),
-            buddy=all(d & (d - 1) == 0 and cluster.world_size % d == 0 for d in sizes),
+            # Buddy offsets are multiples of each size; inside a node that is a legal block only
+            # when the size divides the node (4 in nodes of 6 would straddle them).
+            buddy=all(
+                d & (d - 1) == 0
+                and cluster.world_size % d == 0
+                and (d > cluster.node_width or cluster.node_width % d == 0)
+                for d in sizes
+            ),
         )
         # The numpy copies the whole-batch passes read (cached_property slots), already at hand.
         inst.__dict__.update(lengths_np=arr, _distinct=(table, inverse))

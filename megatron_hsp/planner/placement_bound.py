@@ -322,20 +322,21 @@ def placement_lp_bound(
     # Master LP (module docstring): rows 0..nk-1 cover classes; then the short sequences' work
     # and tokens on long patterns' free ranks, inside their long groups and in micro-batches of
     # short sequences only; then the curves that tie each part's work to its tokens.
-    row_wf, row_tf, row_wl, row_tl, row_ws, row_ts = range(nk, nk + 6)
+    row_wf, row_tf, row_wl, row_tl, row_ws, row_ts, row_count = range(nk, nk + 7)
+    m_floor = max(1, math.ceil(sum(inst.lengths) / (n * cap)))  # micro-batches memory forces
     master = quiet_highs()
     master.setOptionValue("threads", 1)
     inf = highspy.kHighsInf
     for k in range(nk):
         master.addRow(float(count[k]), inf, 0, np.array([], np.int32), np.array([]))
-    for rhs in (0.0, 0.0, 0.0, 0.0, w_short, tok_short):
+    for rhs in (0.0, 0.0, 0.0, 0.0, w_short, tok_short, float(m_floor)):
         master.addRow(rhs, inf, 0, np.array([], np.int32), np.array([]))
     curves = _subset_curves(
         [float(inst.lengths[i]) for i in short],
         [float(inst.work_min[i]) for i in short],
         [_inflated_work(inst, i, cross) for i in short],
     )
-    first_curve = nk + 6
+    first_curve = nk + 7
     for lo, hi, _ in curves:
         master.addRow(lo, hi, 0, np.array([], np.int32), np.array([]))
 
@@ -348,7 +349,8 @@ def placement_lp_bound(
     # two a relaxation of lengthening a long pattern, which gives both at once).
     for r in (row_wf, row_wl, row_ws):
         add_column(1.0, {r: float(n)})
-    add_column(b_min, {row_ts: float(n * cap)})  # a micro-batch of short sequences only
+    # A micro-batch of short sequences only; it and every pattern count towards the floor.
+    add_column(b_min, {row_ts: float(n * cap), row_count: 1.0})
     moves = {  # what each short-sequence variable takes from its area and gives the rest
         "x_free": {row_tf: -1.0, row_ts: 1.0},
         "w_free": {row_wf: -1.0, row_ws: 1.0},
@@ -388,6 +390,7 @@ def placement_lp_bound(
                 cover[k] = cover.get(k, 0.0) + c
         free = n - long_ranks
         entries = dict(cover)
+        entries[row_count] = 1.0
         entries[row_wf] = max(0.0, free * (makespan - b_min) - rank_ms)
         entries[row_tf] = max(0.0, free * cap - tokens)
         entries[row_wl] = max(0.0, long_ranks * makespan - long_ms)
@@ -533,8 +536,9 @@ def placement_lp_bound(
         z_rmp = master.getInfo().objective_function_value
         duals = master.getSolution().row_dual
         pi = [max(0.0, float(duals[k])) for k in range(nk)]
-        sw, st, sl, stl, sws, sts = (
-            max(0.0, float(duals[r])) for r in (row_wf, row_tf, row_wl, row_tl, row_ws, row_ts)
+        sw, st, sl, stl, sws, sts, sc = (
+            max(0.0, float(duals[r]))
+            for r in (row_wf, row_tf, row_wl, row_tl, row_ws, row_ts, row_count)
         )
         curve_dual = 0.0
         for r, (lo, hi, _) in enumerate(curves):
@@ -562,7 +566,7 @@ def placement_lp_bound(
                 costs[b] = -sw * sizes[j] * (inst.fixed[j] - b_min) * w
         for (j, k), x in pvar.items():
             costs[x] = pi[k] - sw * sizes[j] * tk[k][j] - st * rep[k]
-        offset = -sw * n * b_min + st * n * cap
+        offset = -sw * n * b_min + st * n * cap + sc
         price.changeColsCost(ncols, np.arange(ncols, dtype=np.int32), costs)
         price.setOptionValue("mip_rel_gap", rel_gap)
         price.setOptionValue("time_limit", max(0.05, min(price_limit_s, remaining)))
@@ -599,6 +603,7 @@ def placement_lp_bound(
             break
         add_column(*pattern_column(groups, pooled))
     dual_obj = sum(p * c for p, c in zip(pi, count, strict=True)) + sws * w_short + sts * tok_short
+    dual_obj += sc * m_floor
     dual_obj += curve_dual
     converged = z_star <= 1e-7 * max(1.0, z_rmp)
     z_eff = max(z_star, 1e-7 * max(1.0, z_rmp))
