@@ -431,6 +431,37 @@ def _chunkings(
             yield label, chunks
 
 
+def _first_fit_by_blocks(
+    inst: Instance,
+    cluster: Cluster,
+    order: Sequence[int],
+    size_of: Callable[[int], int],
+    deadline: float,
+) -> tuple[list[list[int]], list[int]] | None:
+    """First fit of ``order`` (longest first), one group of ``size_of(i)`` each, into
+    micro-batches whose aligned blocks hold every group (``RankTiler``: 32 + 24 does not tile 64
+    ranks); returns the micro-batches and the ranks each uses; None past ``deadline``."""
+    chunks: list[list[int]] = []
+    ranks: list[int] = []
+    tilers: list[RankTiler] = []
+    for i in order:
+        if time.perf_counter() > deadline:
+            return None
+        d = size_of(i)
+        for c in range(len(chunks)):
+            if ranks[c] + d <= inst.world_size and tilers[c].add(d):
+                chunks[c].append(i)
+                ranks[c] += d
+                break
+        else:
+            tiler = RankTiler(inst, cluster)
+            tiler.add(d)
+            tilers.append(tiler)
+            chunks.append([i])
+            ranks.append(d)
+    return chunks, ranks
+
+
 def _long_heavy(inst: Instance, m: int) -> bool:
     """Whether the multi-rank sequences' own groups fill more than half of ``m`` micro-batches'
     ranks: then ``long-grouped`` is worth building (below that, token-based chunkings tile and
@@ -466,35 +497,22 @@ def chunk_long_grouped(
     )
     if not _long_heavy(inst, m):
         return None
-    chunks: list[list[int]] = []
-    ranks: list[int] = []
+    placed = _first_fit_by_blocks(
+        inst, cluster, long_ids, lambda i: inst.sizes[inst.dmin[i]], deadline
+    )
+    if placed is None:
+        return None
+    chunks, ranks = placed
     # Tokens short sequences may still take: only the ranks beside the long groups count, since
     # the group builder does not reliably fill a long group's spare memory.
-    room: list[float] = []
-    crit: list[float] = []
-    work: list[float] = []
-    tilers: list[RankTiler] = []  # one empty group per long sequence, for placement checks
-    for i in long_ids:
-        if time.perf_counter() > deadline:
-            return None
-        need = inst.sizes[inst.dmin[i]]
-        for b in range(len(chunks)):
-            # Aligned rank blocks decide which mixes tile (32 + 24 does not on 64 ranks).
-            if ranks[b] + need <= n and tilers[b].add(need):
-                chunks[b].append(i)
-                ranks[b] += need
-                room[b] -= need * cap
-                work[b] += inst.work_min[i]
-                break
-        else:
-            tiler = RankTiler(inst, cluster)
-            tiler.add(need)
-            tilers.append(tiler)
-            chunks.append([i])
-            ranks.append(need)
-            room.append(float((n - need) * cap))
-            crit.append(inst.best[i])
-            work.append(inst.work_min[i])
+    room = [float((n - r) * cap) for r in ranks]
+    crit = [inst.best[c[0]] for c in chunks]  # the first is the longest
+    work = []
+    for c in chunks:  # left to right as before (sum() compensates since Python 3.12)
+        w = 0.0
+        for i in c:
+            w += inst.work_min[i]
+        work.append(w)
     while len(chunks) < m:
         chunks.append([])
         ranks.append(0)
@@ -577,27 +595,13 @@ def chunk_long_sized(
     density = sum(inst.work_min[i] for i in rest) / tokens if tokens else 0.0
     size = {i: cross_node_size(inst, i, density) for i in wide}
     j_of = {d: j for j, d in enumerate(inst.sizes)}
-    chunks: list[list[int]] = []
-    ranks: list[int] = []
-    crit: list[float] = []
-    tilers: list[RankTiler] = []
-    for i in sorted(wide, key=lambda i: (-(inst.times[i][j_of[size[i]]]), i)):
-        if time.perf_counter() > deadline:
-            return None
-        d = size[i]
-        span = inst.times[i][j_of[d]] + inst.fixed[j_of[d]]
-        for c in range(len(chunks)):
-            if ranks[c] + d <= n and span <= crit[c] and tilers[c].add(d):
-                chunks[c].append(i)
-                ranks[c] += d
-                break
-        else:
-            tiler = RankTiler(inst, cluster)
-            tiler.add(d)
-            tilers.append(tiler)
-            chunks.append([i])
-            ranks.append(d)
-            crit.append(span)
+    span = {i: inst.times[i][j_of[size[i]]] + inst.fixed[j_of[size[i]]] for i in wide}
+    order = sorted(wide, key=lambda i: (-span[i], i))
+    placed = _first_fit_by_blocks(inst, cluster, order, size.__getitem__, deadline)
+    if placed is None:
+        return None
+    chunks, ranks = placed
+    crit = [span[c[0]] for c in chunks]  # the first is the longest
     # Micro-batches of short sequences only: enough for the tokens the long ones leave at
     # ``LONG_SIZED_FILL`` of their memory (a memory-full micro-batch packs badly), at least ``m``.
     beside = sum(LONG_SIZED_FILL * (n - r) * cap for r in ranks)
