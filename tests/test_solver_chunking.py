@@ -58,3 +58,15 @@ def test_unknown_chunking_is_rejected():
     _, cluster, cost = _inst([100])
     with pytest.raises(InputError, match="choose one or more of"):
         solve([100], cost, cluster, SolverConfig(chunkings=("zigzag",)))
+
+
+@pytest.mark.parametrize(
+    "kinds", [("long-grouped",), ("long-sized",), ("long-grouped", "long-sized")]
+)
+def test_chunkings_that_apply_to_some_batches_only_name_the_fix_when_they_do_not(kinds):
+    """Alone, they are built once and only for some batches (a 100-token batch has no long
+    sequence): the search found nothing and said "no schedule found even with one sequence per
+    micro-batch", which blamed the batch; now the error names the chunkings and the fix."""
+    _, cluster, cost = _inst([100])
+    with pytest.raises(InputError, match="do not apply to this batch; include one of"):
+        solve([100], cost, cluster, SolverConfig(chunkings=kinds))

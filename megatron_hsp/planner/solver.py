@@ -49,6 +49,7 @@ from megatron_hsp.planner.topology import Cluster
 
 BACKENDS = MILP_SOLVERS
 CHUNKINGS = ("time-lpt", "contiguous-tokens", "long-grouped", "long-sized")
+EVERY_COUNT_CHUNKINGS = ("time-lpt", "contiguous-tokens")  # built at every count
 
 
 @dataclass(frozen=True)
@@ -371,6 +372,12 @@ def _greedy_candidates(
             break
         late = time.perf_counter() > deadline and not rescue
         m = min(len(inst.lengths), 2 * m) if late else m + 1
+    if best is None and not set(config.chunkings) & set(EVERY_COUNT_CHUNKINGS):
+        # long-grouped and long-sized are built once, for some batches only.
+        raise InputError(
+            f"chunkings {config.chunkings!r} do not apply to this batch; include one of "
+            f"{EVERY_COUNT_CHUNKINGS}, which every batch has"
+        )
     if best is None:  # one sequence per micro-batch always fits: check_lengths guaranteed it
         raise InfeasibleError("no schedule found even with one sequence per micro-batch")
     return _with_runner_up(best, by_kind)
