@@ -25,8 +25,15 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory) -> str:
+    """A profile is a timing measurement: on the shared 2-core CI machine a load spike from other
+    jobs (load average 96) once made forward+backward at 64 tokens slower than at 127, and the
+    profile refused its non-monotone fit, as it should. Up to three runs; the fixture fails, with
+    every exit code, if none succeeds."""
     out = tmp_path_factory.mktemp("profile") / "tiny.yaml"
-    assert main(["profile", "--out", str(out), *TINY]) == 0
+    codes: list[int] = []
+    while len(codes) < 3 and (not codes or codes[-1] != 0):
+        codes.append(main(["profile", "--out", str(out), *TINY]))
+    assert codes[-1] == 0, codes
     return str(out)
 
 
