@@ -572,7 +572,7 @@ def cross_node_size(inst: Instance, i: int, absorb_density: float) -> int:
     best_j, best_score = inst.dmin[i], math.inf
     for j in range(inst.dmin[i], len(inst.sizes)):
         t = inst.times[i][j]
-        if t == math.inf or inst.lengths[i] > inst.sizes[j] * cap:
+        if t == math.inf:  # sizes from ``dmin`` up all hold it (``Instance.dmin``)
             continue
         span = t + inst.fixed[j]
         free = n - inst.sizes[j]
