@@ -47,7 +47,7 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 test: setup lint
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 # The runtime tests again on the oldest supported torch (CI runs it after `make test`).
 test-oldest-torch: $(OLD_STAMP)

@@ -58,7 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "wrong-ring-merge) for the whole run; the kit must then report NOT ACCEPTED",
     )
     parser.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds before a hung run is killed"
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds without progress from any rank before a run is called hung and killed "
+        "(a run that keeps progressing is killed at 4x this)",
     )
     add_verbose_argument(parser)
 

@@ -10,13 +10,22 @@ switch off (dropout 0) anyway. Models must be built with ``use_cpu_initializatio
 ``run_distributed`` spawns N processes with a file rendezvous (no ports to collide between test
 workers) and returns each rank's result or exception, so a test can assert that *every* rank
 raised (no hang) instead of only seeing the first failure.
+
+A hang is told from a slow run by progress, not by the clock alone: a long worker calls
+``report_progress()`` after each unit of work (an option set's step, say), and the run fails when
+no rank has reported for ``timeout_s``, or when it passes ``max_total_s`` whatever it reports.
+On a machine shared with other jobs a fixed wall-clock budget for a whole multi-part run is either
+too tight (CI load doubled the time of a 250 s run and failed it as a hang) or too loose to find a
+hang early.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -198,6 +207,26 @@ def destroy_cpu_megatron() -> None:
         dist.destroy_process_group()
 
 
+# Set in each spawned rank by ``_worker``: where ``report_progress`` leaves its mark, and how long
+# after a report the rank dumps its stacks if it has not reported again.
+_progress_file: str | None = None
+_stack_dump_after_s: float = 0.0
+
+
+def report_progress() -> None:
+    """Tell ``run_distributed``'s parent this rank is still moving (restarts its ``timeout_s``).
+
+    Touches this rank's progress file and re-arms the stack dump; a no-op outside
+    ``run_distributed`` (``selftest`` runs the same workers in its own processes).
+    """
+    if _progress_file is None:
+        return
+    with open(_progress_file, "a"):
+        pass
+    os.utime(_progress_file)
+    faulthandler.dump_traceback_later(_stack_dump_after_s, exit=False)
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -208,12 +237,13 @@ def _worker(
     stack_dump_after_s: float,
     parent_pid: int,
 ) -> None:
-    import faulthandler
-
     from megatron_hsp.runtime.lifetime import die_with_parent
 
+    global _progress_file, _stack_dump_after_s
     die_with_parent(parent=parent_pid)  # a killed test runner (or command) leaves no rank behind
     # A stuck rank prints every thread's stack to stderr shortly before the parent gives up.
+    _progress_file = os.path.join(tmpdir, f"progress_{rank}")
+    _stack_dump_after_s = stack_dump_after_s
     faulthandler.dump_traceback_later(stack_dump_after_s, exit=False)
     torch.set_num_threads(1)
     result: Any
@@ -224,6 +254,7 @@ def _worker(
             f"file://{os.path.join(tmpdir, 'rdzv')}",
             tensor_model_parallel_size=tensor_model_parallel_size,
         )
+        report_progress()  # started: spawn, imports and rendezvous are behind it
         result = fn(rank, world_size, *args)
         faulthandler.cancel_dump_traceback_later()
     except BaseException as exc:  # carried back to the parent, never swallowed
@@ -240,12 +271,16 @@ def run_distributed(
     *args: Any,
     tensor_model_parallel_size: int = 1,
     timeout_s: float = 300.0,
+    max_total_s: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo CPU processes.
 
     Returns one entry per rank: ``fn``'s (picklable) return value or a ``RankError``. ``fn`` must
-    be importable (module level). A rank that never reports (hang) fails with TimeoutError.
+    be importable (module level). The run fails with TimeoutError (every rank killed) when no
+    rank has called ``report_progress`` for ``timeout_s`` seconds (from the start, for an ``fn``
+    that never reports), or after ``max_total_s`` (default ``4 * timeout_s``) in any case.
     """
+    max_total_s = 4.0 * timeout_s if max_total_s is None else max_total_s
     with tempfile.TemporaryDirectory(prefix="hsp_dist_") as tmpdir:
         ctx = mp.start_processes(
             _worker,
@@ -262,11 +297,13 @@ def run_distributed(
             join=False,
             start_method="spawn",
         )
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
+        start = time.time()  # wall clock: progress marks are file modification times
+        progress = [os.path.join(tmpdir, f"progress_{rank}") for rank in range(world_size)]
+        while True:
+            last = max([start] + [os.path.getmtime(p) for p in progress if os.path.exists(p)])
+            deadline = min(last + timeout_s, start + max_total_s)
+            now = time.time()
+            if now >= deadline:
                 for p in ctx.processes:
                     if p.is_alive():
                         p.terminate()
@@ -278,10 +315,18 @@ def run_distributed(
                             reported.append(f"rank {rank}: {pickle.load(fh)!r}"[:2000])
                     else:
                         reported.append(f"rank {rank}: no result (stuck)")
+                why = (
+                    f"did not finish within {max_total_s:.0f}s"
+                    if now >= start + max_total_s
+                    else f"made no progress for {timeout_s:.0f}s (likely a hang)"
+                )
                 raise TimeoutError(
-                    f"distributed test did not finish within {timeout_s:.0f}s (likely a hang); "
+                    f"distributed test {why}, after {now - start:.0f}s in all; "
                     + "; ".join(reported)
                 )
+            # Short waits, so a progress report moves the deadline on.
+            if ctx.join(timeout=max(0.1, min(deadline - now, 5.0))):
+                break
         results = []
         for rank in range(world_size):
             with open(os.path.join(tmpdir, f"result_{rank}.pkl"), "rb") as fh:

@@ -1560,6 +1560,7 @@ def _worker(
 ) -> dict[str, Any]:
     """Both runs on this rank; returns per-step comparisons (max-reduced over ranks)."""
     from megatron_hsp.testing.cpu_shims import cpu_device_arch_version, cpu_megatron_training
+    from megatron_hsp.testing.dist import report_progress
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
@@ -1578,7 +1579,9 @@ def _worker(
         stock_init = _initial_weights(options)
         with _pipeline_state(rank, world_size, options):
             hsp = _run_hsp(options, prefixes, cost_path, world_size, steps, stock_init, plant)
+        report_progress()  # each half of each option set moves the test's hang timeout on
         ref = _run_stock(options, prefixes, hsp["pieces"], stock_init, hsp["evaluations"])
+        report_progress()
         expected = megatron_schedule(ref["args"], steps)
     data = _data_checks(options, hsp, ref)
     out = []
