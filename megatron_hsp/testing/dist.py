@@ -14,6 +14,8 @@ raised (no hang) instead of only seeing the first failure.
 A hang is told from a slow run by progress, not by the clock alone: a long worker calls
 ``report_progress()`` after each unit of work (an option set's step, say), and the run fails when
 no rank has reported for ``timeout_s``, or when it passes ``max_total_s`` whatever it reports.
+Starting (spawn, importing torch and Megatron, the rendezvous) has its own allowance,
+``STARTUP_S``: under CI load it alone took more than 20 s.
 On a machine shared with other jobs a fixed wall-clock budget for a whole multi-part run is either
 too tight (CI load doubled the time of a 250 s run and failed it as a hang) or too loose to find a
 hang early.
@@ -265,6 +267,10 @@ def _worker(
         destroy_cpu_megatron()
 
 
+# Seconds the ranks may take to start (spawn, imports, rendezvous) before their first report.
+STARTUP_S = 300.0
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -272,15 +278,19 @@ def run_distributed(
     tensor_model_parallel_size: int = 1,
     timeout_s: float = 300.0,
     max_total_s: float | None = None,
+    startup_s: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo CPU processes.
 
     Returns one entry per rank: ``fn``'s (picklable) return value or a ``RankError``. ``fn`` must
     be importable (module level). The run fails with TimeoutError (every rank killed) when no
-    rank has called ``report_progress`` for ``timeout_s`` seconds (from the start, for an ``fn``
-    that never reports), or after ``max_total_s`` (default ``4 * timeout_s``) in any case.
+    rank has called ``report_progress`` for ``timeout_s`` seconds (every rank reports once
+    started, so an ``fn`` that never reports has ``timeout_s`` in all), when no rank has started
+    within ``max(startup_s, timeout_s)`` (``startup_s`` defaults to ``STARTUP_S``), or after
+    ``max_total_s`` in any case (default: the startup allowance and ``4 * timeout_s``).
     """
-    max_total_s = 4.0 * timeout_s if max_total_s is None else max_total_s
+    startup_s = max(STARTUP_S if startup_s is None else startup_s, timeout_s)
+    max_total_s = startup_s + 4.0 * timeout_s if max_total_s is None else max_total_s
     with tempfile.TemporaryDirectory(prefix="hsp_dist_") as tmpdir:
         ctx = mp.start_processes(
             _worker,
@@ -300,8 +310,9 @@ def run_distributed(
         start = time.time()  # wall clock: progress marks are file modification times
         progress = [os.path.join(tmpdir, f"progress_{rank}") for rank in range(world_size)]
         while True:
-            last = max([start] + [os.path.getmtime(p) for p in progress if os.path.exists(p)])
-            deadline = min(last + timeout_s, start + max_total_s)
+            marks = [os.path.getmtime(p) for p in progress if os.path.exists(p)]
+            allowed = timeout_s if marks else startup_s
+            deadline = min(max([start, *marks]) + allowed, start + max_total_s)
             now = time.time()
             if now >= deadline:
                 for p in ctx.processes:
@@ -318,7 +329,9 @@ def run_distributed(
                 why = (
                     f"did not finish within {max_total_s:.0f}s"
                     if now >= start + max_total_s
-                    else f"made no progress for {timeout_s:.0f}s (likely a hang)"
+                    else f"made no progress for {allowed:.0f}s (likely a hang)"
+                    if marks
+                    else f"did not start within {allowed:.0f}s"
                 )
                 raise TimeoutError(
                     f"distributed test {why}, after {now - start:.0f}s in all; "
