@@ -508,7 +508,7 @@ def chunk_long_grouped(
     ``scored``: sequences that need more than a node take ``cross_node_size`` instead (the size
     that shortens the step most with short work beside it). More micro-batches, each closer to
     its floor: on lognormal-dcp, where most long sequences' cheapest sizes (24, 40) are far
-    above what memory needs (16), 1.2-1.8% shorter steps; on batches where the long groups
+    above what memory needs (16), 1.3-2.0% shorter steps; on batches where the long groups
     decide the count (sft-long-mix, bimodal) it loses and the memory sizes stay.
     """
     n, cap = inst.world_size, inst.cap
