@@ -347,7 +347,12 @@ def _greedy_candidates(
                 floors = sum(inst.microbatch_floor(c) for c in chunks)
                 rescue = cand.total > RESCUE_OVER_FLOORS * floors
             if cand is not None and (best is None or cand.total < best.total - 1e-9):
-                best, best_m = cand, max(m, len(chunks))
+                # The count to climb from: a long chunking's own count, except the scored one's,
+                # whose extra micro-batches come from wider groups, not from a count where the
+                # token-based chunkings would do better (climbing to it doubled lognormal-dcp's
+                # greedy phase, every count's candidates cut off by the floors).
+                grown = not label.startswith("long-grouped:scored")
+                best, best_m = cand, max(m, len(chunks)) if grown else m
             if cand is not None:
                 kind = cand.label.split("/")[0]
                 if kind not in by_kind or cand.total < by_kind[kind].total:
