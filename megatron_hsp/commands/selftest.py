@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=600.0,
         help="seconds without progress from any rank before a run is called hung and killed "
-        "(a run that keeps progressing is killed at 4x this)",
+        "(a run that keeps progressing is killed at 4x this plus a 300 s start-up allowance)",
     )
     add_verbose_argument(parser)
 
