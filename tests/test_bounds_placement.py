@@ -145,6 +145,22 @@ def test_bound_ties_short_sequences_work_to_their_tokens_in_every_micro_batch():
     assert 0.98 * placed <= bound.bound_ms <= placed * (1 + 1e-9)
 
 
+def test_bound_limits_each_pattern_to_the_work_its_spare_memory_holds():
+    """A 741-token sequence needs 4 of 8 ranks (across nodes of 2); three short ones run beside
+    it or after it. Short sequences carry little work per token here, so ranks beside the long
+    group run out of memory long before they run out of time. A bound that pooled free time and
+    free memory over the patterns it mixes let one pattern's idle time hold work whose tokens
+    only another pattern's memory had room for: 20.88 ms against the placed optimum's 21.59.
+    Each pattern now offers at most the work its own spare tokens can carry (densest first)."""
+    cluster = Cluster(8, 2)
+    cost = toy_cost(8, 238, fixed=3.04, a2a=0.002, attn=1e-4, fixed_per_rank=0.5)
+    lengths = [741, 129, 143, 53]
+    bound, sizes = _bound(lengths, cost, cluster, rel_width=0.2)
+    placed = brute_force_ms(lengths, cost, cluster, sizes, placed=True)
+    assert bound is not None and bound.converged
+    assert 0.99 * placed <= bound.bound_ms <= placed * (1 + 1e-9)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     shape=st.sampled_from([(4, 1), (6, 2), (8, 2), (10, 2), (6, 1), (8, 8), (8, 4)]),

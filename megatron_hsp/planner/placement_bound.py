@@ -38,6 +38,14 @@ sequences (no group inside one node holds them) are placed explicitly:
   short-only micro-batches take their work with them (on lognormal-dcp and code-heavy-tail
   those two pools were most of the gap).
 
+  Each pattern also offers its free ranks at most the minimum work its free tokens can carry,
+  and its long groups at most the cross-node work their spare tokens can carry (``WF_p`` and
+  ``WL_p`` are the smaller of time and carried work; ``_carry_lines``: densest sequences
+  first, a concave curve). Without it, patterns mixed fractionally lent one pattern's idle
+  time to work whose tokens only another's memory held: on lognormal-dcp a pattern running a
+  175k and a 179k sequence beside 8 free ranks offered them 61 s of rank time for 52k tokens,
+  which carry at most 24 s (+1.4% on that batch).
+
 Every micro-batch of every plan the runtime places is a pattern (with its short sequences' work
 at least their minimum, its long classes at their shortest member's length), so the optimum is a
 step-time bound; any superset of patterns only lowers it. Columns come from a pricing MILP
@@ -197,6 +205,37 @@ def _inflated_work(inst: Instance, i: int, cross: Sequence[int]) -> float:
     )
 
 
+def _segment_lines(
+    order: Sequence[int], num: Sequence[float], den: Sequence[float]
+) -> list[tuple[float, float]]:
+    """(slope, intercept) of segments of the cumulative (den, num) curve walked in ``order``:
+    at most ``CURVE_LINES`` of them, the last always kept."""
+    out, a, b = [], 0.0, 0.0
+    for k in order:
+        if den[k] > 0:
+            slope = num[k] / den[k]
+            out.append((slope, b - slope * a))
+        a, b = a + den[k], b + num[k]
+    if not out:
+        return out
+    step = max(1, math.ceil(len(out) / CURVE_LINES))
+    return out[::step] + ([out[-1]] if (len(out) - 1) % step else [])
+
+
+def _carry_lines(tokens: Sequence[float], work: Sequence[float]) -> list[tuple[float, float]]:
+    """Lines ``(a, c)`` with: any subset of the sequences holding ``x`` tokens carries at most
+    ``min(c + a x)`` of ``work`` (densest first is the most; the curve is concave, so each
+    segment's line is above it everywhere; the last line is the total, carried by all)."""
+    ids = [k for k in range(len(tokens)) if tokens[k] > 0 and work[k] > 0]
+    order = sorted(ids, key=lambda k: -work[k] / tokens[k])
+    return [*_segment_lines(order, work, tokens), (0.0, float(sum(work[k] for k in ids)))]
+
+
+def _carried(lines: Sequence[tuple[float, float]], tokens: float) -> float:
+    """The most work ``tokens`` carry by ``_carry_lines``'s lines."""
+    return min(c + a * tokens for a, c in lines)
+
+
 # The master's variables for where the short sequences run (module docstring).
 SHORT_VARS = ("x_free", "w_free", "x_long", "w_long", "c_long")
 
@@ -227,31 +266,18 @@ def _subset_curves(
         (0.0, math.inf, {"c_long": 1.0, "w_long": -1.0}),
     ]
 
-    def lines(order: list[int], num, den) -> list[tuple[float, float]]:
-        """(slope, intercept) of each segment of the cumulative (den, num) curve."""
-        out, a, b = [], 0.0, 0.0
-        for k in order:
-            if den[k] > 0:
-                slope = num[k] / den[k]
-                out.append((slope, b - slope * a))
-            a, b = a + den[k], b + num[k]
-        if not out:
-            return out
-        step = max(1, math.ceil(len(out) / CURVE_LINES))
-        return out[::step] + ([out[-1]] if (len(out) - 1) % step else [])
-
     by_density = sorted(ids, key=lambda k: -work[k] / tokens[k])
-    for slope, icept in lines(by_density, work, tokens):  # w <= icept + slope x
+    for slope, icept in _segment_lines(by_density, work, tokens):  # w <= icept + slope x
         rows.append((-math.inf, icept, {"w_free": 1.0, "x_free": -slope}))
         rows.append((-math.inf, icept, {"w_long": 1.0, "x_long": -slope}))
         rows.append(
             (-math.inf, icept, {"w_free": 1.0, "w_long": 1.0, "x_free": -slope, "x_long": -slope})
         )
     by_cost = sorted(ok, key=lambda k: inflated[k] / tokens[k])
-    for slope, icept in lines(by_cost, inflated, tokens):  # c >= icept + slope x
+    for slope, icept in _segment_lines(by_cost, inflated, tokens):  # c >= icept + slope x
         rows.append((icept, math.inf, {"c_long": 1.0, "x_long": -slope}))
     by_inflation = sorted(ok, key=lambda k: inflated[k] / max(work[k], 1e-300))
-    for slope, icept in lines(by_inflation, inflated, work):  # c >= icept + slope w
+    for slope, icept in _segment_lines(by_inflation, inflated, work):  # c >= icept + slope w
         rows.append((icept, math.inf, {"c_long": 1.0, "w_long": -slope}))
     return rows
 
@@ -331,11 +357,14 @@ def placement_lp_bound(
         master.addRow(float(count[k]), inf, 0, np.array([], np.int32), np.array([]))
     for rhs in (0.0, 0.0, 0.0, 0.0, w_short, tok_short, float(m_floor)):
         master.addRow(rhs, inf, 0, np.array([], np.int32), np.array([]))
-    curves = _subset_curves(
-        [float(inst.lengths[i]) for i in short],
-        [float(inst.work_min[i]) for i in short],
-        [_inflated_work(inst, i, cross) for i in short],
-    )
+    short_tokens = [float(inst.lengths[i]) for i in short]
+    short_work = [float(inst.work_min[i]) for i in short]
+    inflated = [_inflated_work(inst, i, cross) for i in short]
+    curves = _subset_curves(short_tokens, short_work, inflated)
+    # What one pattern's free ranks (minimum work) and long groups (cross-node work) can get
+    # from the short sequences their spare memory holds (module docstring).
+    free_lines = _carry_lines(short_tokens, short_work)
+    long_lines = _carry_lines(short_tokens, [c if c < math.inf else 0.0 for c in inflated])
     first_curve = nk + 7
     for lo, hi, _ in curves:
         master.addRow(lo, hi, 0, np.array([], np.int32), np.array([]))
@@ -391,10 +420,12 @@ def placement_lp_bound(
         free = n - long_ranks
         entries = dict(cover)
         entries[row_count] = 1.0
-        entries[row_wf] = max(0.0, free * (makespan - b_min) - rank_ms)
         entries[row_tf] = max(0.0, free * cap - tokens)
-        entries[row_wl] = max(0.0, long_ranks * makespan - long_ms)
         entries[row_tl] = max(0.0, long_ranks * cap - long_tokens)
+        spare = max(0.0, free * (makespan - b_min) - rank_ms)
+        entries[row_wf] = min(spare, _carried(free_lines, entries[row_tf]))
+        spare = max(0.0, long_ranks * makespan - long_ms)
+        entries[row_wl] = min(spare, _carried(long_lines, entries[row_tl]))
         return makespan, entries
 
     def split(micro: Sequence[tuple[int, Sequence[int]]]):
@@ -523,6 +554,28 @@ def placement_lp_bound(
         terms += [(x, 1.0) for (j, kk), x in pvar.items() if kk == k]
         if terms:
             row(-inf, float(count[k]), terms)
+    # The work a pattern offers short sequences on its free ranks (f) and in its long groups (h):
+    # at most their spare time, and at most what their spare memory's tokens carry.
+    fvar, hvar = var(0.0, inf, False), var(0.0, inf, False)
+    terms = [(fvar, 1.0), (mvar, -float(n))]  # f <= n M - sum d v + b_min D - pooled rank-ms
+    terms += [t for (j, u), v in zip(slots, uvm, strict=True)
+              for t in ((v, float(sizes[j])), (u, -b_min * sizes[j]))]  # fmt: skip
+    terms += [(b, sizes[j] * (inst.fixed[j] - b_min) * w) for j, bs in bits.items() for w, b in bs]
+    terms += [(x, sizes[j] * tk[k][j]) for (j, k), x in pvar.items()]
+    row(-inf, -n * b_min, terms)
+    for a, c in free_lines:  # f <= c + a (n cap - cap D - pooled tokens)
+        terms = [(fvar, 1.0)] + [(u, a * cap * sizes[j]) for j, u in slots]
+        terms += [(x, a * rep[k]) for (j, k), x in pvar.items()]
+        row(-inf, c + a * n * cap, terms)
+    terms = [(hvar, 1.0)]  # h <= sum d v - sum d (b u + T x)
+    terms += [t for (j, u), v in zip(slots, uvm, strict=True)
+              for t in ((v, -float(sizes[j])), (u, float(sizes[j] * inst.fixed[j])))]  # fmt: skip
+    terms += [(x, sizes[slots[s][0]] * tk[k][slots[s][0]]) for (s, k), x in xvar.items()]
+    row(-inf, 0.0, terms)
+    for a, c in long_lines:  # h <= c + a (cap D - sum L x)
+        terms = [(hvar, 1.0)] + [(u, -a * cap * sizes[j]) for j, u in slots]
+        terms += [(x, a * rep[k]) for (s, k), x in xvar.items()]
+        row(-inf, c, terms)
     # A pattern holds an explicit sequence, so M >= m_low.
     row(1.0, inf, [(x, 1.0) for x in [*xvar.values(), *pvar.values()]])
     price.changeObjectiveSense(highspy.ObjSense.kMaximize)
@@ -551,22 +604,17 @@ def placement_lp_bound(
             break
         iterations += 1
         costs = np.zeros(ncols)
-        # Reduced value: sw (N - D)(M - b_min) + st (N - D) cap + sl (D M - sum d (T + b))
-        # + stl (D cap - sum L) + covers - M, with D = sum d u and D M = sum d v.
-        costs[mvar] = sw * n - 1.0
-        for (j, u), v in zip(slots, uvm, strict=True):
-            d = sizes[j]
-            costs[u] = d * (sw * b_min - st * cap + stl * cap - sl * inst.fixed[j])
-            costs[v] = d * (sl - sw)
-        for (s, k), x in xvar.items():
-            j = slots[s][0]
-            costs[x] = pi[k] - sl * sizes[j] * tk[k][j] - stl * rep[k]
-        for j, bs in bits.items():
-            for w, b in bs:
-                costs[b] = -sw * sizes[j] * (inst.fixed[j] - b_min) * w
-        for (j, k), x in pvar.items():
-            costs[x] = pi[k] - sw * sizes[j] * tk[k][j] - st * rep[k]
-        offset = -sw * n * b_min + st * n * cap + sc
+        # Reduced value: sw f + st (N - D) cap + sl h + stl (D cap - sum L) + covers - M,
+        # with D = sum d u (f and h: the work offered, bounded by rows above).
+        costs[mvar] = -1.0
+        costs[fvar], costs[hvar] = sw, sl
+        for j, u in slots:
+            costs[u] = sizes[j] * cap * (stl - st)
+        for (_, k), x in xvar.items():
+            costs[x] = pi[k] - stl * rep[k]
+        for (_, k), x in pvar.items():
+            costs[x] = pi[k] - st * rep[k]
+        offset = st * n * cap + sc
         price.changeColsCost(ncols, np.arange(ncols, dtype=np.int32), costs)
         price.setOptionValue("mip_rel_gap", rel_gap)
         price.setOptionValue("time_limit", max(0.05, min(price_limit_s, remaining)))
