@@ -49,6 +49,9 @@ from megatron_hsp.planner.topology import Cluster
 
 BACKENDS = MILP_SOLVERS
 CHUNKINGS = ("time-lpt", "contiguous-tokens", "long-grouped", "long-sized")
+# ``long-grouped:scored`` candidates: the longest of these shares of the sequences whose scored
+# size is not their cheapest keep it (``_scored_sizes``); 1 is every one, the first built.
+SCORED_SHARES = (1.0, 2 / 3, 1 / 3)
 EVERY_COUNT_CHUNKINGS = ("time-lpt", "contiguous-tokens")  # built at every count
 
 
@@ -347,7 +350,7 @@ def _greedy_candidates(
                 floors = sum(inst.microbatch_floor(c) for c in chunks)
                 rescue = cand.total > RESCUE_OVER_FLOORS * floors
             if cand is not None and (best is None or cand.total < best.total - 1e-9):
-                # The count to climb from: a long chunking's own count, except the scored one's,
+                # The count to climb from: a long chunking's own count, except the wider ones',
                 # whose extra micro-batches come from wider groups, not from a count where the
                 # token-based chunkings would do better (climbing to it doubled lognormal-dcp's
                 # greedy phase, every count's candidates cut off by the floors).
@@ -427,10 +430,11 @@ def _chunkings(
             # The same, cross-node sequences at ``cross_node_size``: after time-lpt, which
             # decides the rescue below, as the memory-size variant is the one that guarantees a
             # feasible count on long-heavy batches.
-            yield (
-                "long-grouped:scored",
-                lambda: chunk_long_grouped(inst, cluster, m, deadline, scored=True),
-            )
+            for share in SCORED_SHARES:
+                yield (
+                    "long-grouped:scored" + ("" if share == 1 else f"-{share:.2f}"),
+                    lambda s=share: chunk_long_grouped(inst, cluster, m, deadline, s),
+                )
         # After time-lpt: the first candidate decides the rescue (``RESCUE_OVER_FLOORS``).
         if "long-sized" in kinds and first:
             yield "long-sized", lambda: chunk_long_sized(inst, cluster, m, deadline)
@@ -443,7 +447,7 @@ def _chunkings(
         chunks = build()
         if chunks is None:
             continue
-        if label in ("long-grouped", "long-grouped:scored", "long-sized"):
+        if label.startswith(("long-grouped", "long-sized")):
             label = f"{label}/{len(chunks)}"
         key = tuple(sorted(tuple(sorted(c)) for c in chunks))
         if key not in seen:
@@ -493,7 +497,11 @@ def _long_heavy(inst: Instance, m: int) -> bool:
 
 
 def chunk_long_grouped(
-    inst: Instance, cluster: Cluster, m: int, deadline: float = math.inf, scored: bool = False
+    inst: Instance,
+    cluster: Cluster,
+    m: int,
+    deadline: float = math.inf,
+    scored_share: float | None = None,
 ) -> list[list[int]] | None:
     """Long sequences packed by rank need, similar times together; short ones fill the gaps.
 
@@ -510,11 +518,12 @@ def chunk_long_grouped(
     need them (and one more whenever a short sequence finds no room); None if the long groups
     fill less than half of ``m`` micro-batches' ranks, or past ``deadline``.
 
-    ``scored``: sequences that need more than a node take ``cross_node_size`` instead (the size
-    that shortens the step most with short work beside it). More micro-batches, each closer to
-    its floor: on lognormal-dcp, where most long sequences' cheapest sizes (24, 40) are far
-    above what memory needs (16), 1.3-2.0% shorter steps; on batches where the long groups
-    decide the count (sft-long-mix, bimodal) it loses and the memory sizes stay.
+    ``scored_share``: sequences that need more than a node take ``cross_node_size`` (the size
+    that shortens the step most with short work beside it) or their cheapest size instead
+    (``_scored_sizes``; 1: all at the scored size). More micro-batches, each closer to its
+    floor: on lognormal-dcp, where most long sequences' cheapest sizes (24, 40) are far above
+    what memory needs (16), 1.3-2.0% shorter steps with every one scored; on batches where the
+    long groups decide the count (sft-long-mix, bimodal) it loses and the memory sizes stay.
     """
     n, cap = inst.world_size, inst.cap
     long_ids = sorted(
@@ -524,8 +533,8 @@ def chunk_long_grouped(
     if not _long_heavy(inst, m):
         return None
     size = {i: inst.sizes[inst.dmin[i]] for i in long_ids}
-    if scored:
-        size.update(_scored_sizes(inst, cluster))
+    if scored_share is not None:
+        size.update(_scored_sizes(inst, cluster, scored_share))
     placed = _first_fit_by_blocks(inst, cluster, long_ids, size.__getitem__, deadline)
     if placed is None:
         return None
@@ -604,16 +613,38 @@ def cross_node_size(inst: Instance, i: int, absorb_density: float) -> int:
     return inst.sizes[best_j]
 
 
-def _scored_sizes(inst: Instance, cluster: Cluster) -> dict[int, int]:
+def _scored_sizes(inst: Instance, cluster: Cluster, share: float = 1.0) -> dict[int, int]:
     """``cross_node_size`` of every sequence that needs more than a node, at the work per
-    token of the others (the short sequences that would run beside it)."""
+    token of the others (the short sequences that would run beside it); with ``share`` < 1,
+    only for the longest ``share`` of those whose scored size is not their cheapest in rank-ms
+    (smallest on ties), the cheapest for the rest.
+
+    Why the share: the scored size assumes a sequence alone in its micro-batch beside short
+    work, which memory keeps sparse (a rank holds ``cap`` tokens of little work each); several
+    long sequences at their cheapest sizes fill a micro-batch's ranks instead. The longest gain
+    most from wide groups (a 192k sequence: 4.2 s on 56 ranks, 5.7 s on 40 for 3% less work);
+    on lognormal-dcp 100-150k sequences do better back at 24 ranks (40-48 scored), two or
+    three to a micro-batch. Which share is best varies by batch: a candidate per share.
+    """
     g = cluster.node_width
     wide = [i for i in range(len(inst.lengths)) if inst.sizes[inst.dmin[i]] > g]
     # Longest first, as ``chunk_long_sized`` walks them (the float sum's order is kept).
     rest = sorted(set(range(len(inst.lengths))) - set(wide), key=lambda i: (-inst.lengths[i], i))
     tokens = sum(inst.lengths[i] for i in rest)
     density = sum(inst.work_min[i] for i in rest) / tokens if tokens else 0.0
-    return {i: cross_node_size(inst, i, density) for i in wide}
+    scored = {i: cross_node_size(inst, i, density) for i in wide}
+    if share >= 1:
+        return scored
+    out, differ = {}, []
+    for i, d in scored.items():
+        work = [inst.sizes[j] * inst.times[i][j] for j in range(len(inst.sizes))]
+        out[i] = inst.sizes[min(range(inst.dmin[i], len(work)), key=lambda j: (work[j], j))]
+        if out[i] != d:
+            differ.append(i)
+    differ.sort(key=lambda i: (-inst.lengths[i], i))
+    for i in differ[: round(share * len(differ))]:
+        out[i] = scored[i]
+    return out
 
 
 def chunk_long_sized(
