@@ -129,7 +129,12 @@ def solve(
         # after).
         for cand in starts:
             cand.microbatches, _ = improve(
-                inst, cluster, cand.microbatches, improve_until, max_evals=config.improve_evals
+                inst,
+                cluster,
+                cand.microbatches,
+                improve_until,
+                max_evals=config.improve_evals,
+                merge=pipe is None,  # a pipeline's count stays a multiple of its stages
             )
             cand.total = _objective(cand.microbatches, pipe)
         best = min(starts, key=lambda c: c.total)
