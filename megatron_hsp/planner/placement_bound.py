@@ -38,13 +38,14 @@ sequences (no group inside one node holds them) are placed explicitly:
   short-only micro-batches take their work with them (on lognormal-dcp and code-heavy-tail
   those two pools were most of the gap).
 
-  Each pattern also offers its free ranks at most the minimum work its free tokens can carry,
-  and its long groups at most the cross-node work their spare tokens can carry (``WF_p`` and
-  ``WL_p`` are the smaller of time and carried work; ``_carry_lines``: densest sequences
+  Each pattern also offers its free ranks at most the minimum work its free tokens can carry
+  (``WF_p`` is the smaller of their time and that work; ``_carry_lines``: densest sequences
   first, a concave curve). Without it, patterns mixed fractionally lent one pattern's idle
   time to work whose tokens only another's memory held: on lognormal-dcp a pattern running a
   175k and a 179k sequence beside 8 free ranks offered them 61 s of rank time for 52k tokens,
-  which carry at most 24 s (+1.4% on that batch).
+  which carry at most 24 s (+1.2% on that batch). The same cap on the long groups' spare
+  memory (cross-node work) added 0.15% there and made the pricing MILP too slow to converge
+  on sft-long-mix in 300 s, so it is not applied.
 
 Every micro-batch of every plan the runtime places is a pattern (with its short sequences' work
 at least their minimum, its long classes at their shortest member's length), so the optimum is a
@@ -222,13 +223,31 @@ def _segment_lines(
     return out[::step] + ([out[-1]] if (len(out) - 1) % step else [])
 
 
-def _carry_lines(tokens: Sequence[float], work: Sequence[float]) -> list[tuple[float, float]]:
+def _carry_lines(
+    tokens: Sequence[float], work: Sequence[float], at: Sequence[float] | None = None
+) -> list[tuple[float, float]]:
     """Lines ``(a, c)`` with: any subset of the sequences holding ``x`` tokens carries at most
     ``min(c + a x)`` of ``work`` (densest first is the most; the curve is concave, so each
-    segment's line is above it everywhere; the last line is the total, carried by all)."""
+    segment's line is above it everywhere; the last line is the total, carried by all).
+
+    ``at``: only the segments through these token counts (exact there, fewer rows in the
+    pricing MILP); otherwise up to ``CURVE_LINES`` of them.
+    """
     ids = [k for k in range(len(tokens)) if tokens[k] > 0 and work[k] > 0]
     order = sorted(ids, key=lambda k: -work[k] / tokens[k])
-    return [*_segment_lines(order, work, tokens), (0.0, float(sum(work[k] for k in ids)))]
+    total = (0.0, float(sum(work[k] for k in ids)))
+    if at is None:
+        return [*_segment_lines(order, work, tokens), total]
+    lines, x0, w0 = set(), 0.0, 0.0
+    points = sorted(at)
+    for k in order:
+        x1 = x0 + tokens[k]
+        slope = work[k] / tokens[k]
+        while points and points[0] <= x1:
+            lines.add((slope, w0 - slope * x0))
+            points.pop(0)
+        x0, w0 = x1, w0 + work[k]
+    return [*sorted(lines), total]
 
 
 def _carried(lines: Sequence[tuple[float, float]], tokens: float) -> float:
@@ -359,12 +378,20 @@ def placement_lp_bound(
         master.addRow(rhs, inf, 0, np.array([], np.int32), np.array([]))
     short_tokens = [float(inst.lengths[i]) for i in short]
     short_work = [float(inst.work_min[i]) for i in short]
-    inflated = [_inflated_work(inst, i, cross) for i in short]
-    curves = _subset_curves(short_tokens, short_work, inflated)
-    # What one pattern's free ranks (minimum work) and long groups (cross-node work) can get
-    # from the short sequences their spare memory holds (module docstring).
-    free_lines = _carry_lines(short_tokens, short_work)
-    long_lines = _carry_lines(short_tokens, [c if c < math.inf else 0.0 for c in inflated])
+    curves = _subset_curves(
+        short_tokens, short_work, [_inflated_work(inst, i, cross) for i in short]
+    )
+    # The most minimum work one pattern's free ranks can get from the short sequences their
+    # memory holds (module docstring). Without pooled intra-node groups their tokens are
+    # ``(N - D) cap`` for the ranks ``D`` of some part of a mix: exact with a line each.
+    at = None
+    if not intra_node:
+        taken = set()
+        for mix in mixes:
+            for part in itertools.product(*(range(c + 1) for c in mix.values())):
+                taken.add(sum(d * c for d, c in zip(mix, part, strict=True)))
+        at = [float((n - d) * cap) for d in taken]
+    free_lines = _carry_lines(short_tokens, short_work, at)
     first_curve = nk + 7
     for lo, hi, _ in curves:
         master.addRow(lo, hi, 0, np.array([], np.int32), np.array([]))
@@ -424,8 +451,7 @@ def placement_lp_bound(
         entries[row_tl] = max(0.0, long_ranks * cap - long_tokens)
         spare = max(0.0, free * (makespan - b_min) - rank_ms)
         entries[row_wf] = min(spare, _carried(free_lines, entries[row_tf]))
-        spare = max(0.0, long_ranks * makespan - long_ms)
-        entries[row_wl] = min(spare, _carried(long_lines, entries[row_tl]))
+        entries[row_wl] = max(0.0, long_ranks * makespan - long_ms)
         return makespan, entries
 
     def split(micro: Sequence[tuple[int, Sequence[int]]]):
@@ -554,9 +580,9 @@ def placement_lp_bound(
         terms += [(x, 1.0) for (j, kk), x in pvar.items() if kk == k]
         if terms:
             row(-inf, float(count[k]), terms)
-    # The work a pattern offers short sequences on its free ranks (f) and in its long groups (h):
-    # at most their spare time, and at most what their spare memory's tokens carry.
-    fvar, hvar = var(0.0, inf, False), var(0.0, inf, False)
+    # The work a pattern offers short sequences on its free ranks (f): at most their spare time,
+    # and at most what their memory's tokens carry.
+    fvar = var(0.0, inf, False)
     terms = [(fvar, 1.0), (mvar, -float(n))]  # f <= n M - sum d v + b_min D - pooled rank-ms
     terms += [t for (j, u), v in zip(slots, uvm, strict=True)
               for t in ((v, float(sizes[j])), (u, -b_min * sizes[j]))]  # fmt: skip
@@ -567,15 +593,6 @@ def placement_lp_bound(
         terms = [(fvar, 1.0)] + [(u, a * cap * sizes[j]) for j, u in slots]
         terms += [(x, a * rep[k]) for (j, k), x in pvar.items()]
         row(-inf, c + a * n * cap, terms)
-    terms = [(hvar, 1.0)]  # h <= sum d v - sum d (b u + T x)
-    terms += [t for (j, u), v in zip(slots, uvm, strict=True)
-              for t in ((v, -float(sizes[j])), (u, float(sizes[j] * inst.fixed[j])))]  # fmt: skip
-    terms += [(x, sizes[slots[s][0]] * tk[k][slots[s][0]]) for (s, k), x in xvar.items()]
-    row(-inf, 0.0, terms)
-    for a, c in long_lines:  # h <= c + a (cap D - sum L x)
-        terms = [(hvar, 1.0)] + [(u, -a * cap * sizes[j]) for j, u in slots]
-        terms += [(x, a * rep[k]) for (s, k), x in xvar.items()]
-        row(-inf, c, terms)
     # A pattern holds an explicit sequence, so M >= m_low.
     row(1.0, inf, [(x, 1.0) for x in [*xvar.values(), *pvar.values()]])
     price.changeObjectiveSense(highspy.ObjSense.kMaximize)
@@ -604,14 +621,17 @@ def placement_lp_bound(
             break
         iterations += 1
         costs = np.zeros(ncols)
-        # Reduced value: sw f + st (N - D) cap + sl h + stl (D cap - sum L) + covers - M,
-        # with D = sum d u (f and h: the work offered, bounded by rows above).
+        # Reduced value: sw f + st (N - D) cap + sl (D M - sum d (T + b)) + stl (D cap - sum L)
+        # + covers - M, with D = sum d u, D M = sum d v (f: the work offered, rows above).
         costs[mvar] = -1.0
-        costs[fvar], costs[hvar] = sw, sl
-        for j, u in slots:
-            costs[u] = sizes[j] * cap * (stl - st)
-        for (_, k), x in xvar.items():
-            costs[x] = pi[k] - stl * rep[k]
+        costs[fvar] = sw
+        for (j, u), v in zip(slots, uvm, strict=True):
+            d = sizes[j]
+            costs[u] = d * (cap * (stl - st) - sl * inst.fixed[j])
+            costs[v] = d * sl
+        for (s, k), x in xvar.items():
+            j = slots[s][0]
+            costs[x] = pi[k] - sl * sizes[j] * tk[k][j] - stl * rep[k]
         for (_, k), x in pvar.items():
             costs[x] = pi[k] - st * rep[k]
         offset = st * n * cap + sc
