@@ -332,20 +332,22 @@ def _greedy_candidates(
     # 1365 sequences each, a 44 s step where the next count gives 7.4 s), and a loaded machine
     # spends the whole budget on that first count.
     rescue = False
-    scored_won = False  # the long-grouped candidate with every sequence scored is the best
+    # Whether the long-grouped candidate with every sequence scored could beat the best (its
+    # floors below it); partial shares are built only then.
+    scored_open = False
 
     def past() -> bool:
         """A plan in hand, no rescue running, and the deadline gone: stop searching."""
         return best is not None and not rescue and time.perf_counter() > deadline
 
-    def won() -> bool:
-        return scored_won
+    def open_() -> bool:
+        return scored_open
 
     while True:
         # The first candidate always runs, so its chunking ignores the deadline too.
         until = deadline if best is not None and not rescue else math.inf
         first = m == counts[0]
-        chunkings = _chunkings(inst, cluster, m, config.chunkings, first, until, past, won)
+        chunkings = _chunkings(inst, cluster, m, config.chunkings, first, until, past, open_)
         for label, chunks in chunkings:
             cutoff = best.total if best is not None else float("inf")
             cand = _schedule_chunks(inst, cluster, chunks, label, cutoff)
@@ -367,7 +369,9 @@ def _greedy_candidates(
                 grown = not label.startswith("long-grouped:scored")
                 best, best_m = cand, max(m, len(chunks)) if grown else m
             if label.startswith("long-grouped:scored/"):
-                scored_won = cand is not None and cand is best
+                scored_open = cand is not None or (
+                    sum(inst.microbatch_floor(c) for c in chunks) < cutoff
+                )
             if cand is not None:
                 kind = cand.label.split("/")[0]
                 if kind not in by_kind or cand.total < by_kind[kind].total:
@@ -424,7 +428,7 @@ def _chunkings(
     first: bool,
     deadline: float = math.inf,
     stop: Callable[[], bool] | None = None,
-    scored_won: Callable[[], bool] | None = None,
+    scored_open: Callable[[], bool] | None = None,
 ) -> Iterator[tuple[str, list[list[int]]]]:
     """The distinct chunkings of ``kinds`` into ``m`` micro-batches, in a fixed order, each
     built only when asked for: ``stop()`` true ends them (the caller is past its deadline), so
@@ -442,10 +446,11 @@ def _chunkings(
         if "long-grouped" in kinds and first:
             # The same, cross-node sequences at ``cross_node_size``: after time-lpt, which
             # decides the rescue below, as the memory-size variant is the one that guarantees a
-            # feasible count on long-heavy batches. Partial shares only where every sequence
-            # scored beat the best so far (else 20-40 ms each on sft-long-mix, for nothing).
+            # feasible count on long-heavy batches. Partial shares only where the floors of
+            # every sequence scored are below the best so far (on sft-long-mix they are far
+            # above, and each share would cost 20-40 ms for nothing).
             for share in SCORED_SHARES:
-                if share < 1 and not (scored_won is not None and scored_won()):
+                if share < 1 and not (scored_open is not None and scored_open()):
                     break
                 yield (
                     "long-grouped:scored" + ("" if share == 1 else f"-{share:.2f}"),
