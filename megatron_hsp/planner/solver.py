@@ -556,6 +556,13 @@ def chunk_long_grouped(
     size = {i: inst.sizes[inst.dmin[i]] for i in long_ids}
     if scored_share is not None:
         size.update(_scored_sizes(inst, cluster, scored_share))
+    if scored_share is not None and scored_share < 1:
+        # A partial share mixes wide groups and cheapest (narrower, slower) ones, so the best
+        # time no longer says which neighbours finish together: order by the time at the size
+        # each takes (lognormal-dcp 0.5% shorter; with every sequence scored, the best-time
+        # order is 2.9% better on a code-heavy-tail batch, so it stays there).
+        j_of = {d: j for j, d in enumerate(inst.sizes)}
+        long_ids.sort(key=lambda i: (-inst.times[i][j_of[size[i]]], i))
     placed = _first_fit_by_blocks(inst, cluster, long_ids, size.__getitem__, deadline)
     if placed is None:
         return None
