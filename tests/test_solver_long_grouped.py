@@ -168,25 +168,36 @@ def _lognormal(n: int, max_seq: int, seed: int) -> list[int]:
     return np.clip(x, 128, max_seq).astype(int).tolist()
 
 
-def test_scored_sizes_win_where_cheapest_sizes_are_far_above_memory_needs():
-    """On lognormal lengths most long sequences fit 16 ranks but cost least at 24 or 40; the
-    memory-size variant packs four per micro-batch at 16 and sits ~18% above its floors."""
+def _lognormal_batches():
+    """Three 512-sequence lognormal batches (seeds 1-3) on the FlexSP preset, 64 GPUs."""
     cost = load_cost_model("flexsp-gpt-7b", world_size=64, max_seq_k=192)
     cluster = Cluster(64, 8)
-    wins = 0
     for seed in (1, 2, 3):
         lengths = [x for x in _lognormal(512, 192_000, seed) if x <= cost.max_trainable_length()]
         inst = Instance.build(lengths, cost, cluster, resolve_sizes(cost, cluster, None))
-        totals = {}
-        for scored in (False, True):
-            chunks = chunk_long_grouped(inst, cluster, 22, scored_share=1.0 if scored else None)
-            assert chunks is not None and sorted(i for c in chunks for i in c) == list(
-                range(len(lengths))
-            )
-            cand = _schedule_chunks(inst, cluster, chunks, "x", float("inf"))
-            assert cand is not None
-            totals[scored] = cand.total
-        wins += totals[True] < 0.99 * totals[False]
+        yield lengths, inst, cost, cluster
+
+
+def _long_grouped_totals(inst, cluster, shares) -> dict:
+    """Greedy step time of ``chunk_long_grouped`` at each scored share (None: memory sizes)."""
+    totals = {}
+    for share in shares:
+        chunks = chunk_long_grouped(inst, cluster, 22, scored_share=share)
+        assert chunks is not None
+        assert sorted(i for c in chunks for i in c) == list(range(len(inst.lengths)))
+        cand = _schedule_chunks(inst, cluster, chunks, "x", float("inf"))
+        assert cand is not None
+        totals[share] = cand.total
+    return totals
+
+
+def test_scored_sizes_win_where_cheapest_sizes_are_far_above_memory_needs():
+    """On lognormal lengths most long sequences fit 16 ranks but cost least at 24 or 40; the
+    memory-size variant packs four per micro-batch at 16 and sits ~18% above its floors."""
+    wins = 0
+    for lengths, inst, cost, cluster in _lognormal_batches():
+        totals = _long_grouped_totals(inst, cluster, (None, 1.0))
+        wins += totals[1.0] < 0.99 * totals[None]
         plan = solve(lengths, cost, cluster, SolverConfig(time_budget_s=30.0))
         # The solver keeps the better of the two (or a better chunking still).
         assert plan.est_step_ms <= min(totals.values()) * (1 + 1e-9)
@@ -197,12 +208,8 @@ def test_a_share_of_scored_sizes_beats_all_or_none_on_lognormal_lengths():
     """The scored size assumes a sequence alone beside short work, which memory keeps sparse:
     100-150k sequences do better at their cheapest 24 ranks, two or three to a micro-batch,
     while the longest keep 56. Scoring only the longest share of them wins on most batches."""
-    cost = load_cost_model("flexsp-gpt-7b", world_size=64, max_seq_k=192)
-    cluster = Cluster(64, 8)
     wins = 0
-    for seed in (1, 2, 3):
-        lengths = [x for x in _lognormal(512, 192_000, seed) if x <= cost.max_trainable_length()]
-        inst = Instance.build(lengths, cost, cluster, resolve_sizes(cost, cluster, None))
+    for lengths, inst, cost, cluster in _lognormal_batches():
         every = _scored_sizes(inst, cluster)
         cheapest = _scored_sizes(inst, cluster, 0.0)
         for share in (0.0, 0.5):
@@ -216,14 +223,7 @@ def test_a_share_of_scored_sizes_beats_all_or_none_on_lognormal_lengths():
                 or not others
                 or min(lengths[i] for i in kept) >= max(lengths[i] for i in others)
             )
-        totals = {}
-        for share in SCORED_SHARES:
-            chunks = chunk_long_grouped(inst, cluster, 22, scored_share=share)
-            assert chunks is not None
-            assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
-            cand = _schedule_chunks(inst, cluster, chunks, "x", float("inf"))
-            assert cand is not None
-            totals[share] = cand.total
+        totals = _long_grouped_totals(inst, cluster, SCORED_SHARES)
         wins += min(totals.values()) < 0.99 * totals[1.0]
         plan = solve(lengths, cost, cluster, SolverConfig(time_budget_s=30.0))
         assert plan.est_step_ms <= min(totals.values()) * (1 + 1e-9)
