@@ -299,6 +299,18 @@ def lp_lower_bound_ms(
     )
 
 
+def length_classes(ids: Sequence[int], lengths: Sequence[int], rel_width: float) -> list[list[int]]:
+    """Sequences by length, each class within ``1 + rel_width`` of its shortest (first) member
+    (the LP bounds price a class at that member: time and memory grow with length)."""
+    classes: list[list[int]] = []
+    for i in sorted(ids, key=lambda i: lengths[i]):
+        if classes and lengths[i] <= (1 + rel_width) * lengths[classes[-1][0]]:
+            classes[-1].append(i)
+        else:
+            classes.append([i])
+    return classes
+
+
 def instance_lp_bound(
     inst: Instance,
     cost: CostModel,
@@ -347,13 +359,7 @@ def instance_lp_bound(
     t_end = time.perf_counter() + time_limit_s
     n_ranks = inst.world_size
     sizes = inst.sizes
-    order = sorted(range(len(inst.lengths)), key=lambda i: inst.lengths[i])
-    classes: list[list[int]] = []
-    for i in order:
-        if classes and inst.lengths[i] <= (1 + rel_width) * inst.lengths[classes[-1][0]]:
-            classes[-1].append(i)
-        else:
-            classes.append([i])
+    classes = length_classes(range(len(inst.lengths)), inst.lengths, rel_width)
     rep = [inst.lengths[c[0]] for c in classes]
     count = [len(c) for c in classes]
     nk = len(classes)

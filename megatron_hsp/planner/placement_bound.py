@@ -80,7 +80,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_hsp.planner.bounds import LpBound
+from megatron_hsp.planner.bounds import LpBound, length_classes
 from megatron_hsp.planner.highs import add_row, quiet_highs
 from megatron_hsp.planner.instance import Instance
 from megatron_hsp.planner.topology import Cluster
@@ -181,17 +181,6 @@ def node_configs(cluster: Cluster, sizes: Sequence[int]) -> list[dict[int, int]]
         return any(b != a and all(b[d] >= a[d] for d in small) for b in configs)
 
     return [c for c in configs if not dominated(c) and any(c.values())]
-
-
-def _classes(ids: list[int], lengths: Sequence[int], rel_width: float) -> list[list[int]]:
-    """Sequences by length, each class within ``1 + rel_width`` of its shortest (first) member."""
-    classes: list[list[int]] = []
-    for i in sorted(ids, key=lambda i: lengths[i]):
-        if classes and lengths[i] <= (1 + rel_width) * lengths[classes[-1][0]]:
-            classes[-1].append(i)
-        else:
-            classes.append([i])
-    return classes
 
 
 # Supporting lines kept per subset curve (any subset of them is valid; more only tightens).
@@ -352,7 +341,7 @@ def placement_lp_bound(
     m_cap = upper_ms if upper_ms is not None else float(sum(inst.best)) + b_min
 
     # Classes: long ones (only cross-node groups hold them), then the multi-rank ones a node holds.
-    classes = _classes(long_ids, inst.lengths, rel_width) + _classes(
+    classes = length_classes(long_ids, inst.lengths, rel_width) + length_classes(
         mid_ids, inst.lengths, rel_width
     )
     class_of = {i: k for k, c in enumerate(classes) for i in c}
