@@ -43,9 +43,11 @@ sequences (no group inside one node holds them) are placed explicitly:
   first, a concave curve). Without it, patterns mixed fractionally lent one pattern's idle
   time to work whose tokens only another's memory held: on lognormal-dcp a pattern running a
   175k and a 179k sequence beside 8 free ranks offered them 61 s of rank time for 52k tokens,
-  which carry at most 24 s (+1.2% on that batch). The same cap on the long groups' spare
-  memory (cross-node work) added 0.15% there and made the pricing MILP too slow to converge
-  on sft-long-mix in 300 s, so it is not applied.
+  which carry at most 24 s (+1.2% on that batch). The column generation converges without
+  the cap first, then goes on with it from the same columns; both bounds are valid and the
+  larger is returned (with the cap from the start, one sft-long-mix batch's pricing did not
+  converge in 300 s). The same cap on the long groups' spare memory (cross-node work) added
+  0.15% on lognormal-dcp and kept sft-long-mix from converging at all: not applied.
 
 Every micro-batch of every plan the runtime places is a pattern (with its short sequences' work
 at least their minimum, its long classes at their shortest member's length), so the optimum is a
@@ -408,9 +410,16 @@ def placement_lp_bound(
         entries.update(moves[name])
         add_column(0.0, entries)
 
+    # Two phases: the free ranks' work uncapped until the LP converges, then capped by what their
+    # tokens carry (module docstring), from those columns; each phase's bound is valid, and the
+    # first converges as fast as without the cap (sft-long-mix's capped pricing alone did not
+    # converge on one batch in 300 s).
+    capped = False
+    wf_of: list[tuple[int, float, float]] = []  # pattern column, free work uncapped and capped
+
     def pattern_column(
         groups: list[tuple[int, dict[int, int]]], pooled: dict[int, tuple[int, dict[int, int]]]
-    ) -> tuple[float, dict[int, float]]:
+    ) -> tuple[float, dict[int, float], tuple[float, float]]:
         """(makespan, master entries) of a pattern: cross-node groups as (size index, class
         counts); intra-node groups pooled per size index as (groups, class counts)."""
         makespan = b_min
@@ -439,9 +448,14 @@ def placement_lp_bound(
         entries[row_tf] = max(0.0, free * cap - tokens)
         entries[row_tl] = max(0.0, long_ranks * cap - long_tokens)
         spare = max(0.0, free * (makespan - b_min) - rank_ms)
-        entries[row_wf] = min(spare, _carried(free_lines, entries[row_tf]))
+        carried = min(spare, _carried(free_lines, entries[row_tf]))
+        entries[row_wf] = carried if capped else spare
         entries[row_wl] = max(0.0, long_ranks * makespan - long_ms)
-        return makespan, entries
+        return makespan, entries, (spare, carried)
+
+    def add_pattern(makespan: float, entries: dict[int, float], wf: tuple[float, float]) -> None:
+        wf_of.append((master.getNumCol(), *wf))
+        add_column(makespan, entries)
 
     def split(micro: Sequence[tuple[int, Sequence[int]]]):
         """A micro-batch's explicit sequences as pattern_column's arguments."""
@@ -466,11 +480,11 @@ def placement_lp_bound(
 
     for k in range(nk):  # each class alone in its fastest group
         j = min(fits[k], key=lambda j: tk[k][j] + inst.fixed[j])
-        add_column(*pattern_column(*split([(sizes[j], [classes[k][0]])])))
+        add_pattern(*pattern_column(*split([(sizes[j], [classes[k][0]])])))
     for micro in seed:
         groups, pooled = split(micro)
         if groups or pooled:
-            add_column(*pattern_column(groups, pooled))
+            add_pattern(*pattern_column(groups, pooled))
 
     # Pricing MILP, built once; only its objective changes.
     price = quiet_highs()
@@ -578,97 +592,123 @@ def placement_lp_bound(
     terms += [(b, sizes[j] * (inst.fixed[j] - b_min) * w) for j, bs in bits.items() for w, b in bs]
     terms += [(x, sizes[j] * tk[k][j]) for (j, k), x in pvar.items()]
     row(-inf, -n * b_min, terms)
+    line_rows: list[tuple[int, float]] = []  # (pricing row, its bound once capped)
     for a, c in free_lines:  # f <= c + a (n cap - cap D - pooled tokens)
         terms = [(fvar, 1.0)] + [(u, a * cap * sizes[j]) for j, u in slots]
         terms += [(x, a * rep[k]) for (j, k), x in pvar.items()]
-        row(-inf, c + a * n * cap, terms)
+        line_rows.append((price.getNumRow(), c + a * n * cap))
+        row(-inf, inf, terms)
     # A pattern holds an explicit sequence, so M >= m_low.
     row(1.0, inf, [(x, 1.0) for x in [*xvar.values(), *pvar.values()]])
     price.changeObjectiveSense(highspy.ObjSense.kMaximize)
 
-    # Early columns need only improve the master: a loose MILP gap finds them fast; once the best
-    # column found is worth little, the pricing is solved tightly, which convergence needs.
-    rel_gap = LOOSE_GAP
-    iterations, z_rmp, z_star = 0, 0.0, math.inf
-    while True:
-        master.run()
-        z_rmp = master.getInfo().objective_function_value
-        duals = master.getSolution().row_dual
-        pi = [max(0.0, float(duals[k])) for k in range(nk)]
-        sw, st, sl, stl, sws, sts, sc = (
-            max(0.0, float(duals[r]))
-            for r in (row_wf, row_tf, row_wl, row_tl, row_ws, row_ts, row_count)
+    iterations = 0
+
+    def generate() -> tuple[float, float, bool]:
+        """Column generation to convergence or the time limit: (bound, master value, converged)."""
+        nonlocal iterations
+        # Early columns need only improve the master: a loose MILP gap finds them fast; once the
+        # best column found is worth little, the pricing is solved tightly, which convergence
+        # needs.
+        rel_gap = LOOSE_GAP
+        z_rmp, z_star = 0.0, math.inf
+        while True:
+            master.run()
+            z_rmp = master.getInfo().objective_function_value
+            duals = master.getSolution().row_dual
+            pi = [max(0.0, float(duals[k])) for k in range(nk)]
+            sw, st, sl, stl, sws, sts, sc = (
+                max(0.0, float(duals[r]))
+                for r in (row_wf, row_tf, row_wl, row_tl, row_ws, row_ts, row_count)
+            )
+            curve_dual = 0.0
+            for r, (lo, hi, _) in enumerate(curves):
+                y = float(duals[first_curve + r])
+                side = lo if y > 0 else hi
+                if abs(side) < math.inf:  # a dual on the infinite side is numerical noise
+                    curve_dual += y * side
+            remaining = t_end - time.perf_counter()
+            if iterations >= max_iterations or remaining <= 0:
+                break
+            iterations += 1
+            costs = np.zeros(ncols)
+            # Reduced value: sw f + st (N - D) cap + sl (D M - sum d (T + b)) + stl (D cap - sum L)
+            # + covers - M, with D = sum d u, D M = sum d v (f: the work offered, rows above).
+            costs[mvar] = -1.0
+            costs[fvar] = sw
+            for (j, u), v in zip(slots, uvm, strict=True):
+                d = sizes[j]
+                costs[u] = d * (cap * (stl - st) - sl * inst.fixed[j])
+                costs[v] = d * sl
+            for (s, k), x in xvar.items():
+                j = slots[s][0]
+                costs[x] = pi[k] - sl * sizes[j] * tk[k][j] - stl * rep[k]
+            for (_, k), x in pvar.items():
+                costs[x] = pi[k] - st * rep[k]
+            offset = st * n * cap + sc
+            price.changeColsCost(ncols, np.arange(ncols, dtype=np.int32), costs)
+            price.setOptionValue("mip_rel_gap", rel_gap)
+            price.setOptionValue("time_limit", max(0.05, min(price_limit_s, remaining)))
+            price.run()
+            info = price.getInfo()
+            z_star = max(0.0, float(info.mip_dual_bound) + offset)
+            sol = price.getSolution().col_value
+            tol = 1e-7 * max(1.0, z_rmp)
+            # A column only from a feasible MILP solution (a time limit may leave none).
+            feasible = bool(sol) and int(info.primal_solution_status) == 2
+            found = float(info.objective_function_value) + offset if feasible else 0.0
+            if z_star <= tol:
+                break
+            if found <= max(tol, 1e-3 * z_rmp / max(1, nk)) and rel_gap > TIGHT_GAP:
+                rel_gap = TIGHT_GAP  # too little found to go on loosely: solve tightly next
+                if found <= tol:
+                    continue
+            elif found <= tol:
+                break
+            groups: list[tuple[int, dict[int, int]]] = []
+            for s, (j, u) in enumerate(slots):
+                if sol[u] < 0.5:
+                    continue
+                content = {
+                    k: round(sol[x]) for (ss, k), x in xvar.items() if ss == s and sol[x] > 0.5
+                }
+                if content:
+                    groups.append((j, content))
+            pooled: dict[int, tuple[int, dict[int, int]]] = {}
+            for j, bs in bits.items():
+                content = {
+                    k: round(sol[x]) for (jj, k), x in pvar.items() if jj == j and sol[x] > 0.5
+                }
+                ng = sum(w for w, b in bs if sol[b] > 0.5)
+                if content and ng:
+                    pooled[j] = (ng, content)
+            if not groups and not pooled:
+                break
+            add_pattern(*pattern_column(groups, pooled))
+        dual_obj = (
+            sum(p * c for p, c in zip(pi, count, strict=True)) + sws * w_short + sts * tok_short
         )
-        curve_dual = 0.0
-        for r, (lo, hi, _) in enumerate(curves):
-            y = float(duals[first_curve + r])
-            side = lo if y > 0 else hi
-            if abs(side) < math.inf:  # a dual on the infinite side is numerical noise
-                curve_dual += y * side
-        remaining = t_end - time.perf_counter()
-        if iterations >= max_iterations or remaining <= 0:
-            break
-        iterations += 1
-        costs = np.zeros(ncols)
-        # Reduced value: sw f + st (N - D) cap + sl (D M - sum d (T + b)) + stl (D cap - sum L)
-        # + covers - M, with D = sum d u, D M = sum d v (f: the work offered, rows above).
-        costs[mvar] = -1.0
-        costs[fvar] = sw
-        for (j, u), v in zip(slots, uvm, strict=True):
-            d = sizes[j]
-            costs[u] = d * (cap * (stl - st) - sl * inst.fixed[j])
-            costs[v] = d * sl
-        for (s, k), x in xvar.items():
-            j = slots[s][0]
-            costs[x] = pi[k] - sl * sizes[j] * tk[k][j] - stl * rep[k]
-        for (_, k), x in pvar.items():
-            costs[x] = pi[k] - st * rep[k]
-        offset = st * n * cap + sc
-        price.changeColsCost(ncols, np.arange(ncols, dtype=np.int32), costs)
-        price.setOptionValue("mip_rel_gap", rel_gap)
-        price.setOptionValue("time_limit", max(0.05, min(price_limit_s, remaining)))
-        price.run()
-        info = price.getInfo()
-        z_star = max(0.0, float(info.mip_dual_bound) + offset)
-        sol = price.getSolution().col_value
-        tol = 1e-7 * max(1.0, z_rmp)
-        # A column only from a feasible MILP solution (a time limit may leave none).
-        feasible = bool(sol) and int(info.primal_solution_status) == 2
-        found = float(info.objective_function_value) + offset if feasible else 0.0
-        if z_star <= tol:
-            break
-        if found <= max(tol, 1e-3 * z_rmp / max(1, nk)) and rel_gap > TIGHT_GAP:
-            rel_gap = TIGHT_GAP  # too little found to go on loosely: solve tightly next
-            if found <= tol:
-                continue
-        elif found <= tol:
-            break
-        groups: list[tuple[int, dict[int, int]]] = []
-        for s, (j, u) in enumerate(slots):
-            if sol[u] < 0.5:
-                continue
-            content = {k: round(sol[x]) for (ss, k), x in xvar.items() if ss == s and sol[x] > 0.5}
-            if content:
-                groups.append((j, content))
-        pooled: dict[int, tuple[int, dict[int, int]]] = {}
-        for j, bs in bits.items():
-            content = {k: round(sol[x]) for (jj, k), x in pvar.items() if jj == j and sol[x] > 0.5}
-            ng = sum(w for w, b in bs if sol[b] > 0.5)
-            if content and ng:
-                pooled[j] = (ng, content)
-        if not groups and not pooled:
-            break
-        add_column(*pattern_column(groups, pooled))
-    dual_obj = sum(p * c for p, c in zip(pi, count, strict=True)) + sws * w_short + sts * tok_short
-    dual_obj += sc * m_floor
-    dual_obj += curve_dual
-    converged = z_star <= 1e-7 * max(1.0, z_rmp)
-    z_eff = max(z_star, 1e-7 * max(1.0, z_rmp))
-    # Farley's scaled duals, or Lagrangian: a plan has at most one micro-batch with explicit
-    # sequences per explicit sequence, so it costs at least D - n_explicit z*.
-    bound = max(dual_obj / (1.0 + z_eff / m_low), dual_obj - len(explicit) * z_eff, 0.0)
-    if converged:
-        bound = min(z_rmp, bound)
+        dual_obj += sc * m_floor
+        dual_obj += curve_dual
+        converged = z_star <= 1e-7 * max(1.0, z_rmp)
+        z_eff = max(z_star, 1e-7 * max(1.0, z_rmp))
+        # Farley's scaled duals, or Lagrangian: a plan has at most one micro-batch with explicit
+        # sequences per explicit sequence, so it costs at least D - n_explicit z*.
+        bound = max(dual_obj / (1.0 + z_eff / m_low), dual_obj - len(explicit) * z_eff, 0.0)
+        if converged:
+            bound = min(z_rmp, bound)
+        return bound, z_rmp, converged
+
+    bound, z_rmp, converged = generate()
+    if converged and time.perf_counter() < t_end:
+        capped = True
+        for r, ub in line_rows:
+            price.changeRowBounds(r, -inf, ub)
+        for col, _, wf in wf_of:
+            master.changeCoeff(row_wf, col, wf)
+        again = generate()
+        if again[0] > bound:
+            bound, z_rmp, converged = again
     return PlacementBound(
         bound_ms=bound * (1 - 1e-7),
         lp_ms=z_rmp,
