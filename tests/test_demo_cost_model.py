@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from megatron_hsp.cli import main
-from megatron_hsp.commands.demo import prediction_summary
+from megatron_hsp.commands.demo_report import prediction_summary
 
 
 def _demo(tmp_path, monkeypatch, *extra: str) -> dict:

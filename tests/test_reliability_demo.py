@@ -136,7 +136,7 @@ def test_stopping_ranks_that_never_started_is_quiet():
     never started and are skipped (it raised "can only join a started process")."""
     import multiprocessing as mp
 
-    from megatron_hsp.commands.demo import _stop
+    from megatron_hsp.commands.demo_ranks import _stop
 
     ctx = mp.get_context("spawn")
     started = ctx.Process(target=time.sleep, args=(30,))

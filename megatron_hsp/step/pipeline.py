@@ -12,7 +12,7 @@ splits against the registry's sub-groups) is agreed across ranks, so a bad plan 
 with one message. Each rank then reads only the documents its own groups train.
 
 ``build_step_pipeline`` is the one place a pipeline is assembled; the Megatron ``pretrain()``
-hooks (``megatron/hooks.py``) and the demo's own loop (``commands/demo.py``) both call it.
+hooks (``megatron/hooks.py``) and the demo's own loop (``commands/demo_worker.py``) both call it.
 """
 
 from __future__ import annotations
