@@ -25,7 +25,7 @@ from megatron_hsp.planner.parallel import (
 )
 
 MAPS = ("group_fixed_ms", "a2a_ms_per_token", "ring_step_ms_per_token")
-MAPS += ("a2a_fixed_ms", "ring_step_fixed_ms")
+MAPS += ("a2a_fixed_ms", "ring_step_fixed_ms", "ring_step_extra_ms_per_token")
 
 
 @pytest.mark.parametrize("preset", sorted(FIRST_PRINCIPLES_PRESETS))
@@ -64,6 +64,24 @@ def test_tensor_parallel_splits_compute_heads_and_nodes():
     kv = 1 * 2  # one KV head per TP rank, copied so that 2 ranks each get one
     per_peer = model.layers * passes * (8 * 256 + kv * 256) * e / (2 * u)
     assert tp8.a2a_ms_per_token[2] == pytest.approx(per_peer / (hw.inter_node_gbs * 1e9) * 1e3)
+
+
+def test_ring_overhead_under_tensor_parallelism_is_per_gpu():
+    # Each GPU of a TP group merges the partial outputs of its own heads / tp at its own HBM
+    # bandwidth: the ring overhead per token is the unsplit model's / tp. (The stage builder
+    # once divided by tp twice, heads per GPU at tp GPUs' bandwidth: 1/tp^2, 8x too cheap at
+    # TP 8, a discount for every ring baseline; first_principles' own rule, checked by hand.)
+    model, hw, tr = FIRST_PRINCIPLES_PRESETS["llama3-70b-h100"]
+    shape = TransformerShape.from_model(model)
+    one = model_parallel_cost_model(shape, hw, tr, ParallelConfig(), gpus=64)
+    passes = 3  # full recompute
+    by_hand = model.layers * passes * model.heads * model.head_dim
+    by_hand *= hw.ring_step_overhead_bytes_per_elem / (hw.hbm_tbs * 1e12) * 1e3
+    assert one.ring_step_extra_ms_per_token[16] == pytest.approx(by_hand / 16, rel=1e-12)
+    for tp in (2, 4, 8):
+        split = model_parallel_cost_model(shape, hw, tr, ParallelConfig(tp=tp), gpus=64)
+        for d, v in split.ring_step_extra_ms_per_token.items():
+            assert v == pytest.approx(by_hand / d / tp, rel=1e-12), (tp, d)
 
 
 def test_pipeline_memory_holds_in_flight_microbatches():

@@ -6,6 +6,7 @@ Split out of ``costmodel.py`` (issue 19); the names stay importable from
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_hsp.planner.costcore import CostModel
@@ -312,6 +313,90 @@ def attention_calls_ms(
     )
 
 
+def collective_ms(peers_intra: int, peers_inter: int, nbytes: float, hw: HardwareConfig) -> float:
+    """One all-to-all's time on one GPU: ``nbytes`` to each peer, intra-node peers over NVLink
+    and inter-node peers over the NIC, the two concurrently."""
+    return 1e3 * max(
+        peers_intra * nbytes / (hw.nvlink_gbs * 1e9),
+        peers_inter * nbytes / (hw.inter_node_gbs * 1e9),
+    )
+
+
+@dataclass(frozen=True)
+class GroupTerms:
+    """The per-group-size terms of a first-principles model, keyed by group size (``CostModel``'s
+    ``group_fixed_ms``, ``a2a_ms_per_token``, ``a2a_fixed_ms``, ``ring_step_ms_per_token``,
+    ``ring_step_fixed_ms`` and ``ring_step_extra_ms_per_token``; sizes > 1 only for the last
+    five)."""
+
+    fixed: dict[int, float]
+    a2a: dict[int, float]
+    a2a_fixed: dict[int, float]
+    ring: dict[int, float]
+    ring_fixed: dict[int, float]
+    ring_extra: dict[int, float]
+
+
+def group_terms(
+    cluster: Cluster,
+    heads: HeadSpace,
+    hardware: HardwareConfig,
+    training: TrainingConfig,
+    *,
+    layers: int,
+    microbatch_fixed_ms: float,
+    a2a_bytes: Callable[[int], float],
+    ring_bytes: float,
+    out_elems: int,
+) -> GroupTerms:
+    """Every group size's communication and fixed terms, one GPU's view (the one rule both
+    first-principles builders use: the whole model here, one pipeline stage in ``parallel.py``).
+
+    ``a2a_bytes(u)``: bytes of one token this GPU's Ulysses all-to-alls over ``u`` ranks move in
+    a whole training step; ``ring_bytes``: bytes of one token's K/V this GPU sends per ring step
+    in a whole step; ``out_elems``: attention output elements of one token on this GPU per layer
+    and pass (its own heads times the value head dim: under TP, ``heads / tp`` of them, at this
+    GPU's HBM bandwidth); ``microbatch_fixed_ms``: what a micro-batch pays besides its attention
+    kernel calls. Group of d, run as ``heads.split(d)`` (Ulysses over u, ring over r):
+
+    - fixed: ``microbatch_fixed_ms`` plus one attention kernel call per layer and pass;
+    - Ulysses: each GPU holds s/d tokens and sends 1/u of them to every peer
+      (``collective_ms``), plus ``4 * layers * passes`` call latencies (inter-node when the group
+      spans nodes) and host overheads;
+    - ring (priced pure ring, Megatron CP groups too): K/V of the GPU's s/d tokens per step at
+      the slowest hop's send/recv bandwidth, ``layers * passes`` p2p call latencies and kernel
+      calls more per step, and the non-bandwidth overhead
+      (``hardware.ring_step_overhead_bytes_per_elem`` per output element at HBM bandwidth).
+    """
+    g = cluster.gpus_per_node
+    passes = 3 if training.recompute else 2
+    calls = 4 * layers * passes
+    host_ms = training.host_call_overhead_us * 1e-3
+    kernel_ms = attention_calls_ms(layers, passes, hardware, training)
+    merge_bytes = layers * passes * out_elems * hardware.ring_step_overhead_bytes_per_elem
+    t = GroupTerms({}, {}, {}, {}, {}, {})
+    for d in cluster.legal_sizes():
+        crosses = cluster.crosses_node(d)
+        lat_us = hardware.inter_node_latency_us if crosses else hardware.latency_us
+        t.fixed[d] = microbatch_fixed_ms + kernel_ms
+        if d == 1:
+            continue
+        t.a2a_fixed[d] = calls * (lat_us * 1e-3 + host_ms)
+        t.ring_fixed[d] = passes * layers * (hardware.p2p_latency(crosses) * 1e-3 + host_ms)
+        t.ring_fixed[d] += kernel_ms
+        t.ring[d] = ring_bytes / d / (hardware.p2p_bandwidth_gbs(crosses) * 1e9) * 1e3
+        extra = merge_bytes / d / (hardware.hbm_tbs * 1e12) * 1e3
+        if extra > 0:
+            t.ring_extra[d] = extra
+        u = heads.split(d)[0]
+        if u > 1:
+            per_peer = a2a_bytes(u) / (d * u)
+            t.a2a[d] = collective_ms(min(u, g) - 1, u - min(u, g), per_peer, hardware)
+        else:
+            t.a2a[d] = 0.0
+    return t
+
+
 def first_principles_cost_model(
     model: ModelConfig,
     hardware: HardwareConfig,
@@ -368,16 +453,9 @@ def first_principles_cost_model(
     a2 = model.linear_flops_per_token() * recompute / lin_flops * 1e3
 
     space = HeadSpace(model.heads, model.kv_heads)
-    sizes = cluster.legal_sizes()
-    ring_ms: dict[int, float] = {}
-    ring_extra: dict[int, float] = {}
     passes = 3 if training.recompute else 2
-    calls = 4 * model.layers * passes
-    host_ms = training.host_call_overhead_us * 1e-3
     # Attention kernel calls per micro-batch: one per layer and pass (per ring step).
     kernel_ms = attention_calls_ms(model.layers, passes, hardware, training)
-    a2a: dict[int, float] = {}
-    fixed: dict[int, float] = {}
     params = float(model.num_params())
     zero3_ms = 0.0
     if training.zero_stage == 3 and world_size > 1:
@@ -386,35 +464,17 @@ def first_principles_cost_model(
         scatter = params * training.bytes_per_grad * ring
         bw = hardware.bandwidth_gbs(cluster.crosses_node(world_size)) * 1e9
         zero3_ms = (2 * gather + scatter) / bw * 1e3 * training.zero3_exposed_fraction
-    a2a_fixed: dict[int, float] = {}
-    ring_fixed: dict[int, float] = {}
-    # Output elements one token has per layer and pass, over all heads (split d ways per rank).
-    merge_bytes = (
-        model.layers * passes * model.heads * model.head_dim
-    ) * hardware.ring_step_overhead_bytes_per_elem
-    for d in sizes:
-        crosses = cluster.crosses_node(d)
-        lat_us = hardware.inter_node_latency_us if crosses else hardware.latency_us
-        fixed[d] = training.microbatch_overhead_ms + zero3_ms + kernel_ms
-        if d == 1:
-            continue
-        a2a_fixed[d] = calls * (lat_us * 1e-3 + host_ms)
-        p2p_call_ms = hardware.p2p_latency(crosses) * 1e-3 + host_ms
-        ring_fixed[d] = passes * model.layers * p2p_call_ms + kernel_ms
-        # One ring step, pure ring: each rank passes its s/d tokens' K/V to the next ring rank.
-        nbytes = ring_bytes_per_token(model, training, 1) / d
-        ring_ms[d] = nbytes / (hardware.p2p_bandwidth_gbs(crosses) * 1e9) * 1e3
-        ring_extra[d] = merge_bytes / d / (hardware.hbm_tbs * 1e12) * 1e3
-        u = space.split(d)[0]
-        # Ulysses over u contiguous ranks, each holding s/d tokens and sending 1/u to each peer.
-        per_peer = a2a_bytes_per_token(model, training, u) / (d * u) if u > 1 else 0.0
-        intra = min(u, g) - 1
-        inter = u - min(u, g)
-        t = max(
-            intra * per_peer / (hardware.nvlink_gbs * 1e9),
-            inter * per_peer / (hardware.inter_node_gbs * 1e9),
-        )
-        a2a[d] = t * 1e3
+    terms = group_terms(
+        cluster,
+        space,
+        hardware,
+        training,
+        layers=model.layers,
+        microbatch_fixed_ms=training.microbatch_overhead_ms + zero3_ms,
+        a2a_bytes=lambda u: a2a_bytes_per_token(model, training, u),
+        ring_bytes=ring_bytes_per_token(model, training, 1),
+        out_elems=model.heads * model.head_dim,
+    )
     states = training.model_state_bytes(params, world_size)
     act = activation_bytes_per_token(model, training)
     cap_bytes = cap_gb * 2**30
@@ -432,8 +492,8 @@ def first_principles_cost_model(
         name=label,
         attn_ms_per_token2=a1,
         linear_ms_per_token=a2,
-        group_fixed_ms=fixed,
-        a2a_ms_per_token=a2a,
+        group_fixed_ms=terms.fixed,
+        a2a_ms_per_token=terms.a2a,
         tokens_per_rank=tokens_per_rank,
         source="first principles (megatron_hsp.planner.first_principles)",
         details={
@@ -446,10 +506,10 @@ def first_principles_cost_model(
             **step,
         },
         heads=(space.q_heads, space.kv_heads),
-        ring_step_ms_per_token=ring_ms,
-        a2a_fixed_ms=a2a_fixed,
-        ring_step_fixed_ms=ring_fixed,
-        ring_step_extra_ms_per_token={d: v for d, v in ring_extra.items() if v > 0},
+        ring_step_ms_per_token=terms.ring,
+        a2a_fixed_ms=terms.a2a_fixed,
+        ring_step_fixed_ms=terms.ring_fixed,
+        ring_step_extra_ms_per_token=terms.ring_extra,
     )
 
 

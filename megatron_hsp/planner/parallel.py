@@ -50,7 +50,11 @@ from megatron_hsp.planner.costmodel import (
     validate_cost_model,
 )
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.first_principles import attention_calls_ms, attention_ms_per_token2
+from megatron_hsp.planner.first_principles import (
+    attention_ms_per_token2,
+    collective_ms,
+    group_terms,
+)
 from megatron_hsp.planner.groupspace import Cluster, HeadSpace
 from megatron_hsp.planner.moe import DEEPSEEK_V2_LITE_MOE, QWEN3_30B_A3B_MOE, MoEConfig
 from megatron_hsp.planner.pipeline import (
@@ -229,14 +233,6 @@ class ParallelConfig:
         return gpus_per_node // self.tp
 
 
-def _collective_ms(peers_intra: int, peers_inter: int, nbytes: float, hw: HardwareConfig) -> float:
-    """One all-to-all's time: per-peer bytes over NVLink and the NIC, concurrently."""
-    return 1e3 * max(
-        peers_intra * nbytes / (hw.nvlink_gbs * 1e9),
-        peers_inter * nbytes / (hw.inter_node_gbs * 1e9),
-    )
-
-
 def model_parallel_cost_model(
     shape: TransformerShape,
     hardware: HardwareConfig,
@@ -292,11 +288,10 @@ def model_parallel_cost_model(
         per_peer = shape.moe.top_k * shape.hidden * e / tp / ep
         intra = min(ep, gp) - 1
         inter = ep - min(ep, gp)
-        a2 += 2 * passes * moe_l * _collective_ms(intra, inter, per_peer, hardware)
+        a2 += 2 * passes * moe_l * collective_ms(intra, inter, per_peer, hardware)
         ep_fixed = 2 * passes * moe_l * (lat_inter if inter else lat_intra)
 
     heads = HeadSpace.from_model(shape.heads, shape.kv_heads, tp)
-    calls = 4 * n_layers * passes
     base_params, expert_params = shape.params(pp)
     zero3_ms = 0.0
     if training.zero_stage == 3 and plane > 1:
@@ -309,43 +304,27 @@ def model_parallel_cost_model(
             * 1e3
             * training.zero3_exposed_fraction
         )
-    a2a: dict[int, float] = {}
-    ring_ms: dict[int, float] = {}
-    ring_extra: dict[int, float] = {}
-    fixed: dict[int, float] = {}
-    a2a_fixed: dict[int, float] = {}
-    ring_fixed: dict[int, float] = {}
     qk, vd = shape.head_dim, shape.v_dim
-    host_ms = training.host_call_overhead_us * 1e-3
-    # The calibrated terms of first_principles_cost_model, per stage: attention kernel calls
-    # (per micro-batch and per ring step), host overhead per call, the ring hop's send/recv
-    # bandwidth and latency, and the ring's non-bandwidth overhead per output element (heads/tp
-    # per GPU) at HBM bandwidth.
-    kernel_ms = attention_calls_ms(n_layers, passes, hardware, training)
-    merge_bytes = (
-        n_layers * passes * heads.q_heads * vd * hardware.ring_step_overhead_bytes_per_elem
+
+    def a2a_bytes(u: int) -> float:  # Q, K, V, O of this GPU's heads (KV copied past kv heads)
+        kv = heads.kv_heads * heads.kv_copies(u)
+        return n_layers * passes * (heads.q_heads * (qk + vd) + kv * (qk + vd)) * e
+
+    # The calibrated terms of first_principles_cost_model, per stage and per GPU of a slot (its
+    # heads / tp): attention kernel calls, host overhead per call, the ring hop's send/recv
+    # bandwidth and latency, the ring's non-bandwidth overhead per output element.
+    terms = group_terms(
+        cluster,
+        heads,
+        hardware,
+        training,
+        layers=n_layers,
+        microbatch_fixed_ms=training.microbatch_overhead_ms + zero3_ms + tp_fixed + ep_fixed,
+        a2a_bytes=a2a_bytes,
+        # One pure-ring step: this GPU's K and V (its KV heads), 3 or 4 passes.
+        ring_bytes=n_layers * (passes + 1) * heads.kv_heads * (qk + vd) * e,
+        out_elems=heads.q_heads * vd,
     )
-    for d in cluster.legal_sizes():
-        crosses = cluster.crosses_node(d)
-        lat = lat_inter if crosses else lat_intra
-        fixed[d] = training.microbatch_overhead_ms + zero3_ms + tp_fixed + ep_fixed + kernel_ms
-        if d == 1:
-            continue
-        a2a_fixed[d] = calls * (lat + host_ms)
-        ring_fixed[d] = passes * n_layers * (hardware.p2p_latency(crosses) * 1e-3 + host_ms)
-        ring_fixed[d] += kernel_ms
-        # One pure-ring step: this GPU's s/d tokens' K and V (its KV heads), 3 or 4 passes.
-        ring_bytes = n_layers * (passes + 1) * heads.kv_heads * (qk + vd) * e
-        ring_ms[d] = ring_bytes / d / (hardware.p2p_bandwidth_gbs(crosses) * 1e9) * 1e3
-        ring_extra[d] = merge_bytes / d / (hardware.hbm_tbs * tp * 1e12) * 1e3
-        u = heads.split(d)[0]
-        if u > 1:
-            kv = heads.kv_heads * heads.kv_copies(u)
-            elems = heads.q_heads * (qk + vd) + kv * (qk + vd)
-            per_peer = n_layers * passes * elems * e / (d * u)
-            a2a[d] = _collective_ms(min(u, gp) - 1, u - min(u, gp), per_peer, hardware)
-        else:
-            a2a[d] = 0.0
     states = training.model_state_bytes(base_params / tp, plane)
     states += training.model_state_bytes(expert_params / (ep * tp), plane // ep)
     layer_act, head_act = shape.activation_bytes(training, pp)
@@ -371,8 +350,8 @@ def model_parallel_cost_model(
             name=label,
             attn_ms_per_token2=a1,
             linear_ms_per_token=a2,
-            group_fixed_ms=fixed,
-            a2a_ms_per_token=a2a,
+            group_fixed_ms=terms.fixed,
+            a2a_ms_per_token=terms.a2a,
             tokens_per_rank=tokens,
             source=source,
             details={
@@ -393,10 +372,10 @@ def model_parallel_cost_model(
                 "pp_hop_ms": hop_ms,
             },
             heads=(heads.q_heads, heads.kv_heads),
-            ring_step_ms_per_token=ring_ms,
-            a2a_fixed_ms=a2a_fixed,
-            ring_step_fixed_ms=ring_fixed,
-            ring_step_extra_ms_per_token={d: v for d, v in ring_extra.items() if v > 0},
+            ring_step_ms_per_token=terms.ring,
+            a2a_fixed_ms=terms.a2a_fixed,
+            ring_step_fixed_ms=terms.ring_fixed,
+            ring_step_extra_ms_per_token=terms.ring_extra,
         )
     )
 
