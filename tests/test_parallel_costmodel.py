@@ -40,6 +40,8 @@ def test_unsplit_dense_model_equals_first_principles(preset):
     assert got.linear_ms_per_token == pytest.approx(ref.linear_ms_per_token, rel=1e-12)
     assert abs(got.tokens_per_rank - ref.tokens_per_rank) <= 1
     assert got.heads == ref.heads
+    assert got.step_overhead_ms == pytest.approx(ref.step_overhead_ms, rel=1e-12)
+    assert got.step_overhead_ms > 0
     for key in MAPS:
         a, b = getattr(ref, key), getattr(got, key)
         assert set(a) == set(b), key
@@ -82,6 +84,32 @@ def test_ring_overhead_under_tensor_parallelism_is_per_gpu():
         split = model_parallel_cost_model(shape, hw, tr, ParallelConfig(tp=tp), gpus=64)
         for d, v in split.ring_step_extra_ms_per_token.items():
             assert v == pytest.approx(by_hand / d / tp, rel=1e-12), (tp, d)
+
+
+def test_step_cost_per_stage_splits_dense_and_expert_weights_by_hand():
+    # The per-step gradient reduction and optimizer of a stage (details.step_ms): ZeRO-1, so
+    # reduce-scatter fp32 grads and all-gather bf16 weights, (g + p) bytes per weight times
+    # (n - 1) / n over the slots that hold a copy, then Adam on the 1/n shard at HBM bandwidth.
+    hw, tr = H100_SXM, MOE_TRAINING
+    cost = model_parallel_cost_model(QWEN3_30B_A3B, hw, tr, ParallelConfig(ep=8), gpus=64)
+    base, expert = QWEN3_30B_A3B.params(1)
+    g, p, o = tr.bytes_per_grad, tr.bytes_per_param, tr.bytes_per_optimizer_state
+    nic = hw.inter_node_gbs * 1e9  # 64 slots span nodes
+    # dense weights over all 64 slots; experts (1/8 each) over the 8 slots of their EP rank
+    reduce = (g + p) * (base * 63 / 64 + expert / 8 * 7 / 8) / nic * 1e3
+    adam = (2 * o + g + p) * (base / 64 + expert / 8 / 8) / (hw.hbm_tbs * 1e12) * 1e3
+    assert cost.details["grad_reduce_ms_per_step"] == pytest.approx(reduce, rel=1e-9)
+    assert cost.details["optimizer_ms_per_step"] == pytest.approx(adam, rel=1e-9)
+    assert cost.step_overhead_ms == pytest.approx(reduce + adam, rel=1e-9)
+    # Under TP each GPU reduces and updates 1/tp of the weights.
+    model, hw, tr = FIRST_PRINCIPLES_PRESETS["llama3-70b-h100"]
+    shape = TransformerShape.from_model(model)
+    tp8 = model_parallel_cost_model(shape, hw, tr, ParallelConfig(tp=8, pp=4), gpus=256)
+    w = shape.params(4)[0] / 8  # the heaviest stage's weights, 1/8 per GPU; 8 slots, one a node
+    reduce8 = (g + p) * w * 7 / 8 / nic * 1e3  # ZeRO-1 (PP refuses ZeRO-3)
+    adam8 = (2 * o + g + p) * w / 8 / (hw.hbm_tbs * 1e12) * 1e3
+    assert tp8.details["grad_reduce_ms_per_step"] == pytest.approx(reduce8, rel=1e-9)
+    assert tp8.details["optimizer_ms_per_step"] == pytest.approx(adam8, rel=1e-9)
 
 
 def test_pipeline_memory_holds_in_flight_microbatches():

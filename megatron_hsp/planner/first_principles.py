@@ -272,8 +272,27 @@ def step_overhead_ms(
       weights, ``2 * optimizer + grad + param`` bytes per parameter of the rank's shard (ZeRO >= 1
       shards them), at HBM bandwidth.
     """
-    params = float(model.num_params())
-    n = max(1, world_size)
+    reduce_ms, optimizer_ms = grad_and_optimizer_ms(
+        float(model.num_params()), hardware, training, world_size, crosses_node
+    )
+    return {
+        "step_ms": reduce_ms + optimizer_ms,
+        "grad_reduce_ms_per_step": reduce_ms,
+        "optimizer_ms_per_step": optimizer_ms,
+    }
+
+
+def grad_and_optimizer_ms(
+    params: float,
+    hardware: HardwareConfig,
+    training: TrainingConfig,
+    ranks: int,
+    crosses_node: bool,
+) -> tuple[float, float]:
+    """(gradient reduction, optimizer step) in ms for ``params`` weights on each GPU, reduced
+    over ``ranks`` data-parallel ranks: the rule of ``step_overhead_ms``, also used per pipeline
+    stage and per expert-parallel group by ``parallel.py``."""
+    n = max(1, ranks)
     ring = (n - 1) / n
     p, g, o = training.bytes_per_param, training.bytes_per_grad, training.bytes_per_optimizer_state
     bw = hardware.bandwidth_gbs(crosses_node) * 1e9
@@ -281,11 +300,7 @@ def step_overhead_ms(
     reduce_ms = reduce_bytes / bw * 1e3
     shard = params / n if training.zero_stage >= 1 else params
     optimizer_ms = (2 * o + g + p) * shard / (hardware.hbm_tbs * 1e12) * 1e3
-    return {
-        "step_ms": reduce_ms + optimizer_ms,
-        "grad_reduce_ms_per_step": reduce_ms,
-        "optimizer_ms_per_step": optimizer_ms,
-    }
+    return reduce_ms, optimizer_ms
 
 
 def attention_ms_per_token2(

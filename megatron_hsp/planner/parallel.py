@@ -53,6 +53,7 @@ from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.first_principles import (
     attention_ms_per_token2,
     collective_ms,
+    grad_and_optimizer_ms,
     group_terms,
 )
 from megatron_hsp.planner.groupspace import Cluster, HeadSpace
@@ -342,6 +343,21 @@ def model_parallel_cost_model(
     if pp > 1:
         hop_bytes = tokens * shape.hidden * e / tp
         hop_ms = lat_inter + hop_bytes / (hardware.inter_node_gbs * 1e9) * 1e3
+    # Per step, after the last backward (the heaviest stage, every stage at once): the dense
+    # weights' gradients over the plane's slots, the experts' over their expert-data-parallel
+    # group (plane / ep slots), each GPU its 1/tp (1/(ep tp)) share; then the optimizer.
+    crosses = cluster.crosses_node(plane)
+    dense_reduce, dense_opt = grad_and_optimizer_ms(
+        base_params / tp, hardware, training, plane, crosses
+    )
+    expert_reduce, expert_opt = grad_and_optimizer_ms(
+        expert_params / (ep * tp), hardware, training, plane // ep, crosses
+    )
+    step = {
+        "step_ms": dense_reduce + expert_reduce + dense_opt + expert_opt,
+        "grad_reduce_ms_per_step": dense_reduce + expert_reduce,
+        "optimizer_ms_per_step": dense_opt + expert_opt,
+    }
     source = f"first principles, tp {tp} pp {pp} vpp {parallel.vpp} ep {ep} (planner/parallel.py)"
     if notes:
         source += "; " + "; ".join(notes)
@@ -370,6 +386,7 @@ def model_parallel_cost_model(
                     BACKWARD_SHARE_RECOMPUTE if training.recompute else BACKWARD_SHARE
                 ),
                 "pp_hop_ms": hop_ms,
+                **step,
             },
             heads=(heads.q_heads, heads.kv_heads),
             ring_step_ms_per_token=terms.ring,
