@@ -7,12 +7,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from megatron_hsp.planner.groupspace import kv_copies
 from megatron_hsp.runtime.attention import (
     TorchAttentionBackend,
     apply_rope_packed,
-    check_group_sizes,
     group_packed_seq_params,
-    kv_replication_factor,
+    heads_per_tp_rank,
     make_backend,
     positions_in_documents,
 )
@@ -51,24 +51,20 @@ def core_attention(cfg):
 # ------------------------------------------------------------------ group-size rules
 
 
-def test_check_group_sizes_accepts_divisors_and_names_bad_sizes() -> None:
-    cfg = config(heads=8, kv=2)
-    check_group_sizes(cfg, [1, 2, 4, 8])  # KV heads (2) never restrict: replicated for 4 and 8
-    with pytest.raises(ValueError) as err:
-        check_group_sizes(cfg, [1, 2, 4, 8], tp=2)  # 4 query heads per TP rank
-    msg = str(err.value)
-    assert "[8]" in msg and "num_attention_heads=8" in msg and "tp=2" in msg
-    assert "Usable sizes: [1, 2, 4]" in msg
-    with pytest.raises(ValueError, match=r"\[3, 5\]"):
-        check_group_sizes(cfg, [3, 5, 2])
+def test_heads_per_tp_rank_splits_queries_and_replicates_kv_past_tp() -> None:
+    assert heads_per_tp_rank(config(heads=8, kv=2), 1) == (8, 2)
+    assert heads_per_tp_rank(config(heads=8, kv=2), 2) == (4, 1)
+    assert heads_per_tp_rank(config(heads=8, kv=2), 4) == (2, 1)  # megatron replicates KV
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size 3"):
+        heads_per_tp_rank(config(heads=8, kv=2), 3)
 
 
 @pytest.mark.parametrize(
     ("q", "kv", "d", "r"),
     [(4, 4, 2, 1), (4, 2, 2, 1), (4, 2, 4, 2), (4, 1, 4, 4), (8, 2, 8, 4), (12, 3, 4, 4)],
 )
-def test_kv_replication_factor(q: int, kv: int, d: int, r: int) -> None:
-    assert kv_replication_factor(q, kv, d) == r
+def test_kv_copies(q: int, kv: int, d: int, r: int) -> None:
+    assert kv_copies(q, kv, d) == r
 
 
 @given(
@@ -81,9 +77,9 @@ def test_replicated_kv_heads_stay_paired_with_their_queries(kv: int, per_kv: int
     q = kv * per_kv
     if q % d:
         with pytest.raises(ValueError):
-            kv_replication_factor(q, kv, d)
+            kv_copies(q, kv, d)
         return
-    r = kv_replication_factor(q, kv, d)
+    r = kv_copies(q, kv, d)
     kv_rep = kv * r
     assert kv_rep % d == 0 and per_kv % r == 0
     q_local, kv_local = q // d, kv_rep // d

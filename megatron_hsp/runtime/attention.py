@@ -25,8 +25,9 @@ so the numbers equal a single-device run. See docs/runtime.md.
 
 One concern per module (as yunchang keeps them): ``ulysses`` (the all-to-all), ``ring`` (ring
 attention), ``packed`` (the micro-batch's params, positions, RoPE), ``backends`` (torch, TE);
-this module is the megatron-core seam (``HSPCoreAttention``, ``HSPSelfAttention``) and the
-group-size rules the model checks at start-up. Its names re-export the others' for callers.
+this module is the megatron-core seam (``HSPCoreAttention``, ``HSPSelfAttention``). Which
+group sizes a model can run is ``groupspace.HeadSpace``'s rule alone (checked at start-up by
+``agreement.head_problems``). Its names re-export the others' for callers.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hsp.planner.groupspace import kv_copies
+from megatron_hsp.planner.groupspace import HeadSpace, kv_copies
 from megatron_hsp.runtime.backends import (
     AttentionBackend,
     TEAttentionBackend,
@@ -69,53 +70,13 @@ from megatron_hsp.runtime.ulysses import (
     all_to_all_seq_to_head,
 )
 
-# ---------------------------------------------------------------------------------------------
-# Group-size rules (start-up check and the per-call check share them)
-# ---------------------------------------------------------------------------------------------
-
 
 def heads_per_tp_rank(config: TransformerConfig, tp: int) -> tuple[int, int]:
-    """(query heads, KV heads) on one tensor-parallel rank, as megatron's attention splits them."""
-    heads = config.num_attention_heads
-    kv = config.num_query_groups or heads
-    if heads % tp:
-        raise ValueError(
-            f"num_attention_heads={heads} is not divisible by tensor-model-parallel size {tp}"
-        )
-    # megatron replicates KV heads across TP ranks when there are fewer KV heads than TP ranks.
-    return heads // tp, max(kv, tp) // tp
-
-
-def kv_replication_factor(q_heads: int, kv_heads: int, group_size: int) -> int:
-    """Copies of each KV head for Ulysses over ``group_size`` ranks (``groupspace.kv_copies``)."""
-    return kv_copies(q_heads, kv_heads, group_size)
-
-
-def usable_group_sizes(config: TransformerConfig, tp: int, max_size: int) -> list[int]:
-    """Sequence-parallel group sizes in [1, max_size] that Ulysses can use for this model."""
-    q, _ = heads_per_tp_rank(config, tp)
-    return [d for d in range(1, max_size + 1) if q % d == 0]
-
-
-def check_group_sizes(config: TransformerConfig, sizes, tp: int = 1) -> None:
-    """Start-up check: every group size a plan may use must divide the query heads per TP rank.
-
-    Raises ``ValueError`` naming the model's heads, the offending sizes and the usable ones. Pure
-    function of its arguments, so every rank raises the same error (no rank is left in a
-    collective). KV heads never restrict the size: they are replicated when the group is larger.
-    """
-    q, _ = heads_per_tp_rank(config, tp)
-    bad = sorted({int(d) for d in sizes if int(d) < 1 or q % int(d)})
-    if bad:
-        ok = usable_group_sizes(config, tp, max(max(int(d) for d in sizes), q))
-        raise ValueError(
-            f"HSP sequence-parallel group size(s) {bad} cannot split the attention heads: "
-            f"the model has num_attention_heads={config.num_attention_heads} "
-            f"(num_query_groups={config.num_query_groups or config.num_attention_heads}), i.e. {q} "
-            f"query heads per tensor-parallel rank at tp={tp}; Ulysses needs the group size to "
-            f"divide that. Usable sizes: {ok}. Restrict the planner's group sizes "
-            f"(e.g. --hsp-group-sizes) or change tp."
-        )
+    """(query heads, KV heads) on one tensor-parallel rank, as megatron's attention splits them
+    (KV heads replicated when tp exceeds them): ``groupspace.HeadSpace.from_model``, the one
+    rule the planner and the start-up check (``agreement.head_problems``) use too."""
+    space = HeadSpace.from_model(config.num_attention_heads, config.num_query_groups, tp)
+    return space.q_heads, space.kv_heads
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,13 +398,10 @@ __all__ = [
     "all_to_all_head_to_seq",
     "all_to_all_seq_to_head",
     "apply_rope_packed",
-    "check_group_sizes",
     "group_packed_seq_params",
     "heads_per_tp_rank",
-    "kv_replication_factor",
     "make_backend",
     "positions_in_documents",
     "te_available",
     "te_thd_a2a_p2p_supported",
-    "usable_group_sizes",
 ]
