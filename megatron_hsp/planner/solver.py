@@ -585,22 +585,48 @@ def chunk_long_grouped(
         room.append(float(n * cap))
         crit.append(0.0)
         work.append(0.0)
-    base = inst.min_fixed
-    for i in sorted(
+    short = sorted(
         set(range(len(inst.lengths))) - set(long_ids), key=lambda i: (-inst.lengths[i], i)
-    ):
+    )
+    # The short work of a micro-batch is spread over all its ranks here (the group builder may
+    # put it beside the long groups or pool it), and ties go to the least work.
+    _fill_short(inst, chunks, crit, room, work, [n] * len(chunks), short, per_rank_key=False)
+    return [c for c in chunks if c]
+
+
+def _fill_short(
+    inst: Instance,
+    chunks: list[list[int]],
+    crit: list[float],
+    room: list[float],
+    work: list[float],
+    free: list[int],
+    order: Sequence[int],
+    *,
+    per_rank_key: bool,
+) -> None:
+    """Each sequence of ``order`` (longest first) into the micro-batch whose estimated makespan
+    grows least, within its ``room`` tokens: the makespan is its long groups' time ``crit`` or
+    the fixed cost plus its short ``work`` over its ``free`` ranks, and ties go to the least
+    work (per free rank with ``per_rank_key``). Where no micro-batch has room, a new one of
+    short sequences (all ranks free). The one fill rule of ``chunk_long_grouped`` and
+    ``chunk_long_sized``; the lists are updated in place."""
+    n, cap, base = inst.world_size, inst.cap, inst.min_fixed
+    for i in order:
         ln, w = inst.lengths[i], inst.work_min[i]
         chosen, best_key = -1, (math.inf, math.inf)
-        for b in range(len(chunks)):
-            if room[b] < ln:
+        for c in range(len(chunks)):
+            f = free[c]
+            if room[c] < ln or f <= 0:
                 continue
-            before = max(crit[b], base + work[b] / n)
-            after = max(crit[b], inst.best[i], base + (work[b] + w) / n)
-            key = (after - before, work[b])
+            before = max(crit[c], base + work[c] / f)
+            after = max(crit[c], inst.best[i], base + (work[c] + w) / f)
+            key = (after - before, work[c] / f if per_rank_key else work[c])
             if key < best_key:
-                chosen, best_key = b, key
+                chosen, best_key = c, key
         if chosen < 0:  # the long groups left no room anywhere: a micro-batch of short ones
             chunks.append([])
+            free.append(n)
             room.append(float(n * cap))
             crit.append(0.0)
             work.append(0.0)
@@ -609,7 +635,6 @@ def chunk_long_grouped(
         room[chosen] -= ln
         work[chosen] += w
         crit[chosen] = max(crit[chosen], inst.best[i])
-    return [c for c in chunks if c]
 
 
 LONG_SIZED_FILL = 0.9
@@ -709,32 +734,10 @@ def chunk_long_sized(
         chunks.append([])
         ranks.append(0)
         crit.append(0.0)
-    base = inst.min_fixed
     room = [float(LONG_SIZED_FILL * (n - r) * cap) for r in ranks]
-    work = [0.0] * len(chunks)
-    for i in rest:
-        ln, w = inst.lengths[i], inst.work_min[i]
-        chosen, best_key = -1, (math.inf, math.inf)
-        for c in range(len(chunks)):
-            free = n - ranks[c]
-            if room[c] < ln or free <= 0:
-                continue
-            before = max(crit[c], base + work[c] / free)
-            after = max(crit[c], inst.best[i], base + (work[c] + w) / free)
-            key = (after - before, work[c] / free)
-            if key < best_key:
-                chosen, best_key = c, key
-        if chosen < 0:
-            chunks.append([])
-            ranks.append(0)
-            crit.append(0.0)
-            room.append(float(n * cap))
-            work.append(0.0)
-            chosen = len(chunks) - 1
-        chunks[chosen].append(i)
-        room[chosen] -= ln
-        work[chosen] += w
-        crit[chosen] = max(crit[chosen], inst.best[i])
+    # Short work runs on the ranks beside the long groups only (their memory is taken).
+    free = [n - r for r in ranks]
+    _fill_short(inst, chunks, crit, room, [0.0] * len(chunks), free, rest, per_rank_key=True)
     return [c for c in chunks if c]
 
 
