@@ -46,12 +46,25 @@ def test_progress_keeps_a_run_longer_than_its_timeout_alive():
 
 
 @pytest.mark.dist
-def test_a_run_that_stops_reporting_is_stopped_after_the_timeout():
+def test_a_healthy_run_dumps_no_stacks(capfd):
+    # A rank's stack dump is for a silent rank: none while it starts (imports, rendezvous) or
+    # between reports. Starting once dumped every rank's stacks after 1 s (the progress timeout's
+    # delay), and faulthandler reading a thread mid-import crashed a rank with SIGSEGV under load.
+    out = raise_rank_errors(run_distributed(_steady, 2, 3, 0.5, timeout_s=8.0))
+    assert out == [0, 1]
+    err = capfd.readouterr().err
+    assert "most recent call first" not in err, err[-2000:]
+
+
+@pytest.mark.dist
+def test_a_run_that_stops_reporting_is_stopped_after_the_timeout(capfd):
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"made no progress for 8s \(likely a hang\)"):
         run_distributed(_stuck_after, 2, 2, 1.0, timeout_s=8.0)
     # Stopped at the last report + 8 s, far from the cap (the 300 s startup allowance + 32 s).
     assert time.monotonic() - start < 120
+    # ... and the silent ranks printed their stacks first (4 s after their last report).
+    assert "_stuck_after" in capfd.readouterr().err
 
 
 @pytest.mark.dist

@@ -15,7 +15,12 @@ A hang is told from a slow run by progress, not by the clock alone: a long worke
 ``report_progress()`` after each unit of work (an option set's step, say), and the run fails when
 no rank has reported for ``timeout_s``, or when it passes ``max_total_s`` whatever it reports.
 Starting (spawn, importing torch and Megatron, the rendezvous) has its own allowance,
-``STARTUP_S``: under CI load it alone took more than 20 s.
+``STARTUP_S``: under CI load it alone took more than 20 s. A silent rank prints every thread's
+stack (``faulthandler``) before the parent gives up on it (20 s before, halfway for short
+allowances): by the startup allowance until its first report, by the progress timeout after.
+(Starting once used the progress timeout's delay, 1 s for an 8 s timeout: every start dumped
+stacks mid-import, and faulthandler's watchdog reading a thread that is importing torch crashed
+a rank with SIGSEGV under load.)
 On a machine shared with other jobs a fixed wall-clock budget for a whole multi-part run is either
 too tight (CI load doubled the time of a 250 s run and failed it as a hang) or too loose to find a
 hang early.
@@ -237,6 +242,7 @@ def _worker(
     args: tuple,
     tensor_model_parallel_size: int,
     stack_dump_after_s: float,
+    startup_dump_after_s: float,
     parent_pid: int,
 ) -> None:
     from megatron_hsp.runtime.lifetime import die_with_parent
@@ -246,7 +252,7 @@ def _worker(
     # A stuck rank prints every thread's stack to stderr shortly before the parent gives up.
     _progress_file = os.path.join(tmpdir, f"progress_{rank}")
     _stack_dump_after_s = stack_dump_after_s
-    faulthandler.dump_traceback_later(stack_dump_after_s, exit=False)
+    faulthandler.dump_traceback_later(startup_dump_after_s, exit=False)  # until the first report
     torch.set_num_threads(1)
     result: Any
     try:
@@ -300,7 +306,8 @@ def run_distributed(
                 fn,
                 args,
                 tensor_model_parallel_size,
-                max(1.0, timeout_s - 20.0),
+                _dump_after(timeout_s),
+                _dump_after(startup_s),
                 os.getpid(),
             ),
             nprocs=world_size,
@@ -345,6 +352,12 @@ def run_distributed(
             with open(os.path.join(tmpdir, f"result_{rank}.pkl"), "rb") as fh:
                 results.append(pickle.load(fh))
         return results
+
+
+def _dump_after(allowed_s: float) -> float:
+    """When a silent rank dumps its stacks: well before the parent stops it after ``allowed_s``
+    (20 s before, or halfway for short allowances), never within the first second."""
+    return max(1.0, allowed_s / 2, allowed_s - 20.0)
 
 
 def raise_rank_errors(results: list[Any]) -> list[Any]:
