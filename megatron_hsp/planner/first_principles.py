@@ -6,12 +6,11 @@ Split out of ``costmodel.py`` (issue 19); the names stay importable from
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_hsp.planner.costcore import CostModel
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.groupspace import Cluster, HeadSpace, kv_copies
+from megatron_hsp.planner.groupspace import Cluster, HeadSpace
 
 
 @dataclass(frozen=True)
@@ -228,28 +227,46 @@ def activation_bytes_per_token(model: ModelConfig, training: TrainingConfig) -> 
 
 
 def a2a_bytes_per_token(model: ModelConfig, training: TrainingConfig, d: int) -> float:
-    """Bytes of one token that Ulysses all-to-alls move in a Ulysses group of ``d``.
+    """Bytes of one token that Ulysses all-to-alls move in a Ulysses group of ``d`` (the whole
+    model's ``ulysses_bytes_per_token``)."""
+    space = HeadSpace(model.heads, model.kv_heads)
+    return ulysses_bytes_per_token(space, d, model.layers, model.head_dim, model.head_dim, training)
+
+
+def ring_bytes_per_token(model: ModelConfig, training: TrainingConfig, u: int) -> float:
+    """Bytes of one token's K/V that one ring step sends (the whole model's
+    ``ring_kv_bytes_per_token``)."""
+    space = HeadSpace(model.heads, model.kv_heads)
+    return ring_kv_bytes_per_token(space, u, model.layers, model.head_dim, model.head_dim, training)
+
+
+def ulysses_bytes_per_token(
+    heads: HeadSpace, u: int, layers: int, qk_dim: int, v_dim: int, training: TrainingConfig
+) -> float:
+    """Bytes of one token that one GPU's Ulysses all-to-alls over ``u`` ranks move in a whole
+    training step, for its ``heads`` (per TP rank under TP).
 
     Per layer and pass, four all-to-alls (Jacobs et al. 2023, DeepSpeed-Ulysses): Q (heads),
     K and V (kv heads only, GQA) before attention and the output (heads) after it. Forward and
     backward each run them once, a recomputed forward a third time. KV heads travel with the
-    copies the runtime makes (``groupspace.kv_copies``) when ``d`` does not divide them.
+    copies the runtime makes (``groupspace.kv_copies``) when ``u`` does not divide them.
     """
-    kv_heads = model.kv_heads * kv_copies(model.heads, model.kv_heads, d)
-    elems = (2 * model.heads + 2 * kv_heads) * model.head_dim
+    kv = heads.kv_heads * heads.kv_copies(u)
     passes = 3 if training.recompute else 2
-    return model.layers * passes * elems * training.activation_bytes
+    return layers * passes * (heads.q_heads + kv) * (qk_dim + v_dim) * training.activation_bytes
 
 
-def ring_bytes_per_token(model: ModelConfig, training: TrainingConfig, u: int) -> float:
-    """Bytes of one token's K/V that one ring step sends (whole training step, all layers).
+def ring_kv_bytes_per_token(
+    heads: HeadSpace, u: int, layers: int, qk_dim: int, v_dim: int, training: TrainingConfig
+) -> float:
+    """Bytes of one token's K/V that one GPU sends per ring step in a whole training step.
 
     Forward (and a recomputed forward) sends K and V, backward K, V and their gradients; the KV
     heads include the copies Ulysses over ``u`` ranks needs.
     """
-    kv_heads = model.kv_heads * kv_copies(model.heads, model.kv_heads, u)
+    kv = heads.kv_heads * heads.kv_copies(u)
     passes = 4 if training.recompute else 3
-    return model.layers * passes * 2 * kv_heads * model.head_dim * training.activation_bytes
+    return layers * passes * kv * (qk_dim + v_dim) * training.activation_bytes
 
 
 def step_overhead_ms(
@@ -342,8 +359,9 @@ class GroupTerms:
     """The per-group-size terms of a first-principles model, keyed by group size (``CostModel``'s
     ``group_fixed_ms``, ``a2a_ms_per_token``, ``a2a_fixed_ms``, ``ring_step_ms_per_token``,
     ``ring_step_fixed_ms`` and ``ring_step_extra_ms_per_token``; sizes > 1 only for the last
-    five)."""
+    five), and ``kernel_ms``, a micro-batch's (or a ring step's) attention kernel calls."""
 
+    kernel_ms: float
     fixed: dict[int, float]
     a2a: dict[int, float]
     a2a_fixed: dict[int, float]
@@ -360,19 +378,16 @@ def group_terms(
     *,
     layers: int,
     microbatch_fixed_ms: float,
-    a2a_bytes: Callable[[int], float],
-    ring_bytes: float,
-    out_elems: int,
+    qk_dim: int,
+    v_dim: int,
 ) -> GroupTerms:
     """Every group size's communication and fixed terms, one GPU's view (the one rule both
     first-principles builders use: the whole model here, one pipeline stage in ``parallel.py``).
 
-    ``a2a_bytes(u)``: bytes of one token this GPU's Ulysses all-to-alls over ``u`` ranks move in
-    a whole training step; ``ring_bytes``: bytes of one token's K/V this GPU sends per ring step
-    in a whole step; ``out_elems``: attention output elements of one token on this GPU per layer
-    and pass (its own heads times the value head dim: under TP, ``heads / tp`` of them, at this
-    GPU's HBM bandwidth); ``microbatch_fixed_ms``: what a micro-batch pays besides its attention
-    kernel calls. Group of d, run as ``heads.split(d)`` (Ulysses over u, ring over r):
+    ``heads``: this GPU's heads (per TP rank under TP), so its bytes and its attention output
+    elements (``heads.q_heads * v_dim`` per layer and pass) are its own, at its own HBM
+    bandwidth; ``microbatch_fixed_ms``: what a micro-batch pays besides its attention kernel
+    calls. Group of d, run as ``heads.split(d)`` (Ulysses over u, ring over r):
 
     - fixed: ``microbatch_fixed_ms`` plus one attention kernel call per layer and pass;
     - Ulysses: each GPU holds s/d tokens and sends 1/u of them to every peer
@@ -388,28 +403,34 @@ def group_terms(
     calls = 4 * layers * passes
     host_ms = training.host_call_overhead_us * 1e-3
     kernel_ms = attention_calls_ms(layers, passes, hardware, training)
-    merge_bytes = layers * passes * out_elems * hardware.ring_step_overhead_bytes_per_elem
-    t = GroupTerms({}, {}, {}, {}, {}, {})
+    merge_bytes = layers * passes * heads.q_heads * v_dim
+    merge_bytes *= hardware.ring_step_overhead_bytes_per_elem
+    ring_bytes = ring_kv_bytes_per_token(heads, 1, layers, qk_dim, v_dim, training)
+    fixed: dict[int, float] = {}
+    a2a: dict[int, float] = {}
+    a2a_fixed: dict[int, float] = {}
+    ring: dict[int, float] = {}
+    ring_fixed: dict[int, float] = {}
+    ring_extra: dict[int, float] = {}
     for d in cluster.legal_sizes():
         crosses = cluster.crosses_node(d)
         lat_us = hardware.inter_node_latency_us if crosses else hardware.latency_us
-        t.fixed[d] = microbatch_fixed_ms + kernel_ms
+        fixed[d] = microbatch_fixed_ms + kernel_ms
         if d == 1:
             continue
-        t.a2a_fixed[d] = calls * (lat_us * 1e-3 + host_ms)
-        t.ring_fixed[d] = passes * layers * (hardware.p2p_latency(crosses) * 1e-3 + host_ms)
-        t.ring_fixed[d] += kernel_ms
-        t.ring[d] = ring_bytes / d / (hardware.p2p_bandwidth_gbs(crosses) * 1e9) * 1e3
+        a2a_fixed[d] = calls * (lat_us * 1e-3 + host_ms)
+        ring_fixed[d] = passes * layers * (hardware.p2p_latency(crosses) * 1e-3 + host_ms)
+        ring_fixed[d] += kernel_ms
+        ring[d] = ring_bytes / d / (hardware.p2p_bandwidth_gbs(crosses) * 1e9) * 1e3
         extra = merge_bytes / d / (hardware.hbm_tbs * 1e12) * 1e3
         if extra > 0:
-            t.ring_extra[d] = extra
+            ring_extra[d] = extra
         u = heads.split(d)[0]
+        a2a[d] = 0.0
         if u > 1:
-            per_peer = a2a_bytes(u) / (d * u)
-            t.a2a[d] = collective_ms(min(u, g) - 1, u - min(u, g), per_peer, hardware)
-        else:
-            t.a2a[d] = 0.0
-    return t
+            per_peer = ulysses_bytes_per_token(heads, u, layers, qk_dim, v_dim, training) / (d * u)
+            a2a[d] = collective_ms(min(u, g) - 1, u - min(u, g), per_peer, hardware)
+    return GroupTerms(kernel_ms, fixed, a2a, a2a_fixed, ring, ring_fixed, ring_extra)
 
 
 def first_principles_cost_model(
@@ -468,9 +489,6 @@ def first_principles_cost_model(
     a2 = model.linear_flops_per_token() * recompute / lin_flops * 1e3
 
     space = HeadSpace(model.heads, model.kv_heads)
-    passes = 3 if training.recompute else 2
-    # Attention kernel calls per micro-batch: one per layer and pass (per ring step).
-    kernel_ms = attention_calls_ms(model.layers, passes, hardware, training)
     params = float(model.num_params())
     zero3_ms = 0.0
     if training.zero_stage == 3 and world_size > 1:
@@ -486,9 +504,8 @@ def first_principles_cost_model(
         training,
         layers=model.layers,
         microbatch_fixed_ms=training.microbatch_overhead_ms + zero3_ms,
-        a2a_bytes=lambda u: a2a_bytes_per_token(model, training, u),
-        ring_bytes=ring_bytes_per_token(model, training, 1),
-        out_elems=model.heads * model.head_dim,
+        qk_dim=model.head_dim,
+        v_dim=model.head_dim,
     )
     states = training.model_state_bytes(params, world_size)
     act = activation_bytes_per_token(model, training)
@@ -517,7 +534,7 @@ def first_principles_cost_model(
             "act_mib_per_token": act / 2**20,
             "memory_cap_gb": cap_gb,
             "zero3_ms_per_microbatch": zero3_ms,
-            "attn_calls_ms_per_microbatch": kernel_ms,
+            "attn_calls_ms_per_microbatch": terms.kernel_ms,
             **step,
         },
         heads=(space.q_heads, space.kv_heads),

@@ -305,12 +305,6 @@ def model_parallel_cost_model(
             * 1e3
             * training.zero3_exposed_fraction
         )
-    qk, vd = shape.head_dim, shape.v_dim
-
-    def a2a_bytes(u: int) -> float:  # Q, K, V, O of this GPU's heads (KV copied past kv heads)
-        kv = heads.kv_heads * heads.kv_copies(u)
-        return n_layers * passes * (heads.q_heads * (qk + vd) + kv * (qk + vd)) * e
-
     # The calibrated terms of first_principles_cost_model, per stage and per GPU of a slot (its
     # heads / tp): attention kernel calls, host overhead per call, the ring hop's send/recv
     # bandwidth and latency, the ring's non-bandwidth overhead per output element.
@@ -321,10 +315,8 @@ def model_parallel_cost_model(
         training,
         layers=n_layers,
         microbatch_fixed_ms=training.microbatch_overhead_ms + zero3_ms + tp_fixed + ep_fixed,
-        a2a_bytes=a2a_bytes,
-        # One pure-ring step: this GPU's K and V (its KV heads), 3 or 4 passes.
-        ring_bytes=n_layers * (passes + 1) * heads.kv_heads * (qk + vd) * e,
-        out_elems=heads.q_heads * vd,
+        qk_dim=shape.head_dim,
+        v_dim=shape.v_dim,
     )
     states = training.model_state_bytes(base_params / tp, plane)
     states += training.model_state_bytes(expert_params / (ep * tp), plane // ep)
