@@ -31,6 +31,12 @@ from megatron_hsp.step.sampler import (
     Piece,
     SamplerConfig,
 )
+from megatron_hsp.testing.sampler_oracle import (
+    blend_deviation,
+    coverage_failures,
+    deficit_failures,
+    expected_units,
+)
 
 A_LENGTHS = [int(n) for n in np.random.default_rng(1).integers(2, 30, 40)]  # short documents
 B_LENGTHS = [int(n) for n in np.random.default_rng(2).integers(40, 120, 24)]  # long documents
@@ -127,18 +133,43 @@ def _draw(sampler, steps: int) -> list[tuple[Piece, ...]]:
     return [sampler.next_batch().pieces for _ in range(steps)]
 
 
-def test_blend_weights_are_honoured_by_tokens_within_one_document():
+def _blend_checks(steps: int = 40) -> tuple[list[str], dict]:
+    """A 0.3 / 0.7 blend of short and long documents judged by ``testing/sampler_oracle.py``
+    from the drawn pieces alone (dataset by document number, lengths of the pieces), never
+    from the sampler's counters: the deficit rule re-run on them, each dataset's documents once
+    per epoch, and the worst deviation of the token shares against the rule's bound."""
     a, b = np.asarray(A_LENGTHS), np.asarray(B_LENGTHS)
     comps = [BlendComponent("a", 0.3, 0, a), BlendComponent("b", 0.7, len(a), b)]
     s = BlendedBatchSampler(comps, cfg())
-    for _ in range(40):
-        s.next_batch()
-        total = s.consumed_tokens
-        for w, t in zip((0.3, 0.7), s.tokens_from, strict=True):
-            assert abs(t - w * total) <= max(B_LENGTHS)
-    # By document count the short dataset supplies most documents, by tokens only 30%.
-    assert s.tokens_from[0] / s.consumed_tokens == pytest.approx(0.3, abs=0.02)
-    assert "a 30" in s.report() or "a 29" in s.report() or "a 31" in s.report()
+    drawn = [p for p in (q for _ in range(steps) for q in s.next_batch().pieces)]
+    datasets = [int(p.doc >= len(a)) for p in drawn]
+    lengths = [p.length for p in drawn]
+    bad = deficit_failures(datasets, lengths, (0.3, 0.7))
+    for k, (first, lens) in enumerate(((0, a), (len(a), b))):
+        mine = [(p.doc, p.offset, p.length) for p, d in zip(drawn, datasets, strict=True) if d == k]
+        bad += coverage_failures(mine, expected_units(lens, first), f"dataset {k}")
+    return bad, blend_deviation(datasets, lengths, (0.3, 0.7))
+
+
+def test_blend_weights_are_honoured_by_tokens_within_one_document():
+    """Each draw comes from the dataset the deficit rule picks (re-run on the pieces' lengths),
+    so at every draw each dataset's tokens are within the rule's bound of its weight: for two
+    datasets ``-(1 - w) L <= w T - t <= w L`` (``L`` the longest piece drawn), a fraction of a
+    document. Fails when the blend counts documents instead of tokens (its plant)."""
+    from megatron_hsp.testing.mutations import SAMPLER_MUTATIONS
+
+    bad, dev = _blend_checks()
+    assert bad == []
+    assert dev["worst_over_bound"] <= 1.0 and dev["worst_deviation_in_documents"] < 0.7
+    assert dev["token_shares"][0] == pytest.approx(0.3, abs=0.02)
+    (by_documents,) = [m for m in SAMPLER_MUTATIONS if m.name == "blend-by-documents"]
+    undo = by_documents.plant()
+    try:
+        bad, dev = _blend_checks()
+    finally:
+        undo()
+    assert any("the deficit rule picks" in b for b in bad)
+    assert dev["worst_over_bound"] > 10  # by documents the short dataset gets far fewer tokens
 
 
 def test_one_dataset_blend_is_the_plain_sampler():

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from megatron_hsp.testing.mutations import CATCH_MARGIN, MUTATIONS, by_name
+from megatron_hsp.testing.mutations import CATCH_MARGIN, MUTATIONS, SAMPLER_MUTATIONS, by_name
 
 
 def _target(where: str):
@@ -22,7 +22,7 @@ def _target(where: str):
     return owner, attr
 
 
-@pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda m: m.name)
+@pytest.mark.parametrize("mutation", MUTATIONS + SAMPLER_MUTATIONS, ids=lambda m: m.name)
 def test_plant_rebinds_everywhere_and_undo_restores(mutation):
 
     owner, attr = _target(mutation.where)

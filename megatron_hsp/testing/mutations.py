@@ -358,6 +358,93 @@ MUTATIONS: tuple[Mutation, ...] = (
 )
 
 
+# ------------------------------------------------------------------ sampler plants (issue 33)
+# Bugs in which documents are drawn. ``run_step`` is handed its documents, so the selftest cannot
+# see them; the Megatron loop plants them (``megatron_loop.PLANTS``) and its sampler checks
+# against ``testing/sampler_oracle.py`` must catch them. Not in ``MUTATIONS``.
+
+
+def _blend_by_documents(choose: Callable) -> Callable:
+    """The blend picks the dataset furthest below its weight in *documents* drawn (each
+    dataset's sequences taken so far, epochs included) instead of tokens."""
+
+    def by_documents(self: Any) -> int:
+        drawn = np.asarray(
+            [s.state.epoch * s.num_sequences + s.state.position for s in self.samplers],
+            dtype=np.float64,
+        )
+        return int(np.argmax(self.weights * drawn.sum() - drawn))
+
+    return by_documents
+
+
+def _shortest_documents_dropped(init: Callable) -> Callable:
+    """The sampler skips documents of exactly ``min_length`` (2) tokens, as ``lengths <=
+    min_length`` for ``lengths < min_length`` would (split tails of 2 tokens too)."""
+
+    def init_off_by_one(self: Any, lengths: Any, config: Any) -> None:
+        init(self, lengths, dataclasses.replace(config, min_length=config.min_length + 1))
+
+    return init_off_by_one
+
+
+def _split_truncated(document_range: Callable) -> Callable:
+    """A split's document range truncated (``int()``) instead of rounded as megatron-core's
+    dataset builder rounds: a fractional boundary moves one document to the other split."""
+
+    def truncated(bounds: Any, num_documents: int) -> tuple[int, int]:
+        if bounds is None:
+            return document_range(bounds, num_documents)
+        return int(bounds[0] * float(num_documents)), int(bounds[1] * float(num_documents))
+
+    return truncated
+
+
+def _duplicate_after_restart(fast_forward: Callable) -> Callable:
+    """After a resume (``fast_forward`` over at least one batch), the epoch being resumed draws
+    its first sequence again in place of its last one: one document twice, one never."""
+
+    def fast_forward_then_duplicate(self: Any, steps: int) -> None:
+        fast_forward(self, steps)
+        if steps <= 0:
+            return
+        for sub in getattr(self, "samplers", [self]):
+            order = np.array(sub._order(sub.state.epoch))
+            if len(order) > 1:
+                order[-1] = order[0]
+                sub._perm = order
+
+    return fast_forward_then_duplicate
+
+
+SAMPLER_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "blend-by-documents",
+        "blend weights honoured by documents drawn instead of tokens",
+        "megatron_hsp.step.sampler:BlendedBatchSampler._choose",
+        _blend_by_documents,
+    ),
+    Mutation(
+        "two-token-documents-dropped",
+        "documents of exactly 2 tokens skipped (`<=` for `<` in the too-short test)",
+        "megatron_hsp.step.sampler:GlobalBatchSampler.__init__",
+        _shortest_documents_dropped,
+    ),
+    Mutation(
+        "split-truncated-not-rounded",
+        "a split's document range int()-truncated instead of rounded as megatron-core rounds",
+        "megatron_hsp.megatron.datasets:document_range",
+        _split_truncated,
+    ),
+    Mutation(
+        "document-twice-after-restart",
+        "after a resume, the resumed epoch draws its first sequence again instead of its last",
+        "megatron_hsp.step.sampler:BatchSampling.fast_forward",
+        _duplicate_after_restart,
+    ),
+)
+
+
 def by_name(names: list[str] | None = None) -> list[Mutation]:
     """The mutations named (all when None), in table order."""
     if names is None:
