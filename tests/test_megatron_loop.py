@@ -11,6 +11,7 @@ each planted bug of ``PLANTS`` is caught, by how much (printed: run with ``-s``)
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 import pytest
@@ -26,6 +27,8 @@ from megatron_hsp.testing.megatron_loop import (
     WEIGHT_RTOL,
     MegatronDocuments,
     check,
+    margin,
+    margins,
     run_megatron_loop,
     run_megatron_plants,
     write_corpus,
@@ -77,7 +80,12 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
     for e in entries:
         print(f"{e['options']}: worst / tolerance {e['margin']:.3f}, kinds {sorted(_kinds(e))}")
         assert e["ok"], e["failures"]
-        assert e["margin"] < 0.5  # clean runs stay at least 2x inside every tolerance
+        # Clean runs stay at least 2x inside every tolerance. The blend's share bound is not a
+        # tolerance but the deficit rule's guarantee, which the rule can come close to at some
+        # draw (0.88 of it in the blend set): its exact check is the deficit rule's replay.
+        ratios = margins(e)
+        assert max(v for k, v in ratios.items() if k != "blend share bound") < 0.5, ratios
+        assert ratios.get("blend share bound", 0.0) <= 1.0
         assert e["max_rel_weight_diff_after"] <= WEIGHT_RTOL
         assert len(e["steps"]) == 3
         for s in e["steps"]:
@@ -135,7 +143,11 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
         ("train", "train_next", "valid", "test"), True
     )
     assert e18["outside_split"] == []
-    assert e18["blend"]["worst_deviation_in_documents"] <= 1.0
+    # Issue 33: on a --split whose boundaries are not integers, every document of each split's
+    # datasets was drawn once per epoch (the trained and evaluated pieces, across the restart,
+    # then more from the live samplers), each draw from the dataset the deficit rule picks.
+    assert e18["coverage"] == [] and e18["blend_rule"] == []
+    assert e18["blend"]["worst_over_bound"] <= 1.0
     # The restart went through Megatron's save_checkpoint/load_checkpoint: what the load
     # restored is what the uninterrupted run had at the save (iteration 2, 16 train and 16
     # validation samples, the scheduler's 16 sample-steps, the weights bit for bit), the resume
@@ -152,6 +164,7 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
     assert all(e["resume"] is None for e in entries if not e["options"]["resume"])
     for e in entries:
         assert all(e["pieces_as_uninterrupted"].values()) and e["outside_split"] == []
+        assert e["coverage"] == [] and e["worst_check"] in margins(e)
     # Issue 17: the HSP side ran Megatron's pipeline schedules on 2 stages (the stock side is
     # the unpipelined model), 1F1B with one chunk, interleaved with a chunk per virtual stage;
     # the interleaved schedule ran a multiple of pp micro-batches (empty ones padding the plan).
@@ -372,6 +385,10 @@ def test_every_plant_has_a_test():
         "resume-shares-the-adam-step",
         "expert-grads-not-reduced",
         "document-expert-counts-not-reduced",
+        "blend-by-documents",
+        "two-token-documents-dropped",
+        "split-truncated-not-rounded",
+        "document-twice-after-restart",
     }
 
 
@@ -411,8 +428,10 @@ def test_the_stock_reader_is_megatrons_and_sees_a_shifted_hsp_reader(tmp_path):
         np.testing.assert_array_equal(
             blended.read(Piece(doc, 0, length)), both.read(doc, 0, length)
         )
-    # Megatron's split of each dataset (its own rounding): 64 documents at 6,1,1 -> 48/8/8.
+    # Megatron's split of each dataset (its own builder's rounding): 64 documents at 6,1,1 ->
+    # 48/8/8; at the loop's 7,1,1 the boundaries 49.8 and 56.9 round to 50 and 57.
     assert both.split_ranges("6,1,1", "valid") == [(48, 56), (6, 7)]
+    assert both.split_ranges("7,1,1", "valid") == [(50, 57), (6, 7)]
 
 
 def test_sequence_parallel_norm_marks_its_weights():
@@ -442,6 +461,69 @@ def test_sequence_parallel_norm_marks_its_weights():
     assert len(spec.layer_specs) == 2 and spec.layer_norm is SequenceParallelTorchNorm
     sub = spec.layer_specs[0].submodules
     assert sub.input_layernorm is sub.pre_mlp_layernorm is SequenceParallelTorchNorm
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_sampler_bugs_are_caught_by_the_oracle_checks():
+    """Issue 33: the four sampler plants, one spawn. The stock side reads the pieces HSP's
+    sampler chose, so loss and gradients agree under every one of them; only the checks against
+    ``testing/sampler_oracle.py`` (megatron-core's split, the pieces' own lengths) see them."""
+    names = [
+        "blend-by-documents",
+        "two-token-documents-dropped",
+        "split-truncated-not-rounded",
+        "document-twice-after-restart",
+    ]
+    runs = {r["plant"]: r for r in run_megatron_plants(4, timeout_s=900, plants=names)}
+    for name in names:
+        r = runs[name]
+        print(f"{name}: caught={r['caught']}, worst {r['worst_check']} {r['margin']}")
+        for f in r["failures"]:
+            print("   ", f)
+        assert r["caught"]
+        e = r["entry"]
+        assert all(s["max_rel_grad_diff"] <= GRAD_RTOL for s in e["steps"])
+        assert margin(e) == math.inf
+    by_documents = runs["blend-by-documents"]["entry"]
+    assert by_documents["blend_rule"] and by_documents["worst_check"] == "blend deficit rule"
+    dropped = runs["two-token-documents-dropped"]["entry"]
+    assert any("missing" in f for f in dropped["coverage"])
+    truncated = runs["split-truncated-not-rounded"]["entry"]
+    assert any("valid dataset 0" in f and "missing" in f for f in truncated["coverage"])
+    twice = runs["document-twice-after-restart"]["entry"]
+    assert any("twice" in f for f in twice["coverage"])
+    # The batches the steps trained are an uninterrupted run's: only the oracle sees it.
+    assert all(twice["pieces_as_uninterrupted"].values())
+
+
+def test_margin_reports_the_worst_check_evaluation_and_batch_identity_included():
+    """Issue 33: a set failing on evaluation by 340x reported 0.196 (only training loss,
+    gradients and weights counted); exact checks report inf when they fail."""
+    step = {
+        "step": 0,
+        **{"loss_hsp": 2.0, "loss_ref": 2.0, "grad_norm_hsp": 0.5, "grad_norm_ref": 0.5},
+        **{"lr_hsp": 1e-3, "lr_ref": 1e-3, "lr_megatron": 1e-3, "documents_hsp": 8},
+        **{"consumed_samples_hsp": 8, "consumed_samples_ref": 8, "consumed_samples_megatron": 8},
+        **{"samples_megatron": 8, "max_rel_grad_diff": 1.96e-6},
+    }
+    evaluation = {
+        "loss_hsp": 4.0 * (1 + 340 * LOSS_RTOL),
+        "loss_ref": 4.0,
+        **dict.fromkeys(("consumed_valid_samples_hsp", "consumed_valid_samples_ref"), 8),
+        "consumed_valid_samples_megatron": 8,
+        "documents": [8],
+    }
+    entry = {"steps": [step], "max_rel_weight_diff_after": 1e-5, "evaluations": [evaluation]}
+    assert margin({**entry, "evaluations": []}) == pytest.approx(0.196)
+    assert margin(entry) == pytest.approx(340, rel=1e-6)
+    assert max(margins(entry), key=margins(entry).get) == "evaluation loss"
+    same = dict.fromkeys(("train", "valid"), True)
+    assert margin({**entry, "pieces_as_uninterrupted": {**same, "valid": False}}) == math.inf
+    assert margin({**entry, "coverage": ["train dataset 0 epoch 0 (complete): missing: ..."]}) == (
+        math.inf
+    )
+    assert margin({**entry, "evaluations": [], "pieces_as_uninterrupted": same}) < 1
 
 
 def test_check_flags_each_quantity():

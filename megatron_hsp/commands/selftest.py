@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also plant each bug of megatron_hsp/testing/mutations.py in turn and require the "
         "comparison to catch it (exit 1 if any survives); with --megatron also each bug of the "
         "Megatron loop (megatron_loop.PLANTS: stage boundary, expert-gradient reduction, "
-        "per-document aux loss, resume, ...) on its option set",
+        "per-document aux loss, resume, the sampler's choice of documents, ...) on its option "
+        "set, printing each plant's worst check and by how much it missed its tolerance",
     )
     parser.add_argument(
         "--megatron",
@@ -121,9 +122,14 @@ def _run(args: argparse.Namespace) -> int:
             print(loop_table(result["megatron_loop"]))
         if "megatron_plants" in result:
             print()
+            from megatron_hsp.testing.megatron_loop import format_margin
+
             for p in result["megatron_plants"]:
                 verdict = "caught" if p["caught"] else "SURVIVED"
-                print(f"{p['plant']:<38} on {p['options']!r:<40} {verdict}")
+                print(
+                    f"{p['plant']:<38} on {p['options']!r:<40} {verdict}: worst check "
+                    f"{p['worst_check']}, {format_margin(p['margin'])} x tolerance"
+                )
         t = result["_timing"]
         print(
             f"{'ok' if result['ok'] else 'FAILED'}: {len(result['cases'])} cases"

@@ -75,6 +75,7 @@ import math
 import os
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -82,11 +83,27 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_hsp.testing.mutations import SAMPLER_MUTATIONS
+from megatron_hsp.testing.sampler_oracle import (
+    blend_deviation,
+    coverage_failures,
+    deficit_failures,
+    document_lengths,
+    expected_units,
+    megatron_split,
+)
+
 STEPS = 3
 GLOBAL_BATCH = 8
 EVAL_ITERS = 1  # validation batches per evaluation (Megatron's --eval-iters)
 EVAL_INTERVAL = 1  # evaluate after every training step (Megatron's --eval-interval)
-EVAL_SPLIT = "6,1,1"  # 64 + 32 documents: 48 + 24 train, 8 + 4 validation, 8 + 4 test
+# 64 + 32 documents: 50 + 25 train, 7 + 3 validation, 7 + 4 test. Boundaries at 49.8, 56.9 and
+# 24.9, 28.4 documents: not integers, so megatron-core's rounding decides them (issue 33).
+EVAL_SPLIT = "7,1,1"
+# Beyond what the run trains, the oracle's once-per-epoch check draws this many times each
+# split's sequences from copies of its live sampler (lengths only), so that every dataset of a
+# blend completes at least two epochs (testing/sampler_oracle.py).
+CONTINUE_EPOCHS = 4
 BLEND_WEIGHTS = (0.4, 0.6)
 RESUME_AFTER = 2  # the resumed HSP side trains steps 2.. after a restart
 HEAD_DIM = 4  # --hidden-size is HEAD_DIM x --num-attention-heads
@@ -138,9 +155,10 @@ class LoopOptions:
     # position ids HSP dispatches (RoPE recomputes positions inside attention and never reads them)
     position_embedding_type: str = "rope"
     # Issue 18: Megatron's evaluate() on the validation split every step and on the test split
-    # after the last (both sides, --split 6,1,1); a two-dataset blend (--data-path 0.4 A 0.6 B);
-    # a resume after RESUME_AFTER steps (the HSP side saves with Megatron's save_checkpoint, is
-    # torn down and rebuilt with Megatron's load_checkpoint; the stock side runs through).
+    # after the last (both sides, --split EVAL_SPLIT); a two-dataset blend (--data-path 0.4 A
+    # 0.6 B); a resume after RESUME_AFTER steps (the HSP side saves with Megatron's
+    # save_checkpoint, is torn down and rebuilt with Megatron's load_checkpoint; the stock side
+    # runs through).
     evaluation: bool = False
     blend: bool = False
     resume: bool = False
@@ -412,19 +430,20 @@ class MegatronDocuments:
 
     def split_ranges(self, split_text: str, which: str) -> list[tuple[int, int]]:
         """Per dataset, the documents ``[lo, hi)`` of Megatron's ``which`` split (train, valid,
-        test) under ``--split split_text`` (megatron-core's ``parse_and_normalize_split`` and
-        ``convert_split_vector_to_split_matrix``, rounded as its dataset builder rounds)."""
-        from megatron.core.datasets.blended_megatron_dataset_config import (
-            convert_split_vector_to_split_matrix,
-            parse_and_normalize_split,
-        )
+        test) under ``--split split_text``: megatron-core's own dataset builder run on each
+        ``IndexedDataset`` (``sampler_oracle.megatron_split``)."""
+        return [megatron_split(ds, split_text)[which] for ds in self.datasets]
 
-        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split_text))
-        row = matrix[("train", "valid", "test").index(which)]
+    def split_units(self, split_text: str, which: str) -> list[Counter[tuple[int, int, int]]]:
+        """Per dataset, the pieces one epoch of Megatron's ``which`` split must yield (every
+        document of >= 2 tokens whole: the loop's corpora have none over the longest trainable
+        length), in the blend's document numbering."""
         out = []
-        for indices in self.document_indices:
-            n = float(len(indices) - 1)
-            out.append((0, 0) if row is None else (round(row[0] * n), round(row[1] * n)))
+        for k, ((lo, hi), ds) in enumerate(
+            zip(self.split_ranges(split_text, which), self.datasets, strict=True)
+        ):
+            first = int(self.first_document[k]) + lo
+            out.append(expected_units(document_lengths(ds)[lo:hi], first))
         return out
 
 
@@ -956,6 +975,21 @@ PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
 }
 
 
+def _sampler_plant(mutation: Any) -> Callable[[contextlib.ExitStack], None]:
+    """A sampler bug of ``mutations.SAMPLER_MUTATIONS`` as a plant of this loop."""
+
+    def plant(stack: contextlib.ExitStack) -> None:
+        stack.callback(mutation.plant())
+
+    plant.__doc__ = f"PLANTED BUG (issue 33): {mutation.breaks}."
+    return plant
+
+
+# Issue 33: which documents are drawn. The stock side reads the pieces HSP's sampler chose, so
+# only the sampler checks against ``testing/sampler_oracle.py`` can see these.
+PLANTS.update({m.name: _sampler_plant(m) for m in SAMPLER_MUTATIONS})
+
+
 # Where each plant runs (an option set's label in DEFAULT_OPTIONS) and for how many steps: the
 # option set that runs the planted code path at all (a resume plant needs the restart, an
 # expert plant experts under EP 2, ...). The tests and ``selftest --megatron --mutations`` read it.
@@ -970,21 +1004,27 @@ PLANT_RUNS: dict[str, tuple[str, int]] = {
     "stage-boundary-tokens-rolled": ("pp2", 1),
     "expert-grads-not-reduced": ("moe4 ep2 alltoall seqaux 0.1 z 0.01", 1),
     "document-expert-counts-not-reduced": ("moe4 ep2 alltoall seqaux 0.1 z 0.01", 1),
+    # Issue 33: the sampler's own bugs, one step each (the once-per-epoch check draws on from
+    # copies of the live samplers) except the restart's.
+    "blend-by-documents": ("distopt evaluation blend resume", 1),
+    "two-token-documents-dropped": ("ddp", 1),
+    "split-truncated-not-rounded": ("distopt evaluation blend resume", 1),
+    "document-twice-after-restart": ("distopt evaluation blend resume", 3),
 }
 
 
 def run_megatron_plants(
     nproc: int = 4, timeout_s: float = 900.0, plants: Sequence[str] | None = None
 ) -> list[dict[str, Any]]:
-    """Each plant of ``PLANTS`` on its option set (``PLANT_RUNS``): one entry per plant with
-    ``caught`` (the loop's comparison failed, as it must) and the first failures it gave."""
+    """Each plant of ``PLANTS`` on its option set (``PLANT_RUNS``), all in one spawn: one entry
+    per plant with ``caught`` (the loop's comparison failed, as it must), its worst check and
+    margin (``margins``) and the first failures it gave."""
     by_label = {o.label: o for o in DEFAULT_OPTIONS}
+    names = list(PLANT_RUNS if plants is None else plants)
+    runs = [(by_label[PLANT_RUNS[p][0]], PLANT_RUNS[p][1], p) for p in names]
     out = []
-    for plant in PLANT_RUNS if plants is None else plants:
+    for plant, entry in zip(names, _run_loops(nproc, runs, timeout_s), strict=True):
         label, steps = PLANT_RUNS[plant]
-        (entry,) = run_megatron_loop(
-            nproc, [by_label[label]], steps=steps, timeout_s=timeout_s, plant=plant
-        )
         out.append(
             {
                 "plant": plant,
@@ -992,6 +1032,7 @@ def run_megatron_plants(
                 "steps": steps,
                 "caught": not entry["ok"],
                 "margin": entry["margin"],
+                "worst_check": entry["worst_check"],
                 "failures": entry["failures"][:3],
                 "entry": entry,
             }
@@ -1079,6 +1120,32 @@ def _uninterrupted(run: Any, steps: int) -> dict[str, list[list[tuple[int, int, 
     for split, ev in run.evaluation.items():
         out[split] = draw(ev.pipeline.sampler, counts[split])
     return out
+
+
+def _drawn_streams(
+    run: Any, trained: Sequence[Sequence[tuple[int, int, int]]], evaluations: Sequence[dict]
+) -> dict[str, list[tuple[int, int, int]]]:
+    """Per split, every piece drawn, in draw order: what was trained or evaluated (across the
+    restart), then ``CONTINUE_EPOCHS`` times the split's sequences more from a copy of its live
+    sampler restored to the pipeline's resume point (``StepPipeline.state_dict``: after the
+    batches handed out, before any prefetched one). The oracle's once-per-epoch check reads it."""
+    import copy
+
+    def more(pipeline: Any) -> list[tuple[int, int, int]]:
+        sampler = copy.deepcopy(pipeline.sampler)
+        sampler.load_state_dict(pipeline.state_dict())
+        out: list[tuple[int, int, int]] = []
+        while len(out) < CONTINUE_EPOCHS * sampler.num_sequences:
+            out += [(p.doc, p.offset, p.length) for p in sampler.next_batch().pieces]
+        return out
+
+    streams = {"train": [tuple(p) for b in trained for p in b] + more(run.pipeline)}
+    for split, ev in run.evaluation.items():
+        done = [
+            tuple(p) for e in evaluations if e["split"] == split for b in e["pieces"] for p in b
+        ]
+        streams[split] = done + more(ev.pipeline)
+    return streams
 
 
 def _evaluate(
@@ -1195,6 +1262,7 @@ def _run_hsp(
                 _evaluate(args, "test", forward_step, test_it, model, config, steps - 1)
             )
         weights = {n: p.detach().clone() for n, p in _chunk_parameters(chunks).items()}
+        drawn = _drawn_streams(run, pieces, evaluations)
         next_draw = run.pipeline.sampler.next_batch().pieces  # after the run: harmless
         return {
             "pipeline": _pipeline_record(chunks, get_forward_backward_func()),
@@ -1205,6 +1273,7 @@ def _run_hsp(
             "weights": weights,
             "evaluations": evaluations,
             "expected": expected,
+            "drawn": drawn,
             "resume": resume,
             "moe": moe,
         }
@@ -1527,16 +1596,15 @@ def _worker_all(
     rank: int,
     world_size: int,
     prefixes: tuple[str, ...],
-    runs: tuple[tuple[LoopOptions, str], ...],
-    steps: int,
-    plant: str | None,
+    runs: tuple[tuple[LoopOptions, str, int, str | None], ...],
 ) -> list[dict[str, Any]]:
-    """Every option set in turn, in this rank's process (Megatron's globals are reset each time;
-    megatron's parallel state is re-initialised for each option set's TP size)."""
+    """Every run (option set, cost model file, steps, plant) in turn, in this rank's process
+    (Megatron's globals are reset each time; megatron's parallel state is re-initialised for
+    each option set's TP size; a plant is undone when its run ends)."""
     from megatron_hsp.testing.dist import init_cpu_megatron
 
     out = []
-    for options, cost_path in runs:
+    for options, cost_path, steps, plant in runs:
         init_cpu_megatron(
             rank,
             world_size,
@@ -1674,8 +1742,15 @@ def _data_checks(options: LoopOptions, hsp: dict[str, Any], ref: dict[str, Any])
       on the next batch of every split);
     * ``outside_split``: pieces whose document is not in Megatron's own split of its dataset
       (``MegatronDocuments.split_ranges``: megatron-core's split functions, not HSP's);
-    * ``blend``: each dataset's share of the trained tokens and how far it is from its weight,
-      in documents of the longest length (at most 1 when the weights are honoured);
+    * ``coverage`` (issue 33): per split and dataset, where the pieces drawn (``drawn``: trained
+      or evaluated, then more from copies of the live samplers) break "every document of
+      Megatron's split with >= 2 tokens once per epoch" (``sampler_oracle.coverage_failures``
+      against megatron-core's own split builder and ``IndexedDataset`` lengths);
+    * ``blend_rule`` (issue 33): draws of a blend that did not come from the dataset the
+      deficit rule picks, re-run on the drawn pieces' lengths (``sampler_oracle``);
+    * ``blend``: each dataset's share of the trained tokens, how far it is from its weight in
+      documents of the longest length, and that worst deviation over every prefix of the
+      trained pieces as a fraction of the bound the deficit rule guarantees (``<= 1``);
     * ``resume``: what Megatron's ``load_checkpoint`` restored against the stock run at the
       step saved (``_resume_checks``).
     """
@@ -1711,25 +1786,28 @@ def _data_checks(options: LoopOptions, hsp: dict[str, Any], ref: dict[str, Any])
                 k, local = reader.locate(doc)
                 if not ranges[k][0] <= local < ranges[k][1]:
                     outside.append(f"{split}: document {doc} (dataset {k}, {local})")
+    coverage, rule = [], []
+    for split, stream in hsp["drawn"].items():
+        units = reader.split_units(split_text, split)
+        datasets = [reader.locate(doc)[0] for doc, _, _ in stream]
+        for k, expected in enumerate(units):
+            if k == 0 or options.blend:
+                mine = [p for p, d in zip(stream, datasets, strict=True) if d == k]
+                coverage += coverage_failures(mine, expected, f"{split} dataset {k}")
+        if options.blend:
+            lengths = [n for _, _, n in stream]
+            rule += [f"{split} {f}" for f in deficit_failures(datasets, lengths, BLEND_WEIGHTS)]
     blend = None
     if options.blend:
-        tokens = [0.0, 0.0]
-        for b in hsp["pieces"]:
-            for doc, _, length in b:
-                tokens[reader.locate(doc)[0]] += length
-        total = sum(tokens)
-        longest = max(length for b in hsp["pieces"] for _, _, length in b)
-        blend = {
-            "weights": list(BLEND_WEIGHTS),
-            "token_shares": [t / total for t in tokens],
-            "worst_deviation_in_documents": max(
-                abs(t - w * total) / longest for t, w in zip(tokens, BLEND_WEIGHTS, strict=True)
-            ),
-        }
+        trained = [p for b in hsp["pieces"] for p in b]
+        datasets = [reader.locate(doc)[0] for doc, _, _ in trained]
+        blend = blend_deviation(datasets, [n for _, _, n in trained], BLEND_WEIGHTS)
     return {
         "evaluations": evals,
         "pieces_as_uninterrupted": same,
         "outside_split": outside[:5],
+        "coverage": coverage,
+        "blend_rule": rule,
         "blend": blend,
         "resume": _resume_checks(hsp, ref),
     }
@@ -1801,11 +1879,14 @@ def check_data(entry: dict[str, Any]) -> list[str]:
                 f"after Megatron's load_checkpoint: {key} {pair[0]}, the uninterrupted run "
                 f"had {pair[1]} when it was saved"
             )
+    bad += [f"not once per epoch: {f}" for f in entry.get("coverage", [])]
+    bad += [f"blend: {f}" for f in entry.get("blend_rule", [])]
     blend = entry.get("blend")
-    if blend is not None and not blend["worst_deviation_in_documents"] <= 1.0:
+    if blend is not None and not blend["worst_over_bound"] <= 1.0:
         bad.append(
             f"blend token shares {blend['token_shares']} vs weights {blend['weights']}: off by "
-            f"{blend['worst_deviation_in_documents']:.2f} documents"
+            f"{blend['worst_deviation_in_documents']:.2f} documents, "
+            f"{blend['worst_over_bound']:.2f}x the deficit rule's bound"
         )
     return bad
 
@@ -1868,14 +1949,77 @@ def check(steps: list[dict[str, Any]], weight_rel: float | None = None) -> list[
     return bad
 
 
-def margin(entry: dict[str, Any]) -> float:
-    """How far the entry's worst quantity is from its tolerance: worst / tolerance over loss,
-    per-parameter gradients and weights (< 1: passes by 1/margin; > 1: fails by margin)."""
-    ratios = [entry["max_rel_weight_diff_after"] / WEIGHT_RTOL]
+def _rel(a: float | None, b: float | None) -> float:
+    if a is None or b is None:
+        return math.inf
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def margins(entry: dict[str, Any]) -> dict[str, float]:
+    """Per check of the entry, its worst value over its tolerance (< 1: passes by 1/ratio; > 1:
+    fails by ratio). Checks that must hold exactly (learning rate, consumed samples, documents
+    per step, batch identity, documents in their split and once per epoch, the blend's deficit
+    rule, what a resume restored) count 0 when they hold and ``inf`` when they do not."""
+    out: dict[str, float] = {"weights after the steps": 0.0}
+    if entry.get("max_rel_weight_diff_after") is not None:
+        out["weights after the steps"] = entry["max_rel_weight_diff_after"] / WEIGHT_RTOL
+
+    def worst(name: str, value: float) -> None:
+        out[name] = max(out.get(name, 0.0), value)
+
+    def exact(name: str, holds: bool) -> None:
+        worst(name, 0.0 if holds else math.inf)
+
     for s in entry["steps"]:
-        loss = abs(s["loss_hsp"] - s["loss_ref"]) / max(abs(s["loss_ref"]), 1e-30)
-        ratios += [loss / LOSS_RTOL, s["max_rel_grad_diff"] / GRAD_RTOL]
-    return max(ratios)
+        worst("loss", _rel(s["loss_hsp"], s["loss_ref"]) / LOSS_RTOL)
+        worst("per-parameter gradients", s["max_rel_grad_diff"] / GRAD_RTOL)
+        worst("grad norm", _rel(s.get("grad_norm_hsp"), s.get("grad_norm_ref")) / GRAD_RTOL)
+        exact("lr", s["lr_hsp"] == s["lr_ref"] == s["lr_megatron"])
+        exact(
+            "consumed samples",
+            s["consumed_samples_hsp"]
+            == s["consumed_samples_ref"]
+            == s["consumed_samples_megatron"],
+        )
+        exact("documents per step", s["documents_hsp"] == s["samples_megatron"])
+    for e in entry.get("evaluations", []):
+        worst("evaluation loss", _rel(e["loss_hsp"], e["loss_ref"]) / LOSS_RTOL)
+        megatron = e["consumed_valid_samples_megatron"]
+        exact(
+            "consumed validation samples",
+            e["consumed_valid_samples_hsp"] == e["consumed_valid_samples_ref"] == megatron,
+        )
+        exact("evaluation batch size", all(n == GLOBAL_BATCH for n in e["documents"]))
+    if "pieces_as_uninterrupted" in entry:
+        exact("batch identity", all(entry["pieces_as_uninterrupted"].values()))
+    if "outside_split" in entry:
+        exact("documents in their split", not entry["outside_split"])
+    if "coverage" in entry:
+        exact("once per epoch", not entry["coverage"])
+    if entry.get("blend") is not None:
+        exact("blend deficit rule", not entry.get("blend_rule"))
+        worst("blend share bound", entry["blend"]["worst_over_bound"])
+    resume = entry.get("resume") or {}
+    pairs = [v for k, v in resume.items() if k not in ("format", "refusal")]
+    if pairs:
+        exact("resume record", all(v[0] == v[1] for v in pairs))
+    return out
+
+
+def margin(entry: dict[str, Any]) -> float:
+    """The entry's worst check over its tolerance (``margins``): < 1 passes, > 1 fails."""
+    return max(margins(entry).values())
+
+
+def worst_check(entry: dict[str, Any]) -> str:
+    """Which check gives ``margin`` (the first of equals)."""
+    ratios = margins(entry)
+    return max(ratios, key=lambda k: ratios[k])
+
+
+def format_margin(value: float) -> str:
+    """A margin as printed: ``inf`` (an exact check failed) as ``exact check failed``."""
+    return "exact check failed" if math.isinf(value) else f"{value:.3g}"
 
 
 def run_megatron_loop(
@@ -1889,8 +2033,16 @@ def run_megatron_loop(
 
     ``plant`` names a bug from ``PLANTS`` to plant on the HSP side (tests: it must be caught).
     """
-    if plant is not None and plant not in PLANTS:
-        raise ValueError(f"unknown plant {plant!r}; known: {sorted(PLANTS)}")
+    return _run_loops(nproc, [(o, steps, plant) for o in options], timeout_s)
+
+
+def _run_loops(
+    nproc: int, runs: Sequence[tuple[LoopOptions, int, str | None]], timeout_s: float
+) -> list[dict[str, Any]]:
+    """Each (option set, steps, plant) of ``runs``, all in one spawn of ``nproc`` processes."""
+    for _, _, plant in runs:
+        if plant is not None and plant not in PLANTS:
+            raise ValueError(f"unknown plant {plant!r}; known: {sorted(PLANTS)}")
     from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
     results = []
@@ -1900,25 +2052,24 @@ def run_megatron_loop(
         # The blend's second dataset: half as many documents, longer ones.
         write_corpus(prefix + "-b", num_docs=32, seed=11, choices=BLEND_CHOICES)
         prefixes = (prefix, prefix + "-b")
-        runs = []
-        for i, opt in enumerate(options):
+        spawned = []
+        for i, (opt, steps, plant) in enumerate(runs):
             cost_path = f"{prefix}.cost-{i}.json"
             with open(cost_path, "w") as fh:
                 json.dump(opt.cost_model(), fh)
-            runs.append((opt, cost_path))
-        # One spawn for all option sets: starting 4 processes that import torch and Megatron is
-        # most of the cost on a small machine.
+            spawned.append((opt, cost_path, steps, plant))
+        # One spawn for all runs: starting 4 processes that import torch and Megatron is most
+        # of the cost on a small machine.
         per_rank = raise_rank_errors(
-            run_distributed(
-                _worker_all, nproc, prefixes, tuple(runs), steps, plant, timeout_s=timeout_s
-            )
+            run_distributed(_worker_all, nproc, prefixes, tuple(spawned), timeout_s=timeout_s)
         )
-        for opt, result in zip(options, per_rank[0], strict=True):
+        for (opt, _, _), result in zip(runs, per_rank[0], strict=True):
             entry = {"options": opt.as_dict(), **result}
             entry["failures"] = check(entry["steps"], entry["max_rel_weight_diff_after"])
             entry["failures"] += check_data(entry)
             entry["ok"] = not entry["failures"]
             entry["margin"] = margin(entry)
+            entry["worst_check"] = worst_check(entry)
             results.append(entry)
     return results
 
@@ -1949,7 +2100,8 @@ def loop_table(entries: Sequence[dict[str, Any]]) -> str:
             )
         lines.append(
             f"{name:<22} weights after: {e['max_rel_weight_diff_after']:.1e} "
-            f"({e['worst_weight_param']}); worst / tolerance {e['margin']:.3g}"
+            f"({e['worst_weight_param']}); worst / tolerance {format_margin(e['margin'])} "
+            f"({e['worst_check']})"
         )
         for ev in e.get("evaluations", []):
             lines.append(
@@ -1965,7 +2117,8 @@ def loop_table(entries: Sequence[dict[str, Any]]) -> str:
                 + " / ".join(f"{x:.3f}" for x in b["token_shares"])
                 + " for weights "
                 + " / ".join(f"{x:g}" for x in b["weights"])
-                + f" ({b['worst_deviation_in_documents']:.2f} documents off)"
+                + f" ({b['worst_deviation_in_documents']:.2f} documents off, "
+                f"{b['worst_over_bound']:.2f} of the deficit rule's bound)"
             )
         if e.get("resume"):
             r = e["resume"]
