@@ -483,8 +483,14 @@ def test_sampler_bugs_are_caught_by_the_oracle_checks():
             print("   ", f)
         assert r["caught"]
         e = r["entry"]
-        assert all(s["max_rel_grad_diff"] <= GRAD_RTOL for s in e["steps"])
         assert margin(e) == math.inf
+        # Nothing the loop checked before issue 33 fails: the sampler checks alone see it (the
+        # truncated split is also outside Megatron's split, now that its boundaries are not
+        # integers).
+        failing = {k for k, v in margins(e).items() if v >= 1}
+        assert failing <= {"once per epoch", "blend deficit rule", "blend share bound"} | (
+            {"documents in their split"} if name == "split-truncated-not-rounded" else set()
+        ), failing
     by_documents = runs["blend-by-documents"]["entry"]
     assert by_documents["blend_rule"] and by_documents["worst_check"] == "blend deficit rule"
     dropped = runs["two-token-documents-dropped"]["entry"]

@@ -146,8 +146,15 @@ def test_megatron_mutations_run_the_loop_plants_and_fail_on_a_survivor(monkeypat
 
     def plants(nproc, timeout_s):
         seen.append(nproc)
+        survivor = "stage-boundary-tokens-rolled"
         return [
-            {"plant": name, "options": label, "caught": name != "stage-boundary-tokens-rolled"}
+            {
+                "plant": name,
+                "options": label,
+                "caught": name != survivor,
+                "margin": 0.25 if name == survivor else float("inf"),
+                "worst_check": "loss",
+            }
             for name, (label, _) in loop.PLANT_RUNS.items()
         ]
 
@@ -156,4 +163,7 @@ def test_megatron_mutations_run_the_loop_plants_and_fail_on_a_survivor(monkeypat
     out = capsys.readouterr()
     assert seen == [4] and rc == 1
     assert "stage-boundary-tokens-rolled" in out.out and "SURVIVED" in out.out
+    # Each plant's worst check and margin is printed (issue 33).
+    assert "SURVIVED: worst check loss, 0.25 x tolerance" in out.out
+    assert "caught: worst check loss, exact check failed x tolerance" in out.out
     assert f"{len(loop.PLANT_RUNS)} Megatron plants" in out.err
