@@ -167,3 +167,20 @@ def test_split_samplers_draw_megatrons_split_once_per_epoch(tmp_path):
     with planted("split-truncated-not-rounded"):
         bad = failures()
     assert any("valid dataset 0" in b and "missing" in b for b in bad), bad
+
+
+def test_the_oracle_imports_nothing_from_megatron_hsp():
+    """The reference must not share the code it checks: no ``megatron_hsp`` import at all."""
+    import ast
+    from pathlib import Path
+
+    import megatron_hsp.testing.sampler_oracle as oracle
+
+    tree = ast.parse(Path(oracle.__file__).read_text())
+    imported = [
+        n.module if isinstance(n, ast.ImportFrom) else a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for a in n.names
+    ]
+    assert imported and not [m for m in imported if m and m.startswith("megatron_hsp")]
