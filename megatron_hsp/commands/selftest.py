@@ -128,7 +128,7 @@ def _run(args: argparse.Namespace) -> int:
                 verdict = "caught" if p["caught"] else "SURVIVED"
                 print(
                     f"{p['plant']:<38} on {p['options']!r:<40} {verdict}: worst check "
-                    f"{p['worst_check']}, {format_margin(p['margin'])} x tolerance"
+                    f"{p['worst_check']}, worst / tolerance {format_margin(p['margin'])}"
                 )
         t = result["_timing"]
         print(

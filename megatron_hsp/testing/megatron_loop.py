@@ -50,6 +50,14 @@ token shares follow its weights, and what the load restored (iteration, consumed
 scheduler's steps, the weights bit for bit, HSP's resume record) is what the uninterrupted run
 had at the save (``_data_checks``).
 
+Issue 33: the stock side reads the pieces HSP's sampler chose, so which documents are drawn is
+judged apart, in every option set, by ``testing/sampler_oracle.py`` (no HSP code): every
+document of megatron-core's own split (its dataset builder run on ``IndexedDataset``) with >= 2
+tokens is drawn once per epoch, over the pieces trained and evaluated (across the restart) and
+more drawn from copies of the live samplers; a blend's draws follow the deficit rule re-run on
+the pieces' lengths, its token shares within the rule's bound. ``EVAL_SPLIT`` puts no split
+boundary on an integer. ``margins`` reports every check's worst over its tolerance.
+
 Issue 17's option sets run the HSP side on 2 pipeline stages (``--pipeline-model-parallel-size
 2``: 1F1B, then interleaved with a chunk per virtual stage, and evaluating): Megatron's parallel
 state with the pipeline for the HSP side only (``_pipeline_state``), its model chunks built as
@@ -2018,8 +2026,8 @@ def worst_check(entry: dict[str, Any]) -> str:
 
 
 def format_margin(value: float) -> str:
-    """A margin as printed: ``inf`` (an exact check failed) as ``exact check failed``."""
-    return "exact check failed" if math.isinf(value) else f"{value:.3g}"
+    """A margin as printed; ``inf`` says that an exact check failed."""
+    return "inf (an exact check failed)" if math.isinf(value) else f"{value:.3g}"
 
 
 def run_megatron_loop(
