@@ -48,7 +48,7 @@ def grid_rows(steps: int, quick: bool) -> list[dict]:
 def available_methods(methods: str) -> str:
     names = [m for m in methods.split(",") if m]
     sys.path.insert(0, str(ROOT))
-    if importlib.util.find_spec("megatron_hsp.planner.solver") is None:
+    if importlib.util.find_spec("megatron_hsp.planner.search.solver") is None:
         names = [m for m in names if m != "hsp"]
     if importlib.util.find_spec("megatron.core") is None:
         names = [m for m in names if m != "megatron-dcp"]

@@ -12,10 +12,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from megatron_hsp.planner.bench import run_bench
-from megatron_hsp.planner.costmodel import flexsp_cost_model
+from megatron_hsp.evaluation.bench import run_bench
+from megatron_hsp.planner.cost.costmodel import flexsp_cost_model
 from megatron_hsp.planner.lengths import BatchSampler, read_lengths
-from megatron_hsp.planner.settings import PlannerSettings
+from megatron_hsp.planner.search.settings import PlannerSettings
 from megatron_hsp.planner.topology import Cluster
 
 DATA = Path("../shared/data/wikipedia_lengths.txt.gz")

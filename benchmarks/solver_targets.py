@@ -7,7 +7,7 @@ Run from the repo root (needs ../shared/data/wikipedia_lengths.txt.gz):
 Prints one table per target and, with ``--write-docs``, rewrites docs/solver.md's results section.
 Static baselines here are deliberately simple (best-fit-decreasing bins of one degree, packed
 ``N / d`` per micro-batch, longest bins first); the official baselines live in
-``planner/baselines.py`` and ``megatron-hsp bench``.
+``evaluation/baselines.py`` and ``megatron-hsp bench``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_hsp.planner.baselines import flexsp_style_config
-from megatron_hsp.planner.costmodel import CostModel, flexsp_cost_model, load_cost_model
-from megatron_hsp.planner.solver import SolverConfig, solve
+from megatron_hsp.evaluation.baselines import flexsp_style_config
+from megatron_hsp.planner.cost.costmodel import CostModel, flexsp_cost_model, load_cost_model
+from megatron_hsp.planner.search.settings import SolverConfig
+from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
 
 DATA = Path("../shared/data/wikipedia_lengths.txt.gz")
@@ -136,7 +137,7 @@ def lp_check(limit_s: float, budget: float) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     from suite import DISTRIBUTIONS, generate
 
-    from megatron_hsp.planner.bounds import lower_bound_ms, lp_lower_bound_ms
+    from megatron_hsp.planner.search.bounds import lower_bound_ms, lp_lower_bound_ms
 
     cluster = Cluster(64, 8)
     cost = flexsp_cost_model("flexsp-gpt-7b", 64, 192, 28)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from megatron_hsp.planner.costmodel import CostModel
+from megatron_hsp.planner.cost.costmodel import CostModel
 from megatron_hsp.planner.topology import Cluster
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_hsp.planner.baselines import (
+from megatron_hsp.evaluation.baselines import (
     RingAssumptions,
     dp_balanced_layout,
     dp_balanced_plan,
     ring_group_ms,
 )
-from megatron_hsp.planner.costmodel import load_cost_model
+from megatron_hsp.planner.cost.costmodel import load_cost_model
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.topology import Cluster
 

@@ -10,17 +10,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_hsp.planner.baselines import (
+from megatron_hsp.evaluation.baselines import (
     FLEXSP_STYLE_CHUNKING,
     flexsp_style_config,
     flexsp_style_sizes,
 )
-from megatron_hsp.planner.bench import parse_methods, run_bench
-from megatron_hsp.planner.costmodel import load_cost_model
+from megatron_hsp.evaluation.bench import parse_methods, run_bench
+from megatron_hsp.planner.cost.costmodel import load_cost_model
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.lengths import GlobalBatch
 from megatron_hsp.planner.plan import Plan
-from megatron_hsp.planner.settings import PlannerSettings
+from megatron_hsp.planner.search.settings import PlannerSettings
 from megatron_hsp.planner.topology import Cluster
 
 GPUS, PER_NODE = 16, 8

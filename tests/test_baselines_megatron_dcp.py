@@ -7,9 +7,9 @@ import pytest
 
 pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
 
-from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
-from megatron_hsp.planner.baselines import memory_model_for
-from megatron_hsp.planner.costmodel import load_cost_model
+from megatron_hsp.evaluation.baselines import memory_model_for
+from megatron_hsp.evaluation.torch_side.dcp_baseline import megatron_dcp_plan
+from megatron_hsp.planner.cost.costmodel import load_cost_model
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.topology import Cluster
 
@@ -39,7 +39,7 @@ def test_dcp_errors():
 
 def test_dcp_one_pass_per_scheduler_group_and_sequential_memory():
     """Each scheduler group is one micro-batch; groups may exceed the cap in total, not per seq."""
-    from megatron_hsp.planner.baselines import PerSequenceMemory, RingAssumptions
+    from megatron_hsp.evaluation.baselines import PerSequenceMemory, RingAssumptions
 
     cost = load_cost_model("flexsp-gpt-7b", world_size=8)
     cluster = Cluster(8, 8)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from megatron_hsp.cli import main
-from megatron_hsp.megatron.dcp_dev_baseline import (
+from megatron_hsp.evaluation.torch_side.dcp_dev_baseline import (
     CHECKOUT_ENV,
     SCHEDULE,
     UTILS,
@@ -23,7 +23,7 @@ from megatron_hsp.megatron.dcp_dev_baseline import (
     load_dev_scheduler,
     megatron_dcp_dev_plan,
 )
-from megatron_hsp.planner.costmodel import load_cost_model
+from megatron_hsp.planner.cost.costmodel import load_cost_model
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.topology import Cluster
 

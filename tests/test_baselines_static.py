@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_hsp.planner.baselines import (
+from megatron_hsp.evaluation.baselines import (
     _best_fit_decreasing,
     batchada_plan,
     homogeneous_sizes,
@@ -18,7 +18,7 @@ from megatron_hsp.planner.baselines import (
     static_plan,
     static_plans_by_degree,
 )
-from megatron_hsp.planner.costmodel import flexsp_cost_model, load_cost_model
+from megatron_hsp.planner.cost.costmodel import flexsp_cost_model, load_cost_model
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.lengths import BatchSampler, read_lengths
 from megatron_hsp.planner.topology import Cluster

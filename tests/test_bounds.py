@@ -7,10 +7,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from solver_helpers import brute_force_ms, toy_cost
 
-from megatron_hsp.planner.bounds import lower_bound_ms
 from megatron_hsp.planner.errors import InfeasibleError
-from megatron_hsp.planner.instance import resolve_sizes
-from megatron_hsp.planner.solver import SolverConfig, solve
+from megatron_hsp.planner.search.bounds import lower_bound_ms
+from megatron_hsp.planner.search.instance import resolve_sizes
+from megatron_hsp.planner.search.settings import SolverConfig
+from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
 
 

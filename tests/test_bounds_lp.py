@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from solver_helpers import brute_force_ms, toy_cost
 
-from megatron_hsp.planner.bounds import lower_bound_ms, lp_lower_bound_ms
-from megatron_hsp.planner.instance import resolve_sizes
+from megatron_hsp.planner.search.bounds import lower_bound_ms, lp_lower_bound_ms
+from megatron_hsp.planner.search.instance import resolve_sizes
 from megatron_hsp.planner.topology import Cluster
 
 

@@ -13,15 +13,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from solver_helpers import brute_force_ms, toy_cost
 
-from megatron_hsp.planner import placement_bound
-from megatron_hsp.planner.bounds import lower_bound_ms
-from megatron_hsp.planner.instance import Instance, check_lengths, resolve_sizes
-from megatron_hsp.planner.placement_bound import (
+from megatron_hsp.evaluation import placement_bound
+from megatron_hsp.evaluation.placement_bound import (
     cross_node_mixes,
     node_configs,
     placement_lp_bound,
 )
-from megatron_hsp.planner.solver import SolverConfig, solve
+from megatron_hsp.planner.search.bounds import lower_bound_ms
+from megatron_hsp.planner.search.instance import Instance, check_lengths, resolve_sizes
+from megatron_hsp.planner.search.settings import SolverConfig
+from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
 
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from megatron_hsp.planner.calibration import (
+from megatron_hsp.planner.cost.calibration import (
     FITTED,
     AttentionCase,
     attention_case_tflops,
@@ -14,7 +14,7 @@ from megatron_hsp.planner.calibration import (
     fit_h100,
     h100_figures,
 )
-from megatron_hsp.planner.costmodel import H100_SXM, LLAMA3_8B, load_cost_model
+from megatron_hsp.planner.cost.costmodel import H100_SXM, LLAMA3_8B, load_cost_model
 
 
 def test_h100_preset_is_what_the_fit_returns():

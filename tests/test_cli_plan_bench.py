@@ -14,8 +14,8 @@ from megatron_hsp.cli import main
 from megatron_hsp.planner.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
-HAS_SOLVER = importlib.util.find_spec("megatron_hsp.planner.solver") is not None
-HAS_BOUNDS = importlib.util.find_spec("megatron_hsp.planner.bounds") is not None
+HAS_SOLVER = importlib.util.find_spec("megatron_hsp.planner.search.solver") is not None
+HAS_BOUNDS = importlib.util.find_spec("megatron_hsp.planner.search.bounds") is not None
 SUMMARY_KEYS = {
     "speedup_vs_static_best",
     "speedup_vs_batchada",
@@ -30,9 +30,9 @@ SUMMARY_KEYS = {
 def test_planner_and_commands_do_not_import_torch():
     code = (
         "import sys\n"
-        "import megatron_hsp.planner, megatron_hsp.planner.costmodel\n"
+        "import megatron_hsp.planner, megatron_hsp.planner.cost.costmodel\n"
         "import megatron_hsp.planner.lengths\n"
-        "import megatron_hsp.planner.baselines, megatron_hsp.planner.bench\n"
+        "import megatron_hsp.evaluation.baselines, megatron_hsp.evaluation.bench\n"
         "import megatron_hsp.commands.plan, megatron_hsp.commands.bench, megatron_hsp.cli\n"
         "from megatron_hsp.cli import build_parser\n"
         "build_parser(['plan']); build_parser(['bench'])\n"
@@ -142,7 +142,9 @@ def test_bad_lengths_file_names_line(tmp_path, capsys):
     assert "l.txt:2" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not HAS_SOLVER, reason="megatron_hsp.planner.solver not merged in this build")
+@pytest.mark.skipif(
+    not HAS_SOLVER, reason="megatron_hsp.planner.search.solver not merged in this build"
+)
 def test_plan_hsp_json(capsys):
     assert main(["plan", "--json", "--global-batch", "128", "--gpus", "16"]) == 0
     plan = Plan.from_dict(json.loads(capsys.readouterr().out))

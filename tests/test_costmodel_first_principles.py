@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from megatron_hsp.planner.costmodel import (
+from megatron_hsp.planner.cost.costmodel import (
     H100_SXM,
     LLAMA3_8B,
     LLAMA3_70B,

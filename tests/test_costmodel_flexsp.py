@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from megatron_hsp.planner.costmodel import (
+from megatron_hsp.planner.cost.costmodel import (
     FLEXSP_DEFAULT_MEMORY_CAP_GB,
     flexsp_cost_model,
     load_cost_model,

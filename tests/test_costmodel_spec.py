@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from megatron_hsp.planner.costmodel import (
+from megatron_hsp.planner.cost.costmodel import (
     FLEXSP_FITS,
     H100_SXM,
     LLAMA3_8B,

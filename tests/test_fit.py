@@ -1,13 +1,13 @@
-"""planner.fit: exact NNLS, refusal of non-positive / non-monotone fits, loadable spec."""
+"""planner.cost.fit: exact NNLS, refusal of non-positive / non-monotone fits, loadable spec."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from megatron_hsp.planner.costmodel import load_cost_model
+from megatron_hsp.planner.cost.costmodel import load_cost_model
+from megatron_hsp.planner.cost.fit import check_monotone, cost_model_spec, fit_linear
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.fit import check_monotone, cost_model_spec, fit_linear
 
 
 def _compute_fit(a1: float = 5e-5, a2: float = 0.12, b: float = 30.0):

@@ -114,7 +114,7 @@ def test_pipeline_parallel_accepted_with_megatrons_shape_handshake():
 def test_the_planner_prices_the_pipeline_only_with_a_stage_cost_model(
     tmp_path, details, planned_pp
 ):
-    """A cost model built for this pipeline (``details`` pp/vpp, planner/parallel.py) makes
+    """A cost model built for this pipeline (``details`` pp/vpp, planner/cost/parallel.py) makes
     the planner price it; any other plans the stage unpipelined, and says so."""
     path = tmp_path / "fit.yaml"
     _two_size_model(tmp_path)  # writes fit.yaml

@@ -19,7 +19,7 @@ from megatron_hsp.megatron.model_cost import (
     nvml_gpu_names,
     preset_for_gpu_name,
 )
-from megatron_hsp.planner.costmodel import load_cost_model
+from megatron_hsp.planner.cost.costmodel import load_cost_model
 
 BASE = [
     *("--num-attention-heads", "8", "--global-batch-size", "64", "--seq-length", "4096"),

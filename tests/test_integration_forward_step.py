@@ -31,10 +31,10 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from megatron_hsp.commands.demo import DEMO_COST_MODEL, DEMO_MODEL
+    from megatron_hsp.commands.demo_config import DEMO_COST_MODEL, DEMO_MODEL
     from megatron_hsp.megatron import hooks
     from megatron_hsp.megatron.args import HSPConfig
-    from megatron_hsp.planner.settings import PlannerSettings
+    from megatron_hsp.planner.search.settings import PlannerSettings
     from megatron_hsp.runtime.agreement import agree_on_plan
     from megatron_hsp.runtime.groups import create_groups
     from megatron_hsp.runtime.schedule import run_step

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from megatron_hsp.planner.errors import HSPError, InfeasibleError
-from megatron_hsp.planner.settings import PlannerSettings
+from megatron_hsp.planner.search.settings import PlannerSettings
 from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
 
 
@@ -79,7 +79,7 @@ def test_synchronous_mode_reports_its_wait():
 
 def test_production_planner_in_the_background_process():
     """The real cost model + MILP solver, planned in the spawned process and validated here."""
-    from megatron_hsp.planner.costmodel import load_cost_model
+    from megatron_hsp.planner.cost.costmodel import load_cost_model
 
     spec = PlannerSpec(
         cost_model="flexsp-gpt-7b",

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from megatron_hsp.planner.costmodel import load_cost_model
+from megatron_hsp.planner.cost.costmodel import load_cost_model
 from megatron_hsp.planner.plan import Plan
 from megatron_hsp.step.observe import predicted_step_ms
 from megatron_hsp.testing.dist import raise_rank_errors, run_distributed

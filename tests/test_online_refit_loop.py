@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_hsp.planner.costmodel import load_cost_model
-from megatron_hsp.planner.refit import scaled_model
-from megatron_hsp.planner.settings import PlannerSettings
+from megatron_hsp.planner.cost.costmodel import load_cost_model
+from megatron_hsp.planner.cost.refit import scaled_model
+from megatron_hsp.planner.search.settings import PlannerSettings
 from megatron_hsp.step.observe import REFIT_MAX_STEP, StepRefitter
 from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
 from megatron_hsp.testing.manual_plan import manual_plan
@@ -102,7 +102,8 @@ def test_a_step_is_predicted_by_the_model_refit_after_the_step_before():
     """Step 2's plan was made (prefetched) under the first model; after step 1 the refitter
     learned a 1.5x slower machine. The record of step 2 prices its plan with that newest model
     (``predicted_ms``) and keeps the plan's own estimate (``planned_ms``)."""
-    from megatron_hsp.planner.solver import SolverConfig, solve
+    from megatron_hsp.planner.search.settings import SolverConfig
+    from megatron_hsp.planner.search.solver import solve
     from megatron_hsp.planner.topology import Cluster
     from megatron_hsp.step.observe import StepRecord, plan_ms, predicted_step_ms
 

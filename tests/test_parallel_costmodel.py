@@ -1,4 +1,4 @@
-"""Stage cost model for TP x PP x EP (planner/parallel.py) and MoE pricing (planner/moe.py)."""
+"""Stage cost model for TP x PP x EP (planner/cost/parallel.py), MoE pricing (cost/moe.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ import math
 
 import pytest
 
-from megatron_hsp.planner.costmodel import (
+from megatron_hsp.planner.cost.costmodel import (
     FIRST_PRINCIPLES_PRESETS,
     H100_SXM,
     first_principles_cost_model,
 )
-from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.parallel import (
+from megatron_hsp.planner.cost.parallel import (
     DEEPSEEK_V2_LITE,
     MOE_TRAINING,
     QWEN3_30B_A3B,
@@ -23,6 +22,7 @@ from megatron_hsp.planner.parallel import (
     model_parallel_cost_model,
     pipeline_spec_for,
 )
+from megatron_hsp.planner.errors import InputError
 
 MAPS = ("group_fixed_ms", "a2a_ms_per_token", "ring_step_ms_per_token")
 MAPS += ("a2a_fixed_ms", "ring_step_fixed_ms", "ring_step_extra_ms_per_token")

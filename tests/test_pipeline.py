@@ -1,4 +1,4 @@
-"""Pipeline pricing (planner/pipeline.py): schedules, step time by hand, order, in-flight memory."""
+"""Pipeline pricing (planner/cost/pipeline.py): schedules, step time by hand, order, memory."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.pipeline import (
+from megatron_hsp.planner.cost.pipeline import (
     PipelineSpec,
     bubble_lower_bound,
     in_flight,
@@ -17,6 +16,7 @@ from megatron_hsp.planner.pipeline import (
     simulate,
     stage_ops,
 )
+from megatron_hsp.planner.errors import InputError
 
 
 def test_1f1b_op_order_matches_megatron():
@@ -169,7 +169,7 @@ def test_spec_refusals():
 
 def test_planted_off_by_one_warmup_is_caught(monkeypatch):
     """A warm-up of pp - s forwards instead of pp - s - 1 must change the hand-computed step."""
-    from megatron_hsp.planner import pipeline
+    from megatron_hsp.planner.cost import pipeline
 
     real = pipeline.stage_ops
 

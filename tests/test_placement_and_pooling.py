@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from megatron_hsp.planner.costmodel import flexsp_cost_model, load_cost_model
-from megatron_hsp.planner.greedy import groups_fit, place_groups, schedule_microbatch
-from megatron_hsp.planner.instance import Instance, resolve_sizes
+from megatron_hsp.planner.cost.costmodel import flexsp_cost_model, load_cost_model
+from megatron_hsp.planner.search.greedy import groups_fit, place_groups, schedule_microbatch
+from megatron_hsp.planner.search.instance import Instance, resolve_sizes
 from megatron_hsp.planner.topology import Cluster
 
 
@@ -122,7 +122,7 @@ def test_raising_a_load_below_the_top_keeps_the_heap():
     import heapq
     import random
 
-    from megatron_hsp.planner.greedy import _raise_load
+    from megatron_hsp.planner.search.greedy import _raise_load
 
     rng = random.Random(0)
     for _ in range(500):

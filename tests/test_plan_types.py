@@ -7,7 +7,7 @@ import json
 import pytest
 
 from megatron_hsp.planner import Cluster, Group, MicroBatch, Plan, PlanError
-from megatron_hsp.planner.costmodel import flexsp_cost_model
+from megatron_hsp.planner.cost.costmodel import flexsp_cost_model
 
 
 def _mixed_plan() -> Plan:

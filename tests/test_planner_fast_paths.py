@@ -15,10 +15,10 @@ import math
 import numpy as np
 import pytest
 
-from megatron_hsp.planner import greedy
-from megatron_hsp.planner.costmodel import flexsp_cost_model, load_cost_model
+from megatron_hsp.planner.cost.costmodel import flexsp_cost_model, load_cost_model
 from megatron_hsp.planner.groupspace import planning_sizes
-from megatron_hsp.planner.instance import Instance, resolve_sizes
+from megatron_hsp.planner.search import greedy
+from megatron_hsp.planner.search.instance import Instance, resolve_sizes
 from megatron_hsp.planner.topology import Cluster
 
 

@@ -1,5 +1,5 @@
 """One settings type for the planner's knobs: every entry point's default is the one declared in
-``planner/settings.py``, and the settings map to the solver's configuration in one place."""
+``planner/search/settings.py``, and the settings map to the solver's configuration in one place."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.settings import (
+from megatron_hsp.planner.search.settings import (
     DEFAULT_SOLVER,
     DEFAULT_TIME_BUDGET_S,
     FALLBACK_TIME_BUDGET_S,
@@ -19,7 +19,7 @@ from megatron_hsp.planner.settings import (
 def test_every_entry_point_defaults_to_the_declared_budget_and_solver():
     from megatron_hsp.commands.common import add_common_arguments
     from megatron_hsp.megatron.args import add_hsp_args
-    from megatron_hsp.planner.solver import SolverConfig
+    from megatron_hsp.planner.search.settings import SolverConfig
     from megatron_hsp.step.planner_service import PlannerSpec
 
     megatron = add_hsp_args(argparse.ArgumentParser()).parse_args([])

@@ -12,10 +12,11 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_hsp.planner.baselines import batchada_plan, homogeneous_sizes, static_plan
-from megatron_hsp.planner.costmodel import load_cost_model
+from megatron_hsp.evaluation.baselines import batchada_plan, homogeneous_sizes, static_plan
+from megatron_hsp.planner.cost.costmodel import load_cost_model
 from megatron_hsp.planner.groupspace import Cluster, HeadSpace, problems
-from megatron_hsp.planner.solver import SolverConfig, solve
+from megatron_hsp.planner.search.settings import SolverConfig
+from megatron_hsp.planner.search.solver import solve
 
 
 def _check(plan, heads: HeadSpace) -> None:
@@ -80,10 +81,10 @@ def test_flexsp_presets_at_384k_on_64_gpus_are_executable() -> None:
 
 def test_every_baseline_plan_in_bench_is_executable() -> None:
     """``bench`` with a model that has heads: every method's plans run (Megatron CP as (1, d))."""
-    from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
-    from megatron_hsp.planner.bench import run_bench
+    from megatron_hsp.evaluation.bench import run_bench
+    from megatron_hsp.evaluation.torch_side.dcp_baseline import megatron_dcp_plan
     from megatron_hsp.planner.lengths import GlobalBatch
-    from megatron_hsp.planner.settings import PlannerSettings
+    from megatron_hsp.planner.search.settings import PlannerSettings
 
     cost = load_cost_model("flexsp-gpt-7b", world_size=64, gpus_per_node=8, max_seq_k=384)
     cluster = Cluster(64, 8)

@@ -69,7 +69,7 @@ def test_megatron_hsp_cost_model_accepts_the_profile(profiled):
     from tests_support_args import parse
 
     from megatron_hsp.megatron.args import validate_hsp_args
-    from megatron_hsp.planner.costmodel import load_cost_model
+    from megatron_hsp.planner.cost.costmodel import load_cost_model
 
     base = ["--micro-batch-size", "1", "--global-batch-size", "8", "--seq-length", "2048"]
     base += ["--eval-iters", "0", "--attention-dropout", "0"]
@@ -162,7 +162,7 @@ def test_ulysses_latency_is_measured_in_situ_where_it_exceeds_the_microbenchmark
 ):
     """Fails before the in-situ group steps: the written latency was the bare all-to-all's."""
     import megatron_hsp.testing.dist as dist_testing
-    from megatron_hsp.planner.fit import fit_compute
+    from megatron_hsp.planner.cost.fit import fit_compute
 
     compute_ms = [10.0, 20.0, 45.0, 100.0]
     fake = _fake_results(compute_ms, [1.0, 2.0, 5.0, 17.0])
@@ -186,7 +186,7 @@ def test_ulysses_latency_is_measured_in_situ_where_it_exceeds_the_microbenchmark
 
 
 def test_in_situ_rows_cancel_what_every_size_pays():
-    from megatron_hsp.planner.fit import in_situ_overhead_rows
+    from megatron_hsp.planner.cost.fit import in_situ_overhead_rows
 
     a1, a2 = 1e-4, 0.05
     rows = []
@@ -205,7 +205,7 @@ def test_in_situ_rows_cancel_what_every_size_pays():
 def test_a_step_prediction_adds_the_profiled_per_step_cost():
     """Fails before: predictions were the plan's micro-batches alone, short of every measured
     step by the gradient all-reduce and optimizer step the profile had measured."""
-    from megatron_hsp.planner.costmodel import load_cost_model
+    from megatron_hsp.planner.cost.costmodel import load_cost_model
     from megatron_hsp.step.observe import StepRecord
     from megatron_hsp.testing.manual_plan import manual_plan
 

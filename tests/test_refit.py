@@ -1,4 +1,4 @@
-"""Online refit (planner/refit.py): robust, bounded, refuses non-monotone fits, round-trips."""
+"""Online refit (planner/cost/refit.py): robust, bounded, refuses non-monotone fits, round-trips."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import yaml
 
-from megatron_hsp.planner.costmodel import load_cost_model
-from megatron_hsp.planner.refit import (
+from megatron_hsp.planner.cost.costmodel import load_cost_model
+from megatron_hsp.planner.cost.refit import (
     GroupTiming,
     OnlineRefit,
     StepTiming,

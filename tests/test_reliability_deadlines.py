@@ -1,6 +1,6 @@
 """Issue 9 item 2, hard deadlines: the lower bound, run once per solve, honours the solve's budget.
 
-Fact 4 of ``planner/bounds.py`` searches per critical sequence and per group size; it is made
+Fact 4 of ``planner/search/bounds.py`` searches per critical sequence and per group size; it is made
 adversarially slow here (each size's search takes 0.2 s) so that without the deadline a solve with
 a 0.3 s budget would take > 2 s. With it, the solve returns within budget + margin and the bound
 it reports is still a valid (weaker) bound.
@@ -11,9 +11,9 @@ from __future__ import annotations
 import random
 import time
 
-from megatron_hsp.planner import bounds, solver
-from megatron_hsp.planner.costmodel import CostModel
-from megatron_hsp.planner.instance import Instance, check_lengths, resolve_sizes
+from megatron_hsp.planner.cost.costmodel import CostModel
+from megatron_hsp.planner.search import bounds, solver
+from megatron_hsp.planner.search.instance import Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.topology import Cluster
 
 COEFFS = {

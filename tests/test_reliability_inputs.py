@@ -154,8 +154,8 @@ def test_fuzz_plan_and_bench(tmp_path, capsys, seed):
 def test_solver_returns_within_budget_even_on_unvalidated_negative_costs(monkeypatch, override):
     """The solve is bounded by its budget plus a margin (1 s here) whatever the coefficients:
     the negative-coefficient YAML used to hang the greedy bisection for minutes."""
-    from megatron_hsp.planner import solver
-    from megatron_hsp.planner.costmodel import CostModel
+    from megatron_hsp.planner.cost.costmodel import CostModel
+    from megatron_hsp.planner.search import solver
     from megatron_hsp.planner.topology import Cluster
 
     kw: dict = {

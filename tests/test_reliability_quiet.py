@@ -62,13 +62,13 @@ def test_every_command_goes_through_the_one_helper(module):
 def test_highs_banner_never_reaches_stdout():
     """Issue 18: highspy 1.16 prints its banner from C++ to fd 1 on the first ``Highs()`` of a
     process, ahead of ``--json`` output. The lower bound (highspy directly) and the MILP (PuLP's
-    HiGHS) both go through ``planner/highs.py``; a fresh process's stdout stays clean."""
+    HiGHS) both go through ``planner/search/highs.py``; a fresh process's stdout stays clean."""
     import subprocess
     import sys
 
     code = (
         "import highspy, json\n"
-        "from megatron_hsp.planner.highs import quiet_highs\n"
+        "from megatron_hsp.planner.search.highs import quiet_highs\n"
         "quiet_highs(); highspy.Highs()\n"
         "print(json.dumps({'ok': True}))\n"
     )

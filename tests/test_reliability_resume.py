@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_hsp.planner.settings import PlannerSettings
+from megatron_hsp.planner.search.settings import PlannerSettings
 from megatron_hsp.step.pipeline import StepPipeline
 from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
 from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig

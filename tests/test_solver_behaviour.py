@@ -8,10 +8,11 @@ import random
 import pytest
 from solver_helpers import toy_cost
 
-from megatron_hsp.planner.costmodel import flexsp_cost_model
+from megatron_hsp.planner.cost.costmodel import flexsp_cost_model
 from megatron_hsp.planner.errors import InfeasibleError, InputError
-from megatron_hsp.planner.milp import cbc_path
-from megatron_hsp.planner.solver import SolverConfig, solve
+from megatron_hsp.planner.search.milp import cbc_path
+from megatron_hsp.planner.search.settings import SolverConfig
+from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
 
 
@@ -149,7 +150,7 @@ def test_cbc_backend_solves():
 
 
 def test_cbc_missing_gives_clear_error(monkeypatch):
-    import megatron_hsp.planner.milp as milp
+    import megatron_hsp.planner.search.milp as milp
 
     monkeypatch.setattr(milp, "cbc_path", lambda: None)
     with pytest.raises(InputError, match="pip install cbcbox"):

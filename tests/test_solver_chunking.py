@@ -7,15 +7,16 @@ import random
 import pytest
 from solver_helpers import toy_cost
 
-from megatron_hsp.planner.chunking import (
+from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.search.chunking import (
     candidate_counts,
     chunk_contiguous,
     chunk_time_balanced,
     min_microbatches,
 )
-from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.instance import Instance
-from megatron_hsp.planner.solver import SolverConfig, solve
+from megatron_hsp.planner.search.instance import Instance
+from megatron_hsp.planner.search.settings import SolverConfig
+from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
 
 

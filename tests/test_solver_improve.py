@@ -1,13 +1,13 @@
-"""Local search between micro-batches (``planner/improve.py``): what it may change, and what not."""
+"""Local search between micro-batches (``planner/search/improve.py``): what it may change."""
 
 from __future__ import annotations
 
 import time
 
-from megatron_hsp.planner.costmodel import load_cost_model
-from megatron_hsp.planner.greedy import schedule_microbatch
-from megatron_hsp.planner.improve import improve
-from megatron_hsp.planner.instance import Instance, resolve_sizes
+from megatron_hsp.planner.cost.costmodel import load_cost_model
+from megatron_hsp.planner.search.greedy import schedule_microbatch
+from megatron_hsp.planner.search.improve import improve
+from megatron_hsp.planner.search.instance import Instance, resolve_sizes
 from megatron_hsp.planner.topology import Cluster
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_hsp.planner.costmodel import flexsp_cost_model, load_cost_model
-from megatron_hsp.planner.greedy import place_groups
-from megatron_hsp.planner.instance import Instance, resolve_sizes
-from megatron_hsp.planner.solver import (
+from megatron_hsp.planner.cost.costmodel import flexsp_cost_model, load_cost_model
+from megatron_hsp.planner.search.greedy import place_groups
+from megatron_hsp.planner.search.instance import Instance, resolve_sizes
+from megatron_hsp.planner.search.solver import (
     SCORED_SHARES,
     SolverConfig,
     _schedule_chunks,
@@ -96,7 +96,7 @@ def test_past_the_deadline_without_a_candidate_the_count_doubles():
 
 def test_rank_tiler_agrees_with_a_full_placement():
     """Adding groups one at a time accepts exactly what re-placing the whole set accepts."""
-    from megatron_hsp.planner.greedy import RankTiler, groups_fit
+    from megatron_hsp.planner.search.greedy import RankTiler, groups_fit
 
     rng = np.random.default_rng(0)
     for world in (24, 64, 96):

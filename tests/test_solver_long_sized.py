@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_hsp.planner.costmodel import load_cost_model
-from megatron_hsp.planner.instance import Instance, check_lengths, resolve_sizes
-from megatron_hsp.planner.solver import (
+from megatron_hsp.planner.cost.costmodel import load_cost_model
+from megatron_hsp.planner.search.instance import Instance, check_lengths, resolve_sizes
+from megatron_hsp.planner.search.solver import (
     CHUNKINGS,
     SolverConfig,
     chunk_long_sized,

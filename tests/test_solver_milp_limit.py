@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_hsp.planner.costmodel import flexsp_cost_model
-from megatron_hsp.planner.solver import SolverConfig, solve
+from megatron_hsp.planner.cost.costmodel import flexsp_cost_model
+from megatron_hsp.planner.search.settings import SolverConfig
+from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
 
 

@@ -10,17 +10,17 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_hsp.planner.bench import run_bench
-from megatron_hsp.planner.errors import InfeasibleError, InputError
-from megatron_hsp.planner.lengths import GlobalBatch
-from megatron_hsp.planner.parallel import (
+from megatron_hsp.evaluation.bench import run_bench
+from megatron_hsp.planner.cost.parallel import (
     ParallelConfig,
     load_parallel_cost_model,
     pipeline_spec_for,
 )
-from megatron_hsp.planner.pipeline import PipelineSpec, simulate
-from megatron_hsp.planner.settings import PlannerSettings
-from megatron_hsp.planner.solver import solve
+from megatron_hsp.planner.cost.pipeline import PipelineSpec, simulate
+from megatron_hsp.planner.errors import InfeasibleError, InputError
+from megatron_hsp.planner.lengths import GlobalBatch
+from megatron_hsp.planner.search.settings import PlannerSettings
+from megatron_hsp.planner.search.solver import solve
 
 BUDGET = 0.5
 
@@ -174,7 +174,7 @@ def test_cli_refuses_bad_parallel_flags(flags, needle):
 
 
 def test_megatron_dcp_priced_under_the_pipeline_in_its_own_order():
-    from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
+    from megatron_hsp.evaluation.torch_side.dcp_baseline import megatron_dcp_plan
 
     cost, plane = _setup(2)
     spec = pipeline_spec_for(cost, 2)
@@ -199,8 +199,8 @@ def test_megatron_dcp_priced_under_the_pipeline_in_its_own_order():
 def test_pipeline_balancing_never_worse_and_keeps_every_sequence():
     import math
 
-    from megatron_hsp.planner import solver as solver_mod
-    from megatron_hsp.planner.instance import Instance, check_lengths, resolve_sizes
+    from megatron_hsp.planner.search import solver as solver_mod
+    from megatron_hsp.planner.search.instance import Instance, check_lengths, resolve_sizes
 
     cost, plane = _setup(4)
     spec = pipeline_spec_for(cost, 4)
@@ -217,8 +217,8 @@ def test_pipeline_balancing_never_worse_and_keeps_every_sequence():
 
 
 def test_sequential_passes_priced_by_hand_and_cheaper_reading_taken():
-    from megatron_hsp.planner.baselines import SEQUENTIAL
-    from megatron_hsp.planner.bench import price_baseline, sequential_pass_times
+    from megatron_hsp.evaluation.baselines import SEQUENTIAL
+    from megatron_hsp.evaluation.bench import price_baseline, sequential_pass_times
     from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 
     cost, _ = _setup(2)

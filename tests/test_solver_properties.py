@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from solver_helpers import toy_cost
 
 from megatron_hsp.planner.errors import HSPError
-from megatron_hsp.planner.solver import SolverConfig, solve
+from megatron_hsp.planner.search.settings import SolverConfig
+from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
 
 
@@ -78,7 +79,7 @@ def test_trainable_batches_always_get_a_valid_plan(nodes, gpn, cap, use_milp, da
 
 def test_planner_never_imports_torch():
     code = (
-        "import sys, megatron_hsp.planner.solver, megatron_hsp.planner.milp; "
+        "import sys, megatron_hsp.planner.search.solver, megatron_hsp.planner.search.milp; "
         "assert 'torch' not in sys.modules, 'planner imported torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -101,9 +101,10 @@ def test_planning_sizes_bound_the_search_at_thousands_of_gpus():
 def test_solver_searches_the_planning_sizes_only():
     import numpy as np
 
-    from megatron_hsp.planner.costmodel import flexsp_cost_model
+    from megatron_hsp.planner.cost.costmodel import flexsp_cost_model
     from megatron_hsp.planner.groupspace import Cluster, planning_sizes
-    from megatron_hsp.planner.solver import SolverConfig, solve
+    from megatron_hsp.planner.search.settings import SolverConfig
+    from megatron_hsp.planner.search.solver import solve
 
     cost = flexsp_cost_model("flexsp-gpt-7b", 4096, max_seq_k=192)
     lengths = np.random.default_rng(0).integers(1000, 180_000, size=64)

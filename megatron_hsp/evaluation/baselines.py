@@ -25,7 +25,7 @@
 
 Candidate N: sizes that divide the world size (a homogeneous layout must use every GPU), the
 cluster can place as aligned blocks, and the cost model can cost. ``megatron-dcp`` lives in
-``megatron_hsp.megatron.dcp_baseline`` because it runs megatron-core's scheduler, which
+``megatron_hsp.evaluation.torch_side.dcp_baseline`` because it runs megatron-core's scheduler, which
 imports torch.
 """
 
@@ -39,14 +39,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_hsp.planner.costmodel import CostModel
+from megatron_hsp.planner.cost.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.groupspace import largest_ulysses
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 from megatron_hsp.planner.topology import Cluster
 
 if TYPE_CHECKING:
-    from megatron_hsp.planner.solver import SolverConfig
+    from megatron_hsp.planner.search.settings import SolverConfig
 
 FLEXSP_BIN_FILL = 0.9  # FlexSP packs bins to 90% of the memory-cap token capacity
 
@@ -347,7 +347,7 @@ def flexsp_style_config(
     solver: our bucketed MILP and HiGHS instead of its SCIP model, and our cost model's prices
     (docs/baselines.md).
     """
-    from megatron_hsp.planner.solver import SolverConfig
+    from megatron_hsp.planner.search.settings import SolverConfig
 
     return dataclasses.replace(
         base or SolverConfig(),
@@ -368,7 +368,7 @@ def flexsp_style_plan(
     sizes: Sequence[int] | None = None,
 ) -> Plan:
     """``flexsp-style``: one batch planned by ``flexsp_style_config``'s restricted solver."""
-    from megatron_hsp.planner.solver import solve
+    from megatron_hsp.planner.search.solver import solve
 
     config = flexsp_style_config(cost, cluster, base, sizes)
     plan = solve([int(x) for x in lengths], cost, cluster, config)

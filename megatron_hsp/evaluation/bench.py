@@ -10,8 +10,9 @@ from outside ``planner/``). Every plan is checked with
 times over the same batches (baseline / hsp), as docs/design.md section 3 defines.
 
 Under a pipeline (``run_bench(..., pipeline=PipelineSpec)``, with the stage cost model of
-``planner/parallel.py``) every method's plan is priced by the same ``pipeline.price_plan``: hsp's
-solver orders its micro-batches to shrink the bubble; the baselines keep the order their
+``planner/cost/parallel.py``) every method's plan is priced by the same
+``pipeline.price_plan``: hsp's solver orders its micro-batches to shrink the bubble; the baselines
+keep the order their
 schedulers emit (that is how they run), and under interleaving a baseline whose micro-batch count
 is not a multiple of pp is infeasible, as megatron-core's interleaved schedule refuses it. The
 lower bound becomes ``pipeline.pipeline_lower_bound`` of the summed bound.
@@ -30,8 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_hsp.planner import groupspace
-from megatron_hsp.planner.baselines import (
+from megatron_hsp.evaluation.baselines import (
     batchada_plan,
     dp_balanced_best_degree,
     dp_balanced_plan,
@@ -40,12 +40,13 @@ from megatron_hsp.planner.baselines import (
     static_best_degree,
     static_plan,
 )
-from megatron_hsp.planner.costmodel import CostModel
+from megatron_hsp.planner import groupspace
+from megatron_hsp.planner.cost.costmodel import CostModel
+from megatron_hsp.planner.cost.pipeline import PipelineSpec, pipeline_lower_bound, price_plan
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.lengths import GlobalBatch
-from megatron_hsp.planner.pipeline import PipelineSpec, pipeline_lower_bound, price_plan
 from megatron_hsp.planner.plan import Plan
-from megatron_hsp.planner.settings import PlannerSettings
+from megatron_hsp.planner.search.settings import PlannerSettings
 from megatron_hsp.planner.topology import Cluster
 
 PlanFn = Callable[[np.ndarray], Plan]
@@ -57,10 +58,10 @@ _DP_BALANCED = re.compile(r"^dp-balanced-(\d+)$")
 def hsp_plan_fn(cost: CostModel, cluster: Cluster, settings: PlannerSettings) -> PlanFn:
     """``hsp``: the MILP planner, imported only when asked for."""
     try:
-        from megatron_hsp.planner.solver import solve
+        from megatron_hsp.planner.search.solver import solve
     except ImportError as exc:
         raise InputError(
-            f"method hsp needs megatron_hsp.planner.solver, which this build lacks ({exc}); "
+            f"method hsp needs megatron_hsp.planner.search.solver, which this build lacks ({exc}); "
             "choose another method: static-N, static-best, batchada or megatron-dcp"
         ) from None
     config = settings.solver_config()
@@ -73,9 +74,10 @@ LP_BOUND_LIMIT_S = 2.0  # column-generation time per batch for ``lower-bound`` (
 def lower_bound_fn(
     cost: CostModel, cluster: Cluster, sizes: Sequence[int] | None
 ) -> Callable[[np.ndarray], float] | None:
-    """``lower-bound`` from ``megatron_hsp.planner.bounds``, or None when that module is absent."""
+    """``lower-bound`` from ``megatron_hsp.planner.search.bounds``, or None when that module is
+    absent."""
     try:
-        from megatron_hsp.planner.bounds import lower_bound_ms
+        from megatron_hsp.planner.search.bounds import lower_bound_ms
     except ImportError:
         return None
     return lambda lengths: float(lower_bound_ms([int(x) for x in lengths], cost, cluster, sizes))
@@ -94,7 +96,7 @@ def lower_bounds_fn(
     """
     comb = lower_bound_fn(cost, cluster, sizes)
     try:
-        from megatron_hsp.planner.bounds import lp_lower_bound_ms
+        from megatron_hsp.planner.search.bounds import lp_lower_bound_ms
     except ImportError:
         return None
     if comb is None:
@@ -358,7 +360,7 @@ def sequential_pass_times(plan: Plan, cost: CostModel) -> list[float]:
     priced by the plan's own ring assumptions, the group's fixed cost on its first pass (as the
     summed price charges it once) unless the assumptions charge it per sequence.
     """
-    from megatron_hsp.planner.baselines import RING_OVERLAP, RingAssumptions
+    from megatron_hsp.evaluation.baselines import RING_OVERLAP, RingAssumptions
 
     assume = RingAssumptions(**plan.extra.get("ring_assumptions", {}))
     ring = RING_OVERLAP[assume.overlap]
@@ -388,7 +390,7 @@ def price_baseline(plan: Plan, cost: CostModel, pipeline: PipelineSpec) -> Plan:
     pricing the interleaved schedule refuses (a count not a multiple of pp) is skipped; if both
     are refused the ``InputError`` stands.
     """
-    from megatron_hsp.planner.baselines import SEQUENTIAL
+    from megatron_hsp.evaluation.baselines import SEQUENTIAL
 
     if plan.extra.get("execution") != SEQUENTIAL:
         return price_plan(plan, pipeline, reorder=False)

@@ -82,9 +82,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_hsp.planner.bounds import LpBound, length_classes
-from megatron_hsp.planner.highs import add_row, quiet_highs
-from megatron_hsp.planner.instance import Instance
+from megatron_hsp.planner.search.bounds import LpBound, length_classes
+from megatron_hsp.planner.search.highs import add_row, quiet_highs
+from megatron_hsp.planner.search.instance import Instance
 from megatron_hsp.planner.topology import Cluster
 
 # Mixes enumerated at most; past it the bound is not computed (None): the enumeration is exact or

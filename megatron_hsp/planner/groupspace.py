@@ -29,12 +29,23 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from megatron_hsp.planner.errors import InputError
 
-if TYPE_CHECKING:  # plan.py imports this module
-    from megatron_hsp.planner.plan import Plan
+
+class PlanLayout(Protocol):
+    """What ``problems`` reads of a plan: ``plan.Plan`` has it (plan.py imports this module, so
+    this one names the shape instead of the type)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def gpus_per_node(self) -> int: ...
+
+    @property
+    def microbatches(self) -> Sequence[Any]: ...  # each with ``groups`` of ``plan.Group``
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,7 +371,7 @@ class HeadSpace:
         return [d for d in cluster.legal_sizes(candidates) if self.executable(d)]
 
 
-def problems(plan: Plan, heads: HeadSpace | None = None) -> list[str]:
+def problems(plan: PlanLayout, heads: HeadSpace | None = None) -> list[str]:
     """Groups of ``plan`` that the runtime cannot execute, as sentences (empty: all executable).
 
     Checks every group is a legal block and, given the model's ``heads``, that its recorded

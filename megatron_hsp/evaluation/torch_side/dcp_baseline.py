@@ -3,7 +3,7 @@
 Runs ``BalancedCPScheduler`` from ``megatron.core.pipeline_parallel.hybrid_cp_schedule``
 (identical on Megatron-LM main d98e8a64 and in megatron-core 0.19.2) in-process on the batch's
 lengths and turns its micro-batches into a ``Plan`` costed by
-``planner.baselines.ring_plan_from_layout``: one micro-batch per scheduler group (groups are
+``evaluation.baselines.ring_plan_from_layout``: one micro-batch per scheduler group (groups are
 synchronised between them), each CP group training its sub-samples one forward/backward each
 (``hybrid_context_parallel_forward_backward``), ring attention for its communication.
 It imports torch (through megatron-core), which is why it lives outside ``planner/``;
@@ -30,8 +30,8 @@ from collections.abc import Sequence
 import numpy as np
 from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
-from megatron_hsp.planner.baselines import RingAssumptions, plan_from_scheduler
-from megatron_hsp.planner.costmodel import CostModel
+from megatron_hsp.evaluation.baselines import RingAssumptions, plan_from_scheduler
+from megatron_hsp.planner.cost.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.plan import Plan
 from megatron_hsp.planner.topology import Cluster

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_hsp.planner.baselines import RingAssumptions, plan_from_scheduler
-from megatron_hsp.planner.costmodel import CostModel
+from megatron_hsp.evaluation.baselines import RingAssumptions, plan_from_scheduler
+from megatron_hsp.planner.cost.costmodel import CostModel
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.plan import Plan
 from megatron_hsp.planner.topology import Cluster

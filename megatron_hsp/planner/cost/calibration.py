@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_hsp.planner.first_principles import ATTN_BACKWARD_FLOPS, HardwareConfig
+from megatron_hsp.planner.cost.first_principles import ATTN_BACKWARD_FLOPS, HardwareConfig
 from megatron_hsp.planner.groupspace import kv_copies
 
 # FLOPs convention of FlashAttention's and MagiAttention's benchmarks: forward

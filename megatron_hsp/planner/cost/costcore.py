@@ -2,7 +2,8 @@
 
 Split out of ``costmodel.py`` (issue 19) so presets (``presets_flexsp``, ``first_principles``),
 spec parsing (``costspec``) and the loader (``costmodel``) can each import it without a cycle.
-Import the public names from ``megatron_hsp.planner.costmodel``; they are all re-exported there.
+Import the public names from ``megatron_hsp.planner.cost.costmodel``; they are all re-exported
+there.
 
 Every model, fitted (FlexSP presets) or first-principles, reduces to the same separable form, which
 is what lets the MILP stay linear:

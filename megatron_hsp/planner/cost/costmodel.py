@@ -1,7 +1,7 @@
 """Cost model entry point: ``load_cost_model`` (preset name, YAML/JSON file or mapping).
 
 The model itself lives in focused modules, all re-exported here so callers keep importing from
-``megatron_hsp.planner.costmodel``:
+``megatron_hsp.planner.cost.costmodel``:
 
 - ``costcore``: ``CostModel``, the separable form the planner evaluates (see its docstring);
 - ``presets_flexsp``: FlexSP's fitted presets, reproduced term for term;
@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from megatron_hsp.planner.costcore import CostModel
-from megatron_hsp.planner.costspec import (
+from megatron_hsp.planner.cost.costcore import CostModel
+from megatron_hsp.planner.cost.costspec import (
     _TOP_KEYS,
     MAX_SPEC_BYTES,
     _check_spec_numbers,
@@ -29,8 +29,7 @@ from megatron_hsp.planner.costspec import (
     _read_spec_file,
     validate_cost_model,
 )
-from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.first_principles import (
+from megatron_hsp.planner.cost.first_principles import (
     FIRST_PRINCIPLES_PRESETS,
     H100_SXM,
     LLAMA3_8B,
@@ -43,7 +42,7 @@ from megatron_hsp.planner.first_principles import (
     first_principles_cost_model,
     ring_bytes_per_token,
 )
-from megatron_hsp.planner.presets_flexsp import (
+from megatron_hsp.planner.cost.presets_flexsp import (
     FLEXSP_A2A_GBS,
     FLEXSP_DEFAULT_MEMORY_CAP_GB,
     FLEXSP_FITS,
@@ -51,6 +50,7 @@ from megatron_hsp.planner.presets_flexsp import (
     flexsp_cost_model,
     flexsp_params_b,
 )
+from megatron_hsp.planner.errors import InputError
 
 __all__ = [
     "FIRST_PRINCIPLES_PRESETS",

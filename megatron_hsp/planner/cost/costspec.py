@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from megatron_hsp.planner.costcore import RING_AND_LATENCY_KEYS, CostModel
+from megatron_hsp.planner.cost.costcore import RING_AND_LATENCY_KEYS, CostModel
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import HeadSpace
 from megatron_hsp.planner.units import MAX_TOKENS

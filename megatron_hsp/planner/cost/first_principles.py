@@ -1,14 +1,14 @@
 """First-principles cost model: FLOPs over achievable throughput, bytes over link bandwidth.
 
 Split out of ``costmodel.py`` (issue 19); the names stay importable from
-``megatron_hsp.planner.costmodel``.
+``megatron_hsp.planner.cost.costmodel``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_hsp.planner.costcore import CostModel
+from megatron_hsp.planner.cost.costcore import CostModel
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import Cluster, HeadSpace
 
@@ -88,8 +88,8 @@ class HardwareConfig:
 
     The terms below ``inter_node_latency_us`` came with issue 19 (what a model built from peak
     FLOPs and link bandwidths misses on real GPUs); their H100 values are fitted to published
-    measurements in ``planner.calibration`` (docs/calibration.md). Defaults leave them off, so a
-    user's hardware section means what it did before.
+    measurements in ``planner.cost.calibration`` (docs/calibration.md). Defaults leave them off,
+    so a user's hardware section means what it did before.
     """
 
     name: str
@@ -527,7 +527,7 @@ def first_principles_cost_model(
         group_fixed_ms=terms.fixed,
         a2a_ms_per_token=terms.a2a,
         tokens_per_rank=tokens_per_rank,
-        source="first principles (megatron_hsp.planner.first_principles)",
+        source="first principles (megatron_hsp.planner.cost.first_principles)",
         details={
             "params_b": params / 1e9,
             "model_states_mib": states / 2**20,
@@ -547,7 +547,7 @@ def first_principles_cost_model(
 
 H100_SXM = HardwareConfig(
     # Datasheet: bf16 dense peak 989 TFLOP/s, 80 GB HBM3 at 3.35 TB/s. Every other number is
-    # fitted to (or taken from) published measurements by ``planner.calibration.fit_h100``, and
+    # fitted to (or taken from) published measurements by ``planner.cost.calibration.fit_h100``, and
     # tests/test_calibration.py keeps them equal to what that fit returns; docs/calibration.md
     # lists each source, the fit set and the check set. ``achievable_fraction`` (linear layers)
     # is the one assumption left: no public bf16 H100 figure in the fit set measures it.

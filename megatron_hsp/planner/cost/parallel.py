@@ -3,7 +3,7 @@
 ``costmodel.first_principles_cost_model`` prices a dense model whose every GPU is one
 sequence-parallel slot. With TP x PP (x EP) the planner's slots are the data x context plane of
 one pipeline stage: ``plane = gpus / (tp * pp)`` slots, each a TP group of ``tp`` GPUs, and
-every stage runs the same plan (``planner/pipeline.py``). ``model_parallel_cost_model`` builds
+every stage runs the same plan (``planner/cost/pipeline.py``). ``model_parallel_cost_model`` builds
 the ``CostModel`` of one such stage, by the same rules as ``first_principles_cost_model`` (it
 reproduces that model's coefficients exactly for a dense model at tp = pp = ep = 1, which
 ``tests/test_parallel_costmodel.py`` pins), changed where TP, PP and MoE change them:
@@ -23,7 +23,7 @@ reproduces that model's coefficients exactly for a dense model at tp = pp = ep =
   capacity``): ``tokens_per_rank`` is per micro-batch. Model states are the stage's. ZeRO-3 is
   not combined with PP in Megatron, so a preset at ZeRO-3 runs its pipeline with the
   distributed optimizer (stage 1), said in ``source``.
-- **MoE** (``planner/moe.py``): active-parameter FLOPs, expert weights over ``ep`` (and TP),
+- **MoE** (``planner/cost/moe.py``): active-parameter FLOPs, expert weights over ``ep`` (and TP),
   their optimizer states over ``plane / ep``, dispatch all-to-all over ``ep`` slots per MoE layer
   and pass (``ep <= plane``; inside a node while ``ep <= gpus_per_node / tp``).
 
@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_hsp.planner.costmodel import (
+from megatron_hsp.planner.cost.costmodel import (
     FIRST_PRINCIPLES_PRESETS,
     H100_SXM,
     CostModel,
@@ -49,21 +49,21 @@ from megatron_hsp.planner.costmodel import (
     load_cost_model,
     validate_cost_model,
 )
-from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.first_principles import (
+from megatron_hsp.planner.cost.first_principles import (
     attention_ms_per_token2,
     collective_ms,
     grad_and_optimizer_ms,
     group_terms,
 )
-from megatron_hsp.planner.groupspace import Cluster, HeadSpace
-from megatron_hsp.planner.moe import DEEPSEEK_V2_LITE_MOE, QWEN3_30B_A3B_MOE, MoEConfig
-from megatron_hsp.planner.pipeline import (
+from megatron_hsp.planner.cost.moe import DEEPSEEK_V2_LITE_MOE, QWEN3_30B_A3B_MOE, MoEConfig
+from megatron_hsp.planner.cost.pipeline import (
     BACKWARD_SHARE,
     BACKWARD_SHARE_RECOMPUTE,
     PipelineSpec,
     microbatch_token_capacity,
 )
+from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.groupspace import Cluster, HeadSpace
 
 
 @dataclass(frozen=True)
@@ -350,7 +350,9 @@ def model_parallel_cost_model(
         "grad_reduce_ms_per_step": dense_reduce + expert_reduce,
         "optimizer_ms_per_step": dense_opt + expert_opt,
     }
-    source = f"first principles, tp {tp} pp {pp} vpp {parallel.vpp} ep {ep} (planner/parallel.py)"
+    source = (
+        f"first principles, tp {tp} pp {pp} vpp {parallel.vpp} ep {ep} (planner/cost/parallel.py)"
+    )
     if notes:
         source += "; " + "; ".join(notes)
     return validate_cost_model(
@@ -399,7 +401,7 @@ def pipeline_spec_for(cost: CostModel, pp: int, vpp: int = 1) -> PipelineSpec:
     if built != (pp, vpp):
         raise InputError(
             f"cost model {cost.name!r} prices pp {built[0]} vpp {built[1]}, not pp {pp} vpp {vpp}; "
-            "build it with planner.parallel.load_parallel_cost_model (plan/bench --pp/--vpp)"
+            "build it with planner.cost.parallel.load_parallel_cost_model (plan/bench --pp/--vpp)"
         )
     return PipelineSpec(
         pp,
@@ -411,7 +413,7 @@ def pipeline_spec_for(cost: CostModel, pp: int, vpp: int = 1) -> PipelineSpec:
 
 # ---------------------------------------------------------------------- presets
 QWEN3_30B_A3B = TransformerShape(
-    # Qwen/Qwen3-30B-A3B config.json (planner/moe.py docstring).
+    # Qwen/Qwen3-30B-A3B config.json (planner/cost/moe.py docstring).
     name="qwen3-30b-a3b",
     layers=48,
     hidden=2048,

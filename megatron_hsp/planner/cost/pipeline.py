@@ -3,8 +3,8 @@
 Every pipeline stage runs the same plan (micro-batch ``i`` has the same groups on every stage's
 data x context plane), so one number per micro-batch describes it: ``t_i``, the plan's
 ``MicroBatch.est_ms`` priced by a *stage* cost model (the layers of one stage; see
-``planner/parallel.py``), forward plus backward. It splits into ``f_i = (1 - beta) t_i`` forward
-and ``b_i = beta t_i`` backward (``beta`` = ``PipelineSpec.backward_share``: 2/3 without
+``planner/cost/parallel.py``), forward plus backward. It splits into ``f_i = (1 - beta) t_i``
+forward and ``b_i = beta t_i`` backward (``beta`` = ``PipelineSpec.backward_share``: 2/3 without
 recomputation, the backward being two matmuls per forward one; 3/4 with full recomputation).
 
 **Step time (exact for the model below).** Megatron runs a fixed operation order on each of the

@@ -1,7 +1,7 @@
 """FlexSP's fitted cost models (Hetu-Galvatron flexsp branch), reproduced term for term.
 
 Split out of ``costmodel.py`` (issue 19); the names stay importable from
-``megatron_hsp.planner.costmodel``.
+``megatron_hsp.planner.cost.costmodel``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_hsp.planner.costcore import CostModel
+from megatron_hsp.planner.cost.costcore import CostModel
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import Cluster, HeadSpace
 

@@ -32,7 +32,7 @@ excess does not change, and the bounded step keeps it close.
 
 Interface (for the observer, the demo and the Megatron hooks; wired by them, not here)::
 
-    from megatron_hsp.planner.refit import GroupTiming, OnlineRefit, StepTiming
+    from megatron_hsp.planner.cost.refit import GroupTiming, OnlineRefit, StepTiming
 
     refit = OnlineRefit(cost_model)                      # the planner's current model
     result = refit.update(
@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_hsp.planner.costcore import CostModel
+from megatron_hsp.planner.cost.costcore import CostModel
 from megatron_hsp.planner.errors import InputError
 
 TERMS = ("attn", "linear", "comm", "fixed")
@@ -319,7 +319,7 @@ def refit_cost_model(
     new_model = dataclasses.replace(
         new_model,
         details=details,
-        source=f"online refit of {base.name!r} (megatron_hsp.planner.refit)",
+        source=f"online refit of {base.name!r} (megatron_hsp.planner.cost.refit)",
     )
     return RefitResult(
         new_model,

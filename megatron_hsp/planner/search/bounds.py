@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_hsp.planner.costmodel import CostModel
-from megatron_hsp.planner.highs import add_row, quiet_highs
-from megatron_hsp.planner.instance import Instance, check_lengths, resolve_sizes
+from megatron_hsp.planner.cost.costmodel import CostModel
+from megatron_hsp.planner.search.highs import add_row, quiet_highs
+from megatron_hsp.planner.search.instance import Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.topology import Cluster
 
 

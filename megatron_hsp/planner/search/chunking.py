@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megatron_hsp.planner.greedy import Instance
+from megatron_hsp.planner.search.greedy import Instance
 
 
 def min_microbatches(inst: Instance) -> int:

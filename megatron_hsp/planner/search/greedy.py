@@ -23,7 +23,7 @@ from itertools import chain
 import numpy as np
 
 from megatron_hsp.planner.groupspace import anchor_sizes
-from megatron_hsp.planner.instance import VECTOR_MIN, GroupSpec, Instance
+from megatron_hsp.planner.search.instance import VECTOR_MIN, GroupSpec, Instance
 from megatron_hsp.planner.topology import Cluster
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from megatron_hsp.planner.greedy import schedule_microbatch
-from megatron_hsp.planner.instance import GroupSpec, Instance
+from megatron_hsp.planner.search.greedy import schedule_microbatch
+from megatron_hsp.planner.search.instance import GroupSpec, Instance
 from megatron_hsp.planner.topology import Cluster
 
 Scheduled = tuple[float, list[GroupSpec]]

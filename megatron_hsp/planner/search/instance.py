@@ -16,7 +16,7 @@ from functools import cached_property
 
 import numpy as np
 
-from megatron_hsp.planner.costmodel import CostModel
+from megatron_hsp.planner.cost.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.topology import Cluster
 

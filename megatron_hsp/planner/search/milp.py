@@ -34,9 +34,9 @@ from collections.abc import Sequence
 import pulp
 
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.greedy import groups_fit, groups_makespan
-from megatron_hsp.planner.highs import silence_banner
-from megatron_hsp.planner.instance import GroupSpec, Instance
+from megatron_hsp.planner.search.greedy import groups_fit, groups_makespan
+from megatron_hsp.planner.search.highs import silence_banner
+from megatron_hsp.planner.search.instance import GroupSpec, Instance
 from megatron_hsp.planner.topology import Cluster
 
 _MIN_SOLVE_S = 0.02  # below this a MILP cannot even be built; keep the greedy schedule
@@ -181,7 +181,7 @@ def _make_solver(backend: str, time_limit_s: float, seed: int, max_nodes: int) -
             maxNodes=max_nodes,
             gapRel=1e-3,
         )
-    silence_banner()  # PuLP constructs a highspy.Highs per solve (planner/highs.py)
+    silence_banner()  # PuLP constructs a highspy.Highs per solve (planner/search/highs.py)
     return pulp.HiGHS(
         msg=False,
         timeLimit=limit,

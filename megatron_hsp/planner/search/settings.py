@@ -7,8 +7,8 @@ dataclasses with the default budget written five times; here they are declared o
 defaults, and turned into the solver's own ``SolverConfig`` in one place (``solver_config``).
 
 ``pp`` / ``vpp`` say which pipeline schedule the plan runs under (1F1B, or interleaved with
-``vpp`` virtual stages): the solver then prices steps with ``planner/pipeline.py``. They must
-match the stage cost model (``planner/parallel.py`` builds it; the solver refuses a mismatch).
+``vpp`` virtual stages): the solver then prices steps with ``planner/cost/pipeline.py``. They must
+match the stage cost model (``planner/cost/parallel.py`` builds it; the solver refuses a mismatch).
 
 What is *not* a knob lives elsewhere: the cluster (``topology.Cluster``) and the cost model
 (``costmodel.load_cost_model``), which describe the problem rather than how to search it.
@@ -18,13 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from megatron_hsp.planner.cost.pipeline import PipelineSpec
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.pipeline import PipelineSpec
-
-if TYPE_CHECKING:
-    from megatron_hsp.planner.solver import SolverConfig
 
 # "greedy" is the solver's MILP-free mode (fast, plan status "heuristic"); the others name the
 # MILP backend.
@@ -37,6 +33,37 @@ DEFAULT_TIME_BUDGET_S = 1.0
 # The fallback planner's budget when a background plan is late (greedy only, so it answers in
 # about this long whatever made the full search slow).
 FALLBACK_TIME_BUDGET_S = 0.2
+
+BACKENDS = MILP_SOLVERS
+# The solver's candidate chunkings (``chunking.py``): every kind by default.
+CHUNKINGS = ("time-lpt", "contiguous-tokens", "long-grouped", "long-sized")
+
+
+@dataclass(frozen=True)
+class SolverConfig:
+    """How hard and with what to search. Defaults suit per-step planning during training."""
+
+    backend: str = DEFAULT_SOLVER  # MILP solver: "highs" (highspy) or "cbc" (COIN-OR CBC binary)
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S  # hard wall-clock budget for the whole solve
+    sizes: tuple[int, ...] | None = None  # allowed group sizes; None: all that tile and are costed
+    seed: int = 0  # MILP solver random seed
+    extra_microbatches: int = 3  # counts tried above the memory minimum
+    chunkings: tuple[str, ...] = CHUNKINGS  # candidate chunkings (see chunking.py)
+    use_milp: bool = True  # False: greedy only (status "heuristic")
+    max_buckets: int = 16  # length buckets per micro-batch in the MILP
+    # Work limits keep results deterministic; the wall-clock budget is the safety net.
+    improve_evals: int = 60  # local-search schedule evaluations between micro-batches
+    improve_share: float = 0.4  # at most this share of the budget goes to local search
+    milp_max_nodes: int = 100  # branch-and-bound nodes per micro-batch MILP
+    milp_min_gap: float = 0.03  # skip the MILP for micro-batches this close to their floor
+    milp_slice_s: float = 0.25  # wall-clock cap per micro-batch MILP
+    # Micro-batch MILPs per solve, biggest gap to the floor first (issue 19: past the first
+    # two they gained <= 0.5% of the step at 2-4x the solve time; docs/solver.md).
+    milp_max_microbatches: int = 2
+    # The pipeline the plan runs under (None or pp 1: none); the cost model must be the stage
+    # model built for it (``parallel.pipeline_spec_for`` checks, and supplies its backward share
+    # and p2p time).
+    pipeline: PipelineSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -62,8 +89,6 @@ class PlannerSettings:
 
     def solver_config(self) -> SolverConfig:
         """The solver's own configuration for these settings (the one place they map)."""
-        from megatron_hsp.planner.solver import SolverConfig
-
         return SolverConfig(
             pipeline=PipelineSpec(self.pp, self.vpp) if self.pp > 1 else None,
             backend=DEFAULT_SOLVER if self.solver == "greedy" else self.solver,

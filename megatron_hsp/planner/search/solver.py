@@ -14,8 +14,9 @@ Pipeline (each stage keeps the best plan so far, so the budget can cut in anywhe
    the status (see ``milp.refine_microbatches``).
 
 Under a pipeline (``SolverConfig.pipeline`` with pp > 1, and a stage cost model built for it by
-``planner/parallel.py``), the step is priced by ``planner/pipeline.py``: candidates are compared
-by their pipelined step (a quick order), counts are kept a multiple of pp where interleaving
+``planner/cost/parallel.py``), the step is priced by ``planner/cost/pipeline.py``: candidates are
+compared by their pipelined step (a quick order), counts are kept a multiple of pp where
+interleaving
 needs it (``_fit_multiple`` splits the fullest micro-batch), and the final plan is ordered to
 shrink the bubble, its ``est_step_ms`` the pipelined step. Local search and the MILP still
 minimise the sum of micro-batch times, the bubble-free part of the step.
@@ -28,58 +29,39 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from megatron_hsp.planner.bounds import instance_lower_bound
-from megatron_hsp.planner.chunking import candidate_counts, chunk_contiguous, chunk_time_balanced
-from megatron_hsp.planner.costmodel import CostModel, validate_cost_model
-from megatron_hsp.planner.errors import InfeasibleError, InputError
-from megatron_hsp.planner.greedy import RankTiler, group_times, place_groups, schedule_microbatch
-from megatron_hsp.planner.groupspace import planning_sizes
-from megatron_hsp.planner.improve import improve
-from megatron_hsp.planner.instance import GroupSpec, Instance, check_lengths, resolve_sizes
-from megatron_hsp.planner.milp import refine_microbatches, require_cbc
-from megatron_hsp.planner.pipeline import (
+from megatron_hsp.planner.cost.costmodel import CostModel, validate_cost_model
+from megatron_hsp.planner.cost.pipeline import (
     PipelineSpec,
     order_microbatches,
     pipeline_lower_bound,
     price_plan,
 )
+from megatron_hsp.planner.errors import InfeasibleError, InputError
+from megatron_hsp.planner.groupspace import planning_sizes
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
-from megatron_hsp.planner.settings import DEFAULT_SOLVER, DEFAULT_TIME_BUDGET_S, MILP_SOLVERS
+from megatron_hsp.planner.search.bounds import instance_lower_bound
+from megatron_hsp.planner.search.chunking import (
+    candidate_counts,
+    chunk_contiguous,
+    chunk_time_balanced,
+)
+from megatron_hsp.planner.search.greedy import (
+    RankTiler,
+    group_times,
+    place_groups,
+    schedule_microbatch,
+)
+from megatron_hsp.planner.search.improve import improve
+from megatron_hsp.planner.search.instance import GroupSpec, Instance, check_lengths, resolve_sizes
+from megatron_hsp.planner.search.milp import refine_microbatches, require_cbc
+from megatron_hsp.planner.search.settings import BACKENDS, CHUNKINGS, SolverConfig
 from megatron_hsp.planner.topology import Cluster
 
-BACKENDS = MILP_SOLVERS
-CHUNKINGS = ("time-lpt", "contiguous-tokens", "long-grouped", "long-sized")
 # ``long-grouped:scored`` candidates: the longest of these shares of the sequences whose scored
 # size is not their cheapest keep it (``_scored_sizes``); 1 is every one, the first built.
 SCORED_SHARES = (1.0, 2 / 3, 1 / 3)
 EVERY_COUNT_CHUNKINGS = ("time-lpt", "contiguous-tokens")  # built at every count
-
-
-@dataclass(frozen=True)
-class SolverConfig:
-    """How hard and with what to search. Defaults suit per-step planning during training."""
-
-    backend: str = DEFAULT_SOLVER  # MILP solver: "highs" (highspy) or "cbc" (COIN-OR CBC binary)
-    time_budget_s: float = DEFAULT_TIME_BUDGET_S  # hard wall-clock budget for the whole solve
-    sizes: tuple[int, ...] | None = None  # allowed group sizes; None: all that tile and are costed
-    seed: int = 0  # MILP solver random seed
-    extra_microbatches: int = 3  # counts tried above the memory minimum
-    chunkings: tuple[str, ...] = CHUNKINGS  # candidate chunkings (see chunking.py)
-    use_milp: bool = True  # False: greedy only (status "heuristic")
-    max_buckets: int = 16  # length buckets per micro-batch in the MILP
-    # Work limits keep results deterministic; the wall-clock budget is the safety net.
-    improve_evals: int = 60  # local-search schedule evaluations between micro-batches
-    improve_share: float = 0.4  # at most this share of the budget goes to local search
-    milp_max_nodes: int = 100  # branch-and-bound nodes per micro-batch MILP
-    milp_min_gap: float = 0.03  # skip the MILP for micro-batches this close to their floor
-    milp_slice_s: float = 0.25  # wall-clock cap per micro-batch MILP
-    # Micro-batch MILPs per solve, biggest gap to the floor first (issue 19: past the first
-    # two they gained <= 0.5% of the step at 2-4x the solve time; docs/solver.md).
-    milp_max_microbatches: int = 2
-    # The pipeline the plan runs under (None or pp 1: none); the cost model must be the stage
-    # model built for it (``parallel.pipeline_spec_for`` checks, and supplies its backward share
-    # and p2p time).
-    pipeline: PipelineSpec | None = None
+DEFAULT_CONFIG = SolverConfig()  # frozen: the default of ``solve``
 
 
 @dataclass
@@ -93,7 +75,7 @@ def solve(
     lengths: Sequence[int],
     cost: CostModel,
     cluster: Cluster,
-    config: SolverConfig = SolverConfig(),
+    config: SolverConfig = DEFAULT_CONFIG,
 ) -> Plan:
     """Plan one global batch: micro-batches, group sizes and placement, sequence assignment."""
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -196,7 +178,7 @@ def _pipeline(config: SolverConfig, cost: CostModel, sequences: int) -> Pipeline
     spec = config.pipeline
     if spec is None or spec.pp == 1:
         return None
-    from megatron_hsp.planner.parallel import pipeline_spec_for
+    from megatron_hsp.planner.cost.parallel import pipeline_spec_for
 
     checked = pipeline_spec_for(cost, spec.pp, spec.vpp)
     if spec.microbatch_multiple > sequences:
