@@ -5,16 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_hsp.planner.cost.costmodel import flexsp_cost_model, load_cost_model
+from megatron_hsp.planner.search.chunking import _scored_sizes, chunk_long_grouped
 from megatron_hsp.planner.search.greedy import place_groups
 from megatron_hsp.planner.search.instance import Instance, resolve_sizes
-from megatron_hsp.planner.search.solver import (
-    SCORED_SHARES,
-    SolverConfig,
-    _schedule_chunks,
-    _scored_sizes,
-    chunk_long_grouped,
-    solve,
-)
+from megatron_hsp.planner.search.settings import SolverConfig
+from megatron_hsp.planner.search.solver import SCORED_SHARES, _schedule_chunks, solve
 from megatron_hsp.planner.topology import Cluster
 
 

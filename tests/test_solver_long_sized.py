@@ -5,14 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_hsp.planner.cost.costmodel import load_cost_model
+from megatron_hsp.planner.search.chunking import chunk_long_sized, cross_node_size
 from megatron_hsp.planner.search.instance import Instance, check_lengths, resolve_sizes
-from megatron_hsp.planner.search.solver import (
-    CHUNKINGS,
-    SolverConfig,
-    chunk_long_sized,
-    cross_node_size,
-    solve,
-)
+from megatron_hsp.planner.search.settings import CHUNKINGS, SolverConfig
+from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
 
 

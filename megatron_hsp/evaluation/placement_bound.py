@@ -1,6 +1,6 @@
 """A lower bound over the plans the runtime can place: groups in aligned blocks.
 
-Why (issue 19 item 5): every fact of ``bounds.py`` and its configuration LP let any group sizes
+Why: every fact of ``bounds.py`` and its configuration LP let any group sizes
 share a micro-batch as long as their ranks add up. The runtime does not: a group of more than one
 node occupies a fixed block (``groupspace.Cluster.block_starts``: whole nodes, starting at a
 multiple of its size), so on 64 ranks in nodes of 8 a 40-rank group and a 24-rank group never run

@@ -167,7 +167,7 @@ class Cluster:
 # Why 24: it holds, for a 32-head model in nodes of 8, size 1 (free), every power of two up to
 # 1024 and the largest size (hybrid sizes cost 3 each) plus the intra-node sizes; 16 would leave
 # a 128 -> 1024 gap at 1024 GPUs. NCCL reports 0.5-0.7 GB per communicator created without a
-# shared parent (issue 15's measurement): up to ~12-17 GB per GPU, charged to the memory cap.
+# shared parent (docs/runtime.md): several GB per GPU at the default cap, charged to the memory cap.
 DEFAULT_MAX_COMMUNICATORS = 24
 # Device memory charged per communicator in the planner's memory model (GB), the low end of
 # NCCL's reported 0.5-0.7 GB (buffers per channel and peer; docs/runtime.md).

@@ -18,8 +18,8 @@ STDOUT = "-"  # the path that means standard output, where a flag allows it
 def check_output_path(
     flag: str, path: str, *, allow_stdout: bool = False, overwrite: bool = True
 ) -> str:
-    """An output path checked BEFORE the work that fills it (issue 18: finished work was lost
-    on a bad path). ``-`` is standard output where the command allows it; otherwise the folder
+    """An output path checked BEFORE the work that fills it (a bad path found after the work
+    loses the work). ``-`` is standard output where the command allows it; otherwise the folder
     must exist and be writable, the path must not be a folder, and an existing file is refused
     when ``overwrite`` is False. Returns the path; raises ``InputError`` naming the flag."""
     if path == STDOUT:

@@ -1,7 +1,7 @@
 """Published GPU measurements, the model's prediction of each, and the fit of the H100 terms.
 
 Why: every speedup the project reports is a cost-model estimate, so the model's hardware terms
-must be held against measurements someone else took on real GPUs (issue 19). This module is the
+must be held against measurements someone else took on real GPUs. This module is the
 single place that says which published figure is used to *fit* a term and which only to
 *check* the fitted model; ``benchmarks/calibration.py`` prints the table that
 docs/calibration.md shows, and ``tests/test_calibration.py`` keeps the H100 preset equal to what

@@ -1,6 +1,6 @@
 """The cost model's evaluation: ``CostModel``, the separable form every model reduces to.
 
-Split out of ``costmodel.py`` (issue 19) so presets (``presets_flexsp``, ``first_principles``),
+Split out of ``costmodel.py`` so presets (``presets_flexsp``, ``first_principles``),
 spec parsing (``costspec``) and the loader (``costmodel``) can each import it without a cycle.
 Import the public names from ``megatron_hsp.planner.cost.costmodel``; they are all re-exported
 there.
@@ -17,7 +17,7 @@ is what lets the MILP stay linear:
 a1: attention (quadratic) ms per token^2 on one rank; a2: linear-layer ms per token;
 c_{d,u}: Ulysses all-to-all ms per token over u ranks of a group of d (0 for u = 1; depends on the
 network tier); p_{d,u}: one ring step's K/V p2p ms per token, hidden behind the attention block it
-overlaps; e_d: one ring step's overhead beyond its traffic, never hidden (issue 19); b: fixed ms
+overlaps; e_d: one ring step's overhead beyond its traffic, never hidden; b: fixed ms
 per group per micro-batch (attention kernel calls, call latencies of the split, the optimizer-free
 per-pass overhead FlexSP fits as b1); tokens_per_rank: activation capacity left on a
 rank after model states, under the memory cap. (u, r) defaults to ``HeadSpace.split`` (what hsp's
@@ -71,7 +71,7 @@ class CostModel:
     # (keyed by the group size, paid r - 1 times). Empty: folded into ``group_fixed_ms``.
     a2a_fixed_ms: Mapping[int, float] = field(default_factory=dict)
     ring_step_fixed_ms: Mapping[int, float] = field(default_factory=dict)
-    # Ring attention's cost beyond its traffic (issue 19): ms per token of a sequence per ring
+    # Ring attention's cost beyond its traffic: ms per token of a sequence per ring
     # step in a group of d, never hidden (softmax merges of partial outputs, block splitting,
     # communication kernels taking SMs from attention). Per step a rank merges s/d tokens x all
     # its heads whatever the split, so one figure per d serves every (u, r) of d. Empty: none.

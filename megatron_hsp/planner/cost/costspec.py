@@ -1,6 +1,6 @@
 """Cost-model specs: strict YAML/JSON reading, number checks, explicit coefficients.
 
-Split out of ``costmodel.py`` (issue 19). Why strict: a cost model file is user input that
+Split out of ``costmodel.py``. Why strict: a cost model file is user input that
 steers every plan; duplicate keys, aliases, text where a number belongs or a negative cost would
 otherwise surface far from their cause (docs/reliability.md).
 """
@@ -54,7 +54,7 @@ def _strict_json(text: str) -> Any:
 
 def _strict_yaml(text: str) -> Any:
     """YAML without duplicate keys and without anchors or aliases: a 500-byte file of nested
-    aliases expands to billions of nodes (issue 18's hang), and a cost model needs none."""
+    aliases expands to billions of nodes (a hang; docs/reliability.md); a cost model needs none."""
     import yaml
 
     for event in yaml.parse(text, Loader=yaml.SafeLoader):

@@ -1,6 +1,6 @@
 """First-principles cost model: FLOPs over achievable throughput, bytes over link bandwidth.
 
-Split out of ``costmodel.py`` (issue 19); the names stay importable from
+Split out of ``costmodel.py``; the names stay importable from
 ``megatron_hsp.planner.cost.costmodel``.
 """
 
@@ -86,8 +86,8 @@ ATTN_BACKWARD_FLOPS = 2.5
 class HardwareConfig:
     """One GPU type in nodes of ``gpus_per_node`` joined by an inter-node fabric.
 
-    The terms below ``inter_node_latency_us`` came with issue 19 (what a model built from peak
-    FLOPs and link bandwidths misses on real GPUs); their H100 values are fitted to published
+    The terms below ``inter_node_latency_us`` model what a model built from peak FLOPs and
+    link bandwidths misses on real GPUs; their H100 values are fitted to published
     measurements in ``planner.cost.calibration`` (docs/calibration.md). Defaults leave them off,
     so a user's hardware section means what it did before.
     """

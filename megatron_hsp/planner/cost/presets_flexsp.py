@@ -1,6 +1,6 @@
 """FlexSP's fitted cost models (Hetu-Galvatron flexsp branch), reproduced term for term.
 
-Split out of ``costmodel.py`` (issue 19); the names stay importable from
+Split out of ``costmodel.py``; the names stay importable from
 ``megatron_hsp.planner.cost.costmodel``.
 """
 

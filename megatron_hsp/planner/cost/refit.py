@@ -1,4 +1,4 @@
-"""Online refit of a cost model from measured micro-batch and step times (issue 19 item 3).
+"""Online refit of a cost model from measured micro-batch and step times.
 
 Why: a cost model fitted elsewhere (a preset, published figures, a ``profile`` run on another
 day) is wrong on the cluster at hand by factors no one can know in advance (sites differ, kernels

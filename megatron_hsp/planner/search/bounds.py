@@ -100,7 +100,7 @@ MEMORY_PACKING_MAX_CELLS = 300_000
 
 
 def _memory_packing_bound(inst: Instance, m_min: int, deadline: float | None = None) -> float:
-    """Fact 5: memory granularity against fixed costs, in Lagrangian form (issue 19).
+    """Fact 5: memory granularity against fixed costs, in Lagrangian form.
 
     Fact 1 packs tokens perfectly into ``m_min`` micro-batches. But a group of ``d`` holds at
     most ``d * cap`` tokens of whole sequences, so for a dual feasible function ``f`` its
@@ -481,9 +481,8 @@ def instance_lp_bound(
     # Farley's / the Lagrangian bound, also when "converged": the convergence tolerance (and
     # HiGHS's own, at the same scale) lets a column worth up to ``tol`` go unadded, so z* is
     # taken as at least ``tol``. With a fixed cost near 1e-7 ms that column is the whole
-    # difference (issue 19: two 1-token sequences that share one group were priced as two
-    # micro-batches, the bound 1.1e-7 ms above the optimum). On real batches this costs at most
-    # ``m_max * tol``, about 1e-5 of the bound at 512 sequences.
+    # difference (two 1-token sequences that share one group were priced as two micro-batches,
+    # the bound above the optimum). On real batches this costs at most ``m_max * tol``.
     z_eff = max(z_star, 1e-7 * max(1.0, z_rmp))
     bound = max(dual_obj / (1.0 + z_eff / m_low), dual_obj - most_mbs * z_eff, 0.0)
     if converged:

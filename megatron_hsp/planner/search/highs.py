@@ -3,7 +3,7 @@
 highspy 1.16 prints "Running HiGHS 1.16.0 ... Copyright ..." from C++ to the process's stdout
 (file descriptor 1, so Python's ``redirect_stdout`` does not catch it) the first time a
 ``highspy.Highs`` is constructed in a process, before any ``output_flag`` option can be set. That
-put two lines ahead of ``plan``/``bench``/``demo --json`` output and into training logs (issue 18).
+put two lines ahead of ``plan``/``bench``/``demo --json`` output and into training logs.
 PuLP's HiGHS interface constructs one per solve as well. ``silence_banner()`` constructs the
 process's first instance with fd 1 pointed at /dev/null, once; later instances print nothing.
 """
