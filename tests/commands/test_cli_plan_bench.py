@@ -6,14 +6,13 @@ import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from megatron_hsp.cli import main
 from megatron_hsp.planner.plan import Plan
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 HAS_SOLVER = importlib.util.find_spec("megatron_hsp.planner.search.solver") is not None
 HAS_BOUNDS = importlib.util.find_spec("megatron_hsp.planner.search.bounds") is not None
 SUMMARY_KEYS = {
@@ -27,6 +26,7 @@ SUMMARY_KEYS = {
 }
 
 
+@pytest.mark.spawns
 def test_planner_and_commands_do_not_import_torch():
     code = (
         "import sys\n"

@@ -40,6 +40,7 @@ def test_prediction_summary_is_the_median_after_warm_up():
     assert one["warmup_steps"] == 0 and one["median_rel_err"] == pytest.approx(2.0)
 
 
+@pytest.mark.spawns
 def test_bad_cost_model_exits_2_naming_the_flag(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ncoefficients: {linear_ms_per_token: 0.1}\n")

@@ -8,6 +8,7 @@ import json
 import pytest
 
 pytestmark = [
+    pytest.mark.spawns,
     pytest.mark.dist,
     pytest.mark.skipif(
         importlib.util.find_spec("megatron_hsp.runtime.schedule") is None

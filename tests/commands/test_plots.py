@@ -44,6 +44,7 @@ def test_bad_plot_paths_exit_2(tmp_path, capsys, command, name, message):
     assert not path.is_file()
 
 
+@pytest.mark.spawns
 def test_demo_plot_bad_path_fails_before_any_work(tmp_path, capsys):
     # Exits before the corpus is built or a rank starts: a bad path costs a second, not a run.
     assert main(["demo", "--cache-dir", str(tmp_path), "--plot", str(tmp_path / "x.jpg")]) == 2

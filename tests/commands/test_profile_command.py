@@ -1,7 +1,7 @@
 """`megatron-hsp profile` end to end on 2 gloo ranks (tiny model), and its refusals.
 
 The written YAML must load everywhere a cost model is taken: `plan`, `bench`, `demo --cost-model`
-(tests/test_demo_cost_model.py) and the Megatron path's `--hsp-cost-model`.
+(tests/commands/test_demo_cost_model.py) and the Megatron path's `--hsp-cost-model`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def profiled(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 def test_profile_writes_every_measured_term(profiled):
     with open(profiled) as fh:
@@ -51,6 +52,7 @@ def test_profile_writes_every_measured_term(profiled):
     assert "2 ranks x 1 thread" in spec["source"]
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 @pytest.mark.parametrize("command", ["plan", "bench"])
 def test_plan_and_bench_accept_the_profile(profiled, command, capsys):
@@ -63,13 +65,13 @@ def test_plan_and_bench_accept_the_profile(profiled, command, capsys):
     assert ("est_ms" if command == "plan" else "all plans valid: true") in printed
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 def test_megatron_hsp_cost_model_accepts_the_profile(profiled):
     """The Megatron path: the flag reaches HSPConfig and loads as the training hook loads it."""
-    from tests_support_args import parse
-
     from megatron_hsp.megatron.args import validate_hsp_args
     from megatron_hsp.planner.cost.costmodel import load_cost_model
+    from tests.helpers.megatron_args import parse
 
     base = ["--micro-batch-size", "1", "--global-batch-size", "8", "--seq-length", "2048"]
     base += ["--eval-iters", "0", "--attention-dropout", "0"]
@@ -102,6 +104,7 @@ def _fake_results(compute_ms: list[float], a2a_ms: list[float], steps=()):
     ]
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize(
     ("compute_ms", "a2a_ms", "message"),
     [
@@ -125,6 +128,7 @@ def test_refused_fit_exits_2_naming_the_flag(
     assert not out.exists()
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 def test_demo_accepts_the_profile(profiled, tmp_path, monkeypatch):
     import json
@@ -156,6 +160,7 @@ def _in_situ_steps(compute_yaml_fit: dict, extra_ms: float) -> list:
     return out
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("extra_ms", [60.0, 0.5])
 def test_ulysses_latency_is_measured_in_situ_where_it_exceeds_the_microbenchmark(
     tmp_path, monkeypatch, capsys, extra_ms

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,7 @@ def _assert_clean(tmp_path: Path, pids: list[int]) -> None:
     assert not list(tmp_path.glob("hsp_demo_*")), "temp dir left behind"
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 def test_stopped_rank_is_named_within_the_stall_timeout(tmp_path, cache):
     proc = _start(tmp_path, cache, "--stall-timeout", "5")
@@ -90,6 +91,7 @@ def test_stopped_rank_is_named_within_the_stall_timeout(tmp_path, cache):
     _assert_clean(tmp_path, pids + planner)
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 def test_sigterm_to_the_demo_stops_every_rank_and_the_planner(tmp_path, cache):
     proc = _start(tmp_path, cache)
@@ -115,6 +117,7 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 def test_sigkill_of_the_demo_leaves_no_rank_or_planner(tmp_path, cache):
     """Issue 18: SIGKILL of the demo's main process (no cleanup runs) left its ranks and the
@@ -131,6 +134,7 @@ def test_sigkill_of_the_demo_leaves_no_rank_or_planner(tmp_path, cache):
     assert all(_gone(p) for p in everyone), [p for p in everyone if not _gone(p)]
 
 
+@pytest.mark.spawns
 def test_stopping_ranks_that_never_started_is_quiet():
     """A SIGINT/SIGTERM while the demo starts its ranks stops the started ones; the rest were
     never started and are skipped (it raised "can only join a started process")."""
@@ -146,6 +150,7 @@ def test_stopping_ranks_that_never_started_is_quiet():
     assert not started.is_alive() and never.pid is None
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 def test_a_killed_rank_or_planner_is_one_line_not_a_traceback(tmp_path, cache):
     """Issue 18: a dead rank or planner in the demo printed a traceback."""

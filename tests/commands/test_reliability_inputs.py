@@ -17,6 +17,7 @@ from megatron_hsp.cli import main
 from megatron_hsp.megatron.args import parse_tokens as megatron_parse_tokens
 from megatron_hsp.planner.lengths import parse_max_seq
 from megatron_hsp.planner.units import parse_tokens
+from tests.helpers import ROOT
 
 COEFFS = {
     "attn_ms_per_token2": 1.0e-7,
@@ -177,15 +178,16 @@ def test_package_data_globs_match_files():
     """pyproject's package-data must name files that exist (it once shipped a missing presets/)."""
     import tomllib
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     data = tomllib.loads((root / "pyproject.toml").read_text())
     for package, globs in data["tool"]["setuptools"]["package-data"].items():
         for pattern in globs:
             assert list((root / package).glob(pattern)), f"{package}/{pattern} matches nothing"
 
 
+@pytest.mark.spawns
 def test_make_bench_target_exists_and_covers_every_script():
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     assert "benchmarks/run_all.py" in (root / "Makefile").read_text()
     import subprocess
     import sys

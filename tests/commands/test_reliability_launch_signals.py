@@ -22,7 +22,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.spawns
+
 # Under torchrun's SIGKILL at 30 s: stopping before it, with the temporary directories gone and no
 # "forcefully exiting" line, shows our handler (not torchrun's fallback) ended the ranks. Alone
 # the shutdown takes 2-3 s; 15 s failed twice in full CI runs (16.1 s, 16.4 s: six processes
@@ -31,7 +34,6 @@ BOUND_S = 28.0
 
 SCRIPT = """
 import json, os, sys, tempfile, time
-sys.path.insert(0, {tests!r})
 import torch
 import torch.distributed as dist
 from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
@@ -42,7 +44,7 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     spec = PlannerSpec(cost_model="unused", world_size=2, gpus_per_node=2, max_seq=100,
-                       factory="hsp_test_planners:one_group_per_rank", options={{}})
+                       factory="tests.helpers.planners:one_group_per_rank", options={{}})
     with tempfile.TemporaryDirectory(prefix="hsp-launch-test-") as tmp, PlannerService(spec) as svc:
         svc.submit(0, [5, 6])
         svc.result(0)
@@ -77,7 +79,7 @@ def _session_pids(sid: int) -> list[int]:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_torchrun_stops_ranks_planners_and_cleans_tmp(tmp_path, sig):
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT.format(tests=str(ROOT / "tests"), out=str(tmp_path)))
+    script.write_text(SCRIPT.format(out=str(tmp_path)))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     cmd += ["--master-port", str(29500 + os.getpid() % 1000 + sig), "-m", "megatron_hsp.launch"]

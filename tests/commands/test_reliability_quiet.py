@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from megatron_hsp.commands import bench, demo, plan, selftest
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 ARGV = ["plan", "--method", "megatron-dcp", "--gpus", "8", "--global-batch", "8"]
 
 
@@ -33,6 +32,7 @@ def _run(extra: list[str]) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.spawns
 def test_import_warnings_hidden_and_counted():
     proc = _run([])
     assert proc.returncode == 0, proc.stderr
@@ -42,6 +42,7 @@ def test_import_warnings_hidden_and_counted():
     assert "--verbose shows them" in summary[0]
 
 
+@pytest.mark.spawns
 def test_verbose_shows_them():
     proc = _run(["--verbose"])
     assert proc.returncode == 0, proc.stderr
@@ -59,6 +60,7 @@ def test_every_command_goes_through_the_one_helper(module):
     assert "filterwarnings" not in inspect.getsource(module)
 
 
+@pytest.mark.spawns
 def test_highs_banner_never_reaches_stdout():
     """Issue 18: highspy 1.16 prints its banner from C++ to fd 1 on the first ``Highs()`` of a
     process, ahead of ``--json`` output. The lower bound (highspy directly) and the MILP (PuLP's

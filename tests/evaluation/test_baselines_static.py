@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -22,10 +20,9 @@ from megatron_hsp.planner.cost.costmodel import flexsp_cost_model, load_cost_mod
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.lengths import BatchSampler, read_lengths
 from megatron_hsp.planner.topology import Cluster
+from tests.helpers import SHARED
 
-SHARED_WIKI = (
-    Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "wikipedia_lengths.txt.gz"
-)
+SHARED_WIKI = SHARED / "data" / "wikipedia_lengths.txt.gz"
 
 
 def test_best_fit_decreasing_by_hand():

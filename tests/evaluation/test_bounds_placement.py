@@ -1,7 +1,8 @@
 """The placement-aware LP bound: below every plan aligned blocks can hold, above plans they cannot.
 
-The reference is ``solver_helpers.brute_force_ms(..., placed=True)``: every set partition of the
-batch, every size mix an exhaustive search over ``Cluster.block_starts`` places, every assignment;
+The reference is ``tests.helpers.solver.brute_force_ms(..., placed=True)``: every set partition
+of the batch, every size mix an exhaustive search over ``Cluster.block_starts`` places, every
+assignment;
 it shares no code with ``placement_bound`` (which enumerates mixes by its own search and prices
 patterns by a MILP).
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from solver_helpers import brute_force_ms, toy_cost
 
 from megatron_hsp.evaluation import placement_bound
 from megatron_hsp.evaluation.placement_bound import (
@@ -24,6 +24,7 @@ from megatron_hsp.planner.search.instance import Instance, check_lengths, resolv
 from megatron_hsp.planner.search.settings import SolverConfig
 from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
+from tests.helpers.solver import brute_force_ms, toy_cost
 
 
 def _bound(lengths, cost, cluster, **kw):

@@ -231,6 +231,7 @@ def _hybrid_ulysses_worker(rank: int, world: int) -> dict:
     return {"logits": rel(out.detach(), ref.detach()[:, sl]), "grads": worst}
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 @pytest.mark.slow
 def test_hybrid_model_ulysses_over_two_ranks_is_consistent():

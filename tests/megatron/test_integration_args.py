@@ -6,7 +6,6 @@ import argparse
 import re
 
 import pytest
-from tests_support_args import parse
 
 from megatron_hsp.megatron.args import (
     HSPArgsError,
@@ -15,6 +14,7 @@ from megatron_hsp.megatron.args import (
     parse_tokens,
     validate_hsp_args,
 )
+from tests.helpers.megatron_args import parse
 
 BASE = [
     "--num-attention-heads",
@@ -192,7 +192,7 @@ def test_context_parallel_interplay():
 def test_evaluation_is_accepted_by_the_flag_checks():
     # Issue 18: evaluation runs on planned batches of the validation/test splits, so Megatron's
     # default --eval-iters 100 passes; --full-validation is refused with the data flags
-    # (megatron/datasets.py, tests/test_integration_datasets.py).
+    # (megatron/datasets.py, tests/megatron/test_integration_datasets.py).
     default = without(BASE, "--eval-iters")
     assert validate_hsp_args(parse([*default, "--hsp"]), env={}) is not None
 

@@ -11,7 +11,6 @@ import pickle
 import re
 
 import pytest
-from tests_support_args import parse
 
 from megatron_hsp.megatron.args import HSPArgsError, validate_hsp_args
 from megatron_hsp.megatron.model_cost import (
@@ -20,6 +19,7 @@ from megatron_hsp.megatron.model_cost import (
     preset_for_gpu_name,
 )
 from megatron_hsp.planner.cost.costmodel import load_cost_model
+from tests.helpers.megatron_args import parse
 
 BASE = [
     *("--num-attention-heads", "8", "--global-batch-size", "64", "--seq-length", "4096"),

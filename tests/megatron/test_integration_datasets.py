@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests_support_args import parse
 
 from megatron_hsp.megatron.args import HSPArgsError
 from megatron_hsp.megatron.datasets import (
@@ -31,6 +30,8 @@ from megatron_hsp.step.sampler import (
     Piece,
     SamplerConfig,
 )
+from tests.helpers import FIXTURES
+from tests.helpers.megatron_args import parse
 
 A_LENGTHS = [int(n) for n in np.random.default_rng(1).integers(2, 30, 40)]  # short documents
 B_LENGTHS = [int(n) for n in np.random.default_rng(2).integers(40, 120, 24)]  # long documents
@@ -110,7 +111,7 @@ def test_refused_at_argument_time_by_install(two, monkeypatch):
         [
             *("--num-attention-heads", "8", "--global-batch-size", "8", "--seq-length", "64"),
             *("--attention-dropout", "0", "--hsp", "--mock-data", "--data-path", a),
-            *("--hsp-cost-model", str(Path(__file__).parent / "fixtures" / "cost-model-tiny.yaml")),
+            *("--hsp-cost-model", str(FIXTURES / "cost-model-tiny.yaml")),
         ],
         world_size=2,
     )

@@ -18,6 +18,7 @@ import importlib.util
 import pytest
 
 pytestmark = [
+    pytest.mark.spawns,
     pytest.mark.dist,
     pytest.mark.skipif(
         importlib.util.find_spec("megatron_hsp.runtime.schedule") is None

@@ -11,15 +11,15 @@ import io
 import json
 import sys
 import types
-from pathlib import Path
 
 import pytest
-from tests_support_args import parse
 
 from megatron_hsp.megatron import hooks, install, patches
 from megatron_hsp.planner.errors import HSPError
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 from megatron_hsp.step.observe import StepObserver, StepRecord, group_imbalance
+from tests.helpers import FIXTURES
+from tests.helpers.megatron_args import parse
 
 
 @pytest.fixture()
@@ -97,7 +97,7 @@ HSP_ARGS = [
     "--attention-dropout",
     "0",
     "--hsp-cost-model",
-    str(Path(__file__).parent / "fixtures" / "cost-model-tiny.yaml"),
+    str(FIXTURES / "cost-model-tiny.yaml"),
     "--hsp",
 ]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 import sys
 import types
-from pathlib import Path
 
 import pytest
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -20,11 +19,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hsp.megatron.layer_spec import hsp_spec_from_args, megatron_default_spec
 from megatron_hsp.runtime.attention import HSPCoreAttention, HSPSelfAttention
+from tests.helpers import FIXTURES
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron-lm"
+MEGATRON_LM = FIXTURES / "megatron-lm"
 # Commits whose gpt_builders is kept (Megatron-LM dev's needs a megatron-core newer than the
 # 0.19.2 wheel, so its fixture holds the scripts for the patch checks only).
-RUNNABLE = sorted(p.parent.name for p in FIXTURES.glob("*/gpt_builders.py.upstream"))
+RUNNABLE = sorted(p.parent.name for p in MEGATRON_LM.glob("*/gpt_builders.py.upstream"))
 
 
 def _is_hsp_with_l2norm(spec) -> bool:
@@ -51,7 +51,7 @@ def test_the_users_spec_is_the_base(monkeypatch):
 def test_megatron_default_spec_is_the_checkouts_own(commit, tmp_path, monkeypatch):
     # Megatron-LM's own gpt_builders (pristine fixture) decides the base spec: HSP swaps only the
     # attention modules; the norms (here qk-layernorm) are whatever Megatron chose.
-    shutil.copy(FIXTURES / commit / "gpt_builders.py.upstream", tmp_path / "gpt_builders.py")
+    shutil.copy(MEGATRON_LM / commit / "gpt_builders.py.upstream", tmp_path / "gpt_builders.py")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "gpt_builders", raising=False)
     config = TransformerConfig(

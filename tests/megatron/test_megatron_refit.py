@@ -17,6 +17,8 @@ from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 from megatron_hsp.testing.megatron_loop import write_corpus
 from megatron_hsp.testing.refit_loop import refit_worker
 
+pytestmark = pytest.mark.spawns
+
 STEPS = 5
 EXTRA_S = 1000.0  # added to the clock of slot 0's group in each step's last micro-batch
 

@@ -1,5 +1,6 @@
 """The online refit's flags (``--hsp-no-refit``, ``--hsp-refit-out``) and the micro-batch clock
-(CPU path), without spawning ranks; the Megatron loop itself is tests/test_megatron_refit.py."""
+(CPU path), without spawning ranks; the Megatron loop itself is
+tests/megatron/test_megatron_refit.py."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import time
 
 import pytest
 import torch
-from tests_support_args import parse
 
 from megatron_hsp.megatron.args import REFIT_FILE, validate_hsp_args
 from megatron_hsp.step.mbclock import MicrobatchClock
+from tests.helpers.megatron_args import parse
 
 BASE = [
     *("--num-attention-heads", "8", "--global-batch-size", "64", "--seq-length", "4096"),

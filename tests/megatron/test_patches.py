@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import FIXTURES, ROOT
+
 PATCHES = sorted((ROOT / "patches").glob("pretrain_*-*.patch"))
-FIXTURES = ROOT / "tests" / "fixtures" / "megatron-lm"
+MEGATRON_LM = FIXTURES / "megatron-lm"
 GIT = shutil.which("git")
 COMMIT_R019 = "f8837c04ef6cbef6cdefb8de001aad63178aebbf"
 COMMIT_MAIN = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
@@ -44,11 +45,12 @@ def test_every_script_and_target_is_covered():
     assert commits == {"main": COMMIT_MAIN, "core_r0.19.0": COMMIT_R019, "dev": COMMIT_DEV}
 
 
+@pytest.mark.spawns
 @pytest.mark.skipif(GIT is None, reason="git is not installed")
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name)
 def test_patch_applies_to_its_commit(patch, tmp_path):
     script = f"{script_of(patch)}.py"
-    pristine = FIXTURES / commit_of(patch) / f"{script}.upstream"
+    pristine = MEGATRON_LM / commit_of(patch) / f"{script}.upstream"
     shutil.copy(pristine, tmp_path / script)
     run = subprocess.run(
         [GIT, "apply", "--check", "-v", str(patch)], cwd=tmp_path, capture_output=True, text=True
@@ -133,7 +135,7 @@ def checkout(ref: str, tmp_path: Path, patched: bool, script: str = "pretrain_gp
     root = tmp_path / ref
     root.mkdir()
     for name in SIBLINGS if script == "pretrain_gpt" else HYBRID_SIBLINGS:
-        shutil.copy(FIXTURES / commit / f"{name}.py.upstream", root / f"{name}.py")
+        shutil.copy(MEGATRON_LM / commit / f"{name}.py.upstream", root / f"{name}.py")
     if patched:
         (patch,) = [p for p in PATCHES if p.name.split("-")[1] == ref and script_of(p) == script]
         subprocess.run([GIT, "apply", str(patch)], cwd=root, check=True)
@@ -163,13 +165,14 @@ def test_fixture_siblings_are_pristine_with_their_license_header():
     kept = {(c, s) for c in (*REFS.values(), COMMIT_DEV) for s in SCRIPTS}
     kept |= {(c, s) for c in REFS.values() for s in SIBLINGS}
     kept |= {(COMMIT_R019, s) for s in HYBRID_SIBLINGS}
-    found = {(p.parent.name, p.name.removesuffix(".py.upstream")) for p in FIXTURES.glob("*/*")}
+    found = {(p.parent.name, p.name.removesuffix(".py.upstream")) for p in MEGATRON_LM.glob("*/*")}
     assert found == kept
     for commit, name in kept:
-        text = (FIXTURES / commit / f"{name}.py.upstream").read_text()
+        text = (MEGATRON_LM / commit / f"{name}.py.upstream").read_text()
         assert "NVIDIA CORPORATION" in text.splitlines()[0], (commit, name)
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 @pytest.mark.skipif(GIT is None, reason="git is not installed")
 @pytest.mark.parametrize("ref", sorted(REFS))
@@ -184,6 +187,7 @@ def test_patched_script_parses_hsp_flags(ref, tmp_path):
     assert "argument --hsp-solver: invalid choice: 'nope'" in run.stderr
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 @pytest.mark.parametrize("ref", sorted(REFS))
 def test_launcher_runs_the_unchanged_script(ref, tmp_path):
@@ -196,6 +200,7 @@ def test_launcher_runs_the_unchanged_script(ref, tmp_path):
     assert "argument --hsp-solver: invalid choice: 'nope'" in run.stderr
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 @pytest.mark.skipif(GIT is None, reason="git is not installed")
 @pytest.mark.parametrize(
@@ -329,6 +334,7 @@ REFUSALS = {
 }
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 @pytest.mark.skipif(GIT is None, reason="git is not installed")
 @pytest.mark.parametrize(
@@ -360,6 +366,7 @@ def test_refusals_are_one_line_and_exit_2_through_megatrons_parser(ref, patched,
 HYBRID_SPEC = ["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 @pytest.mark.skipif(GIT is None, reason="git is not installed")
 def test_hybrid_script_gets_hsp_attention_in_its_attention_layers_only(tmp_path):
@@ -383,6 +390,7 @@ def test_hybrid_script_gets_hsp_attention_in_its_attention_layers_only(tmp_path)
     assert "HYBRID mamba_layer NoneType" in out  # Mamba spec untouched (and refused below)
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 @pytest.mark.skipif(GIT is None, reason="git is not installed")
 def test_patched_hybrid_script_refuses_mamba_layers_in_one_line(tmp_path):

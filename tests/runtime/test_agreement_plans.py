@@ -112,6 +112,7 @@ def results():
     return raise_rank_errors(run_distributed(_worker, 4, timeout_s=300))
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 def test_same_plan_and_broadcast_agree(results):
     fp = _plan(0).fingerprint()
@@ -119,6 +120,7 @@ def test_same_plan_and_broadcast_agree(results):
     assert [r["broadcast"] for r in results] == [("ok", fp)] * 4
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 @pytest.mark.parametrize(
     ("scenario", "error", "text"),
@@ -138,6 +140,7 @@ def test_bad_plan_raises_on_every_rank(results, scenario, error, text):
     assert all(text in msg for _, msg in got), got[0]
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 def test_unrecorded_splits_resolve_to_the_registrys(results):
     assert [r["resolved"] for r in results] == [("ok", [(1, 1, 1), (2, 2, 1)])] * 4

@@ -255,6 +255,7 @@ def _gpt_cases_worker(rank: int, world: int) -> dict:
     return results
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 @pytest.mark.slow
 def test_gpt_model_ulysses_consistent_with_single_process_hsp_with_and_without_tp() -> None:

@@ -11,7 +11,12 @@ import itertools
 
 import pytest
 import torch
-from test_attention_ulysses import (
+
+from megatron_hsp.planner.groupspace import HeadSpace
+from megatron_hsp.runtime.layout import layout_order, rank_tokens, te_cp_arguments
+from megatron_hsp.runtime.ring import merge_partials, partial_attention
+from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
+from tests.runtime.test_attention_ulysses import (
     _make_core_attention,
     _rel,
     case_tensors,
@@ -19,11 +24,6 @@ from test_attention_ulysses import (
     reference_attention,
     rope_table,
 )
-
-from megatron_hsp.planner.groupspace import HeadSpace
-from megatron_hsp.runtime.layout import layout_order, rank_tokens, te_cp_arguments
-from megatron_hsp.runtime.ring import merge_partials, partial_attention
-from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
 WORLD = 4
 # name, group size, heads, kv heads, document lengths; the split is HeadSpace.split's.
@@ -178,6 +178,7 @@ def _worker(rank: int, world: int) -> dict:
     return results
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 @pytest.mark.slow
 def test_ring_and_hybrid_match_single_device() -> None:

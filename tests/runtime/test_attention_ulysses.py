@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.spawns, pytest.mark.dist, pytest.mark.slow]
 
 HEAD_DIM = 8
 ROPE_BASE = 10000.0

@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from tests_support_args import parse
 
 from megatron_hsp.megatron.args import HSPArgsError, validate_hsp_args
 from megatron_hsp.planner.groupspace import (
@@ -22,8 +20,8 @@ from megatron_hsp.planner.groupspace import (
     communicators_per_rank,
     sizes_within_communicator_budget,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+from tests.helpers.megatron_args import parse
 
 
 def test_communicators_per_size_follow_the_split():
@@ -50,6 +48,7 @@ def test_budget_keeps_the_largest_and_the_power_of_two_ladder_first():
         sizes_within_communicator_budget(sizes, 8, 0, heads)
 
 
+@pytest.mark.spawns
 def test_communicators_benchmark_contract_and_bound():
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "communicators.py"), "--json"],
@@ -121,6 +120,7 @@ def _groups_worker(rank: int, world: int, q_heads: int) -> dict:
     }
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 @pytest.mark.parametrize("q_heads", [8, 6])
 def test_created_groups_match_the_pure_count_and_pure_ring_reuses_its_block(q_heads):

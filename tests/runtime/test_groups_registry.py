@@ -82,6 +82,7 @@ def results():
     return raise_rank_errors(run_distributed(_worker, 4, timeout_s=300))
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 def test_groups_tp1_all_sizes(results):
     for rank, res in enumerate(results):
@@ -97,6 +98,7 @@ def test_groups_tp1_all_sizes(results):
         assert r["members"][(4, 0)] == ([0, 1, 2, 3], 6.0)
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 def test_groups_tp2_use_same_tp_rank(results):
     # 2 slots x tp 2: slot = rank // 2; the size-2 group of tp rank t is {t, t + 2}
@@ -109,11 +111,13 @@ def test_groups_tp2_use_same_tp_rank(results):
         assert r["members"][(1, rank // 2)] == ([rank], float(rank))
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 def test_bad_size_fails_on_every_rank(results):
     assert all("group sizes [5] do not tile 4" in r["bad"] for r in results)
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 def test_lazy_registry_creates_only_the_sizes_plans_use(results):
     for rank, res in enumerate(results):

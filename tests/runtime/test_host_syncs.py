@@ -99,6 +99,7 @@ def _ring_worker(rank: int, world: int) -> tuple[int, int]:
     )
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 def test_host_reads_do_not_grow_with_layers_on_a_ring_of_two():
     from megatron_hsp.testing.dist import raise_rank_errors, run_distributed

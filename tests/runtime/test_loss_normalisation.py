@@ -133,6 +133,7 @@ def _subgroup_worker(rank: int, world: int) -> dict:
     return {"weight": float(model.weight.grad[0, 0]), "bias": float(model.bias.grad[0])}
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 def test_allreduce_gradients_sums_over_its_group_only_on_real_gloo_subgroups():
     """Independent of the code's own collective calls: 4 gloo processes, two real subgroups;

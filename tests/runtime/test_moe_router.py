@@ -115,6 +115,7 @@ def _two_rank_router_grad(rank: int, world_size: int, seq_aux: float, z_loss: fl
     return float((hsp - stock).abs().max()), float(stock.abs().max())
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize(("seq_aux", "z_loss"), [(0.1, 0.01)])
 def test_documents_split_over_two_ranks(seq_aux, z_loss):
     from megatron_hsp.testing.dist import raise_rank_errors, run_distributed

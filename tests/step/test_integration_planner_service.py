@@ -11,6 +11,8 @@ from megatron_hsp.planner.errors import HSPError, InfeasibleError
 from megatron_hsp.planner.search.settings import PlannerSettings
 from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
 
+pytestmark = pytest.mark.spawns
+
 
 def spec(**options) -> PlannerSpec:
     return PlannerSpec(
@@ -18,7 +20,7 @@ def spec(**options) -> PlannerSpec:
         world_size=4,
         gpus_per_node=4,
         max_seq=100,
-        factory="hsp_test_planners:one_group_per_rank",
+        factory="tests.helpers.planners:one_group_per_rank",
         options=options,
     )
 
@@ -61,7 +63,9 @@ def test_planner_errors_reach_the_training_process():
 
 
 def test_broken_planner_factory_fails_at_first_result():
-    svc = PlannerService(PlannerSpec("x", 4, 4, 100, factory="hsp_test_planners:broken_factory"))
+    svc = PlannerService(
+        PlannerSpec("x", 4, 4, 100, factory="tests.helpers.planners:broken_factory")
+    )
     try:
         svc.submit(0, [1])
         with pytest.raises(ValueError, match=r"nope\.yaml"):
@@ -99,7 +103,7 @@ def test_production_planner_in_the_background_process():
 
 def test_late_plan_is_logged_then_replaced_by_the_counted_fallback(caplog):
     """Issue 9: a planner that overruns its deadline no longer blocks training forever."""
-    from hsp_test_planners import one_group_per_rank
+    from tests.helpers.planners import one_group_per_rank
 
     slow = spec(sleep_s=1.5)
     svc = PlannerService(slow, plan_deadline_s=0.6, fallback=one_group_per_rank(spec()))

@@ -60,6 +60,7 @@ def test_refitter_learns_a_slower_machine_and_writes_a_loadable_model(tmp_path):
     assert [u["step"] for u in refitter.updates] == list(range(1, 9))
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("background", [False, True])
 def test_planner_switches_to_a_new_cost_model_for_later_requests(background):
     doubled = {

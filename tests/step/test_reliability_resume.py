@@ -5,11 +5,14 @@ the real greedy planner in-process)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from megatron_hsp.planner.search.settings import PlannerSettings
 from megatron_hsp.step.pipeline import StepPipeline
 from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
 from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
+
+pytestmark = pytest.mark.spawns
 
 COST = {
     "name": "resume-test",

@@ -24,6 +24,7 @@ def _json(out: str) -> dict:
     return json.loads(out[out.index("{") :])
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 @pytest.mark.dist
 def test_kit_accepts_a_correct_install_and_catches_a_planted_bug():
@@ -56,6 +57,7 @@ def test_cases_exist_and_validate_for_any_rank_count(n):
     assert any(c.tp == 2 for c in cases) == (n % 2 == 0)
 
 
+@pytest.mark.spawns
 def test_kit_flags_outside_torchrun_are_refused(capsys, monkeypatch):
     from megatron_hsp.cli import main
 

@@ -13,6 +13,8 @@ import pytest
 
 from megatron_hsp.testing.dist import raise_rank_errors, report_progress, run_distributed
 
+pytestmark = pytest.mark.spawns
+
 
 def _steady(rank: int, world_size: int, parts: int, part_s: float) -> int:
     """Works longer than the timeout in all, reporting after each part."""

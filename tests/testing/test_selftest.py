@@ -47,6 +47,7 @@ def test_cases_cover_the_required_layouts():
     assert not cm.fits([group.lengths[0] + 1], group.size)
 
 
+@pytest.mark.spawns
 def test_bad_nproc_is_a_clear_error(capsys):
     assert cli.main(["selftest", "--nproc", "3"]) == 2
     assert "--nproc 3" in capsys.readouterr().err
@@ -71,6 +72,7 @@ def test_selftest_matches_single_device(nproc):
     print(f"selftest nproc={nproc}: {result['_timing']}")
 
 
+@pytest.mark.spawns
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [4, 8])
@@ -123,10 +125,11 @@ def test_selftest_mutations_are_all_caught(capsys, nproc):
     assert True in mutated  # a hybrid Ulysses x ring group runs at this rank count
 
 
+@pytest.mark.spawns
 def test_megatron_mutations_run_the_loop_plants_and_fail_on_a_survivor(monkeypatch, capsys):
     """``selftest --megatron --mutations`` also runs the Megatron loop's plants (each on its
     option set, ``PLANT_RUNS``) and exits 1 when one is not caught. Wiring only: the plants
-    themselves are run by tests/test_megatron_loop.py."""
+    themselves are run by tests/testing/test_megatron_loop.py."""
     import megatron_hsp.testing.megatron_loop as loop
     import megatron_hsp.testing.selftest as selftest
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_layering import PKG, imported_modules
+
+from tests.test_layering import PKG, imported_modules
 
 
 def _hsp_imports(path: Path) -> set[str]:
@@ -49,6 +50,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.spawns
 def test_reference_run_reaches_no_runtime_integration_or_planner_module():
     """Import the reference and run a step in a fresh process: every ``megatron_hsp`` module it
     loads must be test plumbing (``testing.reference`` itself, ``testing.cpu_shims``)."""

@@ -4,7 +4,8 @@ Why: every speedup the project reports is a cost-model estimate, so the model's 
 must be held against measurements someone else took on real GPUs. This module is the
 single place that says which published figure is used to *fit* a term and which only to
 *check* the fitted model; ``benchmarks/calibration.py`` prints the table that
-docs/calibration.md shows, and ``tests/test_calibration.py`` keeps the H100 preset equal to what
+docs/calibration.md shows, and ``tests/planner/cost/test_calibration.py`` keeps the H100 preset
+equal to what
 ``fit_h100`` derives from the fit set.
 
 The predictions come from the same formulas the planner's model is built from
@@ -63,7 +64,8 @@ class AttentionCase:
 
 
 # The H100 preset fields fit_h100 returns (fitted, or taken from the NCCL figures): the
-# preset must equal the fit on each (tests/test_calibration.py, benchmarks/calibration.py).
+# preset must equal the fit on each (tests/planner/cost/test_calibration.py,
+# benchmarks/calibration.py).
 FITTED = (
     "attention_fraction",
     "attention_bwd_fraction",

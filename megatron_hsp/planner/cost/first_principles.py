@@ -548,7 +548,8 @@ def first_principles_cost_model(
 H100_SXM = HardwareConfig(
     # Datasheet: bf16 dense peak 989 TFLOP/s, 80 GB HBM3 at 3.35 TB/s. Every other number is
     # fitted to (or taken from) published measurements by ``planner.cost.calibration.fit_h100``, and
-    # tests/test_calibration.py keeps them equal to what that fit returns; docs/calibration.md
+    # tests/planner/cost/test_calibration.py keeps them equal to what that fit returns;
+    # docs/calibration.md
     # lists each source, the fit set and the check set. ``achievable_fraction`` (linear layers)
     # is the one assumption left: no public bf16 H100 figure in the fit set measures it.
     name="h100",

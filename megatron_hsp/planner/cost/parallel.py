@@ -6,7 +6,7 @@ one pipeline stage: ``plane = gpus / (tp * pp)`` slots, each a TP group of ``tp`
 every stage runs the same plan (``planner/cost/pipeline.py``). ``model_parallel_cost_model`` builds
 the ``CostModel`` of one such stage, by the same rules as ``first_principles_cost_model`` (it
 reproduces that model's coefficients exactly for a dense model at tp = pp = ep = 1, which
-``tests/test_parallel_costmodel.py`` pins), changed where TP, PP and MoE change them:
+``tests/planner/cost/test_parallel_costmodel.py`` pins), changed where TP, PP and MoE change them:
 
 - **Stage.** ``ceil(layers / pp)`` layers plus the output layer (logits): the heaviest stage
   (Megatron's last), so every stage is priced as that one (conservative for the others).

@@ -33,7 +33,8 @@ runs all forwards and backwards, hence the lower bound (equality for equal micro
 (chunks of ``1/vpp`` of a stage under interleaving), and the bubble is ``T - sum_i t_i``. The
 bound is not attained in general: with pp=2, t=[6, 3] (beta 2/3) the bound says 13 and the
 schedule takes 14, because the short second micro-batch's forward on device 1 waits for the
-long first backward there (``tests/test_pipeline.py`` derives both by hand, and a 3-stage case).
+long first backward there (``tests/planner/cost/test_pipeline.py`` derives both by hand, and a
+3-stage case).
 No bound of the form ``sum t + (pp - 1) (max f + max b)`` holds from above: long micro-batches
 can stall the steady state more than once (``benchmarks/pipeline_order.py``: up to 1.52x).
 ``simulate`` is the price the planner uses; the bound is for reasoning and tests.

@@ -57,6 +57,7 @@ def test_spec_loads_as_cost_model():
     assert cost.fixed_ms(2) == pytest.approx(31.0, rel=1e-6)
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from solver_helpers import brute_force_ms, toy_cost
 
 from megatron_hsp.planner.errors import InfeasibleError
 from megatron_hsp.planner.search.bounds import lower_bound_ms
@@ -13,6 +12,7 @@ from megatron_hsp.planner.search.instance import resolve_sizes
 from megatron_hsp.planner.search.settings import SolverConfig
 from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
+from tests.helpers.solver import brute_force_ms, toy_cost
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

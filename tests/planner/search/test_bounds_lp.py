@@ -1,18 +1,18 @@
 """The column-generation (configuration LP) bound is a true bound and is tighter where it should be.
 
-Reference: ``solver_helpers.brute_force_ms`` enumerates every partition and group mix; it shares
-no code with ``bounds.instance_lp_bound``.
+Reference: ``tests.helpers.solver.brute_force_ms`` enumerates every partition and group mix; it
+shares no code with ``bounds.instance_lp_bound``.
 """
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from solver_helpers import brute_force_ms, toy_cost
 
 from megatron_hsp.planner.search.bounds import lower_bound_ms, lp_lower_bound_ms
 from megatron_hsp.planner.search.instance import resolve_sizes
 from megatron_hsp.planner.topology import Cluster
+from tests.helpers.solver import brute_force_ms, toy_cost
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

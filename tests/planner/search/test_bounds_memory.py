@@ -6,11 +6,11 @@ import math
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from solver_helpers import brute_force_ms, toy_cost
 
 import megatron_hsp.planner.search.bounds as bounds
 from megatron_hsp.planner.search.instance import Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.topology import Cluster
+from tests.helpers.solver import brute_force_ms, toy_cost
 
 
 def _inst(world, cap, fixed, attn, a2a, lengths):

@@ -6,7 +6,6 @@ import math
 import random
 
 import pytest
-from solver_helpers import toy_cost
 
 from megatron_hsp.planner.cost.costmodel import flexsp_cost_model
 from megatron_hsp.planner.errors import InfeasibleError, InputError
@@ -14,6 +13,7 @@ from megatron_hsp.planner.search.milp import cbc_path
 from megatron_hsp.planner.search.settings import SolverConfig
 from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
+from tests.helpers.solver import toy_cost
 
 
 def wiki_like(n: int, seed: int, world: int = 64) -> list[int]:
@@ -139,6 +139,7 @@ def test_milp_never_worse_than_greedy():
     assert milp.lower_bound_ms == pytest.approx(greedy.lower_bound_ms)
 
 
+@pytest.mark.spawns  # the CBC binary
 @pytest.mark.skipif(cbc_path() is None, reason="CBC binary not installed (pip install cbcbox)")
 def test_cbc_backend_solves():
     lengths = wiki_like(256, 5)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from solver_helpers import toy_cost
 
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.search.chunking import (
@@ -18,6 +17,7 @@ from megatron_hsp.planner.search.instance import Instance
 from megatron_hsp.planner.search.settings import SolverConfig
 from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
+from tests.helpers.solver import toy_cost
 
 
 def _inst(lengths, world=8, cap=4000):

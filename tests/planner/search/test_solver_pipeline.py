@@ -131,6 +131,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.spawns
 def test_cli_plan_with_pipeline_and_refusal():
     r = _cli(
         "plan", "--cost-model", "llama3-70b-h100", "--gpus", "256", "--tp", "8", "--pp", "4",
@@ -158,6 +159,7 @@ def test_spec_order_as_given_is_respected():
     assert times == sorted(times, reverse=True)  # the assembly's longest-first order
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize(
     "flags,needle",
     [

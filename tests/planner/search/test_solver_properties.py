@@ -5,14 +5,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from solver_helpers import toy_cost
 
 from megatron_hsp.planner.errors import HSPError
 from megatron_hsp.planner.search.settings import SolverConfig
 from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
+from tests.helpers.solver import toy_cost
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -77,6 +78,7 @@ def test_trainable_batches_always_get_a_valid_plan(nodes, gpn, cap, use_milp, da
     assert plan.num_sequences == len(lengths)
 
 
+@pytest.mark.spawns
 def test_planner_never_imports_torch():
     code = (
         "import sys, megatron_hsp.planner.search.solver, megatron_hsp.planner.search.milp; "
