@@ -4,8 +4,8 @@
 
 Wikipedia, gpt-7b, 192k, 64 GPUs (8 per node), GBS 512, sequential batches 0-9, hsp time budget
 1 s. ``as_published=True`` reproduces FlexSP's figures (static-64 68.50 s, batchada 55.38 s) but
-includes groups no runtime can execute (Ulysses over 64 ranks, 32 heads); docs/benchmarks.md.
-"""
+includes groups no runtime can execute (Ulysses over 64 ranks, 32 heads);
+docs/results/benchmarks.md."""
 
 from __future__ import annotations
 

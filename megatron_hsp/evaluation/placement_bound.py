@@ -413,7 +413,7 @@ def placement_lp_bound(
     # Two phases: the free ranks' work uncapped until the LP converges, then capped by what their
     # tokens carry (module docstring), from those columns; each phase's bound is valid, and the
     # first converges as fast as without the cap (sft-long-mix's capped pricing alone did not
-    # converge on one batch in 300 s).
+    # converge on one batch in minutes).
     capped = False
     wf_of: list[tuple[int, float, float]] = []  # pattern column, free work uncapped and capped
 

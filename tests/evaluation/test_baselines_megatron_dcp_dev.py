@@ -3,7 +3,7 @@
 No Megatron-LM code is committed, so the checkout here is a stand-in with the same file layout
 and names: its module-level imports (torch, a Transformer Engine helper) must not run, and its
 scheduler's grouping must be what the plan holds. The real dev checkout's figures are in
-docs/benchmarks.md.
+docs/results/benchmarks.md.
 """
 
 from __future__ import annotations

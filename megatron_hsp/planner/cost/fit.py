@@ -181,8 +181,8 @@ def cost_model_spec(
     c = compute.as_dict()
     # No monotonicity across group sizes: per token of the group, a rank of a group of d sends
     # (d - 1) / d^2 of it, and all groups of a size run at once, so on a shared-memory machine the
-    # measured per-token time legitimately falls with d (gloo/CPU here: 2.0e-3 ms at d=2, 9.8e-4
-    # at d=4, docs/costmodel.md run 1). Monotone in tokens is what the planner needs; the
+    # measured per-token time legitimately falls with d (gloo on a CPU does; docs/costmodel.md,
+    # run 1). Monotone in tokens is what the planner needs; the
     # positive slopes ensure it.
     per_token = {d: f.as_dict()["ms_per_token"] for d, f in sorted(a2a.items())}
     fixed = {1: c["fixed_ms"], **{d: c["fixed_ms"] for d in sorted(a2a)}}

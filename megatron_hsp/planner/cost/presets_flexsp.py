@@ -52,9 +52,8 @@ FLEXSP_FITS: dict[str, dict[str, Any]] = {
 # All-to-all bandwidth by group size, "4k seq, 2 IB" figures FlexSP uses (8 GPUs per node).
 FLEXSP_A2A_GBS: dict[int, float] = {2: 119.54, 4: 104.07, 8: 96.5, 16: 10.33, 32: 5.94, 64: 4.87}
 # FlexSP's solver.py defaults --memory_limit_gb to 28, but its published runs
-# (scripts/solver_all.sh) pass 30, and only 30 reproduces its static-64 (68.50 s) and batchada
-# (55.38 s) totals on Wikipedia / gpt-7b / 192k / 64 GPUs / GBS 512 / batches 0-9 (28 GB gives
-# 69.13 s and 55.62 s). See docs/costmodel.md.
+# (scripts/solver_all.sh) pass 30, and only 30 reproduces its published static-64 and batchada
+# totals on Wikipedia / gpt-7b / 192k / 64 GPUs / GBS 512 (docs/costmodel.md has the figures).
 FLEXSP_DEFAULT_MEMORY_CAP_GB = 30.0
 
 

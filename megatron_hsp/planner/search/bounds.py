@@ -411,8 +411,8 @@ def instance_lp_bound(
     best_k = [min(tk[k][j] + fixed[j] for j in fits[k]) for k in range(nk)]
     # Only classes whose best time is at least ``crit_share`` of the longest keep integer counts
     # and a critical-path binary; the rest are fractional and never bind M (a relaxation: more
-    # patterns, so still a bound). 0.3 made column generation 3-4x faster than 0.05 on the suite's
-    # code-heavy-tail and bimodal batches, at the same restricted-master value.
+    # patterns, so still a bound). 0.3 made column generation several times faster than 0.05 on
+    # the suite's code-heavy-tail and bimodal batches, at the same restricted-master value.
     critical = [best_k[k] >= crit_share * max(best_k) for k in range(nk)]
     for k in range(nk):
         for j in fits[k]:

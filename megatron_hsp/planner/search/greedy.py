@@ -82,7 +82,7 @@ def _assign_starts(sizes: Sequence[int], cluster: Cluster, n: int) -> list[int] 
     def dfs(k: int) -> list[int] | None:
         if k == len(big):
             # A leaf places every intra-node group (first fit): each counts as a block examined,
-            # or thousands of small groups per leaf at 1024 ranks made one failing search 3 s.
+            # or thousands of small groups per leaf at 1024 ranks made one failing search slow.
             steps[0] -= len(small)
             if steps[0] < 0:
                 return None
@@ -166,7 +166,7 @@ class RankTiler:
         self.cursor: dict[int, int] = {}
         # Sizes that did not fit: groups are only ever added, so they never will. Without this,
         # first-fit-decreasing over micro-batches re-ran the full placement search for every
-        # long sequence against every full micro-batch (minutes at 4096 ranks, 30 GB).
+        # long sequence against every full micro-batch (minutes at thousands of ranks).
         self.failed: set[int] = set()
 
     def add(self, d: int) -> bool:
@@ -367,9 +367,9 @@ def build_groups(
             at = 0
             if g_tokens[g] + ln > room_tokens[j]:
                 # The emptiest group is out of memory; another of this size may have room
-                # (eight 40-44k sequences in groups of 8 leave 7-11k each for the short ones;
-                # asking only the emptiest opened a group per short sequence, ran out of ranks
-                # and pooled everything into groups of 16: 4.13 s where 3.14 s fits).
+                # (long sequences in groups of 8 leave room for short ones in each; asking only
+                # the emptiest opened a group per short sequence, ran out of ranks and pooled
+                # everything into larger groups, a slower step than the one that fits).
                 at = _emptiest_with_room(heap, g_tokens, room_tokens[j] - ln, room_ms[j] - t)
                 if at < 0:
                     continue
@@ -533,7 +533,7 @@ def schedule_microbatch(
         return 0.0, []
     floor = inst.microbatch_floor(ids)
     if rel_tol is None:
-        # Thousands of sequences per micro-batch: each build costs ~10 ms, and the bracket is
+        # Thousands of sequences per micro-batch: each build costs more, and the bracket is
         # already tight, so stop bisecting at 1% there.
         rel_tol = 3e-3 if len(ids) <= 1024 else 1e-2
 
@@ -570,13 +570,13 @@ def schedule_microbatch(
     factors: tuple[float, ...] = (1.0, 1.02, 1.06, 1.15, 1.4, *(1.4 * 1.5**k for k in range(1, 40)))
     check_after = MEMORY_CHECK_AFTER
     if len(ids) > 1024 and floor > inst.best[ids[0]]:
-        # Thousands of sequences under a work floor (16,384 GPUs: 65k-131k per micro-batch,
-        # each build 0.1-0.3 s). Meeting the floor exactly needs every rank at the average load
+        # Thousands of sequences under a work floor (tens of thousands per micro-batch at 16,384
+        # GPUs, each build costly). Meeting the floor exactly needs every rank at the average load
         # with every sequence at its cheapest size, which a greedy walk does not do, and the
-        # bisection would next try the midpoint ``1 + rel_tol``: start there (the same plan
-        # whenever the floor itself fails). A step at 1.10 too, tried before the memory check:
-        # a bracket of 6% leaves two bisection builds where 1.06-1.15 leaves four, and a met
-        # target makes the check's build unnecessary.
+        # bisection would next try the midpoint ``1 + rel_tol``: start there (the same plan whenever
+        # the floor itself fails). A step at 1.10 too, tried before the memory check: a bracket of
+        # 6% leaves two bisection builds where 1.06-1.15 leaves four, and a met target makes the
+        # check's build unnecessary.
         factors = (1.0 + rel_tol, 1.02, 1.06, 1.10, *factors[3:])
         check_after = MEMORY_CHECK_AFTER + 1
         if hint is not None and hint > 1.0 + rel_tol and best is None:
@@ -623,10 +623,10 @@ def schedule_microbatch(
     hi, best = _bisect(inst, attempt, lo, hi, best, rel_tol)
     if limit is None:
         # Wider groups: the builder opens, for each long sequence, the smallest group that
-        # finishes it by the target, which can strand the rest. 165k + 74k + 62k + 52k on 64
-        # ranks: at a target near 7.05 s the 165k opens a 56-rank group, leaving 8 ranks the
-        # others cannot use, so every target below the 32 + 32 schedule's 7.69 s fails, while
-        # all four in one 64-rank group take 7.05 s. Retrying with larger minimum sizes (one
+        # finishes it by the target, which can strand the rest: four long sequences on 64 ranks
+        # where the longest opens a 56-rank group leave 8 ranks the others cannot use, so every
+        # target below a 32 + 32 schedule fails, while all four in one 64-rank group would
+        # meet it (docs/results/solver.md has the batch). Retrying with larger minimum sizes (one
         # build rejects a size that cannot beat ``hi``) finds such schedules.
         for d in _wider_sizes(inst, best, hi):
             if hi * (1.0 - rel_tol) < floor:

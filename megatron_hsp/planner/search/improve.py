@@ -115,7 +115,7 @@ def improve(
     evals = 0
     room = inst.world_size * inst.cap
     # Past the deadline already (huge batches spend the budget in the greedy phase): the first
-    # move would be refused anyway, after sorting every micro-batch (0.5 s at 131k sequences).
+    # move would be refused anyway, after sorting every micro-batch (costly at 100k sequences).
     improved = len(mbs) > 1 and time.perf_counter() < deadline
     while merge and improved and len(mbs) > 1 and evals < max_evals:
         improved, spent = _merge_lightest(inst, cluster, mbs, deadline)

@@ -92,9 +92,9 @@ class Instance:
         sizes = sorted(sizes)
         arr = np.asarray(lengths, dtype=np.int64)
         # Every per-size number depends on the length alone, so the table is built once per
-        # distinct length and its rows shared (131k sequences of a 16,384-GPU batch have ~10x
-        # fewer distinct lengths; the full n x |sizes| table and its list copy took most of a
-        # second). ``times[i]`` rows are read-only everywhere.
+        # distinct length and its rows shared (a 16,384-GPU batch has far fewer distinct
+        # lengths than sequences; the full n x |sizes| table and its list copy took most of the
+        # solve). ``times[i]`` rows are read-only everywhere.
         uniq, inverse = np.unique(arr, return_inverse=True)
         table = np.stack([cost.seq_ms(uniq, d) for d in sizes], axis=1)  # distinct x |sizes|
         caps = np.asarray([cost.capacity(d) for d in sizes], dtype=np.int64)

@@ -58,7 +58,7 @@ class SolverConfig:
     milp_min_gap: float = 0.03  # skip the MILP for micro-batches this close to their floor
     milp_slice_s: float = 0.25  # wall-clock cap per micro-batch MILP
     # Micro-batch MILPs per solve, biggest gap to the floor first (past the first two they
-    # gained little at several times the solve time; measured in docs/solver.md).
+    # gained little at several times the solve time; measured in docs/results/solver.md).
     milp_max_microbatches: int = 2
     # The pipeline the plan runs under (None or pp 1: none); the cost model must be the stage
     # model built for it (``parallel.pipeline_spec_for`` checks, and supplies its backward share

@@ -192,8 +192,9 @@ def _pipeline(config: SolverConfig, cost: CostModel, sequences: int) -> Pipeline
 
 # Under a pipeline, counts up to this many times pp above the memory floor are tried (instead
 # of ``SolverConfig.extra_microbatches``): the bubble shrinks with more, smaller micro-batches.
-# With 3 extra counts, benchmarks/pipeline_moe.py's Qwen3 EP8 PP2 row planned 3-5 micro-batches
-# with a 21% bubble and lost to static packing at a smaller pack size (docs/solver.md).
+# With the default extra counts, benchmarks/pipeline_moe.py's Qwen3 EP8 PP2 row planned too few
+# micro-batches, a large bubble, and lost to static packing at a smaller pack size
+# (docs/results/benchmarks.md).
 PIPELINE_EXTRA_PER_STAGE = 4
 
 # simulate() calls spent per candidate when candidates are compared (the given and the shaped
@@ -311,8 +312,8 @@ def _greedy_candidates(
     best_m = 0  # the count whose chunking gave ``best``
     # Past the deadline, one more count is still scheduled when the first candidate is far
     # above its micro-batches' floors: at the memory floor's count the builder may only fit by
-    # pooling short sequences into huge groups (1024 GPUs, Wikipedia: two 512-rank groups of
-    # 1365 sequences each, a 44 s step where the next count gives 7.4 s), and a loaded machine
+    # pooling short sequences into huge groups (at 1024 GPUs on Wikipedia, two 512-rank groups
+    # and a step several times the next count's; docs/results/solver.md), and a loaded machine
     # spends the whole budget on that first count.
     rescue = False
     # Whether the long-grouped candidate with every sequence scored could beat the best (its
@@ -373,8 +374,8 @@ def _greedy_candidates(
             continue
         # Past the deadline with nothing yet: double the count (one schedule per doubling) up to
         # one sequence per micro-batch, the schedule that always fits (check_lengths guaranteed
-        # it). Jumping straight there made a loaded machine plan 8192 micro-batches at 1024 GPUs
-        # (70x the step time of the next feasible count).
+        # it). Jumping straight there made a loaded machine plan one micro-batch per sequence at
+        # 1024 GPUs, many times the step time of the next feasible count.
         if m >= len(inst.lengths):
             break
         late = time.perf_counter() > deadline and not rescue
@@ -433,7 +434,7 @@ def _chunkings(
             # decides the rescue below, as the memory-size variant is the one that guarantees a
             # feasible count on long-heavy batches. Partial shares only where the floors of
             # every sequence scored are below the best so far (on sft-long-mix they are far
-            # above, and each share would cost 20-40 ms for nothing).
+            # above, and each share would cost schedule time for nothing).
             for share in SCORED_SHARES:
                 if share < 1 and not (scored_open is not None and scored_open()):
                     break

@@ -42,8 +42,8 @@ def test_long_grouped_is_a_partition_whose_long_groups_tile():
 
 
 def test_long_grouped_and_pooled_token_chunkings_both_pack_a_bimodal_batch():
-    # Chosen on the suite's bimodal/sft-long-mix distributions (docs/solver.md); 5 s budget so
-    # the comparison is between searches, not between wall clocks. Before pooled memory
+    # Chosen on the suite's bimodal/sft-long-mix distributions (docs/results/solver.md); 5 s budget
+    # so the comparison is between searches, not between wall clocks. Before pooled memory
     # (greedy.schedule_microbatch) the token and time chunkings alone reached 178.5 s here and
     # long-grouped 157.5 s; with pooling they reach it too, and the solver keeps the best.
     cost, cluster = _setup()
