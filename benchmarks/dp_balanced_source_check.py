@@ -1,6 +1,6 @@
 """``dp-balanced``'s port against Megatron-LM's own ``DpBalancedScheduler``, run from its source.
 
-``planner/baselines.dp_balanced_layout`` re-implements Megatron's ``dp_balanced`` packing
+``evaluation/baselines.dp_balanced_layout`` re-implements Megatron's ``dp_balanced`` packing
 scheduler (no released megatron-core has it). This script runs the scheduler's own
 ``get_groups_and_subsamples`` from a Megatron-LM dev checkout (``--checkout`` or
 ``$MEGATRON_HSP_DEV_CHECKOUT``; loaded as ``evaluation/torch_side/dcp_dev_baseline.py`` loads

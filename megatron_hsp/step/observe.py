@@ -215,12 +215,12 @@ class StepObserver:
 # the plan of step t + 2 is the first to see the update after step t.
 REFIT_MAX_STEP = 0.5
 # Group records before the first update. The fit pulls every factor towards one common factor
-# (planner/refit.PRIOR_RECORDS), which any record informs, so a step's handful of records is
+# (planner/cost/refit.PRIOR_RECORDS), which any record informs, so a step's handful of records is
 # enough for a bounded first move; at 8 the demo's first update waited for step 2 and a model
 # off by 2x was not corrected in time for step 5.
 REFIT_MIN_RECORDS = 4
-# Steps over which a record's weight halves (planner/refit.OnlineRefit.half_life): the machine's
-# speed changes under other jobs (the demo's steps 2-4 and 5-7 differed by 30% on a loaded
+# Steps over which a record's weight halves (planner/cost/refit.OnlineRefit.half_life): the
+# machine's speed changes under other jobs (the demo's steps 2-4 and 5-7 differed by 30% on a loaded
 # machine), and with equal weights the model stayed at the old speed. At 2 steps a machine 2x
 # slower from step 3 on was still predicted 20-40% fast at steps 5-7: in the window the older,
 # faster records outweighed the newest step's few (the 50% bound was not what held it: replayed
@@ -258,7 +258,7 @@ def group_timings(plan: Plan, microbatch_s: list[list[float]]) -> list[tuple[int
     ]
 
 
-# ``StepRefitter.model_state``'s length: the four factors (planner/refit.TERMS), the step cost.
+# ``StepRefitter.model_state``'s length: the four factors (planner/cost/refit.TERMS), the step cost.
 MODEL_STATE = 5
 
 
