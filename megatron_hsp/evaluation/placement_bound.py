@@ -41,13 +41,12 @@ sequences (no group inside one node holds them) are placed explicitly:
   Each pattern also offers its free ranks at most the minimum work its free tokens can carry
   (``WF_p`` is the smaller of their time and that work; ``_carry_lines``: densest sequences
   first, a concave curve). Without it, patterns mixed fractionally lent one pattern's idle
-  time to work whose tokens only another's memory held: on lognormal-dcp a pattern running a
-  175k and a 179k sequence beside 8 free ranks offered them 61 s of rank time for 52k tokens,
-  which carry at most 24 s (+1.2% on that batch). The column generation converges without
-  the cap first, then goes on with it from the same columns; both bounds are valid and the
-  larger is returned (with the cap from the start, one sft-long-mix batch's pricing did not
-  converge in 300 s). The same cap on the long groups' spare memory (cross-node work) added
-  0.15% on lognormal-dcp and kept sft-long-mix from converging at all: not applied.
+  time to work whose tokens only another's memory held (two long sequences beside a few free
+  ranks were offered more rank time than their free tokens can carry). The column generation
+  converges without the cap first, then goes on with it from the same columns; both bounds are
+  valid and the larger is returned (with the cap from the start, some batches' pricing did
+  not converge). The same cap on the long groups' spare memory (cross-node work) added little
+  and kept some batches from converging at all: not applied (figures: docs/results/solver.md).
 
 Every micro-batch of every plan the runtime places is a pattern (with its short sequences' work
 at least their minimum, its long classes at their shortest member's length), so the optimum is a

@@ -236,11 +236,11 @@ def planning_sizes(
     """The sizes the solver searches when it may use all of ``sizes`` (ascending, legal).
 
     Why: every whole-node multiple is a legal size, so 4096 GPUs in nodes of 8 have 519 sizes,
-    and the solver's per-(sequence, size) tables and group search grow with that count: one
-    32768-sequence solve took 3.5-4.5 s for a 3.6 s step. Up to ``limit`` sizes all are kept
-    (1024 GPUs: 135). Above it: every size up to a node, every power of two, the largest, and
-    whole-node sizes at most 25% apart, which cost at most 25% more ranks than the best size for
-    any one sequence (measured at 4096 GPUs: 32 sizes, solve 1.2-1.5 s, step within 2%).
+    and the solver's per-(sequence, size) tables and group search grow with that count: a
+    32768-sequence solve took longer than the step it planned. Up to ``limit`` sizes all are
+    kept. Above it: every size up to a node, every power of two, the largest, and whole-node
+    sizes at most 25% apart, which cost at most 25% more ranks than the best size for any one
+    sequence (the measured solve times and step loss: docs/results/solver.md).
     ``bench``'s lower-bound method keeps all sizes, so its gap includes what the subset gives up.
     """
     ordered = sorted({int(d) for d in sizes})

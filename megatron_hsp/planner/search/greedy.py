@@ -670,8 +670,8 @@ def _bisect(
 def _wider_sizes(inst: Instance, groups: Sequence[GroupSpec], makespan: float) -> list[int]:
     """Minimum group sizes worth a retry: when the group that sets ``makespan`` spans at least a
     node, twice its size and the whole cluster (where legal and larger); inside a node, a whole
-    node (groups of 7 beside single ranks strand memory that groups of 8 share: 2.63 s where
-    2.37 s fits; 200 sequences of 256 tokens: 819 ms on single ranks, 794 ms in groups of 8).
+    node (groups of 7 beside single ranks strand memory that groups of 8 share, so the wider
+    schedule can be the faster one).
     Bounded: at most two retries per micro-batch."""
     at_makespan = [d for d, ms in group_times(inst, groups) if ms >= makespan * (1 - 1e-9)]
     crit = max(at_makespan, default=0)  # the largest group whose time is the makespan

@@ -71,8 +71,8 @@ def _merge_lightest(
     (merged, schedules evaluated).
 
     Why: chunkings open a micro-batch when no other has room beside its long groups, so the
-    last one often holds a few tiny sequences (lognormal-dcp: 35 sequences of 22k tokens, 0.7
-    s, mostly the fixed cost), which a long group's spare memory takes for 11 ms. The moves
+    last one often holds a few tiny sequences (a whole pass, mostly its fixed cost), which a
+    long group's spare memory takes almost for free. The moves
     below never empty a micro-batch.
     """
     a = min(range(len(mbs)), key=lambda b: (mbs[b][0], b))

@@ -416,7 +416,8 @@ def _chunkings(
 ) -> Iterator[tuple[str, list[list[int]]]]:
     """The distinct chunkings of ``kinds`` into ``m`` micro-batches, in a fixed order, each
     built only when asked for: ``stop()`` true ends them (the caller is past its deadline), so
-    none is built that would not be scheduled (0.3-0.6 s each at 131k sequences).
+    none is built that would not be scheduled (each costs a noticeable share of the budget at
+    100k sequences).
     ``scored_open()``: whether the all-scored long-grouped candidate's floors were below the
     best; the partial ``SCORED_SHARES`` are built only then."""
     seen: set[tuple[tuple[int, ...], ...]] = set()
