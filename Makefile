@@ -1,4 +1,5 @@
-# One entry point for a fresh machine: `make demo` (main job) and `make test` (the suite CI runs).
+# One entry point for a fresh machine: `make demo` (main job), `make test` (the suite CI runs) and
+# `make test-fast` (no process-spawning or slow tests).
 # Python 3.12 is required by megatron-core >= 0.17; on pyenv machines PYENV_VERSION selects it.
 export PYENV_VERSION ?= 3.12.1
 PY312 ?= python3.12
@@ -11,13 +12,17 @@ OLD_PY := $(OLD_VENV)/bin/python
 OLD_STAMP := $(OLD_VENV)/.installed
 # The runtime tests that touch torch APIs whose shape changed across the range (attention
 # kernels, autograd functions, collectives, megatron-core's modules) plus the exactness selftest.
-OLDEST_TORCH_TESTS := tests/test_torch_compat.py tests/test_attention_units.py \
-	tests/test_attention_ulysses.py tests/test_attention_ring.py tests/test_attention_gpt.py \
-	tests/test_loss_normalisation.py tests/test_ring_layout.py tests/test_dispatch_packing.py \
-	tests/test_ring_memory.py tests/test_host_syncs.py \
-	tests/test_selftest.py::test_selftest_matches_single_device
+OLDEST_TORCH_TESTS := tests/runtime/test_torch_compat.py tests/runtime/test_attention_units.py \
+	tests/runtime/test_attention_ulysses.py tests/runtime/test_attention_ring.py \
+	tests/runtime/test_attention_gpt.py tests/runtime/test_loss_normalisation.py \
+	tests/runtime/test_ring_layout.py tests/runtime/test_dispatch_packing.py \
+	tests/runtime/test_ring_memory.py tests/runtime/test_host_syncs.py \
+	tests/testing/test_selftest.py::test_selftest_matches_single_device
+# The fast tier: no test that starts a process or is marked slow (tests/conftest.py keeps the
+# `spawns` marker honest); README.md gives both tiers' durations.
+FAST_TESTS := -m "not spawns and not slow"
 
-.PHONY: setup demo test test-oldest-torch lint format bench clean
+.PHONY: setup demo test test-fast test-oldest-torch lint format bench clean
 
 setup: $(STAMP)
 
@@ -48,6 +53,10 @@ format: setup
 
 test: setup lint
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
+
+# The same suite less the process-spawning and slow tests: a few minutes on two cores.
+test-fast: setup lint
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 $(FAST_TESTS)
 
 # The runtime tests again on the oldest supported torch (CI runs it after `make test`).
 test-oldest-torch: $(OLD_STAMP)

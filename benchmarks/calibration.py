@@ -1,6 +1,6 @@
 """The cost model against published GPU measurements: the table in docs/calibration.md.
 
-Fits the H100 terms to the fit set (``planner.calibration.fit_h100``), then prints every
+Fits the H100 terms to the fit set (``planner.cost.calibration.fit_h100``), then prints every
 published figure next to the model's prediction and the error, fit and check rows marked. The
 preset ``H100_SXM`` is checked too (it must equal the fit up to rounding). Pure planner code: no
 GPU, no torch.
@@ -16,8 +16,8 @@ import dataclasses
 import json
 import sys
 
-from megatron_hsp.planner.calibration import FITTED, calibration_table, fit_h100, worst_error
-from megatron_hsp.planner.first_principles import H100_SXM
+from megatron_hsp.planner.cost.calibration import FITTED, calibration_table, fit_h100, worst_error
+from megatron_hsp.planner.cost.first_principles import H100_SXM
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,10 +15,10 @@ import argparse
 import sys
 
 from megatron_hsp.commands.common import Setup, add_common_arguments, build_setup
-from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
-from megatron_hsp.planner.baselines import RingAssumptions, dp_balanced_best_degree
-from megatron_hsp.planner.bench import hsp_plan_fn
-from megatron_hsp.planner.settings import PlannerSettings
+from megatron_hsp.evaluation.baselines import RingAssumptions, dp_balanced_best_degree
+from megatron_hsp.evaluation.bench import hsp_plan_fn
+from megatron_hsp.evaluation.torch_side.dcp_baseline import megatron_dcp_plan
+from megatron_hsp.planner.search.settings import PlannerSettings
 
 
 def variants(gpus_per_node: int) -> list[tuple[str, RingAssumptions]]:

@@ -1,10 +1,11 @@
 """``dp-balanced``'s port against Megatron-LM's own ``DpBalancedScheduler``, run from its source.
 
-``planner/baselines.dp_balanced_layout`` re-implements Megatron's ``dp_balanced`` packing
+``evaluation/baselines.dp_balanced_layout`` re-implements Megatron's ``dp_balanced`` packing
 scheduler (no released megatron-core has it). This script runs the scheduler's own
 ``get_groups_and_subsamples`` from a Megatron-LM dev checkout (``--checkout`` or
-``$MEGATRON_HSP_DEV_CHECKOUT``; loaded as ``megatron/dcp_dev_baseline.py`` loads dev's dynamic-CP
-scheduler) on the suite's batches, at every CP size, and compares the two layouts micro-batch by
+``$MEGATRON_HSP_DEV_CHECKOUT``; loaded as ``evaluation/torch_side/dcp_dev_baseline.py`` loads
+dev's dynamic-CP scheduler) on the suite's batches, at every CP size, and compares the two layouts
+micro-batch by
 micro-batch (CP groups and the sample ids in each). Exit 1 on any difference.
 
     PYTHONPATH=. python benchmarks/dp_balanced_source_check.py --checkout DIR [--steps 2]
@@ -21,12 +22,12 @@ import numpy as np
 from suite import DISTRIBUTIONS, EMBEDDED, SHARED, generate
 
 from megatron_hsp.commands.common import add_common_arguments, build_setup
-from megatron_hsp.megatron.dcp_dev_baseline import CHECKOUT_ENV, load_dev_dp_balanced
-from megatron_hsp.planner.baselines import (
+from megatron_hsp.evaluation.baselines import (
     cp_groups_of_microbatch,
     dp_balanced_layout,
     homogeneous_sizes,
 )
+from megatron_hsp.evaluation.torch_side.dcp_dev_baseline import CHECKOUT_ENV, load_dev_dp_balanced
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 
 Layout = list[list[tuple[int, list[int]]]] | str

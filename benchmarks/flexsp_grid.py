@@ -1,4 +1,4 @@
-"""FlexSP's grid (and scale rows) through ``megatron-hsp bench``; writes docs/benchmarks.md.
+"""FlexSP's grid (and scale rows) through ``megatron-hsp bench``; writes docs/results/benchmarks.md.
 
 Every row is exactly one ``megatron-hsp bench`` command (printed in the doc), run as its own
 process so that the numbers in the table are the ones that command prints and its peak RSS is
@@ -48,7 +48,7 @@ def grid_rows(steps: int, quick: bool) -> list[dict]:
 def available_methods(methods: str) -> str:
     names = [m for m in methods.split(",") if m]
     sys.path.insert(0, str(ROOT))
-    if importlib.util.find_spec("megatron_hsp.planner.solver") is None:
+    if importlib.util.find_spec("megatron_hsp.planner.search.solver") is None:
         names = [m for m in names if m != "hsp"]
     if importlib.util.find_spec("megatron.core") is None:
         names = [m for m in names if m != "megatron-dcp"]
@@ -107,7 +107,7 @@ def main() -> int:
     ap.add_argument("--time-budget", type=float, default=1.0)
     ap.add_argument("--lengths", default=SHARED_WIKI, help="default: ../shared Wikipedia (1M)")
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--doc", default=str(ROOT / "docs" / "results" / "benchmarks.md"))
     args = ap.parse_args()
     os.chdir(ROOT)  # relative paths (../shared/..., JSON outputs) are from the repo root
     lengths = args.lengths

@@ -4,18 +4,18 @@
 
 Wikipedia, gpt-7b, 192k, 64 GPUs (8 per node), GBS 512, sequential batches 0-9, hsp time budget
 1 s. ``as_published=True`` reproduces FlexSP's figures (static-64 68.50 s, batchada 55.38 s) but
-includes groups no runtime can execute (Ulysses over 64 ranks, 32 heads); docs/benchmarks.md.
-"""
+includes groups no runtime can execute (Ulysses over 64 ranks, 32 heads);
+docs/results/benchmarks.md."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from megatron_hsp.planner.bench import run_bench
-from megatron_hsp.planner.costmodel import flexsp_cost_model
+from megatron_hsp.evaluation.bench import run_bench
+from megatron_hsp.planner.cost.costmodel import flexsp_cost_model
 from megatron_hsp.planner.lengths import BatchSampler, read_lengths
-from megatron_hsp.planner.settings import PlannerSettings
+from megatron_hsp.planner.search.settings import PlannerSettings
 from megatron_hsp.planner.topology import Cluster
 
 DATA = Path("../shared/data/wikipedia_lengths.txt.gz")

@@ -33,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from solver_targets import flexsp_rules
 from suite import DISTRIBUTIONS, generate
 
-from megatron_hsp.planner.costmodel import flexsp_cost_model
-from megatron_hsp.planner.solver import SolverConfig, solve
+from megatron_hsp.planner.cost.costmodel import flexsp_cost_model
+from megatron_hsp.planner.search.settings import SolverConfig
+from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
 
 WIKI = Path("../shared/data/wikipedia_lengths.txt.gz")

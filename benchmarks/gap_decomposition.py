@@ -11,7 +11,7 @@ fixed costs; ``I_plan``: idle rank-ms, ranks waiting for their micro-batch's slo
 the gap to that term is the sum of three excesses: size inflation ``(W_plan - W_min) / N``,
 fixed costs / extra micro-batches ``F_plan / N - m_min * b``, and idle ``I_plan / N``. This says
 which part of the planner loses time, not whether a better plan exists (that is the bound's
-question); docs/solver.md reads it.
+question); docs/results/solver.md reads it.
 
     PYTHONPATH=. python benchmarks/gap_decomposition.py [--steps 3] [--budget 1.0]
 """
@@ -25,10 +25,11 @@ import sys
 import numpy as np
 from suite import DISTRIBUTIONS, sequential_batches
 
-from megatron_hsp.planner.costmodel import load_cost_model
+from megatron_hsp.planner.cost.costmodel import load_cost_model
 from megatron_hsp.planner.groupspace import planning_sizes
-from megatron_hsp.planner.instance import Instance, check_lengths, resolve_sizes
-from megatron_hsp.planner.solver import SolverConfig, solve
+from megatron_hsp.planner.search.instance import Instance, check_lengths, resolve_sizes
+from megatron_hsp.planner.search.settings import SolverConfig
+from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
 
 
@@ -45,7 +46,7 @@ def packing_bound(inst: Instance, m_min: int) -> float:
     Per micro-batch, ``M - b >= T_g`` for each group, so ``M - b >= sum_g f(d_g / N) T_g`` for a
     dual feasible ``f``, and ``M - b >= sum_g d_g T_g / N``. Any convex combination holds, and
     it separates over sequences: ``sum_i min_d [lam f(d/N) + (1 - lam) d/N] T_i(d) + m_min b``.
-    A check of whether long sequences' packing alone forces the gap (docs/solver.md).
+    A check of whether long sequences' packing alone forces the gap (docs/results/solver.md).
     """
     n = inst.world_size
     times = np.asarray(inst.times, dtype=np.float64)

@@ -27,10 +27,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from suite import DISTRIBUTIONS, generate
 
-from megatron_hsp.planner.costmodel import load_cost_model
-from megatron_hsp.planner.greedy import groups_fit
-from megatron_hsp.planner.instance import Instance, check_lengths, resolve_sizes
-from megatron_hsp.planner.solver import SolverConfig, solve
+from megatron_hsp.planner.cost.costmodel import load_cost_model
+from megatron_hsp.planner.search.greedy import groups_fit
+from megatron_hsp.planner.search.instance import Instance, check_lengths, resolve_sizes
+from megatron_hsp.planner.search.settings import SolverConfig
+from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
 
 GPUS, GBS, MAX_SEQ = 64, 512, 192_000

@@ -4,7 +4,7 @@ Every row is one ``megatron-hsp bench`` run (in-process, same harness, validator
 the CLI; the equivalent command line is printed under the table), on seeded lengths written to
 ``benchmarks/results/lengths_<distribution>_<max-seq>.txt.gz`` by ``suite.generate`` (the suite's
 generators, unchanged). Every method's plans are priced under the same pipeline
-(``planner/pipeline.py``): hsp orders its micro-batches to shrink the bubble, the baselines run
+(``planner/cost/pipeline.py``): hsp orders its micro-batches to shrink the bubble, the baselines run
 in their schedulers' order. Two extra columns re-price the Megatron baselines with their ring
 traffic free (``RingAssumptions("fully-hidden")``, the bound most favourable to them), and one
 re-prices hsp's own plans in the solver's longest-first order, to show what the bubble order
@@ -36,16 +36,16 @@ from suite import generate
 
 from megatron_hsp.commands import bench as bench_cmd
 from megatron_hsp.commands.common import build_setup
-from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
-from megatron_hsp.planner.baselines import (
+from megatron_hsp.evaluation.baselines import (
     RingAssumptions,
     dp_balanced_best_degree,
     memory_model_for,
     static_best_degree,
 )
-from megatron_hsp.planner.bench import price_baseline
+from megatron_hsp.evaluation.bench import price_baseline
+from megatron_hsp.evaluation.torch_side.dcp_baseline import megatron_dcp_plan
+from megatron_hsp.planner.cost.pipeline import simulate
 from megatron_hsp.planner.errors import InfeasibleError, InputError
-from megatron_hsp.planner.pipeline import simulate
 from megatron_hsp.planner.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""What the bubble order is worth on random micro-batch times (planner/pipeline.py).
+"""What the bubble order is worth on random micro-batch times (planner/cost/pipeline.py).
 
 For random pipelines (pp in {2, 3, 4, 8}, vpp in {1, 1, 2, 3}, m = pp x 1..4 micro-batches of
 times uniform in [0.1, 10]), the mean bubble (step minus summed times) of the given order and
@@ -16,7 +16,7 @@ import random
 import statistics
 import sys
 
-from megatron_hsp.planner.pipeline import (
+from megatron_hsp.planner.cost.pipeline import (
     PipelineSpec,
     bubble_lower_bound,
     order_microbatches,

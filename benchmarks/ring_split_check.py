@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_hsp.planner.bench import hsp_plan_fn
-from megatron_hsp.planner.costmodel import CostModel, load_cost_model
+from megatron_hsp.evaluation.bench import hsp_plan_fn
+from megatron_hsp.planner.cost.costmodel import CostModel, load_cost_model
 from megatron_hsp.planner.lengths import BatchSampler, read_lengths
-from megatron_hsp.planner.settings import PlannerSettings
+from megatron_hsp.planner.search.settings import PlannerSettings
 from megatron_hsp.planner.topology import Cluster
 
 DATA = Path("../shared/data/wikipedia_lengths.txt.gz")

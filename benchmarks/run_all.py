@@ -3,7 +3,8 @@
 Each script runs as its own process with a smoke-sized configuration, writing its JSON under
 ``--out`` (default ``benchmarks/results/run_all``) and never rewriting the docs; the full-size
 runs and the commands that produced the published figures are in each script's docstring and in
-docs/benchmarks.md. Exit status: 0 when every script succeeded, else 1 (each failure is named).
+docs/results/benchmarks.md. Exit status: 0 when every script succeeded, else 1 (each failure is
+named).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/run_all.py [--only NAME ...] [--dry-run]
 """

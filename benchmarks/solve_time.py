@@ -16,8 +16,9 @@ import sys
 import numpy as np
 from suite import DISTRIBUTIONS, EMBEDDED, SHARED, generate
 
-from megatron_hsp.planner.costmodel import load_cost_model
-from megatron_hsp.planner.solver import SolverConfig, solve
+from megatron_hsp.planner.cost.costmodel import load_cost_model
+from megatron_hsp.planner.search.settings import SolverConfig
+from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
 
 

@@ -4,10 +4,11 @@ Run from the repo root (needs ../shared/data/wikipedia_lengths.txt.gz):
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/solver_targets.py [--quick] [--write-docs]
 
-Prints one table per target and, with ``--write-docs``, rewrites docs/solver.md's results section.
+Prints one table per target and, with ``--write-docs``, rewrites docs/results/solver.md's results
+section.
 Static baselines here are deliberately simple (best-fit-decreasing bins of one degree, packed
 ``N / d`` per micro-batch, longest bins first); the official baselines live in
-``planner/baselines.py`` and ``megatron-hsp bench``.
+``evaluation/baselines.py`` and ``megatron-hsp bench``.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_hsp.planner.baselines import flexsp_style_config
-from megatron_hsp.planner.costmodel import CostModel, flexsp_cost_model, load_cost_model
-from megatron_hsp.planner.solver import SolverConfig, solve
+from megatron_hsp.evaluation.baselines import flexsp_style_config
+from megatron_hsp.planner.cost.costmodel import CostModel, flexsp_cost_model, load_cost_model
+from megatron_hsp.planner.search.settings import SolverConfig
+from megatron_hsp.planner.search.solver import solve
 from megatron_hsp.planner.topology import Cluster
 
 DATA = Path("../shared/data/wikipedia_lengths.txt.gz")
-DOC = Path("docs/solver.md")
+DOC = Path("docs/results/solver.md")
 # FlexSP's own plans measured with its code (Wikipedia, gpt-7b, 192k, 64 GPUs, GBS 512, batches
 # 0-9, SCIP 2 s limit): see the planner issue.
 FLEXSP_TOTAL_S = 42.83
@@ -136,7 +138,7 @@ def lp_check(limit_s: float, budget: float) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     from suite import DISTRIBUTIONS, generate
 
-    from megatron_hsp.planner.bounds import lower_bound_ms, lp_lower_bound_ms
+    from megatron_hsp.planner.search.bounds import lower_bound_ms, lp_lower_bound_ms
 
     cluster = Cluster(64, 8)
     cost = flexsp_cost_model("flexsp-gpt-7b", 64, 192, 28)
@@ -249,7 +251,9 @@ def scale_check(raw, args, emit) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
-    ap.add_argument("--write-docs", action="store_true", help="rewrite docs/solver.md results")
+    ap.add_argument(
+        "--write-docs", action="store_true", help="rewrite docs/results/solver.md's results"
+    )
     ap.add_argument("--budget", type=float, default=1.0, help="SolverConfig.time_budget_s")
     ap.add_argument(
         "--xl-only",

@@ -50,7 +50,7 @@ import numpy as np
 from dcp_sensitivity import megatron_totals
 
 from megatron_hsp.commands.common import add_common_arguments, build_setup
-from megatron_hsp.planner.baselines import RingAssumptions
+from megatron_hsp.evaluation.baselines import RingAssumptions
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data" / "wikipedia_lengths.txt.gz"

@@ -6,7 +6,11 @@ import argparse
 import subprocess
 import sys
 
+import pytest
+
 from megatron_hsp.megatron.args import add_hsp_args
+
+pytestmark = pytest.mark.spawns
 
 
 def test_launch_help_lists_every_hsp_flag_with_its_default():

@@ -21,7 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "slurm" / "hsp_pretrain.sbatch"
 NODE_SCRIPT = ROOT / "scripts" / "slurm" / "hsp_node.sh"
 
-pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
+pytestmark = [
+    pytest.mark.spawns,
+    pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed"),
+]
 
 
 def stand_ins(tmp_path: Path, srun_body: str = "") -> tuple[Path, Path, Path]:

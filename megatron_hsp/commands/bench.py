@@ -10,15 +10,14 @@ from pathlib import Path
 import numpy as np
 
 from megatron_hsp.commands.common import (
-    STDOUT,
     add_common_arguments,
     build_setup,
-    check_output_path,
     config_dict,
     import_warnings_summarised,
 )
-from megatron_hsp.planner.bench import DEFAULT_METHODS, PlanFn, parse_methods, run_bench
+from megatron_hsp.evaluation.bench import DEFAULT_METHODS, PlanFn, parse_methods, run_bench
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.paths import STDOUT, check_output_path
 from megatron_hsp.planner.plan import Plan
 
 
@@ -51,14 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _megatron_dcp(setup) -> PlanFn:
     # Imported only here: megatron-core pulls in torch.
-    from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
+    from megatron_hsp.evaluation.torch_side.dcp_baseline import megatron_dcp_plan
 
     return lambda lengths: megatron_dcp_plan(lengths, setup.cost, setup.cluster)
 
 
 def _megatron_dcp_dev(setup) -> PlanFn:
     # Reads the checkout named by $MEGATRON_HSP_DEV_CHECKOUT; refuses (exit 2) without one.
-    from megatron_hsp.megatron.dcp_dev_baseline import load_dev_scheduler, megatron_dcp_dev_plan
+    from megatron_hsp.evaluation.torch_side.dcp_dev_baseline import (
+        load_dev_scheduler,
+        megatron_dcp_dev_plan,
+    )
 
     schedule = load_dev_scheduler()
     return lambda lengths: megatron_dcp_dev_plan(lengths, setup.cost, setup.cluster, schedule)

@@ -11,7 +11,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from megatron_hsp.planner.costmodel import CostModel, preset_names
+from megatron_hsp.planner.cost.costmodel import CostModel, preset_names
+from megatron_hsp.planner.cost.parallel import (
+    ParallelConfig,
+    load_any_cost_model,
+    parallel_preset_names,
+    pipeline_spec_for,
+)
+from megatron_hsp.planner.cost.pipeline import PipelineSpec
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.lengths import (
     OVERLONG_POLICIES,
@@ -20,14 +27,7 @@ from megatron_hsp.planner.lengths import (
     parse_max_seq,
     read_lengths,
 )
-from megatron_hsp.planner.parallel import (
-    ParallelConfig,
-    load_any_cost_model,
-    parallel_preset_names,
-    pipeline_spec_for,
-)
-from megatron_hsp.planner.pipeline import PipelineSpec
-from megatron_hsp.planner.settings import (
+from megatron_hsp.planner.search.settings import (
     DEFAULT_SOLVER,
     DEFAULT_TIME_BUDGET_S,
     MILP_SOLVERS,
@@ -36,35 +36,8 @@ from megatron_hsp.planner.settings import (
 from megatron_hsp.planner.topology import Cluster
 from megatron_hsp.planner.units import check_range
 
-STDOUT = "-"
 # The widest group of GPUs one fast fabric joins that this tool plans for (NVL72 is 72).
 MAX_GPUS_PER_NODE = 512
-
-
-def check_output_path(
-    flag: str, path: str, *, allow_stdout: bool = False, overwrite: bool = True
-) -> str:
-    """An output path checked BEFORE the work that fills it (issue 18: finished work was lost
-    on a bad path). ``-`` is standard output where the command allows it; otherwise the folder
-    must exist and be writable, the path must not be a folder, and an existing file is refused
-    when ``overwrite`` is False. Returns the path; raises ``InputError`` naming the flag."""
-    from pathlib import Path
-
-    if path == STDOUT:
-        if allow_stdout:
-            return path
-        raise InputError(f"{flag} -: this output cannot go to standard output; give a file name")
-    out = Path(path)
-    if out.is_dir():
-        raise InputError(f"{flag} {path}: is a directory; give a file name")
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise InputError(f"{flag} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise InputError(f"{flag} {path}: directory {parent} is not writable")
-    if out.exists() and not overwrite:
-        raise InputError(f"{flag} {path}: the file exists; remove it, pick another name or --force")
-    return path
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,59 +17,16 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from megatron_hsp.commands.common import add_verbose_argument, import_warnings_summarised
-from megatron_hsp.planner.settings import SOLVERS, PlannerSettings
-
-# A cost model for the demo's tiny GPT on CPU ranks. The memory cap (tokens_per_rank) is what
-# makes plans heterogeneous: a document over 1024 tokens needs a group of 2, over 2048 a group of
-# 4, and longer ones are split into 4096-token pieces. At 512 tokens per rank every micro-batch
-# was memory-bound (all groups of 4); 1024 leaves the planner room to mix sizes. Time
-# coefficients were fitted on a 2-core CPU for DEMO_MODEL (fwd+bwd per rank; see
-# docs/integration.md); predicted step times are of the right order here, not elsewhere.
-DEMO_COST_MODEL: dict[str, Any] = {
-    "name": "demo-cpu-tiny-gpt",
-    "coefficients": {
-        "attn_ms_per_token2": 5.0e-5,
-        "linear_ms_per_token": 0.12,
-        "group_fixed_ms": 30.0,
-        "a2a_ms_per_token": {2: 0.03, 4: 0.04},
-        "tokens_per_rank": 1024,
-    },
-}
-# The demo's steps take about a second on CPU ranks: half the training default's plan budget.
-DEMO_TIME_BUDGET_S = 0.5
-DEMO_MAX_TOKEN_BUDGET = 262_144  # tokens per step on CPU ranks
-DEMO_MAX_GLOBAL_BATCH = 4096  # documents per step
-DEMO_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2)
-
-
-@dataclass
-class DemoConfig:
-    steps: int = 8
-    nproc: int = 4
-    token_budget: int | None = 8192
-    global_batch: int | None = None
-    seed: int = 0
-    lr: float = 3e-3
-    compare_steps: int = 3
-    planner: PlannerSettings = field(
-        default_factory=lambda: PlannerSettings(time_budget_s=DEMO_TIME_BUDGET_S)
-    )
-    cache_dir: str | None = None
-    corpus_prefix: str = ""
-    quiet: bool = False
-    stall_timeout_s: float = 30.0
-    # preset name, YAML/JSON file (e.g. written by `megatron-hsp profile`) or a spec mapping
-    cost_model: str | dict[str, Any] = field(default_factory=lambda: dict(DEMO_COST_MODEL))
-    # Online refit of the cost model from measured group times (step/observe.StepRefitter); the
-    # refit model is written to ``refit_out`` for the next run's --cost-model.
-    refit: bool = True
-    refit_out: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+from megatron_hsp.commands.demo_config import (
+    DEMO_MAX_GLOBAL_BATCH,
+    DEMO_MAX_TOKEN_BUDGET,
+    DEMO_TIME_BUDGET_S,
+    DemoConfig,
+)
+from megatron_hsp.planner.search.settings import SOLVERS, PlannerSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _checked_cost_model(spec: str, nproc: int) -> str:
     """Load ``--cost-model`` once here so a bad file or preset stops the demo before any rank
     starts, with the flag named (exit 2)."""
-    from megatron_hsp.planner.costmodel import load_cost_model
+    from megatron_hsp.planner.cost.costmodel import load_cost_model
     from megatron_hsp.planner.errors import InputError
 
     try:
@@ -190,12 +147,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.nproc < 1 or args.nproc & (args.nproc - 1):
         raise InputError(f"--nproc must be a power of two (1, 2, 4, 8), got {args.nproc}")
     if args.json is not None:  # before the training: a bad path must not lose a finished run
-        from megatron_hsp.commands.common import check_output_path
+        from megatron_hsp.planner.paths import check_output_path
 
         check_output_path("--json", args.json, allow_stdout=True)
     refit_out = None
     if not args.no_refit:  # checked before the work, like --json
-        from megatron_hsp.commands.common import check_output_path
+        from megatron_hsp.planner.paths import check_output_path
         from megatron_hsp.step.corpus import default_cache_dir
 
         if args.refit_out is None:

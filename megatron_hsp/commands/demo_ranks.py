@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from megatron_hsp.commands.demo import DemoConfig
+from megatron_hsp.commands.demo_config import DemoConfig
 
 
 def _rank_main(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:

@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from megatron_hsp.commands.demo import DEMO_MODEL, DemoConfig
+from megatron_hsp.commands.demo_config import DEMO_MODEL, DemoConfig
 
 
 def _max_over_ranks(x: float) -> float:
@@ -43,7 +43,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     import torch
     import torch.distributed as dist
 
-    from megatron_hsp.planner.costmodel import load_cost_model
+    from megatron_hsp.planner.cost.costmodel import load_cost_model
     from megatron_hsp.runtime.groups import create_groups
     from megatron_hsp.runtime.schedule import run_step
     from megatron_hsp.step.corpus import DEMO_VOCAB_SIZE
@@ -236,7 +236,7 @@ def _side_by_side(
     """
     import torch.distributed as dist
 
-    from megatron_hsp.planner.baselines import static_plan
+    from megatron_hsp.evaluation.baselines import static_plan
     from megatron_hsp.planner.errors import HSPError
     from megatron_hsp.runtime.schedule import run_step
     from megatron_hsp.step.documents import DocumentReader

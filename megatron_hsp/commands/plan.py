@@ -12,16 +12,16 @@ from megatron_hsp.commands.common import (
     build_setup,
     import_warnings_summarised,
 )
-from megatron_hsp.planner.baselines import memory_model_for
-from megatron_hsp.planner.bench import (
+from megatron_hsp.evaluation.baselines import memory_model_for
+from megatron_hsp.evaluation.bench import (
     hsp_plan_fn,
     lower_bound_fn,
     parse_methods,
     price_baseline,
     shortest_microbatch_ms,
 )
+from megatron_hsp.planner.cost.pipeline import pipeline_lower_bound
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.pipeline import pipeline_lower_bound
 from megatron_hsp.planner.plan import Plan
 
 
@@ -53,28 +53,31 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if method == "hsp":
         plan = hsp_plan_fn(cost, cluster, setup.settings(args))(lengths)
     elif method == "megatron-dcp":
-        from megatron_hsp.megatron.dcp_baseline import megatron_dcp_plan
+        from megatron_hsp.evaluation.torch_side.dcp_baseline import megatron_dcp_plan
 
         plan = megatron_dcp_plan(lengths, cost, cluster)
     elif method == "megatron-dcp-dev":
-        from megatron_hsp.megatron.dcp_dev_baseline import load_dev_scheduler, megatron_dcp_dev_plan
+        from megatron_hsp.evaluation.torch_side.dcp_dev_baseline import (
+            load_dev_scheduler,
+            megatron_dcp_dev_plan,
+        )
 
         plan = megatron_dcp_dev_plan(lengths, cost, cluster, load_dev_scheduler())
     elif method == "batchada":
-        from megatron_hsp.planner.baselines import batchada_plan
+        from megatron_hsp.evaluation.baselines import batchada_plan
 
         plan = batchada_plan(lengths, cost, cluster, setup.sizes)
     elif method == "flexsp-style":
-        from megatron_hsp.planner.baselines import flexsp_style_plan
+        from megatron_hsp.evaluation.baselines import flexsp_style_plan
 
         base = setup.settings(args).solver_config()
         plan = flexsp_style_plan(lengths, cost, cluster, base, setup.sizes)
     elif method.startswith("static-") and method != "static-best":
-        from megatron_hsp.planner.baselines import static_plan
+        from megatron_hsp.evaluation.baselines import static_plan
 
         plan = static_plan(lengths, cost, cluster, int(method.split("-")[1]))
     elif method.startswith("dp-balanced-"):
-        from megatron_hsp.planner.baselines import dp_balanced_plan
+        from megatron_hsp.evaluation.baselines import dp_balanced_plan
 
         plan = dp_balanced_plan(lengths, cost, cluster, int(method.rsplit("-", 1)[1]))
     else:
@@ -82,7 +85,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
             f"--method {method} is chosen over several batches; use `megatron-hsp bench`"
         )
     if setup.pipeline is not None and method != "hsp":
-        # Baselines run in the order their schedulers emit (planner/bench.py).
+        # Baselines run in the order their schedulers emit (evaluation/bench.py).
         plan = price_baseline(plan, cost, setup.pipeline)
     elapsed = (time.perf_counter() - t0) * 1e3
     plan.validate(lengths.tolist(), memory_model_for(plan, cost), cluster.world_size)

@@ -4,7 +4,7 @@ Measures, on the backend this process gets (gloo/CPU here, NCCL/GPU where CUDA i
 code): forward+backward time of a megatron-core ``GPTModel`` of the given shape on packed (THD)
 batches against tokens, tokens^2, sequences per batch and a fixed cost; all-to-all time per group
 size and message size on ``--nproc`` processes; then fits the planner's cost model
-(``megatron_hsp.planner.fit``) and writes the explicit-coefficients YAML that every
+(``megatron_hsp.planner.cost.fit``) and writes the explicit-coefficients YAML that every
 ``--cost-model`` flag accepts. Fits that are not positive and monotone are refused (exit 2).
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from megatron_hsp.commands.demo import DEMO_MODEL
+    from megatron_hsp.commands.demo_config import DEMO_MODEL
     from megatron_hsp.step.corpus import DEMO_VOCAB_SIZE
 
     parser.add_argument("--out", metavar="FILE.yaml", required=True, help="cost model to write")
@@ -161,7 +161,7 @@ def _fit_comm(
     rows: list[tuple[int, float]], per_token_scale: float, latency_scale: float, what: str
 ) -> Any:
     """Fit ``ms = latency + per_token * tokens`` and scale to one training step's calls."""
-    from megatron_hsp.planner.fit import fit_linear
+    from megatron_hsp.planner.cost.fit import fit_linear
 
     tokens = [t for t, _ in rows]
     f = fit_linear(
@@ -188,7 +188,7 @@ def _check(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     if out.suffix not in (".yaml", ".yml"):
         raise InputError(f"--out {args.out}: the cost model is YAML; give a .yaml file name")
-    from megatron_hsp.commands.common import check_output_path
+    from megatron_hsp.planner.paths import check_output_path
 
     check_output_path("--out", args.out, overwrite=args.force)
     for flag, v, lo in (
@@ -215,8 +215,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import yaml
 
-    from megatron_hsp.planner.costmodel import load_cost_model
-    from megatron_hsp.planner.fit import (
+    from megatron_hsp.planner.cost.costmodel import load_cost_model
+    from megatron_hsp.planner.cost.fit import (
         check_monotone,
         cost_model_spec,
         fit_compute,

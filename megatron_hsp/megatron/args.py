@@ -30,7 +30,7 @@ from megatron_hsp.megatron.model_cost import (
 from megatron_hsp.planner import units
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import COMMUNICATOR_GB, DEFAULT_MAX_COMMUNICATORS
-from megatron_hsp.planner.settings import (
+from megatron_hsp.planner.search.settings import (
     DEFAULT_SOLVER,
     DEFAULT_TIME_BUDGET_S,
     SOLVERS,
@@ -293,7 +293,7 @@ def _sizes_the_cost_model_prices(
     the first step as a planning failure. Sizes chosen automatically are narrowed (with a note);
     sizes the user asked for with --hsp-group-sizes must all be priced, else a clear error.
     """
-    from megatron_hsp.planner.costmodel import load_cost_model
+    from megatron_hsp.planner.cost.costmodel import load_cost_model
 
     label = spec_label(spec)
     try:
@@ -882,7 +882,7 @@ def validate_hsp_args(
     seed = args.hsp_seed if args.hsp_seed is not None else int(_get(args, "seed", 1234))
     vpp = int(_get(args, "virtual_pipeline_model_parallel_size", 1))
     # The planner prices the pipeline (and keeps interleaving's micro-batch multiple) only with
-    # a stage cost model built for it (planner/parallel.py); with any other model it plans the
+    # a stage cost model built for it (planner/cost/parallel.py); with any other model it plans the
     # stage's micro-batches unpipelined and the runtime pads an interleaved count
     # (hooks._prepare, docs/integration.md).
     staged = (int(cost.details.get("pp", 1)), int(cost.details.get("vpp", 1))) == (pp, vpp)
@@ -928,7 +928,7 @@ def _refit_out(args: argparse.Namespace) -> str | None:
     ``hsp-cost-model.yaml``, else nowhere. Checked now, not after hours of training."""
     from pathlib import Path
 
-    from megatron_hsp.commands.common import check_output_path
+    from megatron_hsp.planner.paths import check_output_path
 
     out = getattr(args, "hsp_refit_out", None)
     if getattr(args, "hsp_no_refit", False):

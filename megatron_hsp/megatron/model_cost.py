@@ -9,7 +9,7 @@ distributed optimizer (ZeRO-1) and recomputation. The hardware comes from ``--hs
 or, with ``auto``, from the GPU NVML names (read without creating a CUDA context, so no rank
 touches GPU 0 before Megatron picks its device).
 
-The result is a cost-model *spec* (a mapping ``planner.costmodel.load_cost_model`` accepts,
+The result is a cost-model *spec* (a mapping ``planner.cost.costmodel.load_cost_model`` accepts,
 ``model`` + ``hardware`` + ``training`` sections), so the training process and the planner
 process build the identical ``CostModel`` from it.
 
@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_hsp.planner.first_principles import H100_SXM
+from megatron_hsp.planner.cost.first_principles import H100_SXM
 
 # Per GPU: the datasheet's dense bf16 peak and HBM; links as NCCL achieves them. Everything
 # else (achievable fractions of peak, attention kernel call overhead, ring step overhead, call
@@ -194,9 +194,9 @@ def _moe_active_ffn(args: Any, ffn: int, notes: list[str]) -> int:
     routed experts of ``--moe-ffn-hidden-size`` plus the shared experts.
 
     Why only that: the default model is a dense ``load_cost_model`` spec, which the planner
-    process rebuilds from plain data; the MoE terms of ``planner/moe.py`` (expert weights over
+    process rebuilds from plain data; the MoE terms of ``planner/cost/moe.py`` (expert weights over
     EP, optimizer states over expert-data-parallel ranks, dispatch all-to-all) live in the
-    stage builder of ``planner/parallel.py``, which takes presets, not specs. Compute is what
+    stage builder of ``planner/cost/parallel.py``, which takes presets, not specs. Compute is what
     separates plans here; the per-token dispatch and the expert weights cost every plan of a
     batch alike, except through the memory cap, which this model sets too high: said in a note.
     """

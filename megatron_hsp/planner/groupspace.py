@@ -29,12 +29,23 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from megatron_hsp.planner.errors import InputError
 
-if TYPE_CHECKING:  # plan.py imports this module
-    from megatron_hsp.planner.plan import Plan
+
+class PlanLayout(Protocol):
+    """What ``problems`` reads of a plan: ``plan.Plan`` has it (plan.py imports this module, so
+    this one names the shape instead of the type)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def gpus_per_node(self) -> int: ...
+
+    @property
+    def microbatches(self) -> Sequence[Any]: ...  # each with ``groups`` of ``plan.Group``
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +167,7 @@ class Cluster:
 # Why 24: it holds, for a 32-head model in nodes of 8, size 1 (free), every power of two up to
 # 1024 and the largest size (hybrid sizes cost 3 each) plus the intra-node sizes; 16 would leave
 # a 128 -> 1024 gap at 1024 GPUs. NCCL reports 0.5-0.7 GB per communicator created without a
-# shared parent (issue 15's measurement): up to ~12-17 GB per GPU, charged to the memory cap.
+# shared parent (docs/runtime.md): several GB per GPU at the default cap, charged to the memory cap.
 DEFAULT_MAX_COMMUNICATORS = 24
 # Device memory charged per communicator in the planner's memory model (GB), the low end of
 # NCCL's reported 0.5-0.7 GB (buffers per channel and peer; docs/runtime.md).
@@ -225,11 +236,11 @@ def planning_sizes(
     """The sizes the solver searches when it may use all of ``sizes`` (ascending, legal).
 
     Why: every whole-node multiple is a legal size, so 4096 GPUs in nodes of 8 have 519 sizes,
-    and the solver's per-(sequence, size) tables and group search grow with that count: one
-    32768-sequence solve took 3.5-4.5 s for a 3.6 s step. Up to ``limit`` sizes all are kept
-    (1024 GPUs: 135). Above it: every size up to a node, every power of two, the largest, and
-    whole-node sizes at most 25% apart, which cost at most 25% more ranks than the best size for
-    any one sequence (measured at 4096 GPUs: 32 sizes, solve 1.2-1.5 s, step within 2%).
+    and the solver's per-(sequence, size) tables and group search grow with that count: a
+    32768-sequence solve took longer than the step it planned. Up to ``limit`` sizes all are
+    kept. Above it: every size up to a node, every power of two, the largest, and whole-node
+    sizes at most 25% apart, which cost at most 25% more ranks than the best size for any one
+    sequence (the measured solve times and step loss: docs/results/solver.md).
     ``bench``'s lower-bound method keeps all sizes, so its gap includes what the subset gives up.
     """
     ordered = sorted({int(d) for d in sizes})
@@ -360,7 +371,7 @@ class HeadSpace:
         return [d for d in cluster.legal_sizes(candidates) if self.executable(d)]
 
 
-def problems(plan: Plan, heads: HeadSpace | None = None) -> list[str]:
+def problems(plan: PlanLayout, heads: HeadSpace | None = None) -> list[str]:
     """Groups of ``plan`` that the runtime cannot execute, as sentences (empty: all executable).
 
     Checks every group is a legal block and, given the model's ``heads``, that its recorded

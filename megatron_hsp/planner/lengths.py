@@ -82,7 +82,7 @@ def read_text_lengths(path: str | Path) -> np.ndarray:
                 if not text:
                     continue
                 # ASCII digits only: int() would also take "1_000", "+7", " 7" and non-ASCII
-                # digits, which no length file means (issue 18).
+                # digits, which no length file means.
                 digits = text[1:] if text.startswith("-") else text
                 if not (digits.isascii() and digits.isdigit()):
                     raise InputError(

@@ -29,8 +29,8 @@ class HSPPackedSeqParams(PackedSeqParams):
     boundaries as Python ints, ``layout_ring`` the ring degree dispatch laid the tokens out for,
     ``hybrid`` the (Ulysses, ring) sub-groups) and completed once, by the first layer, with the
     per-token positions and ring indices; so no layer after the first reads a tensor back to the
-    host (``tests/test_host_syncs.py``). The same dict object is shared by the per-layer copies
-    ``wrap`` makes. ``rotary_*``: megatron's rotary table, so RoPE runs inside the HSP core
+    host (``tests/runtime/test_host_syncs.py``). The same dict object is shared by the per-layer
+    copies ``wrap`` makes. ``rotary_*``: megatron's rotary table, so RoPE runs inside the HSP core
     attention (built per layer call by ``HSPSelfAttention``).
     """
 

@@ -3,7 +3,7 @@ NCCL/GPU): forward+backward time of a megatron-core ``GPTModel`` on packed (THD)
 rank at once, as training runs them), activation bytes per token, all-to-all and ring (p2p) step
 time per group size and message size, and the per-step costs (gradient all-reduce, optimizer).
 
-Only measurement lives here; fitting is ``megatron_hsp.planner.fit`` (pure), the command is
+Only measurement lives here; fitting is ``megatron_hsp.planner.cost.fit`` (pure), the command is
 ``megatron_hsp.commands.profile``.
 """
 

@@ -16,7 +16,8 @@ Memory (issue 15): the whole ring is ONE autograd function (``_RingAttention``),
 ring-flash-attention does it. Forward keeps only the running fp32 output and log-sum-exp; each
 block's scores live only inside a query tile (``_block_forward``) and are dropped. Saved for
 backward: q, k, v, the output and the log-sum-exp (plus the token index/document vectors), i.e.
-activation memory linear in tokens (``tests/test_ring_memory.py``, ``benchmarks/ring_memory.py``).
+activation memory linear in tokens (``tests/runtime/test_ring_memory.py``,
+``benchmarks/ring_memory.py``).
 Backward passes the K/V blocks around the ring again, recomputes each block's probabilities
 from q, k and the saved log-sum-exp, and carries each block's dK/dV accumulator along with it; one
 last shift returns every accumulator to its owner. The previous version let autograd keep every

@@ -9,5 +9,5 @@ lengths -> plan -> this rank's documents, once per step, outside any Megatron co
 * ``observe``: one record per step, predicted against measured;
 * ``corpus``: the demo's embedded corpus.
 
-The planner's knobs are one type, ``megatron_hsp.planner.settings.PlannerSettings``.
+The planner's knobs are one type, ``megatron_hsp.planner.search.settings.PlannerSettings``.
 """

@@ -215,12 +215,12 @@ class StepObserver:
 # the plan of step t + 2 is the first to see the update after step t.
 REFIT_MAX_STEP = 0.5
 # Group records before the first update. The fit pulls every factor towards one common factor
-# (planner/refit.PRIOR_RECORDS), which any record informs, so a step's handful of records is
+# (planner/cost/refit.PRIOR_RECORDS), which any record informs, so a step's handful of records is
 # enough for a bounded first move; at 8 the demo's first update waited for step 2 and a model
 # off by 2x was not corrected in time for step 5.
 REFIT_MIN_RECORDS = 4
-# Steps over which a record's weight halves (planner/refit.OnlineRefit.half_life): the machine's
-# speed changes under other jobs (the demo's steps 2-4 and 5-7 differed by 30% on a loaded
+# Steps over which a record's weight halves (planner/cost/refit.OnlineRefit.half_life): the
+# machine's speed changes under other jobs (the demo's steps 2-4 and 5-7 differed by 30% on a loaded
 # machine), and with equal weights the model stayed at the old speed. At 2 steps a machine 2x
 # slower from step 3 on was still predicted 20-40% fast at steps 5-7: in the window the older,
 # faster records outweighed the newest step's few (the 50% bound was not what held it: replayed
@@ -240,7 +240,7 @@ def group_timings(plan: Plan, microbatch_s: list[list[float]]) -> list[tuple[int
     holds that wait, which belongs to the previous micro-batch (the model charges a step the sum
     of each micro-batch's slowest group). The member that arrived last waited for no one.
     """
-    from megatron_hsp.planner.refit import GroupTiming
+    from megatron_hsp.planner.cost.refit import GroupTiming
 
     return [
         (
@@ -258,7 +258,7 @@ def group_timings(plan: Plan, microbatch_s: list[list[float]]) -> list[tuple[int
     ]
 
 
-# ``StepRefitter.model_state``'s length: the four factors (planner/refit.TERMS), the step cost.
+# ``StepRefitter.model_state``'s length: the four factors (planner/cost/refit.TERMS), the step cost.
 MODEL_STATE = 5
 
 
@@ -267,7 +267,7 @@ def model_from_state(base: Any, state: list[float]) -> Any:
     the starting model ``base``: the same coefficients, so the same price for every plan."""
     import dataclasses
 
-    from megatron_hsp.planner.refit import TERMS, scaled_model
+    from megatron_hsp.planner.cost.refit import TERMS, scaled_model
 
     assert len(state) == MODEL_STATE == len(TERMS) + 1
     model = scaled_model(base, dict(zip(TERMS, state[: len(TERMS)], strict=True)))
@@ -285,8 +285,8 @@ class StepRefitter:
     fitted elsewhere (a preset, a ``profile`` run) is wrong on the machine at hand by factors no
     one knows in advance. After each step (past ``skip_steps``, whose times include first-touch
     allocation and process-group creation) the group timings go to
-    ``planner.refit.OnlineRefit``, a robust, bounded update of the model's four term factors that
-    refuses non-monotone or worse fits. An accepted model is what the caller hands the planner
+    ``planner.cost.refit.OnlineRefit``, a robust, bounded update of the model's four term factors
+    that refuses non-monotone or worse fits. An accepted model is what the caller hands the planner
     next (``PlannerService.use_cost_model``) and, with ``out``, is written as a YAML spec that
     ``--cost-model`` / ``--hsp-cost-model`` reads on the next run.
 
@@ -306,7 +306,7 @@ class StepRefitter:
         half_life: float | None = REFIT_HALF_LIFE_STEPS,
         planner: Any = None,
     ) -> None:
-        from megatron_hsp.planner.refit import OnlineRefit
+        from megatron_hsp.planner.cost.refit import OnlineRefit
 
         self.refit = OnlineRefit(
             cost, max_step=max_step, min_records=min_records, half_life=half_life
@@ -325,7 +325,7 @@ class StepRefitter:
         """The current model in ``MODEL_STATE`` numbers (its factors against the starting model,
         then its per-step cost): what rank 0 sends the logging rank so that it prices plans with
         the same model (``model_from_state``) without a spec in a collective."""
-        from megatron_hsp.planner.refit import TERMS
+        from megatron_hsp.planner.cost.refit import TERMS
 
         return [float(self.refit.scales[k]) for k in TERMS] + [self.model.step_overhead_ms]
 
@@ -344,7 +344,7 @@ class StepRefitter:
         ``step_is_clean``: False when the step paid one-time costs outside its micro-batches
         (e.g. created process groups); its step time then does not inform the per-step cost.
         """
-        from megatron_hsp.planner.refit import StepTiming
+        from megatron_hsp.planner.cost.refit import StepTiming
 
         self.seen += 1
         if self.seen <= self.skip_steps:

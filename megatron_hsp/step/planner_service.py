@@ -28,7 +28,7 @@ from typing import Any
 
 from megatron_hsp.planner.errors import HSPError
 from megatron_hsp.planner.plan import Plan
-from megatron_hsp.planner.settings import PlannerSettings
+from megatron_hsp.planner.search.settings import PlannerSettings
 from megatron_hsp.planner.units import tokens_to_k
 
 log = logging.getLogger("megatron_hsp.planner_service")
@@ -42,7 +42,7 @@ class PlannerSpec:
     """Everything the child needs to build its planner; picklable, no torch objects.
 
     The problem (cost model, cluster, longest sequence, memory cap) plus the planner's knobs,
-    ``settings`` (``planner.settings.PlannerSettings``, the one type every entry point uses).
+    ``settings`` (``planner.search.settings.PlannerSettings``, the one type every entry point uses).
     """
 
     cost_model: str | dict[str, Any]  # preset name, YAML/JSON path, or a spec mapping
@@ -58,7 +58,7 @@ class PlannerSpec:
     def load_cost_model(self):
         """The cost model this spec names, sized for its cluster, longest sequence and cap (the
         one loader the planner process and the training process both use)."""
-        from megatron_hsp.planner.costmodel import load_cost_model
+        from megatron_hsp.planner.cost.costmodel import load_cost_model
 
         return load_cost_model(
             self.cost_model,
@@ -76,7 +76,7 @@ def _import(path: str) -> Callable[..., Any]:
 
 def solve_with_planner(spec: PlannerSpec) -> Callable[[Sequence[int]], Plan]:
     """The production planner: cost model + MILP solver from ``megatron_hsp.planner``."""
-    from megatron_hsp.planner.solver import solve
+    from megatron_hsp.planner.search.solver import solve
     from megatron_hsp.planner.topology import Cluster
 
     cost = spec.load_cost_model()

@@ -1,7 +1,7 @@
 """Autograd-saved bytes of one ring attention call per rank (issue 15's ring memory contract).
 
-Used by ``benchmarks/ring_memory.py`` and ``tests/test_ring_memory.py``: ``ring_attention`` on
-gloo CPU processes (a pure ring over all of them, the load-balanced layout of
+Used by ``benchmarks/ring_memory.py`` and ``tests/runtime/test_ring_memory.py``: ``ring_attention``
+on gloo CPU processes (a pure ring over all of them, the load-balanced layout of
 ``runtime/layout.py``, one document per buffer); every tensor autograd saves for backward is
 counted once per distinct storage (``torch.autograd.graph.saved_tensors_hooks``); the maximum
 over ranks is reported.

@@ -20,7 +20,7 @@ and ``cpu_attention_scores_buffer`` pre-allocates megatron's named score buffer 
 megatron-core's own ``RotaryEmbedding`` instance, unmodified: its table is moved "to the GPU" by
 megatron's own code, which the placement mode keeps on the CPU. ``reference_model`` refuses a
 model holding any module defined outside megatron-core or torch;
-``tests/test_selftest_reference.py`` imports this module in a fresh process and fails if it
+``tests/testing/test_selftest_reference.py`` imports this module in a fresh process and fails if it
 reaches ``megatron_hsp.runtime``, ``megatron_hsp.megatron`` or ``megatron_hsp.planner``.
 The distributed HSP model loads this model's initial weights by
 parameter name (the HSP spec only swaps parameter-free attention modules, so the names are the

@@ -10,7 +10,7 @@ be); it is far from this machine's speed under Megatron's CPU overheads, so the 
 from its first update. ``delay_s`` puts a sleep inside the
 model's forward on slot 0 in the *last* micro-batch of every step (a forward pre-hook, i.e.
 after the micro-batch started): the refit records must show it in that micro-batch's group of
-slot 0 and nowhere else (``tests/test_megatron_refit.py``).
+slot 0 and nowhere else (``tests/megatron/test_megatron_refit.py``).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_hsp.planner.costmodel import CostModel
+from megatron_hsp.planner.cost.costmodel import CostModel
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import HeadSpace
 from megatron_hsp.planner.plan import Plan

@@ -1,0 +1,719 @@
+"""A lower bound over the plans the runtime can place: groups in aligned blocks.
+
+Why: every fact of ``bounds.py`` and its configuration LP let any group sizes
+share a micro-batch as long as their ranks add up. The runtime does not: a group of more than one
+node occupies a fixed block (``groupspace.Cluster.block_starts``: whole nodes, starting at a
+multiple of its size), so on 64 ranks in nodes of 8 a 40-rank group and a 24-rank group never run
+side by side (40 starts at 0 only, 24 at 0 or 24). On batches whose work is almost all in
+sequences longer than a node holds (bimodal, long-context SFT mixes), which sizes can pair decides
+the step, and a bound blind to it measures the placement rule, not the planner.
+
+The bound is the LP relaxation of a micro-batch-pattern formulation in which only *long*
+sequences (no group inside one node holds them) are placed explicitly:
+
+- A pattern is one micro-batch's cross-node groups: a multiset of sizes that aligned blocks can
+  hold at once (enumerated exactly, ``cross_node_mixes``), each group with a multiset of long
+  classes whose tokens fit its memory; its makespan ``M`` is its slowest group,
+  ``sum T(l, d) + b_d``.
+- Everything else (*short*: sequences a node can hold, all of them fractional) runs in one of
+  three places, and each place must hold its part's tokens and minimum work:
+  the pattern's *free ranks* (those in no long group: ``(N - D) (M - b_min)`` rank-ms, every
+  rank paying at least the smallest fixed cost ``b_min``, and ``(N - D) cap`` tokens, ``D`` the
+  long groups' ranks); *inside its long groups* (``sum_g d_g (M - T_g - b_g)`` rank-ms and
+  ``sum_g (d_g cap - L_g)`` tokens, where a short sequence costs its cross-node rank-ms,
+  ``min_{d > G} d T(s, d)``, not its minimum); or *micro-batches of short sequences only*
+  (cost ``b_min`` each for ``N cap`` tokens, and their work's time). One ms of every rank (cost
+  1, ``N`` rank-ms) buys time in any of the three (lengthening a micro-batch).
+
+    min sum_p M_p lambda_p + t_f + t_l + t_s + b_min m
+    s.t. sum_p a_pk lambda_p >= n_k                    every long class covered
+         sum_p WF_p lambda_p + N t_f >= w_f,  sum_p TF_p lambda_p >= x_f      free ranks
+         sum_p WL_p lambda_p + N t_l >= c_l,  sum_p TL_p lambda_p >= x_l      long groups
+         N t_s >= W_short - w_f - w_l,  N cap m >= L_short - x_f - x_l       short-only
+         (x_f, w_f), (x_l, w_l, c_l) and their union: what a subset of the short sequences
+         can be (``_subset_curves``: the most work x tokens carry, the least cross-node work)
+
+  Pooling memory and time over a micro-batch, or over all of them, is what this separates: a
+  long group's spare memory holds no short sequence at its one-rank cost, and tokens moved to
+  short-only micro-batches take their work with them (on lognormal-dcp and code-heavy-tail
+  those two pools were most of the gap).
+
+  Each pattern also offers its free ranks at most the minimum work its free tokens can carry
+  (``WF_p`` is the smaller of their time and that work; ``_carry_lines``: densest sequences
+  first, a concave curve). Without it, patterns mixed fractionally lent one pattern's idle
+  time to work whose tokens only another's memory held (two long sequences beside a few free
+  ranks were offered more rank time than their free tokens can carry). The column generation
+  converges without the cap first, then goes on with it from the same columns; both bounds are
+  valid and the larger is returned (with the cap from the start, some batches' pricing did
+  not converge). The same cap on the long groups' spare memory (cross-node work) added little
+  and kept some batches from converging at all: not applied (figures: docs/results/solver.md).
+
+Every micro-batch of every plan the runtime places is a pattern (with its short sequences' work
+at least their minimum, its long classes at their shortest member's length), so the optimum is a
+step-time bound; any superset of patterns only lowers it. Columns come from a pricing MILP
+(HiGHS) that chooses the mix, fills each group and pays its makespan; a loose MILP gap while
+columns are worth much, a tight one to prove convergence. When a limit stops the column
+generation first, the larger of Farley's scaled dual bound ``D / (1 + z* / M_low)`` and the
+Lagrangian ``D - n z*`` is returned (``z*``: the pricing MILP's dual bound on the best reduced
+value; every priced pattern holds an explicit sequence, so ``M >= M_low``, the cheapest one
+alone, and a plan has at most ``n``, one per explicit sequence), as
+``bounds.instance_lp_bound`` does.
+
+With ``intra_node`` the multi-rank sequences a node holds are explicit too: intra-node groups
+are pooled per size (their count, memory and ``count x M`` of time, with ``count x M``
+linearised by the count's bits), in nodes that per-node configurations of aligned offsets fill
+(``node_configs``: sizes 5 and 3 never share a node of 8). Exact on small instances, slow at 512
+sequences (its pricing MILP rarely converges in minutes), so off by default: then those
+sequences are fractional and only cross-node placement counts.
+
+What it does not model: the combinatorial facts (use ``max`` with
+``bounds.instance_lower_bound``). It is a benchmark's bound (seconds to minutes at 64 ranks and
+512 sequences), not the planner's per-solve one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_hsp.planner.search.bounds import LpBound, length_classes
+from megatron_hsp.planner.search.highs import add_row, quiet_highs
+from megatron_hsp.planner.search.instance import Instance
+from megatron_hsp.planner.topology import Cluster
+
+# Mixes enumerated at most; past it the bound is not computed (None): the enumeration is exact or
+# the bound would exclude placeable mixes and be invalid.
+MAX_MIXES = 5000
+# Relative MILP gaps of the pricing: loose while columns are worth much, then tight.
+LOOSE_GAP, TIGHT_GAP = 0.05, 1e-6
+
+
+@dataclass(frozen=True)
+class PlacementBound(LpBound):
+    """The placement-aware LP bound and how it was reached (``LpBound``'s fields, and more)."""
+
+    long_sequences: int = 0  # sequences only cross-node groups hold
+    mixes: int = 0  # maximal cross-node size mixes that aligned blocks place
+
+
+def cross_node_mixes(cluster: Cluster, sizes: Sequence[int]) -> list[dict[int, int]] | None:
+    """Every maximal multiset of cross-node ``sizes`` that aligned blocks hold at once.
+
+    Exact: a depth-first search over block starts (whole nodes), sizes descending, equal sizes in
+    increasing start order. None past ``MAX_MIXES`` mixes (the bound then is not computed).
+    """
+    g = cluster.node_width
+    big = sorted({int(d) for d in sizes if d > g}, reverse=True)
+    nodes = cluster.world_size // g
+    if not big:
+        return [{}]
+    starts = {d: [s // g for s in cluster.block_starts(d)] for d in big}
+    found: set[tuple[int, ...]] = set()
+    used = [False] * nodes
+
+    def free(s: int, w: int) -> bool:
+        return not any(used[s : s + w])
+
+    def dfs(k: int, counts: list[int], low: int) -> bool:
+        """Extend with sizes big[k:]; True when the mix was cut (too many)."""
+        if len(found) > MAX_MIXES:
+            return True
+        if k == len(big):
+            found.add(tuple(counts))
+            return False
+        w = big[k] // g
+        # Place another big[k] (starts after the previous one of this size) or move on.
+        for s in starts[big[k]]:
+            if s >= low and free(s, w):
+                for t in range(s, s + w):
+                    used[t] = True
+                counts[k] += 1
+                cut = dfs(k, counts, s + w)
+                counts[k] -= 1
+                for t in range(s, s + w):
+                    used[t] = False
+                if cut:
+                    return True
+        return dfs(k + 1, counts, 0)
+
+    if dfs(0, [0] * len(big), 0):
+        return None
+    mixes = [dict(zip(big, c, strict=True)) for c in found]
+
+    def dominated(a: dict[int, int]) -> bool:
+        return any(b != a and all(b[d] >= a[d] for d in big) for b in mixes)
+
+    return [m for m in mixes if not dominated(m) and any(m.values())]
+
+
+def node_configs(cluster: Cluster, sizes: Sequence[int]) -> list[dict[int, int]]:
+    """Every maximal multiset of multi-rank sizes up to a node that one node's aligned blocks
+    hold at once; exact (one node is tiny)."""
+    g = cluster.node_width
+    small = sorted({int(d) for d in sizes if 1 < d <= g}, reverse=True)
+    # The first node's blocks (``Cluster.block_starts`` owns the rule; every node has the same).
+    offsets = {d: [s for s in cluster.block_starts(d) if s + d <= g] for d in small}
+    found: set[tuple[int, ...]] = set()
+    used = [False] * g
+
+    def dfs(k: int, counts: list[int], low: int) -> None:
+        if k == len(small):
+            found.add(tuple(counts))
+            return
+        d = small[k]
+        for off in offsets[d]:
+            if off >= low and not any(used[off : off + d]):
+                used[off : off + d] = [True] * d
+                counts[k] += 1
+                dfs(k, counts, off + d)
+                counts[k] -= 1
+                used[off : off + d] = [False] * d
+        dfs(k + 1, counts, 0)
+
+    dfs(0, [0] * len(small), 0)
+    configs = [dict(zip(small, c, strict=True)) for c in found]
+
+    def dominated(a: dict[int, int]) -> bool:
+        return any(b != a and all(b[d] >= a[d] for d in small) for b in configs)
+
+    return [c for c in configs if not dominated(c) and any(c.values())]
+
+
+# Supporting lines kept per subset curve (any subset of them is valid; more only tightens).
+CURVE_LINES = 48
+
+
+def _inflated_work(inst: Instance, i: int, cross: Sequence[int]) -> float:
+    """Least rank-ms sequence ``i`` costs in a cross-node group (inf if none holds it)."""
+    return min(
+        (inst.sizes[j] * inst.times[i][j] for j in cross if inst.times[i][j] < math.inf),
+        default=math.inf,
+    )
+
+
+def _segment_lines(
+    order: Sequence[int], num: Sequence[float], den: Sequence[float]
+) -> list[tuple[float, float]]:
+    """(slope, intercept) of segments of the cumulative (den, num) curve walked in ``order``:
+    at most ``CURVE_LINES`` of them, the last always kept."""
+    out, a, b = [], 0.0, 0.0
+    for k in order:
+        if den[k] > 0:
+            slope = num[k] / den[k]
+            out.append((slope, b - slope * a))
+        a, b = a + den[k], b + num[k]
+    if not out:
+        return out
+    step = max(1, math.ceil(len(out) / CURVE_LINES))
+    return out[::step] + ([out[-1]] if (len(out) - 1) % step else [])
+
+
+def _carry_lines(
+    tokens: Sequence[float], work: Sequence[float], at: Sequence[float] | None = None
+) -> list[tuple[float, float]]:
+    """Lines ``(a, c)`` with: any subset of the sequences holding ``x`` tokens carries at most
+    ``min(c + a x)`` of ``work`` (densest first is the most; the curve is concave, so each
+    segment's line is above it everywhere; the last line is the total, carried by all).
+
+    ``at``: only the segments through these token counts (exact there, fewer rows in the
+    pricing MILP); otherwise up to ``CURVE_LINES`` of them.
+    """
+    ids = [k for k in range(len(tokens)) if tokens[k] > 0 and work[k] > 0]
+    order = sorted(ids, key=lambda k: -work[k] / tokens[k])
+    total = (0.0, float(sum(work[k] for k in ids)))
+    if at is None:
+        return [*_segment_lines(order, work, tokens), total]
+    lines, x0, w0 = set(), 0.0, 0.0
+    points = sorted(at)
+    for k in order:
+        x1 = x0 + tokens[k]
+        slope = work[k] / tokens[k]
+        while points and points[0] <= x1:
+            lines.add((slope, w0 - slope * x0))
+            points.pop(0)
+        x0, w0 = x1, w0 + work[k]
+    return [*sorted(lines), total]
+
+
+def _carried(lines: Sequence[tuple[float, float]], tokens: float) -> float:
+    """The most work ``tokens`` carry by ``_carry_lines``'s lines."""
+    return min(c + a * tokens for a, c in lines)
+
+
+# The master's variables for where the short sequences run (module docstring).
+SHORT_VARS = ("x_free", "w_free", "x_long", "w_long", "c_long")
+
+
+def _subset_curves(
+    tokens: Sequence[float], work: Sequence[float], inflated: Sequence[float]
+) -> list[tuple[float, float, dict[str, float]]]:
+    """Rows ``lo <= sum coef[v] v <= hi`` over ``SHORT_VARS`` that every split of the short
+    sequences into free ranks of long patterns (tokens ``x_free``, minimum work ``w_free``),
+    long groups (tokens ``x_long``, minimum work ``w_long``, cross-node work ``c_long``) and
+    micro-batches of short sequences only (the rest) satisfies.
+
+    Fractional knapsacks give the extreme subsets: the most work ``x`` tokens carry (densest
+    first, concave in ``x``) bounds the free ranks' part, the long groups' part and their union
+    (whose complement, the short-only micro-batches, so carries at least the least work of its
+    tokens); the least cross-node work ``x`` tokens cost (cheapest per token first, convex) and
+    the least cross-node work that carries ``w`` of minimum work (least inflated first,
+    convex) bound the long groups' part. Each segment's line bounds its curve everywhere, so
+    any ``CURVE_LINES`` of them are valid rows. Sequences no cross-node group holds are never in
+    the long groups' part.
+    """
+    ids = [k for k in range(len(tokens)) if tokens[k] > 0]
+    ok = [k for k in ids if inflated[k] < math.inf]
+    rows: list[tuple[float, float, dict[str, float]]] = [
+        (-math.inf, float(sum(tokens[k] for k in ids)), {"x_free": 1.0, "x_long": 1.0}),
+        (-math.inf, float(sum(work[k] for k in ids)), {"w_free": 1.0, "w_long": 1.0}),
+        (-math.inf, float(sum(tokens[k] for k in ok)), {"x_long": 1.0}),
+        (0.0, math.inf, {"c_long": 1.0, "w_long": -1.0}),
+    ]
+
+    by_density = sorted(ids, key=lambda k: -work[k] / tokens[k])
+    for slope, icept in _segment_lines(by_density, work, tokens):  # w <= icept + slope x
+        rows.append((-math.inf, icept, {"w_free": 1.0, "x_free": -slope}))
+        rows.append((-math.inf, icept, {"w_long": 1.0, "x_long": -slope}))
+        rows.append(
+            (-math.inf, icept, {"w_free": 1.0, "w_long": 1.0, "x_free": -slope, "x_long": -slope})
+        )
+    by_cost = sorted(ok, key=lambda k: inflated[k] / tokens[k])
+    for slope, icept in _segment_lines(by_cost, inflated, tokens):  # c >= icept + slope x
+        rows.append((icept, math.inf, {"c_long": 1.0, "x_long": -slope}))
+    by_inflation = sorted(ok, key=lambda k: inflated[k] / max(work[k], 1e-300))
+    for slope, icept in _segment_lines(by_inflation, inflated, work):  # c >= icept + slope w
+        rows.append((icept, math.inf, {"c_long": 1.0, "w_long": -slope}))
+    return rows
+
+
+def placement_lp_bound(
+    inst: Instance,
+    cluster: Cluster,
+    *,
+    rel_width: float = 0.02,
+    max_iterations: int = 2000,
+    time_limit_s: float = 60.0,
+    price_limit_s: float = 5.0,
+    seed: Sequence[Sequence[tuple[int, Sequence[int]]]] = (),
+    upper_ms: float | None = None,
+    intra_node: bool = False,
+) -> PlacementBound | None:
+    """Step time no placeable plan beats (module docstring); None where it is not computed.
+
+    None: no sequence needs more than the smallest group (the bound would be the short work's,
+    which ``bounds.py`` already gives), or more than ``MAX_MIXES`` placeable mixes. ``rel_width``
+    groups lengths into classes priced at their shortest member (a relaxation: time and memory
+    grow with length). ``seed``: micro-batches of a plan, as (group size, sequence ids) per
+    group, that start the column generation (any plan's; it speeds convergence, the bound does
+    not depend on it). ``upper_ms``: a plan's step time (no micro-batch of a better plan lasts
+    longer; it only tightens the pricing's linearisation). ``intra_node``: also place the
+    multi-rank sequences a node holds (pooled per size in node configurations); exact on small
+    instances, but its pricing MILP is slow: at 64 ranks and 512 sequences it does not converge
+    in minutes. Without it they are short (fractional) and only cross-node placement counts.
+    """
+    import highspy
+
+    t_end = time.perf_counter() + time_limit_s
+    n, g = inst.world_size, cluster.node_width
+    sizes = inst.sizes
+    nodes = max(1, n // g)
+    need = [sizes[inst.dmin[i]] for i in range(len(inst.lengths))]
+    long_ids = [i for i in range(len(inst.lengths)) if need[i] > g]
+    mid_ids = [i for i in range(len(inst.lengths)) if sizes[0] < need[i] <= g and intra_node]
+    if not long_ids and not mid_ids:
+        return None
+    mixes = cross_node_mixes(cluster, sizes)
+    if mixes is None:
+        return None
+    configs = node_configs(cluster, sizes)
+    cross = [j for j, d in enumerate(sizes) if d > g]
+    intra = [j for j, d in enumerate(sizes) if 1 < d <= g]
+    b_min = inst.min_fixed
+    cap = inst.cap
+    explicit = set(long_ids) | set(mid_ids)
+    short = [i for i in range(len(inst.lengths)) if i not in explicit]
+    w_short = float(sum(inst.work_min[i] for i in short))
+    tok_short = float(sum(inst.lengths[i] for i in short))
+    m_cap = upper_ms if upper_ms is not None else float(sum(inst.best)) + b_min
+
+    # Classes: long ones (only cross-node groups hold them), then the multi-rank ones a node holds.
+    classes = length_classes(long_ids, inst.lengths, rel_width) + length_classes(
+        mid_ids, inst.lengths, rel_width
+    )
+    class_of = {i: k for k, c in enumerate(classes) for i in c}
+    nk = len(classes)
+    rep = [inst.lengths[c[0]] for c in classes]
+    count = [len(c) for c in classes]
+    tk = [[inst.times[c[0]][j] for j in range(len(sizes))] for c in classes]
+    fits = [[j for j in range(len(sizes)) if rep[k] <= sizes[j] * cap and sizes[j] > 1]
+            for k in range(nk)]  # fmt: skip
+    m_low = min(tk[k][j] + inst.fixed[j] for k in range(nk) for j in fits[k])
+
+    # Master LP (module docstring): rows 0..nk-1 cover classes; then the short sequences' work
+    # and tokens on long patterns' free ranks, inside their long groups and in micro-batches of
+    # short sequences only; then the curves that tie each part's work to its tokens.
+    row_wf, row_tf, row_wl, row_tl, row_ws, row_ts, row_count = range(nk, nk + 7)
+    m_floor = max(1, math.ceil(sum(inst.lengths) / (n * cap)))  # micro-batches memory forces
+    master = quiet_highs()
+    master.setOptionValue("threads", 1)
+    inf = highspy.kHighsInf
+    for k in range(nk):
+        master.addRow(float(count[k]), inf, 0, np.array([], np.int32), np.array([]))
+    for rhs in (0.0, 0.0, 0.0, 0.0, w_short, tok_short, float(m_floor)):
+        master.addRow(rhs, inf, 0, np.array([], np.int32), np.array([]))
+    short_tokens = [float(inst.lengths[i]) for i in short]
+    short_work = [float(inst.work_min[i]) for i in short]
+    curves = _subset_curves(
+        short_tokens, short_work, [_inflated_work(inst, i, cross) for i in short]
+    )
+    # The most minimum work one pattern's free ranks can get from the short sequences their
+    # memory holds (module docstring). Without pooled intra-node groups their tokens are
+    # ``(N - D) cap`` for the ranks ``D`` of some part of a mix: exact with a line each.
+    at = None
+    if not intra_node:
+        taken = set()
+        for mix in mixes:
+            for part in itertools.product(*(range(c + 1) for c in mix.values())):
+                taken.add(sum(d * c for d, c in zip(mix, part, strict=True)))
+        at = [float((n - d) * cap) for d in taken]
+    free_lines = _carry_lines(short_tokens, short_work, at)
+    first_curve = nk + 7
+    for lo, hi, _ in curves:
+        master.addRow(lo, hi, 0, np.array([], np.int32), np.array([]))
+
+    def add_column(cost: float, entries: dict[int, float]) -> None:
+        idx = np.array(list(entries.keys()), np.int32)
+        val = np.array(list(entries.values()), dtype=np.float64)
+        master.addCol(cost, 0.0, inf, len(idx), idx, val)
+
+    # One ms of every rank: for free ranks, long groups or short-only micro-batches (the first
+    # two a relaxation of lengthening a long pattern, which gives both at once).
+    for r in (row_wf, row_wl, row_ws):
+        add_column(1.0, {r: float(n)})
+    # A micro-batch of short sequences only; it and every pattern count towards the floor.
+    add_column(b_min, {row_ts: float(n * cap), row_count: 1.0})
+    moves = {  # what each short-sequence variable takes from its area and gives the rest
+        "x_free": {row_tf: -1.0, row_ts: 1.0},
+        "w_free": {row_wf: -1.0, row_ws: 1.0},
+        "x_long": {row_tl: -1.0, row_ts: 1.0},
+        "w_long": {row_ws: 1.0},
+        "c_long": {row_wl: -1.0},
+    }
+    for name in SHORT_VARS:
+        entries = {first_curve + r: c[name] for r, (_, _, c) in enumerate(curves) if name in c}
+        entries.update(moves[name])
+        add_column(0.0, entries)
+
+    # Two phases: the free ranks' work uncapped until the LP converges, then capped by what their
+    # tokens carry (module docstring), from those columns; each phase's bound is valid, and the
+    # first converges as fast as without the cap (sft-long-mix's capped pricing alone did not
+    # converge on one batch in minutes).
+    capped = False
+    wf_of: list[tuple[int, float, float]] = []  # pattern column, free work uncapped and capped
+
+    def pattern_column(
+        groups: list[tuple[int, dict[int, int]]], pooled: dict[int, tuple[int, dict[int, int]]]
+    ) -> tuple[float, dict[int, float], tuple[float, float]]:
+        """(makespan, master entries) of a pattern: cross-node groups as (size index, class
+        counts); intra-node groups pooled per size index as (groups, class counts)."""
+        makespan = b_min
+        rank_ms, tokens = 0.0, 0.0  # on free ranks (pooled intra-node groups)
+        long_ranks, long_ms, long_tokens = 0, 0.0, 0.0  # cross-node groups
+        cover: dict[int, float] = {}
+        for j, content in groups:
+            t_g = sum(tk[k][j] * c for k, c in content.items())
+            makespan = max(makespan, t_g + inst.fixed[j])
+            long_ranks += sizes[j]
+            long_ms += sizes[j] * (t_g + inst.fixed[j])
+            long_tokens += sum(rep[k] * c for k, c in content.items())
+            for k, c in content.items():
+                cover[k] = cover.get(k, 0.0) + c
+        for j, (ng, content) in pooled.items():
+            t_all = sum(tk[k][j] * c for k, c in content.items())
+            makespan = max(makespan, (t_all + inst.fixed[j] * ng) / ng)
+            makespan = max(makespan, *(tk[k][j] + inst.fixed[j] for k in content))
+            rank_ms += sizes[j] * (t_all + (inst.fixed[j] - b_min) * ng)
+            tokens += sum(rep[k] * c for k, c in content.items())
+            for k, c in content.items():
+                cover[k] = cover.get(k, 0.0) + c
+        free = n - long_ranks
+        entries = dict(cover)
+        entries[row_count] = 1.0
+        entries[row_tf] = max(0.0, free * cap - tokens)
+        entries[row_tl] = max(0.0, long_ranks * cap - long_tokens)
+        spare = max(0.0, free * (makespan - b_min) - rank_ms)
+        carried = min(spare, _carried(free_lines, entries[row_tf]))
+        entries[row_wf] = carried if capped else spare
+        entries[row_wl] = max(0.0, long_ranks * makespan - long_ms)
+        return makespan, entries, (spare, carried)
+
+    def add_pattern(makespan: float, entries: dict[int, float], wf: tuple[float, float]) -> None:
+        wf_of.append((master.getNumCol(), *wf))
+        add_column(makespan, entries)
+
+    def split(micro: Sequence[tuple[int, Sequence[int]]]):
+        """A micro-batch's explicit sequences as pattern_column's arguments."""
+        groups, pooled = [], {}
+        index_of = {d: j for j, d in enumerate(sizes)}
+        for d, ids in micro:
+            content: dict[int, int] = {}
+            for i in ids:
+                if i in class_of:
+                    content[class_of[i]] = content.get(class_of[i], 0) + 1
+            if not content or d not in index_of:
+                continue
+            j = index_of[d]
+            if d > g:
+                groups.append((j, content))
+            else:
+                ng, pool = pooled.get(j, (0, {}))
+                for k, c in content.items():
+                    pool[k] = pool.get(k, 0) + c
+                pooled[j] = (ng + 1, pool)
+        return groups, pooled
+
+    for k in range(nk):  # each class alone in its fastest group
+        j = min(fits[k], key=lambda j: tk[k][j] + inst.fixed[j])
+        add_pattern(*pattern_column(*split([(sizes[j], [classes[k][0]])])))
+    for micro in seed:
+        groups, pooled = split(micro)
+        if groups or pooled:
+            add_pattern(*pattern_column(groups, pooled))
+
+    # Pricing MILP, built once; only its objective changes.
+    price = quiet_highs()
+    price.setOptionValue("threads", 1)
+    ncols = 0
+
+    def var(lb: float, ub: float, integer: bool) -> int:
+        nonlocal ncols
+        price.addCol(0.0, lb, ub, 0, np.array([], np.int32), np.array([]))
+        if integer:
+            price.changeColIntegrality(ncols, highspy.HighsVarType.kInteger)
+        ncols += 1
+        return ncols - 1
+
+    def row(lb: float, ub: float, terms: list[tuple[int, float]]) -> None:
+        add_row(price, lb, ub, terms)
+
+    mvar = var(m_low, max(m_low, m_cap), False)
+    yvar = [var(0.0, 1.0, True) for _ in mixes]
+    if yvar:
+        row(-inf, 1.0, [(y, 1.0) for y in yvar])
+    slots: list[tuple[int, int]] = []  # cross-node groups: (size index, u variable)
+    uvm: list[int] = []  # per slot, u x M linearised (free ranks' time is (N - sum d u) M)
+    xvar: dict[tuple[int, int], int] = {}  # (slot, class) -> variable
+    node_terms: list[tuple[int, float]] = []  # nodes taken, by cross-node groups and node configs
+    for j in cross:
+        d = sizes[j]
+        most = max((m.get(d, 0) for m in mixes), default=0)
+        us = [var(0.0, 1.0, True) for _ in range(most)]
+        if not us:
+            continue
+        row(-inf, 0.0, [(u, 1.0) for u in us] + [(y, -float(m.get(d, 0))) for y, m in
+                                                 zip(yvar, mixes, strict=True)])  # fmt: skip
+        for a, b in itertools.pairwise(us):
+            row(0.0, inf, [(a, 1.0), (b, -1.0)])  # symmetry: fill slots in order
+        for u in us:
+            s = len(slots)
+            slots.append((j, u))
+            node_terms.append((u, float(d // g)))
+            v = var(0.0, inf, False)
+            uvm.append(v)
+            row(-inf, 0.0, [(v, 1.0), (mvar, -1.0)])
+            row(-inf, 0.0, [(v, 1.0), (u, -m_cap)])
+            row(-m_cap, inf, [(v, 1.0), (mvar, -1.0), (u, -m_cap)])
+            mem, tim = [(u, -float(d * cap))], [(u, inst.fixed[j]), (mvar, -1.0)]
+            for k in range(nk):
+                if j in fits[k]:
+                    x = var(0.0, float(min(count[k], (d * cap) // rep[k])), True)
+                    xvar[s, k] = x
+                    mem.append((x, float(rep[k])))
+                    tim.append((x, tk[k][j]))
+            row(-inf, 0.0, mem)
+            row(-inf, 0.0, tim)
+            # A pattern's cross-node groups are those holding an explicit sequence (a group of
+            # short ones only is free ranks); an empty one would also mis-price its u x M.
+            row(-inf, 0.0, [(u, 1.0)] + [(xvar[s, k], -1.0) for k in range(nk) if (s, k) in xvar])
+    # Intra-node groups, pooled per size: ``ng`` groups (bits of it, to price ``ng * M``) in the
+    # nodes the configurations give; every class in it fits one group and finishes by M, and
+    # together they fit the groups' memory and ``ng`` makespans (a relaxation of one by one).
+    cvar = [var(0.0, float(nodes), True) for _ in configs]
+    node_terms += [(c, 1.0) for c in cvar]
+    row(-inf, float(nodes), node_terms)
+    bits: dict[int, list[tuple[int, int]]] = {}  # size index -> [(2^i, bit variable)]
+    pvar: dict[tuple[int, int], int] = {}  # (size index, class) -> pooled count
+    for j in intra:
+        d = sizes[j]
+        most = nodes * (g // d)
+        ks = [k for k in range(nk) if j in fits[k]]
+        if not ks or not any(c.get(d, 0) for c in configs):
+            continue
+        bs = [(1 << i, var(0.0, 1.0, True)) for i in range(most.bit_length())]
+        bits[j] = bs
+        groups_terms = [(b, float(w)) for w, b in bs]
+        row(-inf, 0.0, groups_terms + [(c, -float(cf.get(d, 0))) for c, cf in
+                                       zip(cvar, configs, strict=True)])  # fmt: skip
+        mem = [(b, -float(w * d * cap)) for w, b in bs]
+        tim = [(b, float(w) * inst.fixed[j]) for w, b in bs]
+        for w, b in bs:  # v_b = bit * M, linearised: v <= M, v <= m_cap * bit
+            v = var(0.0, inf, False)
+            row(-inf, 0.0, [(v, 1.0), (mvar, -1.0)])
+            row(-inf, 0.0, [(v, 1.0), (b, -m_cap)])
+            tim.append((v, -float(w)))
+        for k in ks:
+            most_k = min(count[k], most * ((d * cap) // rep[k]))
+            x = var(0.0, float(most_k), True)
+            z = var(0.0, 1.0, True)
+            pvar[j, k] = x
+            row(-inf, 0.0, [(x, 1.0), (z, -float(most_k))])
+            row(-inf, 0.0, [(z, tk[k][j] + inst.fixed[j]), (mvar, -1.0)])
+            mem.append((x, float(rep[k])))
+            tim.append((x, tk[k][j]))
+        row(-inf, 0.0, mem)
+        row(-inf, 0.0, tim)
+    for k in range(nk):
+        terms = [(x, 1.0) for (s, kk), x in xvar.items() if kk == k]
+        terms += [(x, 1.0) for (j, kk), x in pvar.items() if kk == k]
+        if terms:
+            row(-inf, float(count[k]), terms)
+    # The work a pattern offers short sequences on its free ranks (f): at most their spare time,
+    # and at most what their memory's tokens carry.
+    fvar = var(0.0, inf, False)
+    terms = [(fvar, 1.0), (mvar, -float(n))]  # f <= n M - sum d v + b_min D - pooled rank-ms
+    terms += [t for (j, u), v in zip(slots, uvm, strict=True)
+              for t in ((v, float(sizes[j])), (u, -b_min * sizes[j]))]  # fmt: skip
+    terms += [(b, sizes[j] * (inst.fixed[j] - b_min) * w) for j, bs in bits.items() for w, b in bs]
+    terms += [(x, sizes[j] * tk[k][j]) for (j, k), x in pvar.items()]
+    row(-inf, -n * b_min, terms)
+    line_rows: list[tuple[int, float]] = []  # (pricing row, its bound once capped)
+    for a, c in free_lines:  # f <= c + a (n cap - cap D - pooled tokens)
+        terms = [(fvar, 1.0)] + [(u, a * cap * sizes[j]) for j, u in slots]
+        terms += [(x, a * rep[k]) for (j, k), x in pvar.items()]
+        line_rows.append((price.getNumRow(), c + a * n * cap))
+        row(-inf, inf, terms)
+    # A pattern holds an explicit sequence, so M >= m_low.
+    row(1.0, inf, [(x, 1.0) for x in [*xvar.values(), *pvar.values()]])
+    price.changeObjectiveSense(highspy.ObjSense.kMaximize)
+
+    iterations = 0
+
+    def generate() -> tuple[float, float, bool]:
+        """Column generation to convergence or the time limit: (bound, master value, converged)."""
+        nonlocal iterations
+        # Early columns need only improve the master: a loose MILP gap finds them fast; once the
+        # best column found is worth little, the pricing is solved tightly, which convergence
+        # needs.
+        rel_gap = LOOSE_GAP
+        z_rmp, z_star = 0.0, math.inf
+        while True:
+            master.run()
+            z_rmp = master.getInfo().objective_function_value
+            duals = master.getSolution().row_dual
+            pi = [max(0.0, float(duals[k])) for k in range(nk)]
+            sw, st, sl, stl, sws, sts, sc = (
+                max(0.0, float(duals[r]))
+                for r in (row_wf, row_tf, row_wl, row_tl, row_ws, row_ts, row_count)
+            )
+            curve_dual = 0.0
+            for r, (lo, hi, _) in enumerate(curves):
+                y = float(duals[first_curve + r])
+                side = lo if y > 0 else hi
+                if abs(side) < math.inf:  # a dual on the infinite side is numerical noise
+                    curve_dual += y * side
+            remaining = t_end - time.perf_counter()
+            if iterations >= max_iterations or remaining <= 0:
+                break
+            iterations += 1
+            costs = np.zeros(ncols)
+            # Reduced value: sw f + st (N - D) cap + sl (D M - sum d (T + b)) + stl (D cap - sum L)
+            # + covers - M, with D = sum d u, D M = sum d v (f: the work offered, rows above).
+            costs[mvar] = -1.0
+            costs[fvar] = sw
+            for (j, u), v in zip(slots, uvm, strict=True):
+                d = sizes[j]
+                costs[u] = d * (cap * (stl - st) - sl * inst.fixed[j])
+                costs[v] = d * sl
+            for (s, k), x in xvar.items():
+                j = slots[s][0]
+                costs[x] = pi[k] - sl * sizes[j] * tk[k][j] - stl * rep[k]
+            for (_, k), x in pvar.items():
+                costs[x] = pi[k] - st * rep[k]
+            offset = st * n * cap + sc
+            price.changeColsCost(ncols, np.arange(ncols, dtype=np.int32), costs)
+            price.setOptionValue("mip_rel_gap", rel_gap)
+            price.setOptionValue("time_limit", max(0.05, min(price_limit_s, remaining)))
+            price.run()
+            info = price.getInfo()
+            z_star = max(0.0, float(info.mip_dual_bound) + offset)
+            sol = price.getSolution().col_value
+            tol = 1e-7 * max(1.0, z_rmp)
+            # A column only from a feasible MILP solution (a time limit may leave none).
+            feasible = bool(sol) and int(info.primal_solution_status) == 2
+            found = float(info.objective_function_value) + offset if feasible else 0.0
+            if z_star <= tol:
+                break
+            if found <= max(tol, 1e-3 * z_rmp / max(1, nk)) and rel_gap > TIGHT_GAP:
+                rel_gap = TIGHT_GAP  # too little found to go on loosely: solve tightly next
+                if found <= tol:
+                    continue
+            elif found <= tol:
+                break
+            groups: list[tuple[int, dict[int, int]]] = []
+            for s, (j, u) in enumerate(slots):
+                if sol[u] < 0.5:
+                    continue
+                content = {
+                    k: round(sol[x]) for (ss, k), x in xvar.items() if ss == s and sol[x] > 0.5
+                }
+                if content:
+                    groups.append((j, content))
+            pooled: dict[int, tuple[int, dict[int, int]]] = {}
+            for j, bs in bits.items():
+                content = {
+                    k: round(sol[x]) for (jj, k), x in pvar.items() if jj == j and sol[x] > 0.5
+                }
+                ng = sum(w for w, b in bs if sol[b] > 0.5)
+                if content and ng:
+                    pooled[j] = (ng, content)
+            if not groups and not pooled:
+                break
+            add_pattern(*pattern_column(groups, pooled))
+        dual_obj = (
+            sum(p * c for p, c in zip(pi, count, strict=True)) + sws * w_short + sts * tok_short
+        )
+        dual_obj += sc * m_floor
+        dual_obj += curve_dual
+        converged = z_star <= 1e-7 * max(1.0, z_rmp)
+        z_eff = max(z_star, 1e-7 * max(1.0, z_rmp))
+        # Farley's scaled duals, or Lagrangian: a plan has at most one micro-batch with explicit
+        # sequences per explicit sequence, so it costs at least D - n_explicit z*.
+        bound = max(dual_obj / (1.0 + z_eff / m_low), dual_obj - len(explicit) * z_eff, 0.0)
+        if converged:
+            bound = min(z_rmp, bound)
+        return bound, z_rmp, converged
+
+    bound, z_rmp, converged = generate()
+    if converged and time.perf_counter() < t_end:
+        capped = True
+        for r, ub in line_rows:
+            price.changeRowBounds(r, -inf, ub)
+        for col, _, wf in wf_of:
+            master.changeCoeff(row_wf, col, wf)
+        again = generate()
+        if again[0] > bound:
+            bound, z_rmp, converged = again
+    return PlacementBound(
+        bound_ms=bound * (1 - 1e-7),
+        lp_ms=z_rmp,
+        converged=converged,
+        iterations=iterations,
+        classes=nk,
+        long_sequences=len(long_ids),
+        mixes=len(mixes),
+    )

@@ -1,0 +1,312 @@
+"""Cost-model specs: strict YAML/JSON reading, number checks, explicit coefficients.
+
+Split out of ``costmodel.py``. Why strict: a cost model file is user input that
+steers every plan; duplicate keys, aliases, text where a number belongs or a negative cost would
+otherwise surface far from their cause (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from megatron_hsp.planner.cost.costcore import RING_AND_LATENCY_KEYS, CostModel
+from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.groupspace import HeadSpace
+from megatron_hsp.planner.units import MAX_TOKENS
+
+_TOP_KEYS = {
+    "preset",
+    "name",
+    "memory_cap_gb",
+    "max_seq_k",
+    "flexsp",
+    "coefficients",
+    "model",
+    "hardware",
+    "training",
+    "source",
+    "details",
+}
+
+
+# A cost model is a few hundred bytes; this bounds what a hostile file can make the parser do.
+MAX_SPEC_BYTES = 1 << 20
+
+
+def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise InputError(f"key {key!r} appears twice (the last would silently win)")
+        out[key] = value
+    return out
+
+
+def _strict_json(text: str) -> Any:
+    import json
+
+    return json.loads(text, object_pairs_hook=_no_duplicates)
+
+
+def _strict_yaml(text: str) -> Any:
+    """YAML without duplicate keys and without anchors or aliases: a 500-byte file of nested
+    aliases expands to billions of nodes (a hang; docs/reliability.md); a cost model needs none."""
+    import yaml
+
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+            raise InputError("YAML anchors and aliases are not allowed in a cost model")
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            self.flatten_mapping(node)
+            return _no_duplicates(
+                [
+                    (self.construct_object(k, deep=deep), self.construct_object(v, deep=deep))
+                    for k, v in node.value
+                ]
+            )
+
+    return yaml.load(text, Loader=StrictLoader)
+
+
+def _read_spec_file(path: Path) -> Mapping[str, Any]:
+    if not path.is_file():
+        raise InputError(f"--cost-model file {str(path)!r} does not exist")
+    if path.stat().st_size > MAX_SPEC_BYTES:
+        raise InputError(
+            f"--cost-model file {str(path)!r} is {path.stat().st_size} bytes; a cost model is "
+            f"at most {MAX_SPEC_BYTES} bytes"
+        )
+    text = path.read_text()
+    try:
+        data = _strict_json(text) if path.suffix == ".json" else _strict_yaml(text)
+    except InputError as exc:
+        raise InputError(f"--cost-model file {str(path)!r}: {exc}") from None
+    except Exception as exc:  # parser errors: name the file, first line of the message only
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(
+            f"--cost-model file {str(path)!r} is not valid YAML/JSON: {first}"
+        ) from None
+    if not isinstance(data, Mapping):
+        raise InputError(f"--cost-model file {str(path)!r} must hold a mapping at top level")
+    return data
+
+
+def _dataclass_from(cls: type, section: str, data: Mapping[str, Any], **defaults: Any) -> Any:
+    allowed = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise InputError(
+            f"cost model spec: unknown {section} keys {unknown}; allowed: {sorted(allowed)}"
+        )
+    try:
+        return cls(**{**defaults, **dict(data)})
+    except TypeError as exc:
+        raise InputError(f"cost model spec: {section} section: {exc}") from None
+
+
+def _size_map(value: Any, key: str) -> dict[int, float]:
+    if isinstance(value, int | float):
+        return {0: float(value)}
+    if not isinstance(value, Mapping):
+        raise InputError(f"cost model spec: coefficients.{key} must be a number or {{size: ms}}")
+    return {int(k): float(v) for k, v in value.items()}
+
+
+def _from_coefficients(name: str, co: Mapping[str, Any], cap_gb: float | None) -> CostModel:
+    allowed = {
+        "attn_ms_per_token2",
+        "linear_ms_per_token",
+        "group_fixed_ms",
+        "a2a_ms_per_token",
+        "a2a_bytes_per_token",
+        "a2a_gbs",
+        "tokens_per_rank",
+        "model_states_gb",
+        "act_mib_per_token",
+        "heads",
+        "ring_step_ms_per_token",
+        *RING_AND_LATENCY_KEYS,
+    }
+    unknown = sorted(set(co) - allowed)
+    if unknown:
+        raise InputError(
+            f"cost model spec: unknown coefficients keys {unknown}; allowed: {sorted(allowed)}"
+        )
+    for key in ("attn_ms_per_token2", "linear_ms_per_token"):
+        if key not in co:
+            raise InputError(f"cost model spec: coefficients.{key} is required")
+    if "a2a_ms_per_token" in co:
+        a2a = {
+            k: v for k, v in _size_map(co["a2a_ms_per_token"], "a2a_ms_per_token").items() if k > 1
+        }
+    elif "a2a_bytes_per_token" in co and "a2a_gbs" in co:
+        # FlexSP-style: bytes / d at the measured bandwidth of d (GB/s = bytes/ns -> ms).
+        nbytes = float(co["a2a_bytes_per_token"])
+        bw = {int(k): float(v) for k, v in co["a2a_gbs"].items()}
+        a2a = {d: nbytes / d / (b * 1e9) * 1e3 for d, b in bw.items() if d > 1}
+    else:
+        raise InputError(
+            "cost model spec: coefficients need a2a_ms_per_token ({size: ms per token}) or "
+            "a2a_bytes_per_token plus a2a_gbs ({size: GB/s})"
+        )
+    if "tokens_per_rank" in co:
+        raw = co["tokens_per_rank"]
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            raise InputError(
+                f"cost model spec: tokens_per_rank must be a whole number of tokens, got {raw!r}"
+            )
+        tokens = int(raw)
+    elif "model_states_gb" in co and "act_mib_per_token" in co:
+        if cap_gb is None:
+            raise InputError("cost model spec: memory_cap_gb is needed with model_states_gb")
+        tokens = int(
+            (cap_gb * 1024 - float(co["model_states_gb"]) * 1024) / float(co["act_mib_per_token"])
+        )
+    else:
+        raise InputError(
+            "cost model spec: coefficients need tokens_per_rank, or model_states_gb plus "
+            "act_mib_per_token (with memory_cap_gb)"
+        )
+    return CostModel(
+        name=name,
+        attn_ms_per_token2=float(co["attn_ms_per_token2"]),
+        linear_ms_per_token=float(co["linear_ms_per_token"]),
+        group_fixed_ms=_size_map(co.get("group_fixed_ms", 0.0), "group_fixed_ms"),
+        a2a_ms_per_token=a2a,
+        tokens_per_rank=tokens,
+        source="explicit coefficients",
+        heads=_heads(co.get("heads")),
+        **{
+            key: {k: v for k, v in _size_map(co.get(key, {}), key).items() if k > 1}
+            for key in RING_AND_LATENCY_KEYS
+        },
+    )
+
+
+# ------------------------------------------------------------------ validation
+# Spec leaves that are text or flags rather than numbers; every other leaf must be a finite number.
+_TEXT_KEYS = {"name", "preset", "source"}
+_BOOL_KEYS = {"gated", "tied_embeddings", "recompute"}
+# Numbers that may be zero (a free attention term, no fixed cost); the rest must be > 0.
+_MAY_BE_ZERO = {
+    "attn_ms_per_token2",
+    "group_fixed_ms",
+    "a2a_ms_per_token",
+    "ring_step_ms_per_token",
+    "a2a_fixed_ms",
+    "ring_step_fixed_ms",
+    "ring_step_extra_ms_per_token",
+    "b1",
+    "a1",
+    "latency_us",
+    "inter_node_latency_us",
+    "p2p_latency_us",
+    "p2p_gbs",
+    "attn_call_overhead_us",
+    "ring_step_overhead_bytes_per_elem",
+    "host_call_overhead_us",
+    "microbatch_overhead_ms",
+    "zero_stage",
+    "model_states_gb",
+    "details",
+}
+
+
+def _check_spec_numbers(data: Mapping[str, Any], where: str = "") -> None:
+    """Reject strings, NaN, infinities and negatives anywhere in a spec before it is used.
+
+    Why: a bad leaf otherwise surfaces far away (a ``ValueError`` traceback, a NaN that makes
+    every schedule infeasible, a negative cost the solver chases forever). The message names
+    the field by its dotted path and says what would work.
+    """
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        base = where.split(".")[0] if where else str(key)
+        if str(key) == "name" or (not where and str(key) in _TEXT_KEYS):
+            continue
+        if isinstance(value, Mapping):
+            _check_spec_numbers(value, path)
+            continue
+        if isinstance(value, list | tuple):
+            # [query, kv] heads: each a positive number; ``_heads`` checks the pairing.
+            _check_spec_numbers({f"{i}": v for i, v in enumerate(value)}, path)
+            continue
+        if str(key) in _BOOL_KEYS:
+            if not isinstance(value, bool):
+                raise InputError(f"cost model spec: {path} = {value!r} must be true or false")
+            continue
+        # {size: value} maps (a2a_gbs, params_b, ...) take their rule from the map's own name.
+        leaf = where.split(".")[-1] if where and str(key).lstrip("-").isdigit() else str(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            hint = ""
+            if isinstance(value, str) and value.strip().lstrip("+-")[:1].isdigit():
+                hint = " (YAML 1.1 reads 1e-6 as text: write 1.0e-6)"
+            raise InputError(f"cost model spec: {path} = {value!r} must be a number{hint}")
+        if not math.isfinite(value):
+            raise InputError(f"cost model spec: {path} = {value!r} must be a finite number")
+        zero_ok = leaf in _MAY_BE_ZERO or base in _MAY_BE_ZERO
+        if value < 0 or (value == 0 and not zero_ok):
+            want = ">= 0" if zero_ok else "> 0"
+            raise InputError(f"cost model spec: {path} = {value!r} must be {want}")
+
+
+def validate_cost_model(model: CostModel) -> CostModel:
+    """Check a resolved model: every coefficient finite, times positive, sizes sensible.
+
+    Why here and not only on the spec: presets and first-principles models are derived, and a
+    derived coefficient can still come out zero or negative (e.g. a tiny memory cap). The planner
+    relies on ``linear_ms_per_token > 0`` (a plan's time grows with its tokens, so its lower
+    bound holds and the search terminates) and on non-negative attention, fixed and all-to-all
+    terms.
+    """
+    name = model.name
+
+    def bad(field_: str, value: object, want: str) -> InputError:
+        return InputError(f"cost model {name!r}: {field_} = {value!r}; it must be {want}")
+
+    for field_, value, zero_ok in (
+        ("attn_ms_per_token2", model.attn_ms_per_token2, True),
+        ("linear_ms_per_token", model.linear_ms_per_token, False),
+    ):
+        v = float(value)
+        if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+            raise bad(field_, value, "a finite number " + (">= 0" if zero_ok else "> 0"))
+    for field_, mapping in (
+        ("group_fixed_ms", model.group_fixed_ms),
+        ("a2a_ms_per_token", model.a2a_ms_per_token),
+        ("ring_step_ms_per_token", model.ring_step_ms_per_token),
+        ("a2a_fixed_ms", model.a2a_fixed_ms),
+        ("ring_step_fixed_ms", model.ring_step_fixed_ms),
+        ("ring_step_extra_ms_per_token", model.ring_step_extra_ms_per_token),
+    ):
+        for d, v in mapping.items():
+            if not isinstance(d, int) or d < 0:
+                raise bad(f"{field_} key", d, "a group size (integer >= 1, or 0 for all sizes)")
+            if not math.isfinite(float(v)) or float(v) < 0:
+                raise bad(f"{field_}[{d}]", v, "a finite number >= 0")
+    if not model.a2a_ms_per_token and not isinstance(model.a2a_ms_per_token, Mapping):
+        raise bad("a2a_ms_per_token", model.a2a_ms_per_token, "a {size: ms per token} mapping")
+    if not 0 < int(model.tokens_per_rank) <= MAX_TOKENS:
+        raise bad("tokens_per_rank", model.tokens_per_rank, f"between 1 and {MAX_TOKENS:.0e}")
+    return model
+
+
+def _heads(value: Any) -> tuple[int, int] | None:
+    """``coefficients.heads``: [query, kv] heads per tensor-parallel rank, or absent."""
+    if value is None:
+        return None
+    try:
+        q, kv = (int(x) for x in value)
+        HeadSpace(q, kv)
+    except (TypeError, ValueError) as exc:
+        raise InputError(
+            f"cost model spec: coefficients.heads must be [query heads, kv heads] per "
+            f"tensor-parallel rank with kv dividing query, got {value!r} ({exc})"
+        ) from None
+    return q, kv

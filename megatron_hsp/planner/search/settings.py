@@ -1,0 +1,105 @@
+"""The planner's knobs: one type for every entry point.
+
+Megatron's ``--hsp-*`` flags (``megatron/args.py``), the demo, ``plan``/``bench`` and the
+background planner service all hand the planner the same four choices: which solver, how long it
+may search, which group sizes it may use, and its seed. They used to be re-declared in five
+dataclasses with the default budget written five times; here they are declared once, with the
+defaults, and turned into the solver's own ``SolverConfig`` in one place (``solver_config``).
+
+``pp`` / ``vpp`` say which pipeline schedule the plan runs under (1F1B, or interleaved with
+``vpp`` virtual stages): the solver then prices steps with ``planner/cost/pipeline.py``. They must
+match the stage cost model (``planner/cost/parallel.py`` builds it; the solver refuses a mismatch).
+
+What is *not* a knob lives elsewhere: the cluster (``topology.Cluster``) and the cost model
+(``costmodel.load_cost_model``), which describe the problem rather than how to search it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megatron_hsp.planner.cost.pipeline import PipelineSpec
+from megatron_hsp.planner.errors import InputError
+
+# "greedy" is the solver's MILP-free mode (fast, plan status "heuristic"); the others name the
+# MILP backend.
+SOLVERS = ("highs", "cbc", "greedy")
+MILP_SOLVERS = ("highs", "cbc")
+DEFAULT_SOLVER = "highs"
+# Wall-clock budget per plan: the step it plans runs for seconds, and the plan of step t+1 is
+# solved while step t trains (``step/planner_service.py``).
+DEFAULT_TIME_BUDGET_S = 1.0
+# The fallback planner's budget when a background plan is late (greedy only, so it answers in
+# about this long whatever made the full search slow).
+FALLBACK_TIME_BUDGET_S = 0.2
+
+BACKENDS = MILP_SOLVERS
+# The solver's candidate chunkings (``chunking.py``): every kind by default.
+CHUNKINGS = ("time-lpt", "contiguous-tokens", "long-grouped", "long-sized")
+
+
+@dataclass(frozen=True)
+class SolverConfig:
+    """How hard and with what to search. Defaults suit per-step planning during training."""
+
+    backend: str = DEFAULT_SOLVER  # MILP solver: "highs" (highspy) or "cbc" (COIN-OR CBC binary)
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S  # hard wall-clock budget for the whole solve
+    sizes: tuple[int, ...] | None = None  # allowed group sizes; None: all that tile and are costed
+    seed: int = 0  # MILP solver random seed
+    extra_microbatches: int = 3  # counts tried above the memory minimum
+    chunkings: tuple[str, ...] = CHUNKINGS  # candidate chunkings (see chunking.py)
+    use_milp: bool = True  # False: greedy only (status "heuristic")
+    max_buckets: int = 16  # length buckets per micro-batch in the MILP
+    # Work limits keep results deterministic; the wall-clock budget is the safety net.
+    improve_evals: int = 60  # local-search schedule evaluations between micro-batches
+    improve_share: float = 0.4  # at most this share of the budget goes to local search
+    milp_max_nodes: int = 100  # branch-and-bound nodes per micro-batch MILP
+    milp_min_gap: float = 0.03  # skip the MILP for micro-batches this close to their floor
+    milp_slice_s: float = 0.25  # wall-clock cap per micro-batch MILP
+    # Micro-batch MILPs per solve, biggest gap to the floor first (past the first two they
+    # gained little at several times the solve time; measured in docs/results/solver.md).
+    milp_max_microbatches: int = 2
+    # The pipeline the plan runs under (None or pp 1: none); the cost model must be the stage
+    # model built for it (``parallel.pipeline_spec_for`` checks, and supplies its backward share
+    # and p2p time).
+    pipeline: PipelineSpec | None = None
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """How the planner searches: solver, wall-clock budget, allowed group sizes, seed, and the
+    pipeline schedule it prices (pp 1: none)."""
+
+    solver: str = DEFAULT_SOLVER
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S
+    sizes: tuple[int, ...] | None = None  # None: every size the cluster and cost model allow
+    seed: int = 0
+    pp: int = 1  # pipeline stages (every stage runs the same plan)
+    vpp: int = 1  # virtual stages per device: > 1 is Megatron's interleaved schedule
+
+    def __post_init__(self) -> None:
+        if self.solver not in SOLVERS:
+            raise InputError(f"solver {self.solver!r}: choose one of {', '.join(SOLVERS)}")
+        if not self.time_budget_s > 0:
+            raise InputError(f"the planner's time budget must be > 0 s (got {self.time_budget_s})")
+        if self.sizes is not None:
+            object.__setattr__(self, "sizes", tuple(int(d) for d in self.sizes))
+        PipelineSpec(self.pp, self.vpp)  # refuses vpp without pp, non-positive degrees
+
+    def solver_config(self) -> SolverConfig:
+        """The solver's own configuration for these settings (the one place they map)."""
+        return SolverConfig(
+            pipeline=PipelineSpec(self.pp, self.vpp) if self.pp > 1 else None,
+            backend=DEFAULT_SOLVER if self.solver == "greedy" else self.solver,
+            time_budget_s=self.time_budget_s,
+            sizes=self.sizes,
+            seed=self.seed,
+            use_milp=self.solver != "greedy",
+        )
+
+    def fallback(self) -> PlannerSettings:
+        """The safe fallback when a plan is late: greedy only, a short budget."""
+        return dataclasses.replace(
+            self, solver="greedy", time_budget_s=min(FALLBACK_TIME_BUDGET_S, self.time_budget_s)
+        )

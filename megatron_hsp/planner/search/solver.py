@@ -1,0 +1,544 @@
+"""``solve``: one global batch's lengths -> a validated ``Plan``, within a wall-clock budget.
+
+Pipeline (each stage keeps the best plan so far, so the budget can cut in anywhere):
+
+1. Candidates: micro-batch counts from the memory minimum up (``chunking``), each chunked two
+   ways (time-balanced LPT, and FlexSP-style contiguous tokens), scheduled per micro-batch by the
+   greedy builder (``greedy``). The best total is the warm start and the fallback.
+2. Local search (``improve``): moves and swaps of long sequences, and bulk shifts of short ones,
+   between micro-batches, re-scheduled greedily; first improvement.
+3. Exact-ish refinement: each micro-batch more than ``milp_min_gap`` above its floor, biggest gap
+   first, goes to the aggregated MILP (``milp``) over (length bucket x group size) with the
+   greedy schedule as incumbent; a MILP schedule replaces the greedy one only when it is faster.
+4. Plan assembly: aligned rank blocks, estimates, the lower bound (``bounds``), validation, and
+   the status (see ``milp.refine_microbatches``).
+
+Under a pipeline (``SolverConfig.pipeline`` with pp > 1, and a stage cost model built for it by
+``planner/cost/parallel.py``), the step is priced by ``planner/cost/pipeline.py``: candidates are
+compared by their pipelined step (a quick order), counts are kept a multiple of pp where
+interleaving
+needs it (``_fit_multiple`` splits the fullest micro-batch), and the final plan is ordered to
+shrink the bubble, its ``est_step_ms`` the pipelined step. Local search and the MILP still
+minimise the sum of micro-batch times, the bubble-free part of the step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+from megatron_hsp.planner.cost.costmodel import CostModel, validate_cost_model
+from megatron_hsp.planner.cost.pipeline import (
+    PipelineSpec,
+    order_microbatches,
+    pipeline_lower_bound,
+    price_plan,
+)
+from megatron_hsp.planner.errors import InfeasibleError, InputError
+from megatron_hsp.planner.groupspace import planning_sizes
+from megatron_hsp.planner.plan import Group, MicroBatch, Plan
+from megatron_hsp.planner.search.bounds import instance_lower_bound
+from megatron_hsp.planner.search.chunking import (
+    candidate_counts,
+    chunk_contiguous,
+    chunk_long_grouped,
+    chunk_long_sized,
+    chunk_time_balanced,
+)
+from megatron_hsp.planner.search.greedy import (
+    group_times,
+    place_groups,
+    schedule_microbatch,
+)
+from megatron_hsp.planner.search.improve import improve
+from megatron_hsp.planner.search.instance import GroupSpec, Instance, check_lengths, resolve_sizes
+from megatron_hsp.planner.search.milp import refine_microbatches, require_cbc
+from megatron_hsp.planner.search.settings import BACKENDS, CHUNKINGS, SolverConfig
+from megatron_hsp.planner.topology import Cluster
+
+# ``long-grouped:scored`` candidates: the longest of these shares of the sequences whose scored
+# size is not their cheapest keep it (``_scored_sizes``); 1 is every one, the first built.
+SCORED_SHARES = (1.0, 2 / 3, 1 / 3)
+EVERY_COUNT_CHUNKINGS = ("time-lpt", "contiguous-tokens")  # built at every count
+DEFAULT_CONFIG = SolverConfig()  # frozen: the default of ``solve``
+
+
+@dataclass
+class _Candidate:
+    total: float
+    microbatches: list[tuple[float, list[GroupSpec]]]
+    label: str
+
+
+def solve(
+    lengths: Sequence[int],
+    cost: CostModel,
+    cluster: Cluster,
+    config: SolverConfig = DEFAULT_CONFIG,
+) -> Plan:
+    """Plan one global batch: micro-batches, group sizes and placement, sequence assignment."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    budget = max(0.0, config.time_budget_s)
+    deadline = start + budget
+    # Plan assembly and validation run after the search: keep a slice of the budget for them.
+    search_deadline = deadline - min(0.15 * budget, 0.15)
+    if config.backend not in BACKENDS:
+        raise InputError(f"unknown solver backend {config.backend!r}; choose from {BACKENDS}")
+    if not config.chunkings or set(config.chunkings) - set(CHUNKINGS):
+        raise InputError(f"chunkings {config.chunkings!r}: choose one or more of {CHUNKINGS}")
+    if config.backend == "cbc" and config.use_milp:
+        require_cbc()
+    # A negative or NaN coefficient makes the bisection's tolerance and the lower bound
+    # meaningless; refuse it here too, for models built in code rather than loaded.
+    validate_cost_model(cost)
+    sizes = resolve_sizes(cost, cluster, config.sizes)
+    if config.sizes is None:  # a bounded search at thousands of GPUs (groupspace.planning_sizes)
+        sizes = planning_sizes(sizes, cluster.gpus_per_node)
+    checked = check_lengths(lengths, cost, sizes)
+    pipe = _pipeline(config, cost, len(checked))
+    inst = Instance.build(checked, cost, cluster, sizes)
+    bound = instance_lower_bound(inst, deadline=search_deadline)
+
+    phases = {"setup": time.perf_counter() - start}
+    starts = _greedy_candidates(inst, cluster, config, search_deadline, pipe)
+    best = starts[0]
+    phases["greedy"] = time.perf_counter() - start
+    if config.improve_evals > 0:
+        improve_until = min(search_deadline, time.perf_counter() + config.improve_share * budget)
+        # Local search from the best start and from the runner-up of another chunking: the
+        # descent ends in different optima (lognormal-dcp: 0.3% behind before it, 1.4% ahead
+        # after).
+        for cand in starts:
+            cand.microbatches, _ = improve(
+                inst,
+                cluster,
+                cand.microbatches,
+                improve_until,
+                max_evals=config.improve_evals,
+                merge=pipe is None,  # a pipeline's count stays a multiple of its stages
+            )
+            cand.total = _objective(cand.microbatches, pipe)
+        best = min(starts, key=lambda c: c.total)
+    if pipe is not None and config.improve_evals > 0:
+        balance_until = min(
+            search_deadline, time.perf_counter() + 0.5 * config.improve_share * budget
+        )
+        best.microbatches = _balance_for_pipeline(
+            inst, cluster, best.microbatches, pipe, balance_until, config.improve_evals
+        )
+        best.total = _objective(best.microbatches, pipe)
+    phases["improve"] = time.perf_counter() - start
+    status = "heuristic"
+    milp_stats: dict[str, int] = {}
+    if config.use_milp:
+        status = "fallback"
+        best.microbatches, status, milp_stats = refine_microbatches(
+            inst,
+            cluster,
+            best.microbatches,
+            search_deadline,
+            backend=config.backend,
+            seed=config.seed,
+            max_buckets=config.max_buckets,
+            slice_s=config.milp_slice_s,
+            max_nodes=config.milp_max_nodes,
+            min_gap=config.milp_min_gap,
+            max_solves=config.milp_max_microbatches,
+        )
+        best.total = _objective(best.microbatches, pipe)
+    phases["milp"] = time.perf_counter() - start
+    plan = _assemble(inst, cluster, cost, best, bound, 0.0, config, status)
+    if pipe is not None:
+        plan = price_plan(plan, pipe)
+        plan = replace(
+            plan, lower_bound_ms=pipeline_lower_bound(bound, min(inst.best), pipe.pp, pipe.vpp)
+        )
+    plan.validate(checked, cost, cluster.world_size)
+    # Timings cover everything, assembly and validation included.
+    solve_ms = (time.perf_counter() - start) * 1e3
+    phases["assemble"] = solve_ms / 1e3
+    extra = {
+        **plan.extra,
+        "cpu_ms": round((time.process_time() - cpu_start) * 1e3, 3),
+        "milp": milp_stats,
+        # Wall-clock ms at the end of each phase, for budget diagnostics.
+        "phase_end_ms": {k: round(v * 1e3, 3) for k, v in phases.items()},
+    }
+    return replace(plan, solve_ms=solve_ms, extra=extra)
+
+
+# A first greedy candidate more than this far above the sum of its micro-batch floors gets one
+# more count scheduled even past the deadline (``_greedy_candidates``).
+RESCUE_OVER_FLOORS = 1.5
+
+
+def _pipeline(config: SolverConfig, cost: CostModel, sequences: int) -> PipelineSpec | None:
+    """The checked pipeline of ``config`` (None without one), its figures from the stage model."""
+    spec = config.pipeline
+    if spec is None or spec.pp == 1:
+        return None
+    from megatron_hsp.planner.cost.parallel import pipeline_spec_for
+
+    checked = pipeline_spec_for(cost, spec.pp, spec.vpp)
+    if spec.microbatch_multiple > sequences:
+        raise InfeasibleError(
+            f"interleaved pipeline (--vpp {spec.vpp}) needs a multiple of --pp {spec.pp} "
+            f"micro-batches, at least {spec.pp}, but the batch has {sequences} sequences"
+        )
+    return replace(checked, order=spec.order, max_order_evals=spec.max_order_evals)
+
+
+# Under a pipeline, counts up to this many times pp above the memory floor are tried (instead
+# of ``SolverConfig.extra_microbatches``): the bubble shrinks with more, smaller micro-batches.
+# With the default extra counts, benchmarks/pipeline_moe.py's Qwen3 EP8 PP2 row planned too few
+# micro-batches, a large bubble, and lost to static packing at a smaller pack size
+# (docs/results/benchmarks.md).
+PIPELINE_EXTRA_PER_STAGE = 4
+
+# simulate() calls spent per candidate when candidates are compared (the given and the shaped
+# order); the final plan gets the spec's full order search.
+QUICK_ORDER_EVALS = 2
+
+
+def _objective(mbs: list[tuple[float, list[GroupSpec]]], pipe: PipelineSpec | None) -> float:
+    """What the search minimises: the summed micro-batch times, or the pipelined step."""
+    spans = [span for span, _ in mbs]
+    if pipe is None:
+        return sum(spans)
+    return order_microbatches(spans, replace(pipe, max_order_evals=QUICK_ORDER_EVALS)).step_ms
+
+
+def _balance_for_pipeline(
+    inst: Instance,
+    cluster: Cluster,
+    mbs: list[tuple[float, list[GroupSpec]]],
+    pipe: PipelineSpec,
+    deadline: float,
+    max_evals: int,
+) -> list[tuple[float, list[GroupSpec]]]:
+    """Move single sequences from the longest micro-batches to the shortest while the
+    pipelined step falls.
+
+    Why: the local search minimises the sum; under a pipeline unequal neighbours also stall the
+    steady state (a device waits for a long backward while holding a short forward), so a move
+    that keeps the sum but evens the micro-batches shortens the step. Each move re-schedules the
+    two micro-batches greedily and is kept only if the pipelined step (quick order) improves;
+    the MILP afterwards can only shorten micro-batches, which never lengthens the pipeline.
+    """
+    out = list(mbs)
+    current = _objective(out, pipe)
+    evals = 0
+    improved = True
+    while improved and evals < max_evals and time.perf_counter() < deadline:
+        improved = False
+        order = sorted(range(len(out)), key=lambda b: -out[b][0])
+        for a in order[: max(1, len(out) // 4)]:
+            ids = sorted((i for _, g in out[a][1] for i in g), key=lambda i: inst.best[i])
+            if len(ids) < 2:
+                continue
+            for b in order[::-1][: max(1, len(out) // 4)]:
+                if b == a or out[b][0] >= out[a][0]:
+                    continue
+                for i in ids:
+                    if evals >= max_evals or time.perf_counter() > deadline:
+                        return out
+                    evals += 1
+                    left = schedule_microbatch(inst, [j for j in ids if j != i], cluster)
+                    right = schedule_microbatch(
+                        inst, [*(j for _, g in out[b][1] for j in g), i], cluster
+                    )
+                    if left is None or right is None:
+                        continue
+                    trial = list(out)
+                    trial[a], trial[b] = left, right
+                    t = _objective(trial, pipe)
+                    if t < current - 1e-9:
+                        out, current, improved = trial, t, True
+                        break
+                if improved:
+                    break
+            if improved:
+                break
+    return out
+
+
+def _fit_multiple(
+    inst: Instance, cluster: Cluster, mbs: list[tuple[float, list[GroupSpec]]], k: int
+) -> list[tuple[float, list[GroupSpec]]] | None:
+    """``mbs`` with a micro-batch count that is a multiple of ``k``: split the fullest ones.
+
+    Splitting never needs more memory than the original (each half holds a subset), so the
+    result is feasible when the greedy builder schedules the halves; None when a split fails
+    or every micro-batch holds a single sequence.
+    """
+    out = list(mbs)
+    while len(out) % k:
+        sizes = [sum(len(ids) for _, ids in groups) for _, groups in out]
+        idx = max(range(len(out)), key=lambda b: (sizes[b], out[b][0]))
+        if sizes[idx] < 2:
+            return None
+        ids = sorted(
+            (i for _, g_ids in out[idx][1] for i in g_ids), key=lambda i: (-inst.lengths[i], i)
+        )
+        halves = [schedule_microbatch(inst, part, cluster) for part in (ids[0::2], ids[1::2])]
+        if any(h is None for h in halves):
+            return None
+        out = out[:idx] + out[idx + 1 :] + [h for h in halves if h is not None]
+    return out
+
+
+def _greedy_candidates(
+    inst: Instance,
+    cluster: Cluster,
+    config: SolverConfig,
+    deadline: float,
+    pipe: PipelineSpec | None = None,
+) -> list[_Candidate]:
+    """Try every (count, chunking) candidate; the first always completes, others while in time.
+
+    Returns the best, then the best of another chunking kind when it is within
+    ``RUNNER_UP_WITHIN`` of it (local search starts from both).
+    """
+    best: _Candidate | None = None
+    by_kind: dict[str, _Candidate] = {}
+    extra = config.extra_microbatches
+    if pipe is not None:  # fewer, larger micro-batches lengthen warm-up and cool-down
+        extra = max(extra, PIPELINE_EXTRA_PER_STAGE * pipe.pp)
+    counts = candidate_counts(inst, extra)
+    m = counts[0]
+    tried = 0
+    best_m = 0  # the count whose chunking gave ``best``
+    # Past the deadline, one more count is still scheduled when the first candidate is far
+    # above its micro-batches' floors: at the memory floor's count the builder may only fit by
+    # pooling short sequences into huge groups (at 1024 GPUs on Wikipedia, two 512-rank groups
+    # and a step several times the next count's; docs/results/solver.md), and a loaded machine
+    # spends the whole budget on that first count.
+    rescue = False
+    # Whether the long-grouped candidate with every sequence scored could beat the best (its
+    # floors below it); partial shares are built only then.
+    scored_open = False
+
+    def past() -> bool:
+        """A plan in hand, no rescue running, and the deadline gone: stop searching."""
+        return best is not None and not rescue and time.perf_counter() > deadline
+
+    def open_() -> bool:
+        return scored_open
+
+    while True:
+        # The first candidate always runs, so its chunking ignores the deadline too.
+        until = deadline if best is not None and not rescue else math.inf
+        first = m == counts[0]
+        chunkings = _chunkings(inst, cluster, m, config.chunkings, first, until, past, open_)
+        for label, chunks in chunkings:
+            cutoff = best.total if best is not None else float("inf")
+            cand = _schedule_chunks(inst, cluster, chunks, label, cutoff)
+            if cand is not None and pipe is not None:
+                # A pipelined step is at least the sum, so the sum-based cutoff stays valid.
+                fitted = _fit_multiple(inst, cluster, cand.microbatches, pipe.microbatch_multiple)
+                cand = None if fitted is None else _Candidate(0.0, fitted, cand.label)
+                if cand is not None:
+                    cand.total = _objective(cand.microbatches, pipe)
+            tried += 1
+            if tried == 1 and cand is not None:
+                floors = sum(inst.microbatch_floor(c) for c in chunks)
+                rescue = cand.total > RESCUE_OVER_FLOORS * floors
+            if cand is not None and (best is None or cand.total < best.total - 1e-9):
+                # The count to climb from: a long chunking's own count, except the wider ones',
+                # whose extra micro-batches come from wider groups, not from a count where the
+                # token-based chunkings would do better (climbing to it doubled lognormal-dcp's
+                # greedy phase, every count's candidates cut off by the floors).
+                grown = not label.startswith("long-grouped:scored")
+                best, best_m = cand, max(m, len(chunks)) if grown else m
+            if label.startswith("long-grouped:scored/"):
+                scored_open = cand is not None or (
+                    sum(inst.microbatch_floor(c) for c in chunks) < cutoff
+                )
+            if cand is not None:
+                kind = cand.label.split("/")[0]
+                if kind not in by_kind or cand.total < by_kind[kind].total:
+                    by_kind[kind] = cand
+        if past():
+            return _with_runner_up(best, by_kind)
+        if rescue and m > counts[0]:
+            rescue = False  # one further count done
+        if best is not None and m >= counts[-1]:
+            # Past the counts near the memory floor, climb while the best is at the last count
+            # or the one before: on long-heavy batches the best count can lie well above the
+            # floor (memory-bound groups pool or expand better with fewer sequences each).
+            if best_m < m - 1 or m >= len(inst.lengths) or time.perf_counter() > deadline:
+                return _with_runner_up(best, by_kind)
+            m += 1
+            continue
+        # Past the deadline with nothing yet: double the count (one schedule per doubling) up to
+        # one sequence per micro-batch, the schedule that always fits (check_lengths guaranteed
+        # it). Jumping straight there made a loaded machine plan one micro-batch per sequence at
+        # 1024 GPUs, many times the step time of the next feasible count.
+        if m >= len(inst.lengths):
+            break
+        late = time.perf_counter() > deadline and not rescue
+        m = min(len(inst.lengths), 2 * m) if late else m + 1
+    if best is None and not set(config.chunkings) & set(EVERY_COUNT_CHUNKINGS):
+        # long-grouped and long-sized are built once, for some batches only.
+        raise InputError(
+            f"chunkings {config.chunkings!r} do not apply to this batch; include one of "
+            f"{EVERY_COUNT_CHUNKINGS}, which every batch has"
+        )
+    if best is None:  # one sequence per micro-batch always fits: check_lengths guaranteed it
+        raise InfeasibleError("no schedule found even with one sequence per micro-batch")
+    return _with_runner_up(best, by_kind)
+
+
+# A runner-up start for local search must be this close to the best greedy candidate.
+RUNNER_UP_WITHIN = 0.03
+
+
+def _with_runner_up(best: _Candidate, by_kind: dict[str, _Candidate]) -> list[_Candidate]:
+    kind = best.label.split("/")[0]
+    others = [c for k, c in by_kind.items() if k != kind]
+    if not others:
+        return [best]
+    second = min(others, key=lambda c: c.total)
+    return [best, second] if second.total <= (1 + RUNNER_UP_WITHIN) * best.total else [best]
+
+
+def _chunkings(
+    inst: Instance,
+    cluster: Cluster,
+    m: int,
+    kinds: tuple[str, ...],
+    first: bool,
+    deadline: float = math.inf,
+    stop: Callable[[], bool] | None = None,
+    scored_open: Callable[[], bool] | None = None,
+) -> Iterator[tuple[str, list[list[int]]]]:
+    """The distinct chunkings of ``kinds`` into ``m`` micro-batches, in a fixed order, each
+    built only when asked for: ``stop()`` true ends them (the caller is past its deadline), so
+    none is built that would not be scheduled (each costs a noticeable share of the budget at
+    100k sequences).
+    ``scored_open()``: whether the all-scored long-grouped candidate's floors were below the
+    best; the partial ``SCORED_SHARES`` are built only then."""
+    seen: set[tuple[tuple[int, ...], ...]] = set()
+
+    def builds() -> Iterator[tuple[str, Callable[[], list[list[int]] | None]]]:
+        # Its count is set by the long sequences' rank needs, not by m: build it once, at the
+        # first count, and try it first: when it applies, token-based chunkings are infeasible
+        # at counts near the floor, and a loaded machine can spend the whole budget proving it.
+        if "long-grouped" in kinds and first:
+            yield "long-grouped", lambda: chunk_long_grouped(inst, cluster, m, deadline)
+        if "time-lpt" in kinds:
+            yield f"time-lpt/{m}", lambda: chunk_time_balanced(inst, m)
+        if "long-grouped" in kinds and first:
+            # The same, cross-node sequences at ``cross_node_size``: after time-lpt, which
+            # decides the rescue below, as the memory-size variant is the one that guarantees a
+            # feasible count on long-heavy batches. Partial shares only where the floors of
+            # every sequence scored are below the best so far (on sft-long-mix they are far
+            # above, and each share would cost schedule time for nothing).
+            for share in SCORED_SHARES:
+                if share < 1 and not (scored_open is not None and scored_open()):
+                    break
+                yield (
+                    "long-grouped:scored" + ("" if share == 1 else f"-{share:.2f}"),
+                    lambda s=share: chunk_long_grouped(inst, cluster, m, deadline, s),
+                )
+        # After time-lpt: the first candidate decides the rescue (``RESCUE_OVER_FLOORS``).
+        if "long-sized" in kinds and first:
+            yield "long-sized", lambda: chunk_long_sized(inst, cluster, m, deadline)
+        if "contiguous-tokens" in kinds:
+            yield f"contiguous-tokens/{m}", lambda: chunk_contiguous(inst, m, "tokens")
+
+    for label, build in builds():
+        if stop is not None and stop():
+            return
+        chunks = build()
+        if chunks is None:
+            continue
+        if label.startswith(("long-grouped", "long-sized")):
+            label = f"{label}/{len(chunks)}"
+        key = tuple(sorted(tuple(sorted(c)) for c in chunks))
+        if key not in seen:
+            seen.add(key)
+            yield label, chunks
+
+
+def _schedule_chunks(
+    inst: Instance, cluster: Cluster, chunks: list[list[int]], label: str, cutoff: float
+) -> _Candidate | None:
+    """Greedy schedule of each chunk; None if infeasible or provably no better than ``cutoff``."""
+    floors = [inst.microbatch_floor(c) for c in chunks]
+    if sum(floors) >= cutoff:
+        return None
+    mbs: list[tuple[float, list[GroupSpec]]] = []
+    done = 0.0
+    hint = None
+    for b, chunk in enumerate(chunks):
+        got = schedule_microbatch(inst, chunk, cluster, hint=hint)
+        if got is None:
+            return None
+        hint = got[0] / floors[b] if floors[b] > 0 else None
+        mbs.append(got)
+        done += got[0]
+        if done + sum(floors[b + 1 :]) >= cutoff:
+            return None
+    return _Candidate(sum(s for s, _ in mbs), mbs, label)
+
+
+def _assemble(
+    inst: Instance,
+    cluster: Cluster,
+    cost: CostModel,
+    cand: _Candidate,
+    bound: float,
+    solve_ms: float,
+    config: SolverConfig,
+    status: str,
+) -> Plan:
+    splits: dict[int, tuple[int, int]] = {}  # per size, asked once (11k groups at 16k GPUs)
+    # Longest micro-batch first: deterministic, and the runtime sees the heavy pass early.
+    ordered = sorted(cand.microbatches, key=lambda mb: (-mb[0], _first_id(mb[1])))
+    microbatches = []
+    for _, groups in ordered:
+        placed = place_groups(inst, groups, cluster)
+        assert placed is not None, "scheduler returned groups that do not tile"
+        out_groups = []
+        ests = iter(group_times(inst, [(len(ranks), ids) for ranks, ids in placed]))
+        for ranks, ids in placed:
+            d = len(ranks)
+            est = next(ests)[1] if ids else 0.0
+            if d not in splits:
+                splits[d] = cost.recorded_split(d)
+            u, r = splits[d]
+            out_groups.append(
+                Group(
+                    ranks=ranks,
+                    seq_ids=ids,
+                    lengths=tuple(map(inst.lengths.__getitem__, ids)),
+                    est_ms=est,
+                    ulysses=u,
+                    ring=r,
+                )
+            )
+        span = max(g.est_ms for g in out_groups)
+        microbatches.append(MicroBatch(groups=tuple(out_groups), est_ms=span))
+    total = sum(mb.est_ms for mb in microbatches)
+    return Plan(
+        world_size=cluster.world_size,
+        gpus_per_node=cluster.gpus_per_node,
+        microbatches=tuple(microbatches),
+        cost_model=cost.name,
+        est_step_ms=total,
+        lower_bound_ms=bound,
+        solve_ms=solve_ms,
+        solver=config.backend if config.use_milp else "greedy",
+        status=status,
+        extra={"chunking": cand.label, "sizes": list(inst.sizes)},
+    )
+
+
+def _first_id(groups: list[GroupSpec]) -> int:
+    return min((min(ids) for _, ids in groups if ids), default=-1)
+
+
+__all__ = ["BACKENDS", "CHUNKINGS", "SolverConfig", "solve"]

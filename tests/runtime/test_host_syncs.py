@@ -1,0 +1,108 @@
+"""No host synchronisation inside a layer (issue 15): the host reads per micro-batch must not grow
+with the number of layers.
+
+Everything a layer needs comes from the micro-batch built once on the host
+(``HSPPackedSeqParams.hsp_micro_batch``: the segment bounds as Python ints, the token layout, the
+sub-groups), and what the first layer derives (positions, ring indices) is shared by the others.
+Counted: every ``Tensor.item/tolist/cpu/numpy/__int__/__index__/__bool__/__float__`` call (on a
+GPU each is a device->host sync) during one forward+backward of a real megatron-core GPTModel with
+HSP attention, at 2 and at 4 layers. Before the fix the per-document path called
+``cu_seqlens.tolist()`` in every layer (2 layers: 5 reads, 4 layers: 7).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+SYNCS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+}
+
+
+class CountHostReads(torch.overrides.TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in SYNCS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _reads(layers: int, group=None, hybrid=None, rank: int = 0, world: int = 1) -> int:
+    import numpy as np
+
+    from megatron_hsp.runtime.dispatch import PackedMicroBatch  # noqa: F401  (the contract type)
+    from megatron_hsp.runtime.layout import rank_tokens
+    from megatron_hsp.runtime.schedule import packed_seq_params
+    from megatron_hsp.testing.dist import tiny_gpt_model
+
+    docs = [5, 1, 7, 3, 8]  # 24 tokens: a multiple of 2 x 2 chunks per document... padded below
+    cu = np.cumsum([0, *docs])
+    ring = 1 if hybrid is None else hybrid[1].size()
+    pad = -int(cu[-1]) % (2 * world) if ring > 1 else -int(cu[-1]) % world
+    if pad:
+        cu = np.append(cu, cu[-1] + pad)
+    total = int(cu[-1])
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (1, total), generator=g)
+    pos = torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(cu)])[None]
+    mine = torch.from_numpy(rank_tokens(cu, 1, ring, rank)) if world > 1 else torch.arange(total)
+    model = tiny_gpt_model(num_layers=layers, seed=1)
+
+    class Pack:  # the fields of dispatch.PackedMicroBatch that packed_seq_params reads
+        cu_seqlens = cu.astype(np.int32)
+        max_seqlen = int(np.diff(cu).max())
+        group_size = world
+
+    Pack.ring = ring
+    params = packed_seq_params(Pack, group, torch.device("cpu"), hybrid)
+    counter = CountHostReads()
+    with counter:
+        out = model(ids[:, mine], pos[:, mine], None, packed_seq_params=params)
+        out.sum().backward()
+    return counter.count
+
+
+@pytest.fixture
+def megatron_cpu():
+    from megatron_hsp.testing.dist import destroy_cpu_megatron, init_single_process_megatron
+
+    init_single_process_megatron()
+    yield
+    destroy_cpu_megatron()
+
+
+def test_host_reads_do_not_grow_with_layers_single_rank(megatron_cpu):
+    two, four = _reads(2), _reads(4)
+    print(f"host reads per micro-batch: 2 layers {two}, 4 layers {four}")
+    assert four == two
+
+
+def _ring_worker(rank: int, world: int) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)))
+    return _reads(2, group, (None, group), rank, world), _reads(
+        4, group, (None, group), rank, world
+    )
+
+
+@pytest.mark.spawns
+@pytest.mark.dist
+def test_host_reads_do_not_grow_with_layers_on_a_ring_of_two():
+    from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
+
+    for two, four in raise_rank_errors(run_distributed(_ring_worker, 2, timeout_s=300)):
+        assert four == two, (two, four)
