@@ -308,6 +308,9 @@ def _te_cp_inputs(
     return comm, fwd
 
 
+# The Transformer Engine releases the TE backend is written and checked against (oldest, newest):
+# tests/test_te_sources.py reads every keyword and format it passes in both releases' sources.
+TE_SUPPORTED = ("2.14.0", "2.20.2")
 # The first Transformer Engine whose THD context parallelism accepts cp_comm_type "a2a+p2p":
 # through v2.18 ``attn_forward_func_with_cp`` asserts ``qkv_format != "thd"`` for it; 2.19
 # removed the assertion. Read from TE's own sources by tests/test_te_sources.py.
@@ -381,6 +384,7 @@ def make_backend(
 
 
 __all__ = [
+    "TE_SUPPORTED",
     "AttentionBackend",
     "TEAttentionBackend",
     "TorchAttentionBackend",
