@@ -125,3 +125,16 @@ def test_cpu_selftest_ranks_run_with_cuda_hidden_on_a_gpu_node():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.split("max grad rel")[1]) < 1e-5
+
+
+def test_the_cost_model_prices_every_group_kind_a_case_runs():
+    """The per-case summary puts each group kind's measured tokens/s beside the analytic cost
+    model's (H100 preset); on a device without a preset there is no prediction, said so."""
+    from megatron_hsp.testing.acceptance import predicted_tokens_per_s
+    from megatron_hsp.testing.reference import ModelShape
+
+    by_name = {c.name: c for c in acceptance_cases(8)}
+    rates = predicted_tokens_per_s(by_name["ring-and-hybrid-groups"], ModelShape(), "H100", 8)
+    assert set(rates) == {"u2xr3", "ulysses2", "ring3", "ring5", "single"}, rates
+    assert all(r > 0 for r in rates.values())
+    assert predicted_tokens_per_s(by_name["one-group-of-all"], ModelShape(), "cpu", 8) is None

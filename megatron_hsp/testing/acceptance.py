@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.groupspace import HeadSpace
 from megatron_hsp.runtime.backends import te_version
 from megatron_hsp.testing.mutations import by_name
 from megatron_hsp.testing.reference import ModelShape
@@ -256,6 +257,57 @@ def _group_tokens_per_s(row: dict[str, Any], case: Case) -> dict[str, float]:
     return {k: tokens / seconds for k, tokens in sorted(kinds.items())}
 
 
+def predicted_tokens_per_s(
+    case: Case, shape: ModelShape, device_name: str, world: int
+) -> dict[str, float] | None:
+    """The cost model's tokens/s per group kind for ``case``, as ``_group_tokens_per_s``
+    measures them (a kind's tokens over the step's time), or None without a hardware preset.
+
+    The model is the analytic one (``first_principles_cost_model``) for the kit's model shape on
+    the device's preset (H100 only so far: ``H100_SXM``), one node of ``world`` GPUs, bf16, no
+    ZeRO: the step is the sum over micro-batches of the slowest group's ``group_ms`` at the
+    split the case ran. A tiny model is launch-bound, which the preset's per-call terms price;
+    the comparison says how far the model is from this machine, not whether the kit passed.
+    """
+    from megatron_hsp.planner.first_principles import (
+        H100_SXM,
+        ModelConfig,
+        TrainingConfig,
+        first_principles_cost_model,
+    )
+
+    if "H100" not in device_name:
+        return None
+    s = case.model_shape(shape)
+    model = ModelConfig(
+        "acceptance-kit",
+        s.num_layers,
+        s.hidden_size,
+        s.num_attention_heads // case.tp,
+        max(1, s.num_query_groups // case.tp),
+        s.ffn_hidden_size,
+        s.vocab_size,
+        gated=False,
+    )
+    slots = world // case.tp
+    cost = first_principles_cost_model(
+        model, H100_SXM, TrainingConfig(zero_stage=0), world_size=slots, gpus_per_node=slots
+    )
+    heads = HeadSpace.from_model(s.num_attention_heads, s.num_query_groups, case.tp)
+    step_ms, kinds = 0.0, {}
+    for mb in case.layout:
+        slowest = 0.0
+        for size, docs in mb:
+            u, r = heads.split(size)
+            lengths = [case.lengths[i] for i in docs]
+            if lengths:
+                slowest = max(slowest, cost.group_ms(lengths, size, (u, r)))
+            kind = _kind({"size": size, "ulysses": u, "ring": r})
+            kinds[kind] = kinds.get(kind, 0) + sum(lengths)
+        step_ms += slowest
+    return {k: tokens / max(step_ms / 1e3, 1e-12) for k, tokens in sorted(kinds.items())}
+
+
 def _kind(g: dict[str, int]) -> str:
     if g["size"] == 1:
         return "single"
@@ -326,6 +378,8 @@ def _verdict(
 ) -> dict[str, Any]:
     import torch
 
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    by_case = {c.name: c for c in acceptance_cases(world)}
     out = []
     for i, row in enumerate(per_rank[0]):
         rows = [r[i] for r in per_rank]
@@ -355,10 +409,12 @@ def _verdict(
                 "tokens_per_s": {
                     k: min(r["tokens_per_s"][k] for r in rows) for k in row["tokens_per_s"]
                 },
+                "predicted_tokens_per_s": predicted_tokens_per_s(
+                    by_case[row["name"]], ModelShape(), name, world
+                ),
                 "ok": loss_rel <= loss_tol and grad_rel <= grad_tol,
             }
         )
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {
         "ok": all(c["ok"] for c in out),
         "kit": {
@@ -406,7 +462,14 @@ def render(doc: dict[str, Any]) -> str:
             f"{c['max_rel_grad_diff']:9.2e}  {t['loss_rel']:.0e}/{t['grad_rel']:.0e}     "
             f"{c['group_sizes']} {'ok' if c['ok'] else 'FAILED'}"
         )
-        rates = ", ".join(f"{kind} {rate:,.0f}" for kind, rate in c["tokens_per_s"].items())
+        predicted = c.get("predicted_tokens_per_s") or {}
+        rates = ", ".join(
+            f"{kind} {rate:,.0f}"
+            + (f" (model {predicted[kind]:,.0f})" if kind in predicted else "")
+            for kind, rate in c["tokens_per_s"].items()
+        )
+        if not predicted:
+            rates += " (no cost-model preset for this device)"
         routes = ", ".join(f"{name} x{calls}" for name, calls in sorted(c["routes"].items()))
         lines.append(f"      {c['step_s']:.2f} s; tokens/s {rates}; routes {routes}")
     bad = [c for c in doc["cases"] if not c["ok"]]
