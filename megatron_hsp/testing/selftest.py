@@ -527,7 +527,8 @@ def run_case(state: _WorkerState, case: Case, reference: dict[str, Any]) -> dict
         state.registry,
         grad_group=ps.get_data_parallel_group(with_context_parallel=True),
         device=torch.device(state.device or "cpu"),
-        te_layout=case.te_layout,
+        # The TE backend gets TE's layout, as the Megatron hooks give it (its CP route needs it).
+        te_layout=case.te_layout or state.backend == "te",
     )
     grads = full_gradients(state.model)
     ref = reference["cases"][case.name]
