@@ -22,7 +22,14 @@ OLDEST_TORCH_TESTS := tests/runtime/test_torch_compat.py tests/runtime/test_atte
 # `spawns` marker honest); README.md gives both tiers' durations.
 FAST_TESTS := -m "not spawns and not slow"
 
-.PHONY: setup demo test test-fast test-oldest-torch lint format bench clean
+# Transformer Engine's Python sources, read (never imported or built) by tests/runtime/test_te_sources.py:
+# the oldest and newest TE the runtime supports (runtime/backends.py TE_SUPPORTED) and the
+# releases either side of its THD a2a+p2p gate. The pure-Python transformer-engine wheel holds
+# them (about 1 MB each, no CUDA needed); .ci/run fetches them before `make test`.
+TE_VERSIONS ?= 2.14.0 2.18.0 2.19.0 2.20.2
+TE_SOURCES ?= .te-sources
+
+.PHONY: setup demo test test-fast test-oldest-torch lint format bench clean te-sources
 
 setup: $(STAMP)
 
@@ -63,8 +70,20 @@ test-oldest-torch: $(OLD_STAMP)
 	$(OLD_PY) -c "import torch; print('oldest supported torch:', torch.__version__)"
 	$(OLD_PY) -m pytest -q -n 2 --dist loadgroup $(OLDEST_TORCH_TESTS)
 
+te-sources: $(TE_SOURCES)/.fetched
+
+$(TE_SOURCES)/.fetched: Makefile | setup
+	rm -rf $(TE_SOURCES) && mkdir -p $(TE_SOURCES)/wheels
+	for v in $(TE_VERSIONS); do \
+	  $(PY) -m pip download -q --no-deps --only-binary :all: -d $(TE_SOURCES)/wheels \
+	    "transformer-engine==$$v" && \
+	  $(PY) -m zipfile -e $(TE_SOURCES)/wheels/transformer_engine-$$v-py3-none-any.whl \
+	    $(TE_SOURCES)/$$v || exit 1; \
+	done
+	touch $@
+
 bench: setup
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) $(OLD_VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLD_VENV) $(TE_SOURCES) build *.egg-info .pytest_cache .ruff_cache

@@ -33,6 +33,7 @@ group sizes a model can run is ``groupspace.HeadSpace``'s rule alone (checked at
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 import torch
@@ -143,6 +144,9 @@ class HSPCoreAttention(MegatronModule):
             if isinstance(backend, str)
             else backend
         )
+        # Calls per route taken ("torch-varlen", "torch-sdpa", "te-thd", "ring", "te-cp-p2p",
+        # ...): host-side counts, so the acceptance kit reports what each case really ran.
+        self.routes: Counter[str] = Counter()
 
     def forward(
         self,
@@ -168,6 +172,8 @@ class HSPCoreAttention(MegatronModule):
 
     def _attend(self, q, k, v, cu_seqlens, max_seqlen, dropout_p, cu_host=None):
         host = {} if cu_host is None else {"cu_seqlens_host": cu_host}
+        route = getattr(self.backend, "route", None)
+        self.routes[route(q) if route is not None else self.backend.name] += 1
         if dropout_p > 0 and q.is_cuda and not self.config.sequence_parallel:
             # Same RNG stream choice as megatron's DotProductAttention (heads differ per TP rank).
             with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -218,9 +224,10 @@ class HSPCoreAttention(MegatronModule):
                 cache["cu_host"] = [int(x) for x in cu.tolist()]
             _checked_cu_seqlens(p, total, d, cache["cu_host"])
             cache["checked"] = key_now
-            cache.pop("positions", None)
-            cache.pop("ring_index", None)
-            cache.pop("local_index", None)
+            for derived in ("positions", "ring_index", "local_positions"):
+                cache.pop(derived, None)
+            for derived in [k for k in cache if isinstance(k, tuple) and k[0] == "te_cp"]:
+                cache.pop(derived)
         cu_host = cache["cu_host"]
 
         nq, nkv = query.size(1), key.size(1)
@@ -254,6 +261,7 @@ class HSPCoreAttention(MegatronModule):
         if te_route is not None:
             out = self._te_context_parallel(te_route, query, key, value, p, cache, total)
             if out is not None:
+                self.routes["te-cp-" + ("a2a+p2p" if u > 1 else "p2p")] += 1
                 return out.reshape(local, nq * self.head_dim)
         q, k, v = _qkv_seq_to_head(query, key, value, ulysses_group)
         # This rank now holds ring position j's tokens (load-balanced 2d-chunk layout,
@@ -286,6 +294,7 @@ class HSPCoreAttention(MegatronModule):
             if dropout_p > 0:
                 raise NotImplementedError("HSP ring attention does not support attention dropout")
             doc = torch.searchsorted(cu.to(q.device, torch.int64), index, right=True)
+            self.routes["ring" if te_route is None else "ring (TE declined)"] += 1
             out = ring_attention(q, k, v, index, doc, ring_group, self.softmax_scale)
         else:
             max_seqlen = int(p.max_seqlen_q) if p.max_seqlen_q is not None else total
@@ -303,19 +312,24 @@ class HSPCoreAttention(MegatronModule):
             p.rotary_q_freqs is not None or p.rotary_k_freqs is not None
         ):
             # RoPE is per token and head, so it can run on the local shard before TE's a2a.
-            if "positions" not in cache:
-                cache["positions"] = positions_in_documents(cu, total)
-            if "local_index" not in cache:
+            # The positions are built, and their range checked, once per micro-batch.
+            first = "local_positions" not in cache
+            if first:
+                if "positions" not in cache:
+                    cache["positions"] = positions_in_documents(cu, total)
                 host = np.asarray(cache["cu_host"], dtype=np.int64)
                 held = rank_tokens(host, u, ring_group.size(), group.rank())
-                cache["local_index"] = torch.from_numpy(held).to(query.device)
-            pos = cache["positions"][cache["local_index"]]
+                index = torch.from_numpy(held).to(query.device, non_blocking=True)
+                cache["local_positions"] = cache["positions"][index]
+            pos = cache["local_positions"]
             if p.rotary_q_freqs is not None:
                 query = apply_rope_packed(
-                    query, p.rotary_q_freqs, pos, self.config, p.rotary_mscale
+                    query, p.rotary_q_freqs, pos, self.config, p.rotary_mscale, check_range=first
                 )
             if p.rotary_k_freqs is not None:
-                key = apply_rope_packed(key, p.rotary_k_freqs, pos, self.config, p.rotary_mscale)
+                key = apply_rope_packed(
+                    key, p.rotary_k_freqs, pos, self.config, p.rotary_mscale, check_range=first
+                )
         return te_route(
             query,
             key,
@@ -326,6 +340,7 @@ class HSPCoreAttention(MegatronModule):
             ring_group,
             softmax_scale=self.softmax_scale,
             cu_seqlens_host=cache.get("cu_host"),
+            micro_batch=cache,
         )
 
 

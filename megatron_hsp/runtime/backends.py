@@ -10,8 +10,10 @@ context-parallel route for ring and hybrid groups (unproven on a GPU, docs/runti
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -23,6 +25,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hsp.runtime.compat import torch_features, varlen_causal
 from megatron_hsp.runtime.layout import te_cp_arguments
+
+log = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
@@ -74,6 +78,12 @@ class TorchAttentionBackend:
 
     def __init__(self, force_sdpa: bool = False) -> None:
         self.force_sdpa = force_sdpa
+
+    def route(self, q: torch.Tensor) -> str:
+        """The kernel a call with ``q`` takes (reported by the acceptance kit)."""
+        return (
+            "torch-varlen" if not self.force_sdpa and _torch_varlen_available(q) else "torch-sdpa"
+        )
 
     def __call__(
         self, q, k, v, cu_seqlens, max_seqlen, *, softmax_scale, dropout_p, cu_seqlens_host=None
@@ -138,6 +148,9 @@ class TEAttentionBackend(torch.nn.Module):
 
     name = "te"
 
+    def route(self, q: torch.Tensor) -> str:
+        return "te-thd"
+
     def __init__(self, config: TransformerConfig, layer_number: int, dropout: float) -> None:
         import transformer_engine.pytorch as te  # noqa: F401  (fails loudly if TE is absent)
 
@@ -181,8 +194,7 @@ class TEAttentionBackend(torch.nn.Module):
     def forward(
         self, q, k, v, cu_seqlens, max_seqlen, *, softmax_scale, dropout_p, cu_seqlens_host=None
     ):
-        if not q.is_cuda:
-            raise RuntimeError("the Transformer Engine attention backend needs CUDA tensors")
+        _require_cuda(q)
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         mod = self._module(q.size(1), k.size(1), q.size(2), softmax_scale)
         out = mod(
@@ -210,67 +222,142 @@ class TEAttentionBackend(torch.nn.Module):
         *,
         softmax_scale: float,
         cu_seqlens_host: Sequence[int] | None = None,
+        micro_batch: dict | None = None,
     ) -> torch.Tensor | None:
         """TE's own context-parallel attention for a Ulysses x ring group, or None.
 
-        UNPROVEN ON GPU (no TE run in this project yet; docs/runtime.md). Takes this rank's LOCAL
-        shard (``layout.rank_tokens``, before any all-to-all; RoPE already applied) with all
-        heads of the TP rank and returns the local output [T/d, hq, D]. TE runs the Ulysses
-        all-to-all over ``ulysses_group`` and the KV ring over ``ring_group`` itself
-        (``cp_comm_type`` "a2a+p2p"; "p2p" for pure ring). None when a segment is not a multiple
-        of ``2d`` (``layout.te_cp_arguments``): the caller then runs the torch ring path.
+        UNPROVEN ON GPU (no TE run in this project yet; docs/gpu-validation.md). Takes this
+        rank's LOCAL shard (``layout.rank_tokens``, before any all-to-all; RoPE already applied)
+        with all heads of the TP rank and returns the local output [T/d, hq, D]. TE runs the
+        Ulysses all-to-all over ``ulysses_group`` and the KV ring over ``ring_group`` itself
+        (``cp_comm_type`` "a2a+p2p"; "p2p" for pure ring). None when TE cannot take the group:
+        a segment not a multiple of ``2d`` (``layout.te_cp_arguments``), or THD with "a2a+p2p"
+        on a TE that asserts it away (``te_thd_a2a_p2p_supported``); the caller then runs
+        HSP's own Ulysses x ring path, the route the planner prices.
+
+        ``micro_batch``: the micro-batch's shared dict (``HSPPackedSeqParams.hsp_micro_batch``).
+        TE's boundary tensors are built there once per micro-batch and group split -- on the
+        host, pinned, copied ``non_blocking`` -- and reused by every layer: no host sync and no
+        blocking copy inside a layer.
         """
         u = 1 if ulysses_group is None else ulysses_group.size()
         r = ring_group.size()
-        host = cu_seqlens.detach().cpu().numpy() if cu_seqlens_host is None else cu_seqlens_host
-        args = te_cp_arguments(host, u, r)
-        if args is None:
+        cache = {} if micro_batch is None else micro_batch
+        key = ("te_cp", u, r)
+        if key not in cache:
+            host = cu_seqlens_host
+            if host is None:  # a plain PackedSeqParams: one read-back, then cached
+                host = cu_seqlens.detach().cpu().numpy()
+            cache[key] = _te_cp_inputs(host, u, r, q.device)
+        prepared = cache[key]
+        if prepared is None:
             return None
-        if args["cp_comm_type"] == "a2a+p2p" and not te_thd_a2a_p2p_supported():
-            return None  # TE <= 2.14 crashes on THD with a2a+p2p: the torch ring path runs it
-        if not q.is_cuda:
-            raise RuntimeError("the Transformer Engine attention backend needs CUDA tensors")
-        if self._cp_stream is None:
+        comm, fwd = prepared
+        _require_cuda(q)
+        if self._cp_stream is None and q.is_cuda:
             self._cp_stream = torch.cuda.Stream()
+        if (comm, r) not in _HINTED:  # once per process and ring shape: a start-up hint
+            _HINTED.add((comm, r))
+            hint = te_p2p_hint(r, comm)
+            if hint is not None:
+                log.warning("megatron-hsp: %s", hint)
         mod = self._module(q.size(1), k.size(1), q.size(2), softmax_scale, cp=True)
-        comm = args["cp_comm_type"]
         mod.set_context_parallel_group(
-            [ulysses_group, ring_group] if comm == "a2a+p2p" else ring_group,
-            [dist.get_global_rank(group, i) for i in range(group.size())],
-            self._cp_stream,
-            comm,
+            cp_group=[ulysses_group, ring_group] if comm == "a2a+p2p" else ring_group,
+            cp_global_ranks=[dist.get_global_rank(group, i) for i in range(group.size())],
+            cp_stream=self._cp_stream,
+            cp_comm_type=comm,
         )
-        # One tensor per distinct array: te_cp_arguments hands the SAME boundaries as
-        # cu_seqlens and cu_seqlens_padded (no padding between sequences), and TE must see them
-        # as the same (separate copies made TE assume padding between sequences, which rules out
-        # its flash backends).
-        on_device: dict[int, torch.Tensor] = {}
-        fwd = {}
-        for key, val in args["forward"].items():
-            if isinstance(val, np.ndarray):
-                if id(val) not in on_device:
-                    on_device[id(val)] = torch.from_numpy(val).to(q.device)
-                val = on_device[id(val)]
-            fwd[key] = val
         out = mod(q.contiguous(), k.contiguous(), v.contiguous(), **fwd)
         return out.reshape(q.size(0), q.size(1), q.size(2))
 
 
-# TE fixed THD with cp_comm_type "a2a+p2p" in 2.15 (2.14 and older crash in that path).
-TE_MIN_A2A_P2P_THD = (2, 15)
+def _require_cuda(q: torch.Tensor) -> None:
+    if not q.is_cuda:
+        raise RuntimeError("the Transformer Engine attention backend needs CUDA tensors")
+
+
+def _te_cp_inputs(
+    cu_host: Sequence[int] | np.ndarray, u: int, r: int, device: torch.device
+) -> tuple[str, dict[str, object]] | None:
+    """``(cp_comm_type, forward keywords)`` for TE's context-parallel call, or None when TE
+    cannot run the group (``context_parallel``'s docstring). Built once per micro-batch.
+
+    One tensor per distinct array: ``te_cp_arguments`` hands the SAME boundaries as
+    ``cu_seqlens`` and ``cu_seqlens_padded`` (no padding between sequences), and TE must see them
+    as the same (separate copies made TE assume padding between sequences, which rules out its
+    flash backends).
+    """
+    args = te_cp_arguments(cu_host, u, r)
+    if args is None:
+        return None
+    comm = str(args["cp_comm_type"])
+    if comm == "a2a+p2p" and not te_thd_a2a_p2p_supported():
+        return None
+    on_device: dict[int, torch.Tensor] = {}
+    fwd: dict[str, object] = {}
+    for name, val in args["forward"].items():  # type: ignore[union-attr]
+        if isinstance(val, np.ndarray):
+            if id(val) not in on_device:
+                host = torch.from_numpy(val)
+                if device.type == "cuda":
+                    host = host.pin_memory()
+                on_device[id(val)] = host.to(device, non_blocking=True)
+            val = on_device[id(val)]
+        fwd[name] = val
+    return comm, fwd
+
+
+# The Transformer Engine releases the TE backend is written and checked against (oldest, newest):
+# tests/runtime/test_te_sources.py reads every keyword and format it passes in both releases'
+# sources.
+TE_SUPPORTED = ("2.14.0", "2.20.2")
+# The first Transformer Engine whose THD context parallelism accepts cp_comm_type "a2a+p2p":
+# through v2.18 ``attn_forward_func_with_cp`` asserts ``qkv_format != "thd"`` for it; 2.19
+# removed the assertion. Read from TE's own sources by tests/runtime/test_te_sources.py.
+TE_MIN_A2A_P2P_THD = (2, 19)
+# TE batches a ring step's send and receive (one NCCL group call) only for a ring of 2 before
+# Blackwell, unless NVTE_BATCH_MHA_P2P_COMM=1; otherwise it issues them one after another.
+TE_BATCH_P2P_ENV = "NVTE_BATCH_MHA_P2P_COMM"
+_HINTED: set[tuple[str, int]] = set()
+
+
+def te_p2p_hint(ring: int, comm: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """A one-line hint to set ``NVTE_BATCH_MHA_P2P_COMM=1`` where TE's ring would issue its
+    sends and receives serially (ring > 2, or any ring on Blackwell), None where it batches."""
+    env = os.environ if environ is None else environ
+    if env.get(TE_BATCH_P2P_ENV, "0") not in ("", "0") or comm not in ("p2p", "a2a+p2p"):
+        return None
+    if ring <= 2 and not _blackwell_or_newer():
+        return None
+    return (
+        f"Transformer Engine runs this ring of {ring} ({comm}) with serialised send/recv; set "
+        f"{TE_BATCH_P2P_ENV}=1 to batch them (what TE does by itself only for a ring of 2)"
+    )
+
+
+def _blackwell_or_newer() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10
 
 
 def te_thd_a2a_p2p_supported(version: str | None = None) -> bool:
     """Whether the installed (or given) Transformer Engine runs THD attention with
-    ``cp_comm_type="a2a+p2p"``; hybrid groups fall back to the torch ring path when not."""
+    ``cp_comm_type="a2a+p2p"``; hybrid groups run HSP's own Ulysses x ring path when not."""
     if version is None:
-        try:
-            import transformer_engine
-        except ImportError:
+        version = te_version()
+        if version is None:
             return False
-        version = getattr(transformer_engine, "__version__", "0")
     parts = [int(x) for x in re.findall(r"\d+", version)[:2]]
     return tuple(parts + [0] * (2 - len(parts))) >= TE_MIN_A2A_P2P_THD
+
+
+def te_version() -> str | None:
+    """The installed Transformer Engine's version, None when it does not import."""
+    try:
+        import transformer_engine
+    except ImportError:
+        return None
+    return str(getattr(transformer_engine, "__version__", "0"))
 
 
 def te_available() -> bool:
@@ -298,10 +385,13 @@ def make_backend(
 
 
 __all__ = [
+    "TE_SUPPORTED",
     "AttentionBackend",
     "TEAttentionBackend",
     "TorchAttentionBackend",
     "make_backend",
     "te_available",
+    "te_p2p_hint",
     "te_thd_a2a_p2p_supported",
+    "te_version",
 ]

@@ -11,11 +11,24 @@ launched process:
   the same pieces (size-1 groups, one group of all, mixed sizes, a pure ring, Ulysses x ring,
   tensor parallel 2 where the count is even), GQA throughout;
 * **reference**: the selftest's independent one (``testing/reference.py``: stock megatron-core,
-  one document at a time, fp32) computed on the host CPU of every rank -- the very reference the
-  CPU proof trusts, not a GPU re-implementation of it;
+  one document at a time, fp32) computed on the host CPU -- the very reference the CPU proof
+  trusts, not a GPU re-implementation of it -- once, by global rank 0, in a child process that
+  CUDA is hidden from (``testing/reference_child.py``: the reference's CPU placement mode is
+  refused where CUDA is visible, i.e. on every GPU node), then broadcast to every rank;
 * **HSP side**: megatron-core ``GPTModel`` with the HSP attention spec on the rank's device, in
   each dtype asked for (default on CUDA: fp32, the precise check, then bf16, the training
   dtype), weights loaded from the reference;
+* **fp32 means fp32**: TF32 is turned off for the kit's processes (``torch.backends`` matmul and
+  cuDNN flags, float32 matmul precision "highest"; NGC images set
+  ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``, which the kit removes from its own processes before
+  any CUDA work and reports); where TF32 still reads as on, fp32 rows are judged at TF32's
+  tolerance and say so (``fp32_without_tf32``);
+* **rows beyond the selftest's**: a head dim of 128 (every kit model's head dim is a multiple
+  of 8, as the flash kernels need), a long document over a ring of all ranks, groups created
+  lazily after megatron's ``initialize`` (``Case.lazy_groups``), and with Transformer Engine
+  importable on CUDA the whole table again on the TE backend in bf16;
+* **report**: TE's version, the attention route each case took (``HSPCoreAttention.routes``),
+  and per case a one-line summary with the measured tokens/s of each group kind;
 * **verdict**: per case and dtype the worst over ranks of the loss and per-parameter gradient
   differences against stated tolerances (``TOLERANCES``); one screen, or ``--json``.
 
@@ -36,6 +49,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.groupspace import HeadSpace
+from megatron_hsp.runtime.backends import te_version
 from megatron_hsp.testing.mutations import by_name
 from megatron_hsp.testing.reference import ModelShape
 from megatron_hsp.testing.selftest import Case, build_cases
@@ -46,6 +61,9 @@ from megatron_hsp.testing.selftest import Case, build_cases
 # hundred tokens.
 TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (2e-2, 5e-2)}
 DTYPES = tuple(TOLERANCES)
+# fp32 where TF32 could not be turned off (10-bit mantissa, 2^-11 relative per product).
+TF32_TOLERANCES = (2e-3, 1e-2)
+TF32_OVERRIDE = "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"
 
 
 def under_torchrun() -> bool:
@@ -61,15 +79,75 @@ def acceptance_cases(n: int) -> list[Case]:
     """
     if n < 1:
         raise InputError(f"the acceptance kit needs at least one rank (got {n})")
+    return _selftest_cases(n) + kit_only_cases(n)
+
+
+def _first_then_singles(size: int, slots: int, documents: int) -> tuple:
+    """One group of ``size`` on slots 0.., size-1 groups after it, documents dealt round
+    robin (aligned blocks on any count: a block at slot 0 is always legal)."""
+    sizes = [size] + [1] * (slots - size)
+    return (tuple((d, list(range(g, documents, len(sizes)))) for g, d in enumerate(sizes)),)
+
+
+def kit_only_cases(n: int) -> list[Case]:
+    """What GPU users meet that the CPU selftest's table does not hold.
+
+    * ``head-dim-128``: a realistic head dim (the flash kernels' largest common one);
+    * ``long-document-ring``: one long document over a group of all ranks that is a pure ring
+      (5 query heads, 1 KV head: no Ulysses degree above 1 divides them unless ``n`` is a
+      multiple of 5), next to short ones in the same buffer;
+    * ``lazy-groups-after-initialize``: the group of all and size-1 groups created by the step
+      (``GroupRegistry.ensure``) after megatron's ``initialize``, as the Megatron integration
+      creates them (``megatron/hooks.py``).
+    """
+    tail = (97, 45, 30, 21, 13, 11, 8, 7, 5, 4, 3, 2, 2, 1)
+    ring_shape = (
+        ("num_attention_heads", 5),
+        ("num_query_groups", 1),
+        ("hidden_size", 40),
+        ("max_sequence_length", 1024),
+    )
+    return [
+        Case(
+            "head-dim-128",
+            1,
+            n,
+            tail,
+            _first_then_singles(n, n, len(tail)),
+            data_seed=11,
+            shape_changes=(("kv_channels", 128),),
+        ),
+        Case(
+            "long-document-ring",
+            1,
+            n,
+            (1000, 7, 3),
+            (((n, [0, 1, 2]),),),
+            data_seed=12,
+            shape_changes=ring_shape,
+        ),
+        Case(
+            "lazy-groups-after-initialize",
+            1,
+            n,
+            tail,
+            (
+                ((n, list(range(7))),),  # the group of all, then size-1 groups: two sizes
+                tuple((1, list(range(7 + g, len(tail), n))) for g in range(n)),
+            ),
+            data_seed=13,
+            lazy_groups=True,
+        ),
+    ]
+
+
+def _selftest_cases(n: int) -> list[Case]:
     if n in (4, 8):
         return build_cases(n)
     tail = (97, 45, 30, 21, 13, 11, 8, 7, 5, 4, 3, 2, 2, 1)
 
     def first_then_singles(size: int, slots: int) -> tuple:
-        """One group of ``size`` on slots 0.., size-1 groups after it, documents dealt round
-        robin (aligned blocks on any count: a block at slot 0 is always legal)."""
-        sizes = [size] + [1] * (slots - size)
-        return (tuple((d, list(range(g, len(tail), len(sizes)))) for g, d in enumerate(sizes)),)
+        return _first_then_singles(size, slots, len(tail))
 
     cases = [
         Case("all-groups-size-1", 1, n, tail, first_then_singles(1, n)),
@@ -102,13 +180,151 @@ class KitOptions:
     plant: str | None = None
 
 
-def run_acceptance(opts: KitOptions) -> dict[str, Any] | None:
+def fp32_without_tf32() -> dict[str, Any]:
+    """Turn TF32 off for this process's fp32 work; what was found and what holds now.
+
+    Must run before the process's first CUDA matmul: ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE`` (set in
+    NGC images) is read by torch when cuBLAS math mode is first asked for, and forces TF32
+    whatever ``allow_tf32`` says. The kit's processes are its own, so the variable is removed
+    from them (training runs keep theirs). ``matmul_tf32``/``cudnn_tf32`` read the flags back;
+    ``forced`` is true when TF32 still reads as on (then fp32 rows use ``TF32_TOLERANCES``).
+    """
+    import torch
+
+    found = os.environ.pop(TF32_OVERRIDE, None)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    matmul, cudnn = (
+        bool(torch.backends.cuda.matmul.allow_tf32),
+        bool(torch.backends.cudnn.allow_tf32),
+    )
+    return {
+        "override_env": found,
+        "matmul_tf32": matmul,
+        "cudnn_tf32": cudnn,
+        "forced": matmul or cudnn,
+    }
+
+
+def te_importable() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def shared_reference(cases: list[Case], shape: ModelShape, timeout_s: float) -> dict[str, Any]:
+    """The fp32 reference, computed once by global rank 0 where CUDA is hidden, given to all."""
+    import torch.distributed as dist
+
+    from megatron_hsp.testing.reference_child import reference_in_child
+
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = reference_in_child(cases, shape, timeout_s)
+        except Exception as exc:  # every rank must leave the broadcast, with the reason
+            box[0] = RuntimeError(str(exc))
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
+
+
+def _routes(model: Any) -> dict[str, int]:
+    """Attention calls per route over the model's layers since the last call (then reset)."""
+    total: dict[str, int] = {}
+    for module in model.modules():
+        routes = getattr(module, "routes", None)
+        if isinstance(routes, dict):
+            for name, calls in routes.items():
+                total[name] = total.get(name, 0) + calls
+            routes.clear()
+    return total
+
+
+def _group_tokens_per_s(row: dict[str, Any], case: Case) -> dict[str, float]:
+    """Tokens per second of each group kind in this case's step (all micro-batches), measured
+    as the case's tokens in groups of that kind over the step's wall time."""
+    kinds: dict[str, int] = {}
+    for mb_layout, mb in zip(row["layouts"], case.layout, strict=True):
+        for g, (_size, docs) in zip(mb_layout, mb, strict=True):
+            kind = _kind(g)
+            kinds[kind] = kinds.get(kind, 0) + sum(case.lengths[i] for i in docs)
+    seconds = max(row["step_s"], 1e-9)
+    return {k: tokens / seconds for k, tokens in sorted(kinds.items())}
+
+
+def predicted_tokens_per_s(
+    case: Case, shape: ModelShape, device_name: str, world: int
+) -> dict[str, float] | None:
+    """The cost model's tokens/s per group kind for ``case``, as ``_group_tokens_per_s``
+    measures them (a kind's tokens over the step's time), or None without a hardware preset.
+
+    The model is the analytic one (``first_principles_cost_model``) for the kit's model shape on
+    the device's preset (H100 only so far: ``H100_SXM``), one node of ``world`` GPUs, bf16, no
+    ZeRO: the step is the sum over micro-batches of the slowest group's ``group_ms`` at the
+    split the case ran. A tiny model is launch-bound, which the preset's per-call terms price;
+    the comparison says how far the model is from this machine, not whether the kit passed.
+    """
+    from megatron_hsp.planner.first_principles import (
+        H100_SXM,
+        ModelConfig,
+        TrainingConfig,
+        first_principles_cost_model,
+    )
+
+    if "H100" not in device_name:
+        return None
+    s = case.model_shape(shape)
+    model = ModelConfig(
+        "acceptance-kit",
+        s.num_layers,
+        s.hidden_size,
+        s.num_attention_heads // case.tp,
+        max(1, s.num_query_groups // case.tp),
+        s.ffn_hidden_size,
+        s.vocab_size,
+        gated=False,
+    )
+    slots = world // case.tp
+    cost = first_principles_cost_model(
+        model, H100_SXM, TrainingConfig(zero_stage=0), world_size=slots, gpus_per_node=slots
+    )
+    heads = HeadSpace.from_model(s.num_attention_heads, s.num_query_groups, case.tp)
+    step_ms, kinds = 0.0, {}
+    for mb in case.layout:
+        slowest = 0.0
+        for size, docs in mb:
+            u, r = heads.split(size)
+            lengths = [case.lengths[i] for i in docs]
+            if lengths:
+                slowest = max(slowest, cost.group_ms(lengths, size, (u, r)))
+            kind = _kind({"size": size, "ulysses": u, "ring": r})
+            kinds[kind] = kinds.get(kind, 0) + sum(lengths)
+        step_ms += slowest
+    return {k: tokens / max(step_ms / 1e3, 1e-12) for k, tokens in sorted(kinds.items())}
+
+
+def _kind(g: dict[str, int]) -> str:
+    if g["size"] == 1:
+        return "single"
+    if g["ring"] == 1:
+        return f"ulysses{g['size']}"
+    if g["ulysses"] == 1:
+        return f"ring{g['size']}"
+    return f"u{g['ulysses']}xr{g['ring']}"
+
+
+def run_acceptance(opts: KitOptions, tf32: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """One launched process of the kit; returns the verdict document on global rank 0."""
     import torch
     import torch.distributed as dist
 
     from megatron_hsp.testing.dist import destroy_cpu_megatron, init_megatron
-    from megatron_hsp.testing.selftest import _WorkerState, compute_reference, run_case
+    from megatron_hsp.testing.selftest import _WorkerState, run_case
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -120,20 +336,27 @@ def run_acceptance(opts: KitOptions) -> dict[str, Any] | None:
     else:
         device = torch.device("cpu")
     cases = acceptance_cases(world)
+    by_case = {c.name: c for c in cases}
     shape = ModelShape()
+    backends = ["torch"] + (["te"] if device.type == "cuda" and te_importable() else [])
     t0 = time.perf_counter()
     init_megatron(rank, world, "env://", device=device if device.type == "cuda" else None)
     try:
-        reference = compute_reference(cases, shape)  # fp32, host CPU: the trusted reference
+        reference = shared_reference(cases, shape, timeout_s=600.0)
         rows: list[dict[str, Any]] = []
         state = _WorkerState(rank, world, shape, reference["weights"], device=device)
         undo = by_name([opts.plant])[0].plant() if opts.plant else None
-        for dtype in opts.dtypes:
-            state.dtype, state.key = dtype, None  # rebuild the model; keep the process groups
-            for case in cases:
-                row = run_case(state, case, reference)
-                row["dtype"] = dtype
-                rows.append(row)
+        for backend in backends:
+            # TE's fused and flash kernels take 16-bit inputs only: TE rows run in bf16.
+            dtypes = opts.dtypes if backend == "torch" else ("bf16",)
+            for dtype in dtypes:
+                # rebuild the model; keep the process groups
+                state.dtype, state.backend, state.key = dtype, backend, None
+                for case in cases:
+                    row = run_case(state, case, reference)
+                    row.update(dtype=dtype, backend=backend, routes=_routes(state.model))
+                    row["tokens_per_s"] = _group_tokens_per_s(row, by_case[case.name])
+                    rows.append(row)
         if undo is not None:
             undo()
         everyone: list[Any] = [None] * world
@@ -142,7 +365,7 @@ def run_acceptance(opts: KitOptions) -> dict[str, Any] | None:
         destroy_cpu_megatron()
     if rank != 0:
         return None
-    return _verdict(everyone, opts, world, device, time.perf_counter() - t0)
+    return _verdict(everyone, opts, world, device, time.perf_counter() - t0, tf32 or {})
 
 
 def _verdict(
@@ -151,29 +374,47 @@ def _verdict(
     world: int,
     device: Any,
     seconds: float,
+    tf32: dict[str, Any],
 ) -> dict[str, Any]:
     import torch
 
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    by_case = {c.name: c for c in acceptance_cases(world)}
     out = []
     for i, row in enumerate(per_rank[0]):
         rows = [r[i] for r in per_rank]
-        loss_tol, grad_tol = TOLERANCES[row["dtype"]]
+        tf32_forced = row["dtype"] == "fp32" and bool(tf32.get("forced"))
+        loss_tol, grad_tol = TF32_TOLERANCES if tf32_forced else TOLERANCES[row["dtype"]]
         loss_rel = max(r["loss_rel_diff"] for r in rows)
         grad_rel = max(r["max_rel_grad_diff"] for r in rows)
+        routes: dict[str, int] = {}
+        for r in rows:
+            for name, calls in r["routes"].items():
+                routes[name] = routes.get(name, 0) + calls
         out.append(
             {
                 "name": row["name"],
                 "dtype": row["dtype"],
+                "backend": row["backend"],
+                "routes": routes,
+                "tf32": tf32_forced,
                 "group_sizes": row["group_sizes"],
                 "layouts": row["layouts"],
                 "loss_rel_diff": loss_rel,
                 "max_rel_grad_diff": grad_rel,
                 "worst_param": row["worst_param"],
                 "tolerances": {"loss_rel": loss_tol, "grad_rel": grad_tol},
+                "step_s": max(r["step_s"] for r in rows),
+                # the slowest rank's rate of each group kind
+                "tokens_per_s": {
+                    k: min(r["tokens_per_s"][k] for r in rows) for k in row["tokens_per_s"]
+                },
+                "predicted_tokens_per_s": predicted_tokens_per_s(
+                    by_case[row["name"]], ModelShape(), name, world
+                ),
                 "ok": loss_rel <= loss_tol and grad_rel <= grad_tol,
             }
         )
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {
         "ok": all(c["ok"] for c in out),
         "kit": {
@@ -182,6 +423,9 @@ def _verdict(
             "backend": "nccl" if device.type == "cuda" else "gloo",
             "dtypes": list(opts.dtypes),
             "torch": torch.__version__,
+            "transformer_engine": te_version(),  # None: not importable
+            "tf32": tf32,
+            "reference": "fp32 stock megatron-core, host CPU, child process with CUDA hidden",
             "seconds": seconds,
             "planted": opts.plant,
         },
@@ -189,20 +433,45 @@ def _verdict(
     }
 
 
+def _tf32_line(tf32: dict[str, Any]) -> str:
+    found = tf32.get("override_env")
+    env = f"{TF32_OVERRIDE}={found} found and removed from the kit's processes; " if found else ""
+    if tf32.get("forced"):
+        return (
+            f"  TF32: {env}STILL ON (matmul {tf32['matmul_tf32']}, cuDNN "
+            f"{tf32['cudnn_tf32']}): fp32 rows (marked *) judged at TF32 tolerance"
+        )
+    return f"  TF32: {env}off for fp32 (matmul and cuDNN allow_tf32 False, precision highest)"
+
+
 def render(doc: dict[str, Any]) -> str:
     k = doc["kit"]
+    te = k.get("transformer_engine") or "not installed"
     lines = [
         f"megatron-hsp acceptance: {k['world_size']} ranks, {k['backend']} on {k['device']}, "
-        f"torch {k['torch']}, reference fp32 stock megatron-core (host CPU)",
-        f"  {'case':34} {'dtype':5} {'loss rel':>9} {'grad rel':>9}  {'tol (loss/grad)':15} groups",
+        f"torch {k['torch']}, Transformer Engine {te}, reference {k['reference']}",
+        _tf32_line(k.get("tf32") or {}),
+        f"  {'case':34} {'backend':7} {'dtype':5} {'loss rel':>9} {'grad rel':>9}  "
+        f"{'tol (loss/grad)':15} groups",
     ]
     for c in doc["cases"]:
         t = c["tolerances"]
+        dtype = c["dtype"] + ("*" if c["tf32"] else "")
         lines.append(
-            f"  {c['name']:34} {c['dtype']:5} {c['loss_rel_diff']:9.2e} "
+            f"  {c['name']:34} {c['backend']:7} {dtype:5} {c['loss_rel_diff']:9.2e} "
             f"{c['max_rel_grad_diff']:9.2e}  {t['loss_rel']:.0e}/{t['grad_rel']:.0e}     "
             f"{c['group_sizes']} {'ok' if c['ok'] else 'FAILED'}"
         )
+        predicted = c.get("predicted_tokens_per_s") or {}
+        rates = ", ".join(
+            f"{kind} {rate:,.0f}"
+            + (f" (model {predicted[kind]:,.0f})" if kind in predicted else "")
+            for kind, rate in c["tokens_per_s"].items()
+        )
+        if not predicted:
+            rates += " (no cost-model preset for this device)"
+        routes = ", ".join(f"{name} x{calls}" for name, calls in sorted(c["routes"].items()))
+        lines.append(f"      {c['step_s']:.2f} s; tokens/s {rates}; routes {routes}")
     bad = [c for c in doc["cases"] if not c["ok"]]
     if k["planted"]:
         lines.append(
@@ -220,6 +489,7 @@ def main(dtypes: str | None, device: str | None, as_json: bool, plant: str | Non
     """``selftest`` under torchrun: every process runs this; rank 0 prints."""
     import torch
 
+    tf32 = fp32_without_tf32()  # before any CUDA work (the override is read once)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dev not in ("cuda", "cpu"):
         raise InputError(f"--device {dev}: choose cuda or cpu")
@@ -230,7 +500,7 @@ def main(dtypes: str | None, device: str | None, as_json: bool, plant: str | Non
         raise InputError(f"--dtype {','.join(unknown)}: choose from {', '.join(DTYPES)}")
     if plant is not None:
         by_name([plant])  # an unknown name fails before any collective
-    doc = run_acceptance(KitOptions(dtypes=chosen, device=dev, plant=plant))
+    doc = run_acceptance(KitOptions(dtypes=chosen, device=dev, plant=plant), tf32)
     if doc is None:
         return 0
     print(json.dumps(doc, indent=2) if as_json else render(doc))

@@ -21,6 +21,9 @@ allowances): by the startup allowance until its first report, by the progress ti
 (Starting once used the progress timeout's delay, 1 s for an 8 s timeout: every start dumped
 stacks mid-import, and faulthandler's watchdog reading a thread that is importing torch crashed
 a rank with SIGSEGV under load.)
+The ranks are CPU processes on any machine: they start with ``CUDA_VISIBLE_DEVICES=""``
+(``cuda_hidden``), so on a GPU node they run exactly as on a CPU one (megatron's CUDA-only
+paths, which ``cpu_shims`` answers only where CUDA is absent, included).
 On a machine shared with other jobs a fixed wall-clock budget for a whole multi-part run is either
 too tight (CI load doubled the time of a 250 s run and failed it as a hang) or too loose to find a
 hang early.
@@ -34,7 +37,8 @@ import pickle
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,6 +277,22 @@ def _worker(
         destroy_cpu_megatron()
 
 
+@contextmanager
+def cuda_hidden() -> Iterator[None]:
+    """``CUDA_VISIBLE_DEVICES=""`` in ``os.environ`` while child processes are started (they
+    inherit it: CUDA is hidden from them), restored after. The parent's own CUDA is unaffected
+    once initialised; the CPU harness's parents never use it."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
 # Seconds the ranks may take to start (spawn, imports, rendezvous) before their first report.
 STARTUP_S = 300.0
 
@@ -298,22 +318,23 @@ def run_distributed(
     startup_s = max(STARTUP_S if startup_s is None else startup_s, timeout_s)
     max_total_s = startup_s + 4.0 * timeout_s if max_total_s is None else max_total_s
     with tempfile.TemporaryDirectory(prefix="hsp_dist_") as tmpdir:
-        ctx = mp.start_processes(
-            _worker,
-            args=(
-                world_size,
-                tmpdir,
-                fn,
-                args,
-                tensor_model_parallel_size,
-                _dump_after(timeout_s),
-                _dump_after(startup_s),
-                os.getpid(),
-            ),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
+        with cuda_hidden():  # CPU ranks, on a GPU node too (module docstring)
+            ctx = mp.start_processes(
+                _worker,
+                args=(
+                    world_size,
+                    tmpdir,
+                    fn,
+                    args,
+                    tensor_model_parallel_size,
+                    _dump_after(timeout_s),
+                    _dump_after(startup_s),
+                    os.getpid(),
+                ),
+                nprocs=world_size,
+                join=False,
+                start_method="spawn",
+            )
         start = time.time()  # wall clock: progress marks are file modification times
         progress = [os.path.join(tmpdir, f"progress_{rank}") for rank in range(world_size)]
         while True:

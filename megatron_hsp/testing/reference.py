@@ -47,6 +47,9 @@ class ModelShape:
     hidden_size: int = 32
     num_attention_heads: int = 8
     num_query_groups: int = 2
+    # Head dim, independent of hidden_size / heads: a multiple of 8 as torch's flash varlen
+    # kernel (and TE's) needs on a GPU; the acceptance kit adds a case at 128.
+    kv_channels: int = 8
     ffn_hidden_size: int = 64
     vocab_size: int = 128
     max_sequence_length: int = 512
@@ -71,6 +74,7 @@ def reference_model(shape: ModelShape) -> torch.nn.Module:
         ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_query_groups,
+        kv_channels=shape.kv_channels,
         use_cpu_initialization=True,
         attention_dropout=0.0,
         hidden_dropout=0.0,

@@ -69,6 +69,9 @@ class Case:
     # (``dispatch.te_doc_multiple``); here the torch backend runs it, so the padding's exactness
     # is checked against the reference.
     te_layout: bool = False
+    # Create this case's process groups lazily (``create_groups(lazy=True)``, after megatron's
+    # ``initialize``; the step's ``GroupRegistry.ensure`` makes them), not all up front.
+    lazy_groups: bool = False
 
     def model_shape(self, base: ModelShape) -> ModelShape:
         return dataclasses.replace(base, **dict(self.shape_changes))
@@ -314,7 +317,9 @@ def build_cases(nproc: int) -> list[Case]:
 # ---------------------------------------------------------------------------------- model
 
 
-def build_model(shape: ModelShape, device: Any = "cpu", dtype: str = "fp32"):
+def build_model(
+    shape: ModelShape, device: Any = "cpu", dtype: str = "fp32", backend: str = "torch"
+):
     """The HSP side: megatron-core ``GPTModel`` with the HSP attention spec (CPU fp32 unless the
     acceptance kit asks for a device and bf16).
 
@@ -329,12 +334,13 @@ def build_model(shape: ModelShape, device: Any = "cpu", dtype: str = "fp32"):
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_query_groups,
+        kv_channels=shape.kv_channels,
         ffn_hidden_size=shape.ffn_hidden_size,
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_sequence_length,
         position_embedding_type=shape.position_embedding_type,
         seed=shape.seed + 1,
-        attention_backend="torch",
+        attention_backend=backend,
         tensor_model_parallel_size=_tp_size(),
         calculate_per_token_loss=True,
         device=device,
@@ -442,10 +448,11 @@ class _WorkerState:
     weights: dict[ModelShape, dict[str, Any]]
     model: Any = None
     registry: Any = None
-    key: tuple[int, ModelShape] | None = None
+    key: tuple[int, ModelShape, bool] | None = None
     device: Any = None  # None: the CPU (the selftest); a CUDA device under the acceptance kit
     dtype: str = "fp32"
-    registries: dict[tuple[int, HeadSpace], Any] = field(default_factory=dict)
+    backend: str = "torch"  # HSP attention backend (the kit adds "te" where TE imports)
+    registries: dict[tuple[int, HeadSpace, bool], Any] = field(default_factory=dict)
 
     def for_case(self, case: Case) -> None:
         from megatron.core import parallel_state as ps
@@ -454,7 +461,7 @@ class _WorkerState:
         from megatron_hsp.testing.dist import init_megatron
 
         shape = case.model_shape(self.shape)
-        if self.key == (case.tp, shape):
+        if self.key == (case.tp, shape, case.lazy_groups):
             return
         if ps.get_tensor_model_parallel_world_size() != case.tp:
             # Re-initialise megatron's static groups (dist stays up; init_method unused).
@@ -465,15 +472,16 @@ class _WorkerState:
                 device=self.device,
                 tensor_model_parallel_size=case.tp,
             )
-        self.model = build_model(shape, self.device or "cpu", self.dtype)
+        self.model = build_model(shape, self.device or "cpu", self.dtype, self.backend)
         load_full_weights(self.model, self.weights[shape])
         heads = self.heads(case)
-        if (case.tp, heads) not in self.registries:
-            self.registries[(case.tp, heads)] = create_groups_from_megatron(
-                self.world_size, timeout=GROUP_TIMEOUT, heads=heads
+        reg_key = (case.tp, heads, case.lazy_groups)
+        if reg_key not in self.registries:
+            self.registries[reg_key] = create_groups_from_megatron(
+                self.world_size, timeout=GROUP_TIMEOUT, heads=heads, lazy=case.lazy_groups
             )
-        self.registry = self.registries[(case.tp, heads)]
-        self.key = (case.tp, shape)
+        self.registry = self.registries[reg_key]
+        self.key = (case.tp, shape, case.lazy_groups)
 
     def heads(self, case: Case) -> HeadSpace:
         shape = case.model_shape(self.shape)
@@ -519,7 +527,8 @@ def run_case(state: _WorkerState, case: Case, reference: dict[str, Any]) -> dict
         state.registry,
         grad_group=ps.get_data_parallel_group(with_context_parallel=True),
         device=torch.device(state.device or "cpu"),
-        te_layout=case.te_layout,
+        # The TE backend gets TE's layout, as the Megatron hooks give it (its CP route needs it).
+        te_layout=case.te_layout or state.backend == "te",
     )
     grads = full_gradients(state.model)
     ref = reference["cases"][case.name]

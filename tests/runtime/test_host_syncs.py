@@ -8,11 +8,18 @@ Counted: every ``Tensor.item/tolist/cpu/numpy/__int__/__index__/__bool__/__float
 GPU each is a device->host sync) during one forward+backward of a real megatron-core GPTModel with
 HSP attention, at 2 and at 4 layers. Before the fix the per-document path called
 ``cu_seqlens.tolist()`` in every layer (2 layers: 5 reads, 4 layers: 7).
+
+Host-built tensors are counted too (``torch.from_numpy``: on a GPU each is a host-to-device
+copy): the routes build theirs once per micro-batch. The Transformer Engine context-parallel
+route runs through the TE argument capture (``testing/te_capture.py``, as the TE contract tests
+do): before issue 28 it read ``int(positions.max())`` twice and built (and copied, blocking)
+TE's boundary tensors once per layer.
 """
 
 from __future__ import annotations
 
 import itertools
+from unittest import mock
 
 import pytest
 import torch
@@ -30,9 +37,25 @@ SYNCS = {
 
 
 class CountHostReads(torch.overrides.TorchFunctionMode):
+    """Device reads (``SYNCS``) and host-built tensors (``torch.from_numpy``) while active."""
+
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self._from_numpy = torch.from_numpy
+        self._patch = mock.patch.object(torch, "from_numpy", self._count_from_numpy)
+
+    def _count_from_numpy(self, array):
+        self.count += 1
+        return self._from_numpy(array)
+
+    def __enter__(self):
+        self._patch.start()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._patch.stop()
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in SYNCS:
@@ -40,7 +63,15 @@ class CountHostReads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _reads(layers: int, group=None, hybrid=None, rank: int = 0, world: int = 1) -> int:
+def _reads(
+    layers: int,
+    group=None,
+    hybrid=None,
+    rank: int = 0,
+    world: int = 1,
+    docs: tuple[int, ...] = (5, 1, 7, 3, 8),
+    backend: str = "torch",
+) -> int:
     import numpy as np
 
     from megatron_hsp.runtime.dispatch import PackedMicroBatch  # noqa: F401  (the contract type)
@@ -48,8 +79,7 @@ def _reads(layers: int, group=None, hybrid=None, rank: int = 0, world: int = 1) 
     from megatron_hsp.runtime.schedule import packed_seq_params
     from megatron_hsp.testing.dist import tiny_gpt_model
 
-    docs = [5, 1, 7, 3, 8]  # 24 tokens: a multiple of 2 x 2 chunks per document... padded below
-    cu = np.cumsum([0, *docs])
+    cu = np.cumsum([0, *docs])  # padded below to what the group's layout needs
     ring = 1 if hybrid is None else hybrid[1].size()
     pad = -int(cu[-1]) % (2 * world) if ring > 1 else -int(cu[-1]) % world
     if pad:
@@ -59,7 +89,7 @@ def _reads(layers: int, group=None, hybrid=None, rank: int = 0, world: int = 1) 
     ids = torch.randint(0, 64, (1, total), generator=g)
     pos = torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(cu)])[None]
     mine = torch.from_numpy(rank_tokens(cu, 1, ring, rank)) if world > 1 else torch.arange(total)
-    model = tiny_gpt_model(num_layers=layers, seed=1)
+    model = tiny_gpt_model(num_layers=layers, seed=1, attention_backend=backend)
 
     class Pack:  # the fields of dispatch.PackedMicroBatch that packed_seq_params reads
         cu_seqlens = cu.astype(np.int32)
@@ -105,4 +135,33 @@ def test_host_reads_do_not_grow_with_layers_on_a_ring_of_two():
     from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
     for two, four in raise_rank_errors(run_distributed(_ring_worker, 2, timeout_s=300)):
+        assert four == two, (two, four)
+
+
+def _te_ring_worker(rank: int, world: int) -> tuple[int, int, int]:
+    import torch.distributed as dist
+
+    from megatron_hsp.testing import te_capture
+
+    te_capture.install()
+    group = dist.new_group(list(range(world)))
+    docs = (8, 4, 12)  # every document a multiple of 2d: TE's context-parallel route takes it
+    two = _reads(2, group, (None, group), rank, world, docs, backend="te")
+    four = _reads(4, group, (None, group), rank, world, docs, backend="te")
+    cp_calls = sum(
+        1 for name, _, kw in te_capture.CALLS if name == "forward" and "cu_seqlens_q_padded" in kw
+    )
+    return two, four, cp_calls
+
+
+@pytest.mark.dist
+def test_host_reads_do_not_grow_with_layers_on_the_te_context_parallel_route():
+    """Issue 28: the TE route read the positions' maximum twice and built TE's boundary tensors
+    in every layer; now once per micro-batch (2 layers and 4 layers read the same)."""
+    from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
+
+    for two, four, cp_calls in raise_rank_errors(
+        run_distributed(_te_ring_worker, 2, timeout_s=300)
+    ):
+        assert cp_calls == 2 + 4, cp_calls  # every layer took TE's route (forward only)
         assert four == two, (two, four)

@@ -1,45 +1,25 @@
 """The Transformer Engine backend's modules are part of the model (issue 15), structurally.
 
-TE cannot run here, so a stand-in ``transformer_engine.pytorch`` module supplies a parameter-free
-``DotProductAttention`` with extra state (as TE's has): no numerics are faked or checked, only
-that the lazily built per-head-layout modules are registered submodules (``.eval()`` reaches
-them; before, a plain dict hid them) and that checkpoints neither carry them nor miss them.
+TE cannot run here, so the TE argument capture (``testing/te_capture.py``) supplies a
+parameter-free ``DotProductAttention`` with extra state (as TE's has): no numerics are faked or
+checked, only that the lazily built per-head-layout modules are registered submodules
+(``.eval()`` reaches them; before, a plain dict hid them) and that checkpoints neither carry
+them nor miss them.
 """
 
 from __future__ import annotations
-
-import sys
-import types
 
 import pytest
 import torch
 
 
-class _StandInDPA(torch.nn.Module):
-    def __init__(self, **kwargs):
-        super().__init__()
-        self.kwargs = kwargs
-
-    def get_extra_state(self):
-        return {"fp8_meta": None}
-
-    def set_extra_state(self, state):
-        pass
-
-
 @pytest.fixture
-def te_stand_in(monkeypatch):
-    # megatron-core reads TE's version at import: import everything before the stand-in exists.
-    import megatron.core.transformer.transformer_config  # noqa: F401
+def te_stand_in():
+    from megatron_hsp.testing import te_capture
 
-    import megatron_hsp.runtime.attention  # noqa: F401
-
-    te = types.ModuleType("transformer_engine")
-    te_pt = types.ModuleType("transformer_engine.pytorch")
-    te_pt.DotProductAttention = _StandInDPA
-    te.pytorch = te_pt
-    monkeypatch.setitem(sys.modules, "transformer_engine", te)
-    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te_pt)
+    te_capture.install()
+    yield te_capture
+    te_capture.uninstall()
 
 
 def _core():
@@ -81,12 +61,13 @@ def test_checkpoints_neither_carry_nor_miss_the_lazy_te_modules(te_stand_in):
 
 @pytest.mark.parametrize(
     ("version", "ok"),
-    [("2.14.0", False), ("2.14.1+cu12", False), ("2.15.0", True), ("2.16.0.dev0", True),
-     ("3.0", True), ("1.13.0", False)],
+    [("2.14.0", False), ("2.14.1+cu12", False), ("2.15.0", False), ("2.18.0", False),
+     ("2.19.0", True), ("2.20.2", True), ("3.0", True), ("1.13.0", False)],
 )  # fmt: skip
 def test_a2a_p2p_thd_is_gated_on_the_te_version(version, ok):
-    """Issue 15: TE <= 2.14 crashes on THD with ``cp_comm_type="a2a+p2p"`` (fixed in 2.15); a
-    hybrid group then runs the torch ring path instead."""
+    """TE asserts ``qkv_format != "thd"`` for ``cp_comm_type="a2a+p2p"`` through v2.18 and
+    accepts it from 2.19 (issue 28; tests/runtime/test_te_sources.py reads it from TE's sources); a
+    hybrid group on an older TE runs HSP's own Ulysses x ring path instead."""
     from megatron_hsp.runtime.attention import te_thd_a2a_p2p_supported
 
     assert te_thd_a2a_p2p_supported(version) is ok

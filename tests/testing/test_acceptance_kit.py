@@ -1,5 +1,10 @@
 """The acceptance kit: ``megatron-hsp selftest`` under torchrun (here on gloo CPU ranks; on GPUs the
-same code runs NCCL, docs/gpu-validation.md), and a planted bug that must make it fail."""
+same code runs NCCL, docs/gpu-validation.md), and a planted bug that must make it fail.
+
+The accepting run is made as on a GPU node (issue 28): ``torch.cuda.is_available()`` answers True
+in torchrun, its ranks and every process they start (``testing/fake_cuda.py``), and NGC's
+``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` is set. Before, the kit's CPU reference refused to run
+wherever CUDA was visible."""
 
 from __future__ import annotations
 
@@ -11,10 +16,23 @@ import sys
 import pytest
 
 from megatron_hsp.testing.acceptance import TOLERANCES, acceptance_cases
+from megatron_hsp.testing.fake_cuda import cuda_reported_visible_env
+from tests.helpers import ROOT as ROOT_PATH
+
+ROOT = str(ROOT_PATH)
 
 
-def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+def _env(cuda_visible: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if cuda_visible:
+        env = cuda_reported_visible_env(env)
+        env["TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"] = "1"  # as NGC images set it
+    return env
+
+
+def _torchrun(nproc: int, *args: str, cuda_visible: bool = False) -> subprocess.CompletedProcess:
+    env = _env(cuda_visible)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc-per-node={nproc}", "-m", "megatron_hsp.cli", "selftest", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
@@ -27,14 +45,22 @@ def _json(out: str) -> dict:
 @pytest.mark.spawns
 @pytest.mark.slow
 @pytest.mark.dist
-def test_kit_accepts_a_correct_install_and_catches_a_planted_bug():
-    ok = _torchrun(2, "--device", "cpu", "--json")
+def test_kit_accepts_a_correct_install_where_cuda_is_visible_and_catches_a_planted_bug():
+    ok = _torchrun(2, "--device", "cpu", "--json", cuda_visible=True)
     assert ok.returncode == 0, ok.stderr[-3000:]
     doc = _json(ok.stdout)
     assert doc["ok"] and doc["kit"]["world_size"] == 2 and doc["kit"]["backend"] == "gloo"
+    assert "CUDA hidden" in doc["kit"]["reference"]
+    # NGC's override was found, removed from the kit's processes, and TF32 reads as off.
+    tf32 = doc["kit"]["tf32"]
+    assert tf32["override_env"] == "1" and not tf32["forced"], tf32
     names = {c["name"] for c in doc["cases"]}
     assert {"one-group-of-all", "tp2-group-of-all", "all-groups-size-1"} <= names
+    assert {"head-dim-128", "long-document-ring", "lazy-groups-after-initialize"} <= names
     assert all(c["tolerances"]["grad_rel"] == TOLERANCES["fp32"][1] for c in doc["cases"])
+    by_name = {c["name"]: c for c in doc["cases"]}
+    assert set(by_name["long-document-ring"]["routes"]) == {"ring"}  # 5 heads: a pure ring
+    assert all(c["backend"] == "torch" and c["tokens_per_s"] for c in doc["cases"])
     bad = _torchrun(2, "--device", "cpu", "--json", "--plant", "token-lost-at-group-boundary")
     assert bad.returncode == 1, bad.stderr[-3000:]
     planted = _json(bad.stdout)
@@ -65,3 +91,53 @@ def test_kit_flags_outside_torchrun_are_refused(capsys, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     assert main(["selftest", "--dtype", "bf16"]) == 2
     assert "apply under torchrun (the acceptance kit) only" in capsys.readouterr().err
+
+
+def test_kit_models_have_flash_kernel_head_dims():
+    """torch's flash varlen kernel (and TE's) needs a head dim that is a multiple of 8."""
+    from megatron_hsp.testing.reference import ModelShape
+
+    for n in (1, 2, 4, 8):
+        dims = {c.model_shape(ModelShape()).kv_channels for c in acceptance_cases(n)}
+        assert all(d % 8 == 0 for d in dims) and 128 in dims, dims
+
+
+@pytest.mark.dist
+def test_cpu_selftest_ranks_run_with_cuda_hidden_on_a_gpu_node():
+    """The plain ``selftest`` (and ``--megatron``) spawn CPU ranks through ``run_distributed``:
+    on a node where CUDA is visible they start with it hidden, so the reference's CPU placement
+    mode runs there (one selftest case on 2 ranks, reference included)."""
+    script = (
+        "from megatron_hsp.testing.acceptance import acceptance_cases\n"
+        "from megatron_hsp.testing.dist import raise_rank_errors, run_distributed\n"
+        "from megatron_hsp.testing.reference import ModelShape\n"
+        "from megatron_hsp.testing.selftest import distributed_worker\n"
+        "import torch\n"
+        "assert torch.cuda.is_available()  # the parent sees CUDA, as on a GPU node\n"
+        "cases = [c for c in acceptance_cases(2) if c.name == 'one-group-of-all']\n"
+        "out = raise_rank_errors(run_distributed(distributed_worker, 2, cases, ModelShape()))\n"
+        "print('max grad rel', max(r['cases'][0]['max_rel_grad_diff'] for r in out))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=_env(cuda_visible=True),
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split("max grad rel")[1]) < 1e-5
+
+
+def test_the_cost_model_prices_every_group_kind_a_case_runs():
+    """The per-case summary puts each group kind's measured tokens/s beside the analytic cost
+    model's (H100 preset); on a device without a preset there is no prediction, said so."""
+    from megatron_hsp.testing.acceptance import predicted_tokens_per_s
+    from megatron_hsp.testing.reference import ModelShape
+
+    by_name = {c.name: c for c in acceptance_cases(8)}
+    rates = predicted_tokens_per_s(by_name["ring-and-hybrid-groups"], ModelShape(), "H100", 8)
+    assert set(rates) == {"u2xr3", "ulysses2", "ring3", "ring5", "single"}, rates
+    assert all(r > 0 for r in rates.values())
+    assert predicted_tokens_per_s(by_name["one-group-of-all"], ModelShape(), "cpu", 8) is None
