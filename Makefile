@@ -5,17 +5,20 @@ PY312 ?= python3.12
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The oldest torch of the supported range (pyproject.toml), in a venv of its own.
+# The oldest torch and megatron-core of the supported range (pyproject.toml), in a venv of its own.
 OLD_VENV ?= .venv-torch-oldest
 OLD_PY := $(OLD_VENV)/bin/python
 OLD_STAMP := $(OLD_VENV)/.installed
 # The runtime tests that touch torch APIs whose shape changed across the range (attention
-# kernels, autograd functions, collectives, megatron-core's modules) plus the exactness selftest.
+# kernels, autograd functions, collectives, megatron-core's modules) plus the exactness selftest,
+# and Megatron's own train_step with HSP (dense option sets, MoE) on the oldest megatron-core.
 OLDEST_TORCH_TESTS := tests/test_torch_compat.py tests/test_attention_units.py \
 	tests/test_attention_ulysses.py tests/test_attention_ring.py tests/test_attention_gpt.py \
 	tests/test_loss_normalisation.py tests/test_ring_layout.py tests/test_dispatch_packing.py \
 	tests/test_ring_memory.py tests/test_host_syncs.py \
-	tests/test_selftest.py::test_selftest_matches_single_device
+	tests/test_selftest.py::test_selftest_matches_single_device \
+	tests/test_megatron_loop.py::test_megatron_train_step_with_hsp_matches_the_stock_path \
+	tests/test_megatron_loop.py::test_dropless_moe_at_ep_1_and_2_matches_the_stock_path
 
 .PHONY: setup demo test test-oldest-torch lint format bench clean
 
@@ -51,7 +54,7 @@ test: setup lint
 
 # The runtime tests again on the oldest supported torch (CI runs it after `make test`).
 test-oldest-torch: $(OLD_STAMP)
-	$(OLD_PY) -c "import torch; print('oldest supported torch:', torch.__version__)"
+	$(OLD_PY) -c "import torch, importlib.metadata as m; print('oldest supported torch:', torch.__version__, 'megatron-core:', m.version('megatron-core'))"
 	$(OLD_PY) -m pytest -q -n 2 --dist loadgroup $(OLDEST_TORCH_TESTS)
 
 bench: setup
