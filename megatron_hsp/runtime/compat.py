@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 RANGE_CHECKED = ("torch", "megatron-core")
 
 
