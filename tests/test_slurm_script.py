@@ -201,28 +201,43 @@ def test_failed_ranks_are_named(tmp_path):
     assert "the ranks failed (status 3)" in run.stderr
 
 
-def _stop_sbatch(tmp_path: Path, argv: list[str], body: str, **extra: str):
-    """Run the sbatch script until the stand-in srun has started, send SIGUSR1 (Slurm's
-    --signal=B:USR1@300), return (status, stdout, stderr, scontrol record)."""
-    started = tmp_path / "srun-started"
-    bin_dir, _, control = stand_ins(tmp_path, f"touch {started}\n" + body)
+def signal_when_ready(
+    cmd: list[str], ready: list[Path], sig: int, timeout: float, **popen: object
+) -> tuple[int, str, str]:
+    """Start ``cmd`` in its own session, wait for every ``ready`` file, send ``sig`` and wait
+    for the exit: (status, stdout, stderr). Whatever is left is killed."""
     proc = subprocess.Popen(
-        ["bash", str(SCRIPT), *argv],
-        env=slurm_env(bin_dir, tmp_path, **extra),
+        cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        **popen,  # type: ignore[arg-type]
     )
     try:
-        _wait_for(started)
-        os.kill(proc.pid, signal.SIGUSR1)
-        out, err = proc.communicate(timeout=120)
+        for path in ready:
+            _wait_for(path, timeout=240)
+        os.kill(proc.pid, sig)
+        out, err = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return proc.returncode, out, err, control.read_text() if control.exists() else ""
+    return proc.returncode, out, err
+
+
+def _stop_sbatch(
+    tmp_path: Path, argv: list[str], on_usr1: str, sig: int = signal.SIGUSR1, **extra: str
+):
+    """The sbatch script until the stand-in srun (which runs ``on_usr1`` when the script
+    passes it SIGUSR1) has started, then ``sig`` to the script (SIGUSR1: Slurm's
+    --signal=B:USR1@300): (status, stdout, stderr, scontrol record)."""
+    started = tmp_path / "srun-started"
+    body = f"trap '{on_usr1}' USR1\ntouch {started}\nwhile true; do sleep 0.1; done\n"
+    bin_dir, _, control = stand_ins(tmp_path, body)
+    env = slurm_env(bin_dir, tmp_path, **extra)
+    status, out, err = signal_when_ready(["bash", str(SCRIPT), *argv], [started], sig, 120, env=env)
+    return status, out, err, control.read_text() if control.exists() else ""
 
 
 @pytest.mark.parametrize("save", [True, False])
@@ -232,9 +247,8 @@ def test_no_requeue_without_a_completed_checkpoint(tmp_path, save):
     ck = tmp_path / "ck"
     ck.mkdir()
     (ck / "latest_checkpointed_iteration.txt").write_text("5")  # an older checkpoint
-    body = "trap 'exit 1' USR1\nwhile true; do sleep 0.1; done\n"  # stops, saves nothing
     argv = ["pretrain_gpt.py", *(["--save", str(ck)] if save else [])]
-    status, out, err, control = _stop_sbatch(tmp_path, argv, body)
+    status, out, err, control = _stop_sbatch(tmp_path, argv, "exit 1")  # saves nothing
     assert status == 1, (out, err)
     assert "requeue" not in control and "requeueing" not in out
     if save:
@@ -254,62 +268,27 @@ def test_time_limit_signal_checkpoints_through_srun_and_requeues(tmp_path):
     """Slurm's --signal=B:USR1@300 (or preemption's SIGTERM) reaches the batch shell: it passes
     the checkpoint signal to srun (which forwards it to every node's hsp_node.sh), waits for the
     ranks to finish their checkpoint, and requeues the job."""
-    started = tmp_path / "srun-started"
     ck = tmp_path / "ck"
     save = f"mkdir -p {ck}; echo 12 > {ck}/latest_checkpointed_iteration.txt"
-    body = (
-        f"trap 'echo got-USR1 >> {tmp_path / 'srun-signals.txt'}; {save}; exit 0' USR1\n"
-        f"touch {started}\n"
-        "while true; do sleep 0.1; done\n"
-    )
-    bin_dir, _, control = stand_ins(tmp_path, body)
-    proc = subprocess.Popen(
-        ["bash", str(SCRIPT), "pretrain_gpt.py", "--save", str(ck), "--hsp"],
-        env=slurm_env(bin_dir, tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _wait_for(started)
-        os.kill(proc.pid, signal.SIGUSR1)  # what --signal=B:USR1@300 sends
-        out, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err
+    on_usr1 = f"echo got-USR1 >> {tmp_path / 'srun-signals.txt'}; {save}; exit 0"
+    argv = ["pretrain_gpt.py", "--save", str(ck), "--hsp"]
+    status, out, err, control = _stop_sbatch(tmp_path, argv, on_usr1)
+    assert status == 0, err
     assert (tmp_path / "srun-signals.txt").read_text().split() == ["got-USR1"]
-    assert "requeue 7" in control.read_text().splitlines()
+    assert "requeue 7" in control.splitlines()
     assert "SIGUSR1" in out and "requeueing job 7" in out
     assert f"checkpoint completed (iteration 12 in {ck})" in out  # says which
 
 
 def test_without_requeue_the_job_just_stops(tmp_path):
-    started = tmp_path / "srun-started"
     ck = tmp_path / "ck"
     save = f"mkdir -p {ck}; echo 3 > {ck}/latest_checkpointed_iteration.txt"
-    body = f"trap '{save}; exit 0' USR1\ntouch {started}\nwhile true; do sleep 0.1; done\n"
-    bin_dir, _, control = stand_ins(tmp_path, body)
-    env = slurm_env(bin_dir, tmp_path, HSP_REQUEUE="0")
-    proc = subprocess.Popen(
-        ["bash", str(SCRIPT), "pretrain_gpt.py", "--save", str(ck), "--hsp"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    argv = ["pretrain_gpt.py", "--save", str(ck), "--hsp"]
+    # SIGTERM: preemption without --signal
+    _, out, _, control = _stop_sbatch(
+        tmp_path, argv, f"{save}; exit 0", signal.SIGTERM, HSP_REQUEUE="0"
     )
-    try:
-        _wait_for(started)
-        os.kill(proc.pid, signal.SIGTERM)  # preemption without --signal
-        out, _ = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert "requeue" not in control.read_text()
+    assert "requeue" not in control
     assert "not requeued (HSP_REQUEUE=0)" in out and "iteration 3" in out
 
 
@@ -336,23 +315,10 @@ def test_node_script_hands_the_checkpoint_signal_to_the_ranks_not_torchrun(tmp_p
     (tmp_path / "rank.py").write_text(RANK)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     ranks = ["--nproc-per-node", "2", str(tmp_path / "rank.py"), str(tmp_path)]
-    proc = subprocess.Popen(
-        ["bash", str(NODE_SCRIPT), "USR1", "--", *torchrun, *ranks],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        for rank in (0, 1):
-            _wait_for(tmp_path / f"ready-{rank}", timeout=120)
-        os.kill(proc.pid, signal.SIGUSR1)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err[-2000:]
+    ready = [tmp_path / f"ready-{rank}" for rank in (0, 1)]
+    cmd = ["bash", str(NODE_SCRIPT), "USR1", "--", *torchrun, *ranks]
+    status, _, err = signal_when_ready(cmd, ready, signal.SIGUSR1, 60)
+    assert status == 0, err[-2000:]
     for rank in (0, 1):
         assert (tmp_path / f"checkpoint-{rank}").read_text() == "saved"
     assert "asking the ranks to checkpoint" in err
@@ -417,30 +383,22 @@ def test_a_45s_checkpoint_on_megatrons_default_sigterm_completes_and_requeues(tm
         OMP_NUM_THREADS="1",
     )
     argv = [str(tmp_path / "rank.py"), "--save", str(ck), "--exit-signal-handler"]
-    proc = subprocess.Popen(
+    ready = [tmp_path / f"ready-{rank}" for rank in (0, 1)]
+    # SIGUSR1: Slurm's --signal=B:USR1@300
+    status, out, err = signal_when_ready(
         ["bash", str(SCRIPT), *argv],
+        ready,
+        signal.SIGUSR1,
+        CHECKPOINT_S + 90,
         env=env,
         cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
     )
-    try:
-        for rank in (0, 1):
-            _wait_for(tmp_path / f"ready-{rank}", timeout=240)
-        os.kill(proc.pid, signal.SIGUSR1)  # Slurm's --signal=B:USR1@300
-        out, err = proc.communicate(timeout=CHECKPOINT_S + 90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     logs = (
         "".join(p.read_text() for p in (tmp_path / "logs").glob("*"))
         if (tmp_path / "logs").exists()
         else ""
     )
-    assert proc.returncode == 0, (out, err, logs[-3000:])
+    assert status == 0, (out, err, logs[-3000:])
     assert all((tmp_path / f"saved-{rank}").exists() for rank in (0, 1)), (out, err)
     assert "the ranks checkpoint on SIGTERM" in out
     assert f"checkpoint completed (iteration 40 in {ck})" in out and "requeueing job 7" in out
