@@ -552,6 +552,18 @@ def _refuse_moe_hsp_cannot_run(args: argparse.Namespace) -> None:
     experts = getattr(args, "num_experts", None)
     if not experts:
         return
+    vpp = _get(args, "virtual_pipeline_model_parallel_size", None) or _get(
+        args, "num_layers_per_virtual_pipeline_stage", None
+    )
+    if vpp and _get(args, "pipeline_model_parallel_size", 1) > 1:
+        # Megatron's builder takes --spec as one value for every model chunk (no vp_stage), and
+        # megatron-core's MoE block spec needs the chunk's virtual stage to place its layers.
+        raise HSPArgsError(
+            f"--hsp does not support --num-experts {experts} with virtual pipeline stages: the "
+            "MoE block spec HSP hands Megatron's --spec cannot know each model chunk's stage; "
+            "drop --virtual-pipeline-model-parallel-size / "
+            "--num-layers-per-virtual-pipeline-stage (1F1B pipelines run)"
+        )
     for flag, attr in (
         ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
         ("--expert-tensor-parallel-size", "expert_tensor_parallel_size"),
