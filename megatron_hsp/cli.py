@@ -24,9 +24,9 @@ COMMANDS: dict[str, str] = {
 NEEDS_TORCH = ("selftest", "demo", "profile")
 
 
-def missing_torch(command: str) -> str | None:
-    """The one-line error when torch does not import, else None (and the untested-version
-    warning printed, once per command)."""
+def missing_torch(command: str, warn: bool = True) -> str | None:
+    """The one-line error when torch does not import, else None (and, with ``warn``, the
+    untested-version warning printed, once per command)."""
     try:
         import torch  # noqa: F401
     except ImportError as exc:
@@ -35,6 +35,8 @@ def missing_torch(command: str) -> str | None:
             "megatron-hsp[runtime] or run in the environment that has torch and megatron-core "
             "(README, 'In an existing Megatron container')"
         )
+    if not warn:
+        return None
     from megatron_hsp.runtime.compat import untested_versions
 
     line = untested_versions()

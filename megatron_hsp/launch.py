@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from megatron_hsp.cli import missing_torch
 
-    error = missing_torch("launch")  # before Megatron's imports blame the checkout
+    # Before Megatron's imports blame the checkout; versions are said by install(), on rank 0.
+    error = missing_torch("launch", warn=False)
     if error:
         print(error, file=sys.stderr)
         return 2
