@@ -6,23 +6,27 @@ PY312 ?= python3.12
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The oldest torch of the supported range (pyproject.toml), in a venv of its own.
+# The oldest torch and megatron-core of the supported range (pyproject.toml), in a venv of its own.
 OLD_VENV ?= .venv-torch-oldest
 OLD_PY := $(OLD_VENV)/bin/python
 OLD_STAMP := $(OLD_VENV)/.installed
 # The runtime tests that touch torch APIs whose shape changed across the range (attention
-# kernels, autograd functions, collectives, megatron-core's modules) plus the exactness selftest.
+# kernels, autograd functions, collectives, megatron-core's modules) plus the exactness selftest,
+# and Megatron's own train_step with HSP (dense option sets, MoE) on the oldest megatron-core.
 OLDEST_TORCH_TESTS := tests/runtime/test_torch_compat.py tests/runtime/test_attention_units.py \
 	tests/runtime/test_attention_ulysses.py tests/runtime/test_attention_ring.py \
 	tests/runtime/test_attention_gpt.py tests/runtime/test_loss_normalisation.py \
 	tests/runtime/test_ring_layout.py tests/runtime/test_dispatch_packing.py \
 	tests/runtime/test_ring_memory.py tests/runtime/test_host_syncs.py \
-	tests/testing/test_selftest.py::test_selftest_matches_single_device
+	tests/testing/test_selftest.py::test_selftest_matches_single_device \
+	tests/testing/test_megatron_loop.py::test_megatron_train_step_with_hsp_matches_the_stock_path \
+	tests/testing/test_megatron_loop.py::test_dropless_moe_at_ep_1_and_2_matches_the_stock_path
 # The fast tier: no test that starts a process or is marked slow (tests/conftest.py keeps the
 # `spawns` marker honest); README.md gives both tiers' durations.
 FAST_TESTS := -m "not spawns and not slow"
 
-# Transformer Engine's Python sources, read (never imported or built) by tests/runtime/test_te_sources.py:
+# Transformer Engine's Python sources, read (never imported or built) by
+# tests/runtime/test_te_sources.py:
 # the oldest and newest TE the runtime supports (runtime/backends.py TE_SUPPORTED) and the
 # releases either side of its THD a2a+p2p gate. The pure-Python transformer-engine wheel holds
 # them (about 1 MB each, no CUDA needed); .ci/run fetches them before `make test`.
@@ -67,7 +71,7 @@ test-fast: setup lint
 
 # The runtime tests again on the oldest supported torch (CI runs it after `make test`).
 test-oldest-torch: $(OLD_STAMP)
-	$(OLD_PY) -c "import torch; print('oldest supported torch:', torch.__version__)"
+	$(OLD_PY) -c "import torch, importlib.metadata as m; print('oldest supported torch:', torch.__version__, 'megatron-core:', m.version('megatron-core'))"
 	$(OLD_PY) -m pytest -q -n 2 --dist loadgroup $(OLDEST_TORCH_TESTS)
 
 te-sources: $(TE_SOURCES)/.fetched

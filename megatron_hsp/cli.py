@@ -20,6 +20,31 @@ COMMANDS: dict[str, str] = {
 }
 
 
+# Commands that run torch (the others, plan and bench, must not import it).
+NEEDS_TORCH = ("selftest", "demo", "profile")
+
+
+def missing_torch(command: str, warn: bool = True) -> str | None:
+    """The one-line error when torch does not import, else None (and, with ``warn``, the
+    untested-version warning printed, once per command)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        return (
+            f"megatron-hsp {command}: error: torch does not import here ({exc}); install "
+            "megatron-hsp[runtime] or run in the environment that has torch and megatron-core "
+            "(README, 'In an existing Megatron container')"
+        )
+    if not warn:
+        return None
+    from megatron_hsp.runtime.compat import untested_versions
+
+    line = untested_versions()
+    if line:
+        print(line, file=sys.stderr)
+    return None
+
+
 def _module(name: str):
     return importlib.import_module(f"megatron_hsp.commands.{name.replace('-', '_')}")
 
@@ -44,6 +69,11 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
+    if args.command in NEEDS_TORCH:
+        error = missing_torch(args.command)
+        if error:
+            print(error, file=sys.stderr)
+            return 2
     try:
         return int(_module(args.command).run(args) or 0)
     except HSPError as exc:

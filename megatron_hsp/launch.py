@@ -93,13 +93,25 @@ def main(argv: list[str] | None = None) -> int:
     if not script.is_file():
         print(f"megatron_hsp.launch: error: script {script} not found", file=sys.stderr)
         return 2
+    from megatron_hsp.cli import missing_torch
+
+    # Before Megatron's imports blame the checkout; versions are said by install(), on rank 0.
+    error = missing_torch("launch", warn=False)
+    if error:
+        print(error, file=sys.stderr)
+        return 2
     # The script sees its own path and flags, and imports its siblings (gpt_builders, ...) and
     # the checkout's megatron/ package, exactly as `python pretrain_gpt.py ...` would.
     sys.argv = [str(script), *argv[1:]]
     sys.path.insert(0, str(script.resolve().parent))
     from megatron_hsp.megatron.installer import install_entry_points
+    from megatron_hsp.planner.errors import HSPError
 
-    install_entry_points()
+    try:
+        install_entry_points()
+    except HSPError as exc:  # a Megatron-LM this launcher cannot patch: one line, exit 2
+        print(f"megatron_hsp.launch: error: {exc}", file=sys.stderr)
+        return 2
     install_signal_handlers()
     runpy.run_path(str(script), run_name="__main__")
     return 0

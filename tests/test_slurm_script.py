@@ -122,6 +122,144 @@ def test_a_users_own_exit_signal_is_the_one_forwarded(tmp_path):
     assert lines.count("--exit-signal-handler") == 1 and "no --save" not in run.stdout
 
 
+@pytest.mark.parametrize(
+    ("flags", "delivered"),
+    [
+        (["--exit-signal-handler", "--exit-signal=SIGUSR2"], "USR2"),  # the = form
+        (["--exit-signal-handler", "--exit-signal", "USR2"], "USR2"),
+        (["--exit-signal-handler"], "TERM"),  # Megatron's default exit signal
+        (["--exit-signal", "SIGUSR2"], "USR1"),  # no handler: SIGUSR1 and the handler added
+    ],
+)
+def test_the_signal_the_ranks_handle_is_the_one_delivered(tmp_path, flags, delivered):
+    """Issue 32: ``--exit-signal=SIGUSR2`` was read as TERM."""
+    bin_dir, record, _ = stand_ins(tmp_path)
+    run = run_sbatch(slurm_env(bin_dir, tmp_path), "pretrain_gpt.py", *flags)
+    assert run.returncode == 0, run.stderr
+    lines = record.read_text().splitlines()
+    assert lines[lines.index(str(NODE_SCRIPT)) + 1] == delivered
+    if "--exit-signal-handler" in flags:
+        assert f"the ranks checkpoint on SIG{delivered}" in run.stdout
+    else:
+        assert lines[-3:-1] == ["--exit-signal", "SIGUSR1"]
+
+
+@pytest.mark.parametrize(
+    ("value", "named"), [("SIGINT", "status request"), ("=SIGHUP", "SIGHUP is not one of")]
+)
+def test_an_exit_signal_srun_cannot_deliver_is_refused_in_one_line(tmp_path, value, named):
+    bin_dir, record, _ = stand_ins(tmp_path)
+    flag = ["--exit-signal" + value] if value.startswith("=") else ["--exit-signal", value]
+    run = run_sbatch(slurm_env(bin_dir, tmp_path), "p.py", "--exit-signal-handler", *flag)
+    assert run.returncode == 2 and not record.exists()
+    assert run.stderr.count("\n") == 1 and named in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize(
+    ("variables", "cpus", "warned"),
+    [
+        ({"SLURM_CPUS_ON_NODE": "64"}, "64", False),  # sbatch without --cpus-per-task
+        ({"SLURM_CPUS_ON_NODE": "64", "SLURM_CPUS_PER_TASK": "16"}, "16", False),
+        ({"SLURM_CPUS_ON_NODE": "1"}, "1", True),
+        ({}, "1", True),
+    ],
+)
+def test_cpus_per_task_comes_from_slurms_variables(tmp_path, variables, cpus, warned):
+    """Issue 32: without sbatch --cpus-per-task, srun got --cpus-per-task=1 for 8 ranks."""
+    bin_dir, record, _ = stand_ins(tmp_path)
+    env = slurm_env(bin_dir, tmp_path, SLURM_GPUS_ON_NODE="8", **variables)
+    env.pop("SLURM_CPUS_PER_TASK", None)
+    env.update(variables)
+    run = run_sbatch(env, "pretrain_gpt.py")
+    assert run.returncode == 0, run.stderr
+    assert f"--cpus-per-task={cpus}" in record.read_text().splitlines()
+    assert ("warning: srun --cpus-per-task=1 for 8 ranks per node" in run.stderr) == warned
+
+
+def test_many_hostnames_do_not_end_the_script_with_sigpipe(tmp_path):
+    """``scontrol show hostnames | head -n 1`` under pipefail: scontrol's SIGPIPE (141) used to
+    end the script with no message."""
+    bin_dir, record, _ = stand_ins(tmp_path)
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/bash\nfor ((i = 1; i <= 200000; i++)); do echo "node$i"; done\n'
+    )
+    run = run_sbatch(slurm_env(bin_dir, tmp_path), "pretrain_gpt.py")
+    assert run.returncode == 0, (run.returncode, run.stderr)
+    lines = record.read_text().splitlines()
+    assert lines[lines.index("--rdzv-endpoint") + 1].startswith("node1:")
+
+
+def test_a_failing_scontrol_is_named(tmp_path):
+    bin_dir, record, _ = stand_ins(tmp_path)
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho 'slurm_load_ctl_conf error' >&2\nexit 1\n")
+    run = run_sbatch(slurm_env(bin_dir, tmp_path), "pretrain_gpt.py")
+    assert run.returncode == 1 and not record.exists()
+    assert "'scontrol show hostnames" in run.stderr and "failed" in run.stderr
+
+
+def test_failed_ranks_are_named(tmp_path):
+    bin_dir, _, _ = stand_ins(tmp_path, "exit 3\n")
+    run = run_sbatch(slurm_env(bin_dir, tmp_path), "pretrain_gpt.py")
+    assert run.returncode == 3
+    assert "the ranks failed (status 3)" in run.stderr
+
+
+def signal_when_ready(
+    cmd: list[str], ready: list[Path], sig: int, timeout: float, **popen: object
+) -> tuple[int, str, str]:
+    """Start ``cmd`` in its own session, wait for every ``ready`` file, send ``sig`` and wait
+    for the exit: (status, stdout, stderr). Whatever is left is killed."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **popen,  # type: ignore[arg-type]
+    )
+    try:
+        for path in ready:
+            _wait_for(path, timeout=240)
+        os.kill(proc.pid, sig)
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, out, err
+
+
+def _stop_sbatch(
+    tmp_path: Path, argv: list[str], on_usr1: str, sig: int = signal.SIGUSR1, **extra: str
+):
+    """The sbatch script until the stand-in srun (which runs ``on_usr1`` when the script
+    passes it SIGUSR1) has started, then ``sig`` to the script (SIGUSR1: Slurm's
+    --signal=B:USR1@300): (status, stdout, stderr, scontrol record)."""
+    started = tmp_path / "srun-started"
+    body = f"trap '{on_usr1}' USR1\ntouch {started}\nwhile true; do sleep 0.1; done\n"
+    bin_dir, _, control = stand_ins(tmp_path, body)
+    env = slurm_env(bin_dir, tmp_path, **extra)
+    status, out, err = signal_when_ready(["bash", str(SCRIPT), *argv], [started], sig, 120, env=env)
+    return status, out, err, control.read_text() if control.exists() else ""
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_no_requeue_without_a_completed_checkpoint(tmp_path, save):
+    """Issue 32: the ranks stopped without saving (killed mid-checkpoint, or no --save) and the
+    job printed 'requeueing' and requeued, losing the work since the last checkpoint."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "latest_checkpointed_iteration.txt").write_text("5")  # an older checkpoint
+    argv = ["pretrain_gpt.py", *(["--save", str(ck)] if save else [])]
+    status, out, err, control = _stop_sbatch(tmp_path, argv, "exit 1")  # saves nothing
+    assert status == 1, (out, err)
+    assert "requeue" not in control and "requeueing" not in out
+    if save:
+        assert f"no checkpoint completed in {ck} after SIGUSR1 (latest: iteration 5)" in err
+    else:
+        assert "without a checkpoint (no --save); not requeued" in err
+
+
 def _wait_for(path: Path, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -133,58 +271,28 @@ def test_time_limit_signal_checkpoints_through_srun_and_requeues(tmp_path):
     """Slurm's --signal=B:USR1@300 (or preemption's SIGTERM) reaches the batch shell: it passes
     the checkpoint signal to srun (which forwards it to every node's hsp_node.sh), waits for the
     ranks to finish their checkpoint, and requeues the job."""
-    started = tmp_path / "srun-started"
-    body = (
-        f"trap 'echo got-USR1 >> {tmp_path / 'srun-signals.txt'}; exit 0' USR1\n"
-        f"touch {started}\n"
-        "while true; do sleep 0.1; done\n"
-    )
-    bin_dir, _, control = stand_ins(tmp_path, body)
-    proc = subprocess.Popen(
-        ["bash", str(SCRIPT), "pretrain_gpt.py", "--save", "ck", "--hsp"],
-        env=slurm_env(bin_dir, tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _wait_for(started)
-        os.kill(proc.pid, signal.SIGUSR1)  # what --signal=B:USR1@300 sends
-        out, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err
+    ck = tmp_path / "ck"
+    save = f"mkdir -p {ck}; echo 12 > {ck}/latest_checkpointed_iteration.txt"
+    on_usr1 = f"echo got-USR1 >> {tmp_path / 'srun-signals.txt'}; {save}; exit 0"
+    argv = ["pretrain_gpt.py", "--save", str(ck), "--hsp"]
+    status, out, err, control = _stop_sbatch(tmp_path, argv, on_usr1)
+    assert status == 0, err
     assert (tmp_path / "srun-signals.txt").read_text().split() == ["got-USR1"]
-    assert "requeue 7" in control.read_text().splitlines()
+    assert "requeue 7" in control.splitlines()
     assert "SIGUSR1" in out and "requeueing job 7" in out
+    assert f"checkpoint completed (iteration 12 in {ck})" in out  # says which
 
 
 def test_without_requeue_the_job_just_stops(tmp_path):
-    started = tmp_path / "srun-started"
-    body = f"trap 'exit 0' USR1\ntouch {started}\nwhile true; do sleep 0.1; done\n"
-    bin_dir, _, control = stand_ins(tmp_path, body)
-    env = slurm_env(bin_dir, tmp_path, HSP_REQUEUE="0")
-    proc = subprocess.Popen(
-        ["bash", str(SCRIPT), "pretrain_gpt.py", "--hsp"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    ck = tmp_path / "ck"
+    save = f"mkdir -p {ck}; echo 3 > {ck}/latest_checkpointed_iteration.txt"
+    argv = ["pretrain_gpt.py", "--save", str(ck), "--hsp"]
+    # SIGTERM: preemption without --signal
+    _, out, _, control = _stop_sbatch(
+        tmp_path, argv, f"{save}; exit 0", signal.SIGTERM, HSP_REQUEUE="0"
     )
-    try:
-        _wait_for(started)
-        os.kill(proc.pid, signal.SIGTERM)  # preemption without --signal
-        out, _ = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert "requeue" not in control.read_text()
-    assert "not requeued (HSP_REQUEUE=0)" in out
+    assert "requeue" not in control
+    assert "not requeued (HSP_REQUEUE=0)" in out and "iteration 3" in out
 
 
 RANK = """
@@ -210,23 +318,91 @@ def test_node_script_hands_the_checkpoint_signal_to_the_ranks_not_torchrun(tmp_p
     (tmp_path / "rank.py").write_text(RANK)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     ranks = ["--nproc-per-node", "2", str(tmp_path / "rank.py"), str(tmp_path)]
-    proc = subprocess.Popen(
-        ["bash", str(NODE_SCRIPT), "USR1", "--", *torchrun, *ranks],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        for rank in (0, 1):
-            _wait_for(tmp_path / f"ready-{rank}", timeout=120)
-        os.kill(proc.pid, signal.SIGUSR1)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err[-2000:]
+    ready = [tmp_path / f"ready-{rank}" for rank in (0, 1)]
+    cmd = ["bash", str(NODE_SCRIPT), "USR1", "--", *torchrun, *ranks]
+    status, _, err = signal_when_ready(cmd, ready, signal.SIGUSR1, 60)
+    assert status == 0, err[-2000:]
     for rank in (0, 1):
         assert (tmp_path / f"checkpoint-{rank}").read_text() == "saved"
     assert "asking the ranks to checkpoint" in err
+
+
+# A rank standing in for Megatron's: --exit-signal-handler's handler for SIGTERM (Megatron's
+# default exit signal), then a checkpoint that takes CHECKPOINT_S; rank 0 writes the tracker
+# file last, as Megatron does. Run through the real launcher and torchrun.
+SLOW_RANK = """
+import os, pathlib, signal, sys, time
+
+save = pathlib.Path(sys.argv[sys.argv.index("--save") + 1])
+rank = os.environ["RANK"]
+got = []
+signal.signal(signal.SIGTERM, lambda *a: got.append(1))
+(save.parent / f"ready-{rank}").touch()
+deadline = time.monotonic() + 300
+while not got and time.monotonic() < deadline:
+    time.sleep(0.05)
+if got:
+    time.sleep(float(os.environ["CHECKPOINT_S"]))
+    (save.parent / f"saved-{rank}").touch()
+    if rank == "0":
+        save.mkdir(exist_ok=True)
+        (save / "latest_checkpointed_iteration.txt").write_text("40")
+"""
+# torchrun SIGKILLs its workers 30 s after it forwards a stop signal (torch.distributed.elastic
+# PContext.close); Megatron checkpoints of large models take longer.
+CHECKPOINT_S = 45
+
+
+@pytest.mark.slow
+def test_a_45s_checkpoint_on_megatrons_default_sigterm_completes_and_requeues(tmp_path):
+    """The user's --exit-signal-handler without --exit-signal (SIGTERM): the sbatch script, a
+    stand-in srun that forwards signals to its task as srun does, the real hsp_node.sh,
+    torchrun and the launcher, two ranks whose checkpoint takes 45 s, longer than torchrun's
+    30 s kill grace. Before issue 32 torchrun got the SIGTERM, killed the ranks 30 s later,
+    and the job printed 'requeueing' anyway."""
+    (tmp_path / "rank.py").write_text(SLOW_RANK)
+    ck = tmp_path / "ck"
+    srun = (
+        "#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\n"  # srun's options
+        '"$@" &\nchild=$!\n'
+        'for s in TERM USR1 USR2; do trap "kill -$s $child" $s; done\n'
+        "while kill -0 $child 2>/dev/null; do wait $child; done\n"
+        "wait $child\n"
+    )
+    bin_dir, _, control = stand_ins(tmp_path)
+    (bin_dir / "srun").write_text(srun)
+    (bin_dir / "scontrol").write_text(
+        f'#!/bin/bash\necho "$@" >> {control}\nif [[ $1 == show ]]; then echo localhost; fi\n'
+    )
+    env = slurm_env(
+        bin_dir,
+        tmp_path,
+        SLURM_JOB_NUM_NODES="1",
+        HSP_NPROC_PER_NODE="2",
+        HSP_PYTHON=sys.executable,
+        MASTER_PORT=str(20000 + os.getpid() % 20000),
+        CHECKPOINT_S=str(CHECKPOINT_S),
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+    )
+    argv = [str(tmp_path / "rank.py"), "--save", str(ck), "--exit-signal-handler"]
+    ready = [tmp_path / f"ready-{rank}" for rank in (0, 1)]
+    # SIGUSR1: Slurm's --signal=B:USR1@300
+    status, out, err = signal_when_ready(
+        ["bash", str(SCRIPT), *argv],
+        ready,
+        signal.SIGUSR1,
+        CHECKPOINT_S + 90,
+        env=env,
+        cwd=tmp_path,
+    )
+    logs = (
+        "".join(p.read_text() for p in (tmp_path / "logs").glob("*"))
+        if (tmp_path / "logs").exists()
+        else ""
+    )
+    assert status == 0, (out, err, logs[-3000:])
+    assert all((tmp_path / f"saved-{rank}").exists() for rank in (0, 1)), (out, err)
+    assert "the ranks checkpoint on SIGTERM" in out
+    assert f"checkpoint completed (iteration 40 in {ck})" in out and "requeueing job 7" in out
+    assert "requeue 7" in control.read_text().splitlines()

@@ -221,8 +221,36 @@ def config_dict(args: argparse.Namespace) -> dict:
 # Environment for a command's child processes (spawned ranks, planner): Python reads it at start,
 # so their import-time warnings are hidden too (not counted: they happen in another interpreter).
 QUIET_CHILD_ENV = {
-    "PYTHONWARNINGS": "ignore::UserWarning,ignore::DeprecationWarning,ignore::FutureWarning"
+    "PYTHONWARNINGS": "ignore::UserWarning,ignore::DeprecationWarning,ignore::FutureWarning",
+    "MEGATRON_HSP_QUIET": "1",  # quiet_megatron_notices in the ranks
 }
+# Notices megatron-core logs (not warns) on every rank, about its own API, not the user's run:
+# (logger, start of the message).
+MEGATRON_NOTICES = (("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),)
+
+
+class _DropNotice(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
+
+
+def quiet_megatron_notices() -> None:
+    """In a rank of a command run without ``--verbose``: drop ``MEGATRON_NOTICES``.
+
+    Why: megatron-core 0.19 logs ``GPTModel IS DEPRECATED ...`` on every rank that builds a
+    ``GPTModel``; the demo builds megatron-core's GPT on purpose, and the line buried its
+    output. ``--verbose`` (which leaves ``MEGATRON_HSP_QUIET`` unset) shows it.
+    """
+    if os.environ.get("MEGATRON_HSP_QUIET") != "1":
+        return
+    for name, start in MEGATRON_NOTICES:
+        logging.getLogger(name).addFilter(_DropNotice(start))
+
+
 # Loggers that warn at import on a CPU machine ("No CUDA runtime is found"): counted with the rest.
 NOISY_IMPORT_LOGGERS = ("torch.utils.cpp_extension",)
 

@@ -26,10 +26,12 @@ def _rank_main(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:
 
     import torch
 
+    from megatron_hsp.commands.common import quiet_megatron_notices
     from megatron_hsp.commands.demo_worker import demo_worker
     from megatron_hsp.runtime.lifetime import die_with_parent
     from megatron_hsp.testing.dist import destroy_cpu_megatron, init_cpu_megatron
 
+    quiet_megatron_notices()
     torch.set_num_threads(1)
     _start_heartbeat(out + ".hb")
     # SIGTERM from the parent: unwind (close the planner, leave the process groups) and exit.

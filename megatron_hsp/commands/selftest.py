@@ -69,7 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with import_warnings_summarised(args.verbose, "selftest", children=True):
+    from megatron_hsp.testing.dist import rank_output_logged
+
+    with (
+        import_warnings_summarised(args.verbose, "selftest", children=True),
+        rank_output_logged(args.verbose, "selftest"),
+    ):
         return _run(args)
 
 

@@ -121,7 +121,10 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--hsp-max-seq",
         type=parse_tokens,
         default=None,
-        help="Longest document the cost model is sized for (e.g. 192k); default --seq-length.",
+        help="Longest document trained whole (e.g. 192k): longer ones follow --hsp-overlong, "
+        "as do documents over what the largest group's memory holds or, with learned absolute "
+        "positions, over --max-position-embeddings; the cost model is sized for it. Default "
+        "--seq-length.",
     )
     g.add_argument("--hsp-solver", choices=SOLVERS, default=DEFAULT_SOLVER, help="Planner backend.")
     g.add_argument(
@@ -549,6 +552,18 @@ def _refuse_moe_hsp_cannot_run(args: argparse.Namespace) -> None:
     experts = getattr(args, "num_experts", None)
     if not experts:
         return
+    vpp = _get(args, "virtual_pipeline_model_parallel_size", None) or _get(
+        args, "num_layers_per_virtual_pipeline_stage", None
+    )
+    if vpp and _get(args, "pipeline_model_parallel_size", 1) > 1:
+        # Megatron's builder takes --spec as one value for every model chunk (no vp_stage), and
+        # megatron-core's MoE block spec needs the chunk's virtual stage to place its layers.
+        raise HSPArgsError(
+            f"--hsp does not support --num-experts {experts} with virtual pipeline stages: the "
+            "MoE block spec HSP hands Megatron's --spec cannot know each model chunk's stage; "
+            "drop --virtual-pipeline-model-parallel-size / "
+            "--num-layers-per-virtual-pipeline-stage (1F1B pipelines run)"
+        )
     for flag, attr in (
         ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
         ("--expert-tensor-parallel-size", "expert_tensor_parallel_size"),
@@ -832,6 +847,13 @@ def validate_hsp_args(
     max_seq = args.hsp_max_seq or seq
     if not max_seq and not early:
         raise HSPArgsError("--hsp needs --hsp-max-seq or --seq-length to size the cost model")
+    positions = _learned_positions(args)
+    if positions is not None and max_seq and int(max_seq) > positions:
+        raise HSPArgsError(
+            f"--hsp-max-seq {max_seq} is longer than --max-position-embeddings {positions}: "
+            "with --position-embedding-type learned_absolute a document's positions past it "
+            "have no embedding; lower --hsp-max-seq or raise --max-position-embeddings"
+        )
     if args.hsp_log_interval < 0:
         raise HSPArgsError(f"--hsp-log-interval must be >= 0 (got {args.hsp_log_interval})")
     refit_out = _refit_out(args)
@@ -917,6 +939,49 @@ def validate_hsp_args(
         refit=not getattr(args, "hsp_no_refit", False),
         refit_out=refit_out,
         notes=tuple(notes),
+    )
+
+
+def _learned_positions(args: argparse.Namespace) -> int | None:
+    """``--max-position-embeddings`` where it limits a document (learned absolute positions:
+    one embedding per position), else None (RoPE, no positions: any length)."""
+    if _get(args, "position_embedding_type", "learned_absolute") != "learned_absolute":
+        return None
+    positions = _get(args, "max_position_embeddings", None)
+    return int(positions) if positions else None
+
+
+def document_length_limit(
+    args: argparse.Namespace, max_seq: int, memory_length: int
+) -> tuple[int, str]:
+    """The longest document trained whole under ``--hsp`` and the limit that sets it.
+
+    Why not the memory limit alone: Megatron users set ``--seq-length`` as the longest sample,
+    and learned absolute positions have no embedding past ``--max-position-embeddings``;
+    whole documents used to train up to whatever the largest group's memory held. Longer
+    documents follow ``--hsp-overlong``. Ties name the user's flag.
+    """
+    flag = "--hsp-max-seq" if getattr(args, "hsp_max_seq", None) else "--seq-length"
+    limits = [(int(max_seq), flag)]
+    positions = _learned_positions(args)
+    if positions is not None:
+        limits.append((positions, "--max-position-embeddings (learned absolute positions)"))
+    limits.append((int(memory_length), "what the largest group's memory holds"))
+    return min(limits, key=lambda limit: limit[0])
+
+
+def overlong_line(split: str, count: int, total: int, limit: int, why: str, policy: str) -> str:
+    """The start-up line: how many documents are over the limit and what happens to them."""
+    if not count:
+        return f"{split} split: no document over {limit} tokens ({why})"
+    fate = {
+        "drop": "dropped",
+        "split": f"split into {limit}-token pieces",
+        "error": "refused",
+    }[policy]
+    return (
+        f"{split} split: {count} of {total} documents are over {limit} tokens ({why}): "
+        f"{fate} (--hsp-overlong {policy})"
     )
 
 

@@ -99,6 +99,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     import torch
     import torch.distributed as dist
 
+    from megatron_hsp.megatron.args import document_length_limit, overlong_line
     from megatron_hsp.megatron.datasets import (
         build_split_sampler,
         data_fingerprint,
@@ -131,14 +132,26 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     mmap = bool(getattr(args, "mmap_bin_files", True))
     indices = {p: DocumentIndex(p, mmap=mmap) for p in data.prefixes}
     reader = BlendedDocumentReader([indices[p] for p in data.prefixes])
+    # Whole documents up to --seq-length (or --hsp-max-seq), learned positions and memory.
+    max_length, why = document_length_limit(
+        args, cfg.max_seq, cost.max_trainable_length(list(cfg.group_sizes))
+    )
     base = SamplerConfig(
         seed=cfg.seed,
-        max_length=cost.max_trainable_length(list(cfg.group_sizes)),
+        max_length=max_length,
         global_batch_docs=cfg.global_batch_docs,
         token_budget=cfg.token_budget,
         overlong=cfg.overlong,
     )
-    sampler = build_split_sampler(data, "train", indices, base)
+    try:
+        sampler = build_split_sampler(data, "train", indices, base)
+    except InputError as exc:  # --hsp-overlong error: say which limit the documents pass
+        raise InputError(f"{exc} (the limit, {max_length} tokens, is {why})") from None
+    if dist.get_rank() == 0 and sampler is not None:
+        over = sum(s.overlong_docs for s in sampler.samplers)
+        total = sum(len(s.lengths) for s in sampler.samplers)
+        line = overlong_line("training", over, total, max_length, why, cfg.overlong)
+        print(f"[megatron-hsp] {line}", flush=True)
     if sampler is None:
         raise InputError(
             "the training split has no documents: --split gives it a share of 0 or the "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -66,6 +67,11 @@ def install(
             f"{spec_label(config.cost_model)}, solver {config.planner.solver} "
             f"({config.planner.time_budget_s:g} s), overlong={config.overlong}"
         )
+        from megatron_hsp.runtime.compat import untested_versions
+
+        untested = untested_versions()
+        if untested and int(os.environ.get("RANK", "0")) == 0:
+            print(untested, file=sys.stderr, flush=True)
         hooks.set_run(hooks.HSPRun(config=config, data=data))
         patches.apply_training_patches()
         args._hsp_installed = True  # the launcher on a patched script installs once

@@ -27,9 +27,11 @@ heterogeneous layers, hybrid layers other than attention and MLP) are refused ea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from megatron.core.transformer.spec_utils import ModuleSpec, import_module
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 
 from megatron_hsp.megatron.spec import hsp_gpt_layer_spec, with_hsp_attention
 
@@ -82,6 +84,43 @@ def hsp_spec_from_args(args: Any) -> Any:
     return with_hsp_attention(megatron_default_spec(args, core_transformer_config_from_args(args)))
 
 
+class DeferredSpec(ModuleSpec):
+    """A ``ModuleSpec`` built on its first read, when Megatron builds the model.
+
+    Why: Megatron-LM main and core_r0.19 read ``--spec`` (``gpt_config_from_args``) right after
+    parsing the flags, before ``pretrain()`` has checked for CUDA or created the parallel groups.
+    The MoE decoder block spec needs the pipeline group (which layers this stage builds), and
+    the Transformer Engine spec needs TE; built at import, both failed where stock Megatron goes
+    on to its own CUDA check. Building on first read of a field gives the spec exactly where
+    Megatron's builder would have made it, with the groups in place.
+
+    The base is a layer spec (dense: the block repeats it for its own stage and virtual stage)
+    or a ``ModuleSpec(TransformerBlock, <block submodules>)`` (MoE), which megatron-core's
+    ``TransformerBlock`` takes as it takes ``get_gpt_decoder_block_spec``'s result.
+    """
+
+    def __init__(self, build: Callable[[], Any], what: str) -> None:  # no dataclass fields set
+        self.__dict__.update(_build=build, _what=what, _spec=None)
+
+    def resolve(self) -> ModuleSpec:
+        """The spec, built now if it was not yet."""
+        if self.__dict__["_spec"] is None:
+            spec = self.__dict__["_build"]()
+            if isinstance(spec, TransformerBlockSubmodules):
+                spec = ModuleSpec(module=TransformerBlock, submodules=spec)
+            self.__dict__["_spec"] = spec
+        return self.__dict__["_spec"]
+
+    module = property(lambda self: self.resolve().module)  # type: ignore[assignment]
+    params = property(lambda self: self.resolve().params)  # type: ignore[assignment]
+    submodules = property(lambda self: self.resolve().submodules)  # type: ignore[assignment]
+    metainfo = property(lambda self: getattr(self.resolve(), "metainfo", {}))  # type: ignore[assignment]
+
+    def __repr__(self) -> str:  # printing the config must not build the spec early
+        built = self.__dict__["_spec"]
+        return repr(built) if built is not None else f"DeferredSpec({self.__dict__['_what']})"
+
+
 def _from_megatron_args() -> ModuleSpec:
     try:
         from megatron.training import get_args
@@ -89,7 +128,11 @@ def _from_megatron_args() -> ModuleSpec:
         args = get_args()
     except (ImportError, AssertionError):  # no Megatron-LM, or args not parsed: defaults
         return hsp_gpt_layer_spec()
-    return hsp_spec_from_args(args)
+    if getattr(args, "hsp_base_spec", None):
+        return hsp_spec_from_args(args)  # the user's own spec: imported as stock Megatron would
+    impl = getattr(args, "transformer_impl", "?")
+    moe = " MoE" if getattr(args, "num_experts", None) else ""
+    return DeferredSpec(lambda: hsp_spec_from_args(args), f"HSP over Megatron's {impl}{moe} spec")
 
 
 hsp_layer_spec: ModuleSpec = _from_megatron_args()

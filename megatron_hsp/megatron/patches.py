@@ -193,6 +193,12 @@ def _apply(patch: Patch, make: Callable[[Any], Any]) -> None:
     try:
         module = importlib.import_module(patch.module)
     except ImportError as exc:
+        missing = getattr(exc, "name", None) or ""
+        if missing and not missing.startswith("megatron"):  # e.g. torch: not the checkout
+            raise HSPError(
+                f"Megatron-LM's {patch.module} does not import: {exc}; install {missing} "
+                "or run in the environment that has it"
+            ) from exc
         raise HSPError(
             f"megatron-hsp needs Megatron-LM's {patch.module} (not part of the megatron-core "
             "wheel): run from a Megatron-LM checkout or put it on PYTHONPATH"

@@ -62,6 +62,12 @@ def read_lengths(path: str | Path | None = None) -> np.ndarray:
     idx = p if p.suffix == ".idx" else Path(str(p) + ".idx")
     if idx.is_file() and not (p.is_file() and p.suffix != ".idx"):
         return read_indexed_dataset_lengths(idx)
+    if p.suffix == ".bin":  # read as text it was a UTF-8 decode error
+        prefix = p.with_suffix("")
+        raise InputError(
+            f"--lengths {str(path)!r} is an indexed dataset's token file; pass its prefix "
+            f"{str(prefix)!r} (or {str(prefix)!r}.idx), whose index holds the document lengths"
+        )
     if not p.is_file():
         raise InputError(
             f"--lengths {str(path)!r}: no such file (nor {idx.name}); give a text file with one "

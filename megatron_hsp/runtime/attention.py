@@ -39,6 +39,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config,
+)
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.attention import SelfAttention
@@ -384,7 +387,12 @@ class HSPSelfAttention(SelfAttention):
                     else (rotary_pos_emb, rotary_pos_emb)
                 )
                 packed_seq_params = HSPPackedSeqParams.wrap(
-                    packed_seq_params, q_freqs, k_freqs, self._yarn_concentration_factor
+                    packed_seq_params,
+                    q_freqs,
+                    k_freqs,
+                    # megatron-core >= 0.19 caches it as self._yarn_concentration_factor; 0.18
+                    # computes it from the config at each call, as here.
+                    _yarn_get_concentration_factor_from_config(self.config),
                 )
             rotary_pos_emb = None
         return super().forward(

@@ -1,8 +1,10 @@
 """What the installed torch offers, detected once: the one place version differences live.
 
-Supported range: torch 2.11 (the CUDA images users are likely to have) through 2.14
-(``pyproject.toml``; CI runs the runtime tests on both ends, ``make test-oldest-torch``). Features
-are detected from the installed library, never assumed from a version number:
+Supported range: torch 2.11 (the CUDA images users are likely to have) through 2.15 and
+megatron-core 0.18 through 0.20, as ``pyproject.toml``'s ``runtime`` extra declares (CI runs the
+runtime tests on both ends, ``make test`` and ``make test-oldest-torch``; ``untested_versions``
+reads the range from the installed metadata and names a version outside it). Features are
+detected from the installed library, never assumed from a version number:
 
 * ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10): flash varlen attention on CUDA.
 * its ``enable_gqa`` keyword: absent in 2.11 (where query and key must have the same head count,
@@ -14,11 +16,70 @@ are detected from the installed library, never assumed from a version number:
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+RANGE_CHECKED = ("torch", "megatron-core")
+
+
+def _installed_version(name: str) -> str | None:
+    """The distribution's version; megatron-core from a Megatron-LM checkout on PYTHONPATH has
+    no distribution, so its ``package_info`` is asked."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    if name == "megatron-core":
+        try:
+            from megatron.core.package_info import __version__
+
+            return str(__version__)
+        except Exception:
+            return None
+    return None
+
+
+def untested_versions(
+    requirements: list[str] | None = None, installed: dict[str, str | None] | None = None
+) -> str | None:
+    """One line naming torch / megatron-core versions outside the tested range, or None.
+
+    The range is the ``runtime`` extra of the installed megatron-hsp (``pyproject.toml``), the
+    one place it is written; without that metadata (a source tree on PYTHONPATH) nothing is
+    checked. A run on an untested version goes on: containers pin their own torch and
+    megatron-core, and most releases work; the line says what CI did not run.
+    """
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # packaging comes with torch and megatron-core; without it, no check
+        return None
+    if requirements is None:
+        try:
+            requirements = importlib.metadata.requires("megatron-hsp") or []
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    outside = []
+    for text in requirements:
+        req = Requirement(text)
+        if req.name not in RANGE_CHECKED or not req.specifier:
+            continue
+        if req.marker is not None and not req.marker.evaluate({"extra": "runtime"}):
+            continue
+        version = installed.get(req.name) if installed is not None else _installed_version(req.name)
+        if version is None:
+            continue
+        if not req.specifier.contains(version, prereleases=True):
+            outside.append(f"{req.name} {version} (tested: {req.specifier})")
+    if not outside:
+        return None
+    return (
+        f"megatron-hsp: warning: untested {', '.join(outside)}; going on "
+        "(pyproject.toml's runtime extra is the range CI runs)"
+    )
 
 
 @dataclass(frozen=True)

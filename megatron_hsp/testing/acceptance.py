@@ -269,7 +269,7 @@ def predicted_tokens_per_s(
     split the case ran. A tiny model is launch-bound, which the preset's per-call terms price;
     the comparison says how far the model is from this machine, not whether the kit passed.
     """
-    from megatron_hsp.planner.first_principles import (
+    from megatron_hsp.planner.cost.first_principles import (
         H100_SXM,
         ModelConfig,
         TrainingConfig,

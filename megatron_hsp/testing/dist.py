@@ -34,12 +34,15 @@ from __future__ import annotations
 import faulthandler
 import os
 import pickle
+import shutil
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -238,6 +241,53 @@ def report_progress() -> None:
     faulthandler.dump_traceback_later(_stack_dump_after_s, exit=False)
 
 
+# Set (by ``rank_output_logged``) to a directory: each spawned rank writes its stdout and
+# stderr to ``rank<r>.log`` there instead of the terminal.
+RANK_LOG_DIR_ENV = "HSP_RANK_LOG_DIR"
+
+
+def _output_to_log(rank: int) -> None:
+    directory = os.environ.get(RANK_LOG_DIR_ENV)
+    if not directory:
+        return
+    fd = os.open(os.path.join(directory, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+@contextmanager
+def rank_output_logged(verbose: bool, command: str) -> Iterator[None]:
+    """Spawned ranks' output in log files, summarised in one stderr line, unless ``verbose``.
+
+    Why: Megatron's ranks log every dataset index, argument and iteration; ``selftest
+    --megatron`` wrote ~38,600 lines to stderr, burying the result table. The files stay for
+    reading; ``--verbose`` streams the output as before.
+    """
+    if verbose or os.environ.get(RANK_LOG_DIR_ENV):
+        yield
+        return
+    directory = tempfile.mkdtemp(prefix=f"megatron-hsp-{command}-")
+    os.environ[RANK_LOG_DIR_ENV] = directory
+    try:
+        yield
+    finally:
+        del os.environ[RANK_LOG_DIR_ENV]
+        logs = sorted(Path(directory).glob("rank*.log"))
+        lines = 0
+        for log in logs:
+            with open(log, "rb") as fh:
+                lines += sum(1 for _ in fh)
+        if lines:
+            print(
+                f"{command}: the ranks' output ({lines:,} lines) is in {directory}/rank*.log; "
+                "--verbose prints it instead",
+                file=sys.stderr,
+            )
+        else:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -253,6 +303,7 @@ def _worker(
 
     global _progress_file, _stack_dump_after_s
     die_with_parent(parent=parent_pid)  # a killed test runner (or command) leaves no rank behind
+    _output_to_log(rank)
     # A stuck rank prints every thread's stack to stderr shortly before the parent gives up.
     _progress_file = os.path.join(tmpdir, f"progress_{rank}")
     _stack_dump_after_s = stack_dump_after_s

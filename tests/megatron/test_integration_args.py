@@ -335,6 +335,10 @@ def test_dropless_moe_is_accepted(changes):
         ({"moe_router_enable_expert_bias": True}, "--moe-router-enable-expert-bias"),
         ({"moe_input_jitter_eps": 0.01}, "--moe-input-jitter-eps 0.01"),
         ({"overlap_moe_expert_parallel_comm": True}, "--overlap-moe-expert-parallel-comm"),
+        (  # issue 32: the --spec route has no virtual stage (Megatron asserted at model build)
+            {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+            "--num-experts 4 with virtual pipeline stages",
+        ),
     ],
 )
 def test_moe_options_hsp_cannot_match_are_refused_naming_the_flag(changes, flag):

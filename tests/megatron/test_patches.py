@@ -115,6 +115,21 @@ def pretrain(cfg_container, train_valid_test_dataset_provider, model_type, forwa
             attn = getattr(getattr(layer, "submodules", None), "self_attention", None)
             what = getattr(attn, "module", attn)
             print("HYBRID", kind, getattr(what, "__name__", type(what).__name__), flush=True)
+    if getattr(args, "num_experts", None):  # MoE: the block spec, read once the groups exist
+        import os
+        import torch
+        from megatron.core import parallel_state
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", os.environ["HSP_TEST_PORT"])
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel()
+        layers = import_module(args.spec).submodules.layer_specs
+        for layer in layers:
+            sub = layer.submodules
+            router = sub.mlp.keywords["submodules"].router if hasattr(sub.mlp, "keywords") else (
+                sub.mlp.submodules.router)
+            print("MOE", sub.self_attention.module.__name__, router.__name__, flush=True)
 
 
 t.pretrain = mt.pretrain = pretrain
@@ -214,21 +229,35 @@ def test_launcher_runs_the_unchanged_script(ref, tmp_path):
         ("core_r0.19.0", True, True),
         ("core_r0.19.0", True, False),  # the patched script alone (the library call)
         ("main", False, True),  # launcher on the unchanged script
+        ("main", False, "moe"),  # MoE: the block spec is built once the groups exist
     ],
 )
 def test_pretrain_gets_hsp_provider_and_forward_step(ref, patched, launcher, tmp_path):
     """Megatron's real argument parsing and validation, ``install`` and the builder's layer spec
-    (``--spec`` -> layer_spec.py over gpt_builders) run; ``pretrain`` receives HSP's hooks."""
+    (``--spec`` -> layer_spec.py over gpt_builders) run; ``pretrain`` receives HSP's hooks.
+    With MoE the stand-in creates the parallel groups, as ``pretrain()`` does, and reads the
+    spec then: every layer has HSP attention and HSP's router (issue 32: the spec used to be
+    built at import, before the groups, and failed)."""
     root = checkout(ref, tmp_path, patched=patched)
     (tmp_path / "stand_in.py").write_text(STAND_IN_PRETRAIN)
     script = str(root / "pretrain_gpt.py")
     entry = ["-m", "megatron_hsp.launch", script] if launcher else [script]
     tiny = tiny_with_data(tmp_path)
-    run = run_script([str(tmp_path / "stand_in.py"), *entry, *tiny, "--hsp"], tmp_path, root)
+    if launcher == "moe":
+        tiny += FLAG_SETS["moe"][0]
+    run = run_script(
+        [str(tmp_path / "stand_in.py"), *entry, *tiny, "--hsp"],
+        tmp_path,
+        root,
+        HSP_TEST_PORT=str(free_port()),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "PRETRAIN megatron_hsp.megatron.hooks hsp_datasets_provider hsp_forward_step" in (
         run.stdout
     ), run.stdout[-2000:]
+    if launcher == "moe":
+        layers = [line for line in run.stdout.splitlines() if line.startswith("MOE ")]
+        assert layers == ["MOE HSPSelfAttention HSPTopKRouter"] * 2, run.stdout[-2000:]
 
 
 def _stand_in_training(monkeypatch, pretrain):
@@ -401,3 +430,87 @@ def test_patched_hybrid_script_refuses_mamba_layers_in_one_line(tmp_path):
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if "megatron-hsp: error:" in line]
     assert len(errors) == 1 and "'M' in --hybrid-layer-pattern M*M-" in errors[0], errors
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# Flag sets a Megatron user runs (issue 32): (extra flags, WORLD_SIZE). Pipeline: two stages,
+# alltoall dispatcher not needed without experts; MoE: alltoall at EP 1, as the issue ran it.
+FLAG_SETS = {
+    "dense": ([], "1"),
+    "moe": (
+        [
+            *("--num-experts", "4", "--moe-router-topk", "2"),
+            *("--moe-token-dispatcher-type", "alltoall"),
+        ],
+        "1",
+    ),
+    "pipeline": (["--pipeline-model-parallel-size", "2"], "2"),
+    "hybrid": (["--hybrid-layer-pattern", "*-*-", *HYBRID_SPEC], "1"),
+}
+# Megatron's own end on a machine without CUDA: stock pretrain_gpt.py stops here too.
+CUDA_CHECK = 'assert torch.cuda.is_available(), "Megatron requires CUDA."'
+# Megatron-LM dev (d48bd6be) is not run: its scripts import megatron-core modules newer than the
+# 0.19.2 wheel (COMMIT_DEV above); its patches are checked to apply.
+MAIN_CASES = [
+    (ref, flags, entry, impl)
+    for ref in sorted(REFS)
+    for flags in FLAG_SETS
+    for entry, impl in (("launcher", "default"), ("patched", "local"))
+    # main's pretrain_hybrid.py needs a megatron-core newer than the wheel (see above)
+    if not (flags == "hybrid" and ref == "main")
+    # the patched script for dense and MoE: the flag sets differ in what the launcher patches
+    if entry == "launcher" or flags in ("dense", "moe")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GIT is None, reason="git is not installed")
+@pytest.mark.parametrize(("ref", "flags", "entry", "impl"), MAIN_CASES, ids=str)
+def test_script_main_runs_to_megatrons_cuda_check(ref, flags, entry, impl, tmp_path):
+    """The script's real ``__main__`` and Megatron's real ``pretrain()`` with ``--hsp``: on a
+    machine without CUDA, the end is Megatron's own CUDA check in ``initialize_megatron``,
+    the place stock Megatron ends (``test_stock_script_ends_at_the_same_check``). ``impl``
+    ``default`` leaves out ``--transformer-impl``: Megatron's default, transformer_engine,
+    with Transformer Engine not importable here. Before issue 32 MoE ended in layer_spec.py
+    (``pipeline_model parallel group is not initialized``) and the TE default in
+    ``TypeError: 'NoneType' object is not callable``: the spec was built when Megatron read
+    ``--spec``, before ``pretrain()``."""
+    extra, world = FLAG_SETS[flags]
+    script = "pretrain_hybrid" if flags == "hybrid" else "pretrain_gpt"
+    root = checkout(ref, tmp_path, patched=entry == "patched", script=script)
+    path = str(root / f"{script}.py")
+    argv = ["-m", "megatron_hsp.launch", path] if entry == "launcher" else [path]
+    tiny = tiny_with_data(tmp_path)
+    if impl == "default":
+        tiny = without_flag(tiny, "--transformer-impl")
+    run = run_script([*argv, *tiny, *extra, "--hsp"], tmp_path, root, WORLD_SIZE=world)
+    assert "HSP on:" in run.stdout, run.stderr[-3000:]
+    assert run.returncode == 1, run.stderr[-3000:]
+    tail = run.stderr.rstrip().splitlines()
+    assert tail[-1] == "AssertionError: Megatron requires CUDA.", run.stderr[-3000:]
+    assert tail[-2].strip() == CUDA_CHECK, run.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GIT is None, reason="git is not installed")
+@pytest.mark.parametrize("ref", sorted(REFS))
+def test_stock_script_ends_at_the_same_check(ref, tmp_path):
+    """The reference for the test above: the unchanged script without ``--hsp`` (MoE flags,
+    Megatron's default transformer_engine) ends at the same line."""
+    root = checkout(ref, tmp_path, patched=False)
+    tiny = without_flag(
+        without_flag(tiny_with_data(tmp_path), "--hsp-cost-model"), "--transformer-impl"
+    )
+    run = run_script([str(root / "pretrain_gpt.py"), *tiny, *FLAG_SETS["moe"][0]], tmp_path, root)
+    tail = run.stderr.rstrip().splitlines()
+    assert run.returncode == 1 and tail[-1] == "AssertionError: Megatron requires CUDA.", (
+        run.stderr[-3000:]
+    )
+    assert tail[-2].strip() == CUDA_CHECK
