@@ -1059,7 +1059,7 @@ def _hsp_argv(
     hsp_flags = [
         *("--hsp", "--hsp-solver", "greedy", "--hsp-sync-planner"),
         # The online refit (on by default) would re-plan from this machine's timings: the loop
-        # checks exactness on reproducible plans (testing/refit_loop.py runs the refit).
+        # checks exactness on reproducible plans (megatron_loop/refit.py runs the refit).
         NO_REFIT,
         *("--hsp-gpus-per-node", str(nproc), "--hsp-max-seq", "256"),
         *("--hsp-cost-model", cost_path),
