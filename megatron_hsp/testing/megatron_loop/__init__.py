@@ -6,8 +6,8 @@ This package keeps the names its users import.
 
 from __future__ import annotations
 
+from megatron_hsp.testing.megatron_loop.corpus import BLEND_CHOICES, MegatronDocuments, write_corpus
 from megatron_hsp.testing.megatron_loop.hsp_side import (
-    BLEND_CHOICES,
     CHANGED_SPLIT,
     CKPT_FORMAT,
     GRAD_PLANT_SCALE,
@@ -19,7 +19,6 @@ from megatron_hsp.testing.megatron_loop.hsp_side import (
     PLANTED,
     PLANTS,
     WEIGHT_RTOL,
-    MegatronDocuments,
     check,
     check_data,
     format_margin,
@@ -34,7 +33,6 @@ from megatron_hsp.testing.megatron_loop.hsp_side import (
     run_megatron_plants,
     stock_sample,
     worst_check,
-    write_corpus,
 )
 from megatron_hsp.testing.megatron_loop.options import (
     BLEND_WEIGHTS,
