@@ -22,18 +22,17 @@ from megatron_hsp.testing.megatron_loop.hsp_side import (
     check,
     check_data,
     format_margin,
-    global_names,
     loop_table,
     margin,
     margins,
     megatron_schedule,
-    param_grads,
     per_param_diff,
     run_megatron_loop,
     run_megatron_plants,
     stock_sample,
     worst_check,
 )
+from megatron_hsp.testing.megatron_loop.models import global_names, param_grads
 from megatron_hsp.testing.megatron_loop.options import (
     BLEND_WEIGHTS,
     CONTINUE_EPOCHS,
