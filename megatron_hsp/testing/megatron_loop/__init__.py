@@ -10,14 +10,9 @@ from megatron_hsp.testing.megatron_loop.corpus import BLEND_CHOICES, MegatronDoc
 from megatron_hsp.testing.megatron_loop.hsp_side import (
     CHANGED_SPLIT,
     CKPT_FORMAT,
-    GRAD_PLANT_SCALE,
     GRAD_RTOL,
     LOSS_RTOL,
     NO_REFIT,
-    NOT_UPDATED_PARAM,
-    PLANT_RUNS,
-    PLANTED,
-    PLANTS,
     WEIGHT_RTOL,
     check,
     check_data,
@@ -50,6 +45,13 @@ from megatron_hsp.testing.megatron_loop.options import (
     SP_SPEC,
     STEPS,
     LoopOptions,
+)
+from megatron_hsp.testing.megatron_loop.plants import (
+    GRAD_PLANT_SCALE,
+    NOT_UPDATED_PARAM,
+    PLANT_RUNS,
+    PLANTED,
+    PLANTS,
 )
 
 __all__ = [
