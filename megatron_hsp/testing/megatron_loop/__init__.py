@@ -24,7 +24,6 @@ from megatron_hsp.testing.megatron_loop.hsp_side import (
     per_param_diff,
     run_megatron_loop,
     run_megatron_plants,
-    stock_sample,
     worst_check,
 )
 from megatron_hsp.testing.megatron_loop.models import global_names, param_grads
@@ -53,6 +52,7 @@ from megatron_hsp.testing.megatron_loop.plants import (
     PLANTED,
     PLANTS,
 )
+from megatron_hsp.testing.megatron_loop.stock_side import stock_sample
 
 __all__ = [
     "BLEND_CHOICES",
