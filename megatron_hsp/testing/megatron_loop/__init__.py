@@ -6,25 +6,27 @@ This package keeps the names its users import.
 
 from __future__ import annotations
 
-from megatron_hsp.testing.megatron_loop.corpus import BLEND_CHOICES, MegatronDocuments, write_corpus
-from megatron_hsp.testing.megatron_loop.hsp_side import (
-    CHANGED_SPLIT,
-    CKPT_FORMAT,
+from megatron_hsp.testing.megatron_loop.checks import (
     GRAD_RTOL,
     LOSS_RTOL,
-    NO_REFIT,
     WEIGHT_RTOL,
     check,
     check_data,
     format_margin,
-    loop_table,
     margin,
     margins,
     megatron_schedule,
     per_param_diff,
+    worst_check,
+)
+from megatron_hsp.testing.megatron_loop.corpus import BLEND_CHOICES, MegatronDocuments, write_corpus
+from megatron_hsp.testing.megatron_loop.hsp_side import (
+    CHANGED_SPLIT,
+    CKPT_FORMAT,
+    NO_REFIT,
+    loop_table,
     run_megatron_loop,
     run_megatron_plants,
-    worst_check,
 )
 from megatron_hsp.testing.megatron_loop.models import global_names, param_grads
 from megatron_hsp.testing.megatron_loop.options import (
