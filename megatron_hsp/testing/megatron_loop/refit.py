@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from megatron_hsp.step.mbclock import MicrobatchClock
-from megatron_hsp.testing.megatron_loop.hsp_side import LoopOptions
+from megatron_hsp.testing.megatron_loop.options import LoopOptions
 
 SYNC = "--hsp-sync-planner"
 # Groups of 1 and 2 over 4 slots: every micro-batch has at least two groups, so a delay on
@@ -41,10 +41,9 @@ def _one_run(
     from megatron_hsp.testing.megatron_loop.hsp_side import (
         _close_hsp_run,
         _hsp_iterators,
-        _hsp_model,
         _start_hsp,
-        _wrap,
     )
+    from megatron_hsp.testing.megatron_loop.models import _hsp_model, _wrap
 
     args, provider, forward_step = _start_hsp(argv)
     real_now = MicrobatchClock._now
