@@ -27,7 +27,10 @@ FLOORS = (
     "megatron_hsp.runtime",  # torch.distributed execution of a plan
     "megatron_hsp.step",  # one training step: sampler, planner service, step pipeline
     "megatron_hsp.megatron",  # the Megatron-LM integration
+    # a ``sitecustomize`` put on PYTHONPATH to report CUDA visible (imports nothing of ours)
+    "megatron_hsp.testing.cuda_reported_visible",
     "megatron_hsp.testing",  # test machinery shipped with the package (selftest, dist harness)
+    "megatron_hsp.testing.megatron_loop",  # selftest --megatron: train_step, HSP vs stock
     "megatron_hsp.evaluation",  # baselines, bench, research bounds (torch-free)
     "megatron_hsp.evaluation.torch_side",  # baselines that run megatron-core's schedulers
     "megatron_hsp.commands",  # the CLI's commands

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sequence-parallel, pure-ring and hybrid Ulysses x ring groups, evaluation, a blend "
         "and a restart through Megatron's checkpointing, pipeline parallel 1F1B and "
         "interleaved, dropless MoE at EP 1 and 2; "
-        "megatron_hsp/testing/megatron_loop.py) and compare loss, every parameter's gradient "
+        "megatron_hsp/testing/megatron_loop/) and compare loss, every parameter's gradient "
         "and final weights, grad norm, and lr / consumed samples against Megatron's own "
         "scheduler and sampler",
     )

@@ -20,7 +20,7 @@ under virtual stages the provider is called once per model chunk and every chunk
 micro-batches (``_ChunkInputs``); an interleaved schedule's count is padded with empty
 micro-batches (``schedule_count``). docs/integration.md, "Pipeline parallelism under --hsp".
 
-``selftest --megatron`` (``testing/megatron_loop.py``) runs this module under Megatron's own
+``selftest --megatron`` (``testing/megatron_loop/``) runs this module under Megatron's own
 ``train_step`` on gloo CPU ranks against the stock path; ``pretrain()``/``train()`` themselves
 need CUDA (docs/integration.md says what only a GPU run shows).
 """

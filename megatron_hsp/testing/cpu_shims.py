@@ -86,7 +86,7 @@ class CpuPlacement(torch.overrides.TorchFunctionMode):
     training device, ``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``, because
     ``clip_grad_by_total_norm_fp32`` asserts the gradient's type string (its dtype part is still
     checked). Nothing else about any call changes. Used by
-    ``testing/megatron_loop.py`` only, inside ``cpu_megatron_training()``.
+    ``testing/megatron_loop/`` only, inside ``cpu_megatron_training()``.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -1,6 +1,6 @@
 """The online refit in the Megatron hooks, under Megatron's own ``train_step`` on 4 gloo CPU
-ranks (``testing/refit_loop.py``): records collected per micro-batch and group, updates applied
-and used by the planner two steps later, the refit model written where ``--hsp-cost-model``
+ranks (``testing/megatron_loop/refit.py``): records collected per micro-batch and group, updates
+applied and used by the planner two steps later, the refit model written where ``--hsp-cost-model``
 reads it, ``--hsp-no-refit`` turning it all off, and a delay planted in one group of one
 micro-batch showing up in that record only."""
 
@@ -15,7 +15,7 @@ from megatron_hsp.planner.plan import Plan
 from megatron_hsp.step.observe import predicted_step_ms
 from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 from megatron_hsp.testing.megatron_loop import write_corpus
-from megatron_hsp.testing.refit_loop import refit_worker
+from megatron_hsp.testing.megatron_loop.refit import refit_worker
 
 pytestmark = pytest.mark.spawns
 

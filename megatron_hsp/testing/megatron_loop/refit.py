@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from megatron_hsp.step.mbclock import MicrobatchClock
-from megatron_hsp.testing.megatron_loop import LoopOptions
+from megatron_hsp.testing.megatron_loop.options import LoopOptions
 
 SYNC = "--hsp-sync-planner"
 # Groups of 1 and 2 over 4 slots: every micro-batch has at least two groups, so a delay on
@@ -38,13 +38,12 @@ def _one_run(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_hsp.megatron import hooks, patches
-    from megatron_hsp.testing.megatron_loop import (
+    from megatron_hsp.testing.megatron_loop.hsp_side import (
         _close_hsp_run,
         _hsp_iterators,
-        _hsp_model,
         _start_hsp,
-        _wrap,
     )
+    from megatron_hsp.testing.megatron_loop.models import _hsp_model, _wrap
 
     args, provider, forward_step = _start_hsp(argv)
     real_now = MicrobatchClock._now
@@ -118,7 +117,7 @@ def refit_worker(
     """Three runs on this rank: refit on (written to ``workdir/refit.yaml``), on with the
     virtual delay (written elsewhere), then off."""
     from megatron_hsp.testing.cpu_shims import cpu_device_arch_version, cpu_megatron_training
-    from megatron_hsp.testing.megatron_loop import NO_REFIT, _hsp_argv
+    from megatron_hsp.testing.megatron_loop.hsp_side import NO_REFIT, _hsp_argv
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
