@@ -1,4 +1,4 @@
-"""Where a plan's step time goes beyond the lower bound, by cause (issue 19 item 5).
+"""Where a plan's step time goes beyond the lower bound, by cause.
 
 The combinatorial bound's main term is ``W_min / N + m_min * b``: every sequence at its cheapest
 fitting group size (rank-ms), perfectly balanced over the ``N`` ranks, in the fewest micro-batches

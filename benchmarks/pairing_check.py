@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/pairing_check.py [--cost-model flexsp-gpt-7b]
 
-Issue 19 item 5 asks whether the 17-27% gap to the lower bound on long-heavy distributions is
+This checks whether the 17-27% gap to the lower bound on long-heavy distributions is
 the planner's or the bound's. On those batches almost all work is in sequences that cannot run on
 one rank, each needing a multi-rank group, so a micro-batch holds one or two of them. This script
 prices, for batch 0 of each suite distribution (64 GPUs, GBS 512, 192k), every pair of such long

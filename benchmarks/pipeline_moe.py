@@ -1,4 +1,4 @@
-"""Issue 17 tables: hsp under pipeline parallelism and on MoE models, against the baselines.
+"""Tables: hsp under pipeline parallelism and on MoE models, against the baselines.
 
 Every row is one ``megatron-hsp bench`` run (in-process, same harness, validator and pricing as
 the CLI; the equivalent command line is printed under the table), on seeded lengths written to

@@ -1,4 +1,4 @@
-"""The planner's gap to a bound that knows the runtime's placement rule (issue 19 item 5).
+"""The planner's gap to a bound that knows the runtime's placement rule.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/placement_gap.py [--steps 3] [--only bimodal ...]
         [--cost-model flexsp-gpt-7b] [--time-limit 300] [--intra-node] [--json out.json]

@@ -1,5 +1,5 @@
 """Autograd-saved bytes per rank of one causal ring attention layer, at 2K, 4K and 8K tokens per
-rank (issue 15's contract): ``python benchmarks/ring_memory.py --json`` prints
+rank: ``python benchmarks/ring_memory.py --json`` prints
 ``{"saved_bytes": {"2048": N, "4096": N, "8192": N}}``.
 
 Runs ``megatron_hsp.runtime.ring.ring_attention`` on 2 gloo CPU processes (a pure ring of 2, the

@@ -149,7 +149,7 @@ def format_bench(result: dict) -> str:
 
 
 def _not_trained_lines(b: dict) -> list[str]:
-    """What the batches left out or cut, said in the text output as in the JSON (issue 18: only
+    """What the batches left out or cut, said in the text output as in the JSON (only
     the JSON showed 163 of 1536 sequences dropped as too long for memory)."""
     out = []
     dropped, split = b.get("overlong_dropped", 0), b.get("overlong_split", 0)

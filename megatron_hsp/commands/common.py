@@ -161,7 +161,7 @@ def check_numeric_flags(args: argparse.Namespace) -> None:
     """Every numeric flag in range, before any work; errors name the flag and the range."""
     check_range(args.gpus, "--gpus", low=1, high=MAX_GPUS)
     # Nodes are 4-8 GPUs, racks such as NVL72 72: a "node" of thousands made every size up to
-    # it legal and exhausted memory building the size tables (issue 18).
+    # it legal and exhausted memory building the size tables.
     check_range(args.gpus_per_node, "--gpus-per-node", low=1, high=MAX_GPUS_PER_NODE)
     check_range(args.global_batch, "--global-batch", low=1, high=10**7)
     check_range(args.seed, "--seed", low=0)
@@ -281,8 +281,8 @@ def import_warnings_summarised(
     """Run a command with third-party warnings collected and summarised in one stderr line.
 
     Why: Megatron-core and torch warn at import about optional packages a CPU run does not use
-    (Apex, Transformer Engine, absl): a dozen lines per process burying the command's output
-    (issue 9 item 7). Every command runs inside this one helper. Warnings raised by
+    (Apex, Transformer Engine, absl): a dozen lines per process burying the command's
+    output. Every command runs inside this one helper. Warnings raised by
     ``megatron_hsp`` itself are still shown; only those from other packages are counted and
     hidden. ``children``: the command spawns processes (ranks, planner) whose warnings are
     hidden through the environment but cannot be counted here; the line is then always printed.

@@ -139,7 +139,7 @@ def _run(args: argparse.Namespace) -> int:
     check_range(args.stall_timeout, "--stall-timeout", low=0, low_open=True)
     # 0 is not "use the default": a zero budget or batch cannot train anything.
     # Upper limits: the demo trains on CPU ranks; a step of millions of tokens grew memory to
-    # GBs and never finished (issue 18).
+    # GBs and never finished.
     if args.token_budget is not None:
         check_range(args.token_budget, "--token-budget", low=1, high=DEMO_MAX_TOKEN_BUDGET)
     if args.global_batch is not None:

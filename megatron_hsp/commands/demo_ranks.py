@@ -93,7 +93,7 @@ def _stalled_rank(outs: list[str], since: float, limit_s: float) -> tuple[int, f
 def _stop(procs: list[Any]) -> None:
     """Terminate every live rank, then kill what is left after 5 s (a stopped rank ignores
     SIGTERM until continued, so it is continued too). Ranks never started (a signal during the
-    start loop) are skipped: joining one raised "can only join a started process" (issue 18)."""
+    start loop) are skipped: joining one raised "can only join a started process"."""
     procs = [p for p in procs if p.pid is not None]
     for p in procs:
         if p.is_alive():

@@ -272,7 +272,7 @@ def _launcher_flags(message: str) -> str:
     """The planner's messages name ``megatron-hsp plan``'s flags; here the flags are ``--hsp-*``.
 
     Why: the refusal on 1-2 ranks told Megatron users to "raise --memory-cap-gb", a flag the
-    launcher does not have (issue 18)."""
+    launcher does not have."""
     for flag in ("memory-cap-gb", "cost-model"):
         message = re.sub(rf"(?<![\w-])--{flag}\b", f"--hsp-{flag}", message)
     return message
@@ -459,7 +459,7 @@ _UNCARRIED_FEATURES: tuple[tuple[str, str, str], ...] = (
 # (attribute, flag, why); a value of None, False, 0 or "none" means the feature is off.
 _UNSUPPORTED_WITH_HSP: tuple[tuple[str, str, str], ...] = (
     ("fp8", "--fp8-format", "FP8 needs TE dims divisible by 16 per call, and HSP's packed "
-     "buffers change size every micro-batch (issue 15: unproven)"),
+     "buffers change size every micro-batch (unproven)"),
     ("fp4", "--fp4-format", "FP4, as FP8"),
     ("cuda_graph_impl", "--cuda-graph-impl", "CUDA graphs capture fixed shapes and process "
      "groups; HSP's change every micro-batch"),
@@ -508,7 +508,7 @@ def _refuse_specs_hsp_cannot_carry(args: argparse.Namespace) -> None:
         )
 
 
-# MoE under --hsp (issue 17): dropless routing is per token, so it does not depend on how HSP
+# MoE under --hsp: dropless routing is per token, so it does not depend on how HSP
 # packs and splits documents; these do, or are not covered by selftest --megatron (which runs
 # dropless MoE, alltoall/allgather dispatchers, EP 1 and 2, seq_aux_loss and z-loss exactly).
 # (attribute, flag, why); a value of None, False, 0 or "none" means the feature is off.
@@ -756,7 +756,7 @@ def validate_hsp_args(
             "draw no dropout mask; pass --attention-dropout 0"
         )
     # Evaluation (--eval-iters) runs on planned batches of the validation/test splits and the
-    # data flags are checked by megatron/datasets.py (installer.install, issue 18).
+    # data flags are checked by megatron/datasets.py (installer.install).
 
     gpn = args.hsp_gpus_per_node or _gpus_per_node_from_env(env) or world
     if gpn < 1 or gpn % tp != 0:

@@ -5,7 +5,7 @@
 things in ``self_attention``: the module (``HSPSelfAttention``, which hands RoPE for packed input
 to the core attention) and ``core_attention`` (``HSPCoreAttention``: Ulysses over the micro-batch's
 group + varlen causal attention). Everything else (linears, norms, MLP, bias-dropout-add) is
-megatron's, so parameters and state dicts are those of the stock spec. In MoE layers (issue 17)
+megatron's, so parameters and state dicts are those of the stock spec. In MoE layers
 the router class becomes ``runtime.moe.HSPTopKRouter`` (same parameters): its per-sequence aux
 loss and z-loss follow the packed documents instead of the micro-batch.
 

@@ -143,7 +143,7 @@ class TEAttentionBackend(torch.nn.Module):
     modules hold no parameters). TE sees no TP or CP: heads are already the group-local ones.
     The modules are registered submodules (an ``nn.ModuleDict``; this backend is itself a
     submodule of ``HSPCoreAttention``), so ``.eval()``/``.train()``, ``.to()`` and hooks reach
-    them; a plain dict hid them from the model (issue 15).
+    them; a plain dict hid them from the model.
     """
 
     name = "te"

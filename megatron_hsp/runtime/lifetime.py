@@ -1,7 +1,7 @@
 """Child processes die with their parent: no rank or planner outlives the command that started it.
 
 A process killed with SIGKILL runs no cleanup, so its children (demo ranks, the background
-planner, test ranks) kept training (issue 18). ``die_with_parent`` is called first thing in every
+planner, test ranks) kept training. ``die_with_parent`` is called first thing in every
 child HSP starts:
 
 * Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``: the kernel signals the child when its parent
@@ -34,7 +34,7 @@ def die_with_parent(
     ``parent``: the pid of the process that started this one, when the caller knows it. A child
     that gets here only after its parent died (a spawned rank still importing torch when the
     command was stopped) has been re-parented already, and ``getppid()`` would name the new
-    parent: it then exits at once instead of watching the wrong process (issue 18: ranks
+    parent: it then exits at once instead of watching the wrong process (ranks
     outlived a stopped ``profile``). ``watchdog=False`` for a process that must stay
     single-threaded (a multiprocessing fork server: forking a multi-threaded process can
     deadlock the child); prctl alone then.

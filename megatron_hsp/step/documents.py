@@ -50,7 +50,7 @@ class DocumentIndex:
 
     def _open(self, indexed_dataset: Any, mmap: bool) -> Any:
         """Megatron's ``IndexedDataset``, or one line naming the file when it cannot be read
-        (issue 18: a damaged cached corpus gave a traceback that did not name it)."""
+        (a damaged cached corpus gave a traceback that did not name it)."""
         from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
 
         idx = self.prefix + ".idx"

@@ -1,4 +1,4 @@
-"""Per-micro-batch times of one rank in one step, for the online refit (issue 19 item 3).
+"""Per-micro-batch times of one rank in one step, for the online refit.
 
 Why marks and not a timer per micro-batch: under Megatron's schedule HSP sees only the start of
 each micro-batch (its ``forward_step_func`` call); the backward of micro-batch ``m`` runs inside

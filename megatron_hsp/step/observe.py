@@ -279,7 +279,7 @@ def _priced(model: Any, t: Any) -> float:
 
 
 class StepRefitter:
-    """The observer's online refit (issue 19): measured group times -> the planner's model.
+    """The observer's online refit: measured group times -> the planner's model.
 
     Why here: the observer already sees every step's plan and its measured time; a cost model
     fitted elsewhere (a preset, a ``profile`` run) is wrong on the machine at hand by factors no

@@ -1,7 +1,7 @@
 """Test-only: run commands as on a GPU node without one (``torch.cuda.is_available()`` True in
 every process started, including the children they start, unless they hide CUDA with
-``CUDA_VISIBLE_DEVICES=""``). Catches code that only works where CUDA is absent (issue 28:
-the acceptance kit refused to build its CPU reference on every GPU node)."""
+``CUDA_VISIBLE_DEVICES=""``). Catches code that only works where CUDA is absent (the
+acceptance kit refused to build its CPU reference on every GPU node)."""
 
 from __future__ import annotations
 

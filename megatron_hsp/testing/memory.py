@@ -1,4 +1,4 @@
-"""Autograd-saved bytes of one ring attention call per rank (issue 15's ring memory contract).
+"""Autograd-saved bytes of one ring attention call per rank.
 
 Used by ``benchmarks/ring_memory.py`` and ``tests/runtime/test_ring_memory.py``: ``ring_attention``
 on gloo CPU processes (a pure ring over all of them, the load-balanced layout of

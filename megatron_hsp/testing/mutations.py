@@ -358,7 +358,7 @@ MUTATIONS: tuple[Mutation, ...] = (
 )
 
 
-# ------------------------------------------------------------------ sampler plants (issue 33)
+# ------------------------------------------------------------------ sampler plants
 # Bugs in which documents are drawn. ``run_step`` is handed its documents, so the selftest cannot
 # see them; the Megatron loop plants them (``megatron_loop.PLANTS``) and its sampler checks
 # against ``testing/sampler_oracle.py`` must catch them. Not in ``MUTATIONS``.

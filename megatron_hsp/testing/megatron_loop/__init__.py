@@ -36,7 +36,7 @@ falls in it), the learning rate and consumed samples against Megatron's own valu
 documents trained against Megatron's sample count, and the grad norm; after the steps, each
 parameter's weights.
 
-Issue 18's option set adds, on both sides: Megatron's own ``evaluate()`` on the validation split
+The evaluation option set adds, on both sides: Megatron's own ``evaluate()`` on the validation split
 after every step and on the test split at the end (HSP: planned batches of the splits' own
 samplers through the patched ``get_forward_backward_func``; stock: the same documents as
 ``[1, L]`` samples, unpatched), a two-dataset blend (``--data-path 0.4 A 0.6 B``, the stock side
@@ -50,7 +50,7 @@ token shares follow its weights, and what the load restored (iteration, consumed
 scheduler's steps, the weights bit for bit, HSP's resume record) is what the uninterrupted run
 had at the save (``_data_checks``).
 
-Issue 33: the stock side reads the pieces HSP's sampler chose, so which documents are drawn is
+The stock side reads the pieces HSP's sampler chose, so which documents are drawn is
 judged apart, in every option set, by ``testing/sampler_oracle.py`` (no HSP code): every
 document of megatron-core's own split (its dataset builder run on ``IndexedDataset``) with >= 2
 tokens is drawn once per epoch, over the pieces trained and evaluated (across the restart) and
@@ -58,7 +58,7 @@ more drawn from copies of the live samplers; a blend's draws follow the deficit 
 the pieces' lengths, its token shares within the rule's bound. ``EVAL_SPLIT`` puts no split
 boundary on an integer. ``margins`` reports every check's worst over its tolerance.
 
-Issue 17's option sets run the HSP side on 2 pipeline stages (``--pipeline-model-parallel-size
+The pipeline option sets run the HSP side on 2 pipeline stages (``--pipeline-model-parallel-size
 2``: 1F1B, then interleaved with a chunk per virtual stage, and evaluating): Megatron's parallel
 state with the pipeline for the HSP side only (``_pipeline_state``), its model chunks built as
 ``training.get_model`` builds them (``_hsp_model``), its provider called once per chunk

@@ -112,7 +112,7 @@ def _worst(rel: dict[str, float]) -> tuple[str, float]:
 
 
 def _data_checks(options: LoopOptions, hsp: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
-    """Issue 18's checks of one option set (``check_data`` judges them):
+    """Checks of one option set (``check_data`` judges them):
 
     * ``evaluations``: per ``evaluate()`` call, the HSP and stock losses and consumed validation
       samples, and Megatron's count (``evaluate()`` adds ``--eval-global-batch-size`` per batch);
@@ -121,11 +121,11 @@ def _data_checks(options: LoopOptions, hsp: dict[str, Any], ref: dict[str, Any])
       on the next batch of every split);
     * ``outside_split``: pieces whose document is not in Megatron's own split of its dataset
       (``MegatronDocuments.split_ranges``: megatron-core's split functions, not HSP's);
-    * ``coverage`` (issue 33): per split and dataset, where the pieces drawn (``drawn``: trained
+    * ``coverage``: per split and dataset, where the pieces drawn (``drawn``: trained
       or evaluated, then more from copies of the live samplers) break "every document of
       Megatron's split with >= 2 tokens once per epoch" (``sampler_oracle.coverage_failures``
       against megatron-core's own split builder and ``IndexedDataset`` lengths);
-    * ``blend_rule`` (issue 33): draws of a blend that did not come from the dataset the
+    * ``blend_rule``: draws of a blend that did not come from the dataset the
       deficit rule picks, re-run on the drawn pieces' lengths (``sampler_oracle``);
     * ``blend``: each dataset's share of the trained tokens, how far it is from its weight in
       documents of the longest length, and that worst deviation over every prefix of the
@@ -227,7 +227,7 @@ def _resume_checks(hsp: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any] |
 
 
 def check_data(entry: dict[str, Any]) -> list[str]:
-    """Failures of the issue 18 fields of one entry (``_data_checks``); empty: ok."""
+    """Failures of the data fields of one entry (``_data_checks``); empty: ok."""
     bad = []
     for e in entry.get("evaluations", []):
         rel = abs(e["loss_hsp"] - e["loss_ref"]) / max(abs(e["loss_ref"]), 1e-30)

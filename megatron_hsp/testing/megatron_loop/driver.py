@@ -125,7 +125,7 @@ def _worker(
         rel, peak = per_param_diff(hsp["grads"][i], ref["grads"][i], ref["grads"][i])
         worst, worst_rel = _worst(rel)
         top = max(peak.values())
-        # What a single ratio over all buffers (this loop before issue 16) would have reported.
+        # What a single ratio over all buffers (an earlier version of this loop) would report.
         pooled = max(rel[n] * peak[n] for n in rel) / top
         small = min((n for n in peak if peak[n] > 0), key=lambda n: peak[n])
         smallest = smallest or small

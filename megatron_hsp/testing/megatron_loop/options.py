@@ -13,7 +13,7 @@ GLOBAL_BATCH = 8
 EVAL_ITERS = 1  # validation batches per evaluation (Megatron's --eval-iters)
 EVAL_INTERVAL = 1  # evaluate after every training step (Megatron's --eval-interval)
 # 64 + 32 documents: 50 + 25 train, 7 + 3 validation, 7 + 4 test. Boundaries at 49.8, 56.9 and
-# 24.9, 28.4 documents: not integers, so megatron-core's rounding decides them (issue 33).
+# 24.9, 28.4 documents: not integers, so megatron-core's rounding decides them.
 EVAL_SPLIT = "7,1,1"
 # Beyond what the run trains, the oracle's once-per-epoch check draws this many times each
 # split's sequences from copies of its live sampler (lengths only), so that every dataset of a
@@ -69,7 +69,7 @@ class LoopOptions:
     # "rope", or Megatron's default "learned_absolute": an embedding table indexed by the
     # position ids HSP dispatches (RoPE recomputes positions inside attention and never reads them)
     position_embedding_type: str = "rope"
-    # Issue 18: Megatron's evaluate() on the validation split every step and on the test split
+    # Megatron's evaluate() on the validation split every step and on the test split
     # after the last (both sides, --split EVAL_SPLIT); a two-dataset blend (--data-path 0.4 A
     # 0.6 B); a resume after RESUME_AFTER steps (the HSP side saves with Megatron's
     # save_checkpoint, is torn down and rebuilt with Megatron's load_checkpoint; the stock side
@@ -77,12 +77,12 @@ class LoopOptions:
     evaluation: bool = False
     blend: bool = False
     resume: bool = False
-    # Issue 17: pipeline stages of the HSP side (1F1B), and virtual stages per pipeline rank
+    # Pipeline stages of the HSP side (1F1B), and virtual stages per pipeline rank
     # (None: none; > 1: the interleaved schedule). The stock side is the unpipelined model
     # (``_run_stock``), so both sides get PIPELINE_LAYERS layers.
     pp: int = 1
     vpp: int | None = None
-    # Issue 17: MoE layers (megatron-core's local block spec, SequentialMLP experts, top-2,
+    # MoE layers (megatron-core's local block spec, SequentialMLP experts, top-2,
     # dropless) with ``ep`` expert-parallel ranks and the given token dispatcher; the
     # per-sequence aux loss and z-loss coefficients (0: off).
     num_experts: int | None = None
@@ -255,16 +255,16 @@ DEFAULT_OPTIONS = (
     LoopOptions(
         attention_heads=6, distributed_optimizer=True, position_embedding_type="learned_absolute"
     ),
-    # Issue 18: evaluation on the validation and test splits, a two-dataset blend, and a resume
+    # Evaluation on the validation and test splits, a two-dataset blend, and a resume
     # after step 2 (the validation sampler resumed too), with the distributed optimizer.
     LoopOptions(distributed_optimizer=True, evaluation=True, blend=True, resume=True),
-    # Issue 17: 2 pipeline stages of 2 data-parallel slots (groups of 1 and 2; 100 tokens per
+    # 2 pipeline stages of 2 data-parallel slots (groups of 1 and 2; 100 tokens per
     # rank fit the 200-token documents in a group of 2), 1F1B; then interleaved with 2 virtual
     # stages per rank (one layer per chunk), with evaluation (forward-only interleaved schedule,
     # per-chunk evaluation iterators).
     LoopOptions(pp=2, tokens_per_rank=100),
     LoopOptions(pp=2, vpp=2, evaluation=True, tokens_per_rank=100),
-    # Issue 17: dropless MoE, 4 experts top-2, alltoall. EP 1 without router losses; EP 2
+    # Dropless MoE, 4 experts top-2, alltoall. EP 1 without router losses; EP 2
     # (2 experts per rank, expert-data-parallel 2) with the per-sequence aux loss and the
     # z-loss, which HSP computes per document over the ranks holding it (runtime/moe.py).
     LoopOptions(num_experts=4),

@@ -1,5 +1,5 @@
 """The planted bugs: each breaks one thing on the HSP side (the loop's comparison must then fail),
-with the option set and steps it runs on (``PLANT_RUNS``); issue 33's sampler bugs come from
+with the option set and steps it runs on (``PLANT_RUNS``); the sampler bugs come from
 ``testing/mutations.py``."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ GRAD_PLANT_SCALE = 1.0001  # a 0.01% error
 
 
 def _plant_plan_count_everywhere_in_train_step(stack: contextlib.ExitStack) -> None:
-    """PLANTED BUG (megatron-hsp before issue 7): ``get_num_microbatches`` answers the plan's
+    """PLANTED BUG (an early megatron-hsp): ``get_num_microbatches`` answers the plan's
     count for the whole of ``train_step``, so the LR scheduler's increment
     (count x micro-batch size x dp) follows the plan instead of the global batch."""
     import megatron.training.training as training
@@ -184,7 +184,7 @@ def _plant_resume_shares_the_adam_step(
 def _plant_expert_grads_not_reduced(
     stack: contextlib.ExitStack,
 ) -> Callable[[Any, Any, Any], None]:
-    """PLANTED BUG (issue 17): the expert parameters' gradients are not reduced over the
+    """PLANTED BUG: the expert parameters' gradients are not reduced over the
     expert-data-parallel ranks (DDP's expert bucket groups left out of the gradient sync, as
     an integration that reduced only over the dense data-parallel buffers would): each rank
     steps its experts on its own tokens' gradient."""
@@ -200,7 +200,7 @@ def _plant_expert_grads_not_reduced(
 
 
 def _plant_stage_boundary_tokens_rolled(stack: contextlib.ExitStack) -> None:
-    """PLANTED BUG (issue 17): the activation a pipeline stage receives has its tokens in the
+    """PLANTED BUG: the activation a pipeline stage receives has its tokens in the
     wrong order (rolled by one along the sequence), as a boundary that mixed up the layout of
     the tokens it sends would: each token's hidden state lands on its neighbour's position and
     document. Gradients still flow back through the roll, so nothing fails; only the numbers."""
@@ -219,7 +219,7 @@ def _plant_stage_boundary_tokens_rolled(stack: contextlib.ExitStack) -> None:
 
 
 def _plant_document_expert_counts_not_reduced(stack: contextlib.ExitStack) -> None:
-    """PLANTED BUG (issue 17): the per-sequence aux loss counts each document's experts over
+    """PLANTED BUG: the per-sequence aux loss counts each document's experts over
     this rank's tokens only, not over the plan group that holds the document (the all-reduce
     over the group left out)."""
     from megatron_hsp.runtime import moe
@@ -253,11 +253,11 @@ def _sampler_plant(mutation: Any) -> Callable[[contextlib.ExitStack], None]:
     def plant(stack: contextlib.ExitStack) -> None:
         stack.callback(mutation.plant())
 
-    plant.__doc__ = f"PLANTED BUG (issue 33): {mutation.breaks}."
+    plant.__doc__ = f"PLANTED BUG: {mutation.breaks}."
     return plant
 
 
-# Issue 33: which documents are drawn. The stock side reads the pieces HSP's sampler chose, so
+# Which documents are drawn. The stock side reads the pieces HSP's sampler chose, so
 # only the sampler checks against ``testing/sampler_oracle.py`` can see these.
 PLANTS.update({m.name: _sampler_plant(m) for m in SAMPLER_MUTATIONS})
 
@@ -276,7 +276,7 @@ PLANT_RUNS: dict[str, tuple[str, int]] = {
     "stage-boundary-tokens-rolled": ("pp2", 1),
     "expert-grads-not-reduced": ("moe4 ep2 alltoall seqaux 0.1 z 0.01", 1),
     "document-expert-counts-not-reduced": ("moe4 ep2 alltoall seqaux 0.1 z 0.01", 1),
-    # Issue 33: the sampler's own bugs, one step each (the once-per-epoch check draws on from
+    # The sampler's own bugs, one step each (the once-per-epoch check draws on from
     # copies of the live samplers) except the restart's.
     "blend-by-documents": ("distopt evaluation blend resume", 1),
     "two-token-documents-dropped": ("ddp", 1),

@@ -1,4 +1,4 @@
-"""The online refit under Megatron's own ``train_step`` on gloo CPU ranks (issue 19 item 3).
+"""The online refit under Megatron's own ``train_step`` on gloo CPU ranks.
 
 What runs on each rank: Megatron's parser and ``validate_args`` on a user's flags plus ``--hsp``
 (``megatron_loop``'s machinery: model, DDP, optimizer, the ``config`` hooks ``train()`` sets),
