@@ -121,17 +121,6 @@ def _split_worker(rank: int, world: int, heads: HeadSpace) -> dict:
     from megatron_hsp.runtime import groups as groups_mod
 
     splits = []
-
-    def split_group(parent_pg=None, split_ranks=None, timeout=None, group_desc=None):
-        assert parent_pg is None
-        splits.append([list(s) for s in split_ranks])
-        mine = None
-        for s in split_ranks:
-            pg = dist.new_group(s)
-            if rank in s:
-                mine = pg
-        return mine if mine is not None else dist.GroupMember.NON_GROUP_MEMBER
-
     new_groups = []
     real_new_group = dist.new_group
 
@@ -139,10 +128,21 @@ def _split_worker(rank: int, world: int, heads: HeadSpace) -> dict:
         new_groups.append(1)
         return real_new_group(*args, **kwargs)
 
+    def split_group(parent_pg=None, split_ranks=None, timeout=None, group_desc=None):
+        assert parent_pg is None
+        splits.append([list(s) for s in split_ranks])
+        mine = None
+        for s in split_ranks:
+            pg = real_new_group(s)
+            if rank in s:
+                mine = pg
+        return mine if mine is not None else dist.GroupMember.NON_GROUP_MEMBER
+
     dist.split_group = split_group
+    dist.new_group = new_group
     groups_mod.can_split_groups = lambda *a, **k: True
     reg = groups_mod.create_groups(world, heads=heads)
-    direct = len(new_groups) - sum(len(s) for s in splits)
+    direct = len(new_groups)
     # the groups work: an all-to-all over each hybrid's Ulysses sub-group
     checks = []
     for sub_u, _ in reg.hybrids.values():
@@ -174,3 +174,18 @@ def test_nccl_path_makes_one_split_call_per_family_not_one_per_block():
         assert r["startup_calls"] == r["splits"] == r["predicted"] == 10, r
         assert r["blocks"] == 26, r
         assert r["checks"] and all(r["checks"]), r
+
+
+def test_split_is_used_only_where_torch_can_split():
+    """NCCL with a bound device and a ``split_group`` taking the arguments passed; never gloo."""
+    import torch.distributed as dist
+
+    from megatron_hsp.runtime.compat import can_split_groups
+
+    def old_split(parent_pg=None, split_ranks=None, timeout=None, pg_options=None):
+        return None  # no group_desc: not the call the runtime makes
+
+    assert can_split_groups("nccl", "cuda:0", dist.split_group)  # the installed torch
+    assert not can_split_groups("gloo", "cuda:0", dist.split_group)
+    assert not can_split_groups("nccl", None, dist.split_group)
+    assert not can_split_groups("nccl", "cuda:0", old_split)
