@@ -195,7 +195,8 @@ class GroupRegistry:
             f"{self.created} process groups for sizes {list(self.sizes)} over "
             f"{self.layout.num_slots} slots x tp {self.layout.tensor_parallel} x pp "
             f"{self.layout.pipeline_parallel} ({self.communicators} communicators on this rank): "
-            f"created in {self.create_s * 1e3:.1f} ms, "
+            f"created in {self.create_s * 1e3:.1f} ms by {self.startup_calls} "
+            f"{'split_group' if self.use_split else 'new_group'} calls, "
             f"warmed in {self.warm_s * 1e3:.1f} ms"
         )
 
