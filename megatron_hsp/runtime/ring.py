@@ -12,7 +12,7 @@ The mask is computed from each token's index in the group's buffer and its docum
 for any assignment of tokens to ring positions: a token attends to keys of its own document at
 an earlier or equal buffer index.
 
-Memory (issue 15): the whole ring is ONE autograd function (``_RingAttention``), the way
+Memory: the whole ring is ONE autograd function (``_RingAttention``), the way
 ring-flash-attention does it. Forward keeps only the running fp32 output and log-sum-exp; each
 block's scores live only inside a query tile (``_block_forward``) and are dropped. Saved for
 backward: q, k, v, the output and the log-sum-exp (plus the token index/document vectors), i.e.
