@@ -17,6 +17,9 @@ from megatron_hsp.planner.routes import (
     attention_route,
     ring_routes,
 )
+from megatron_hsp.planner.search.settings import SolverConfig
+from megatron_hsp.planner.search.solver import solve
+from megatron_hsp.planner.topology import Cluster
 
 WORLD = 64
 
@@ -109,3 +112,19 @@ def test_bad_route_entries_are_refused_by_name(change, pattern):
     spec["coefficients"].update(change)
     with pytest.raises(InputError, match=pattern):
         load_cost_model(spec, world_size=WORLD)
+
+
+def test_a_ten_times_slower_ring_route_is_avoided_and_priced():
+    lengths = _wiki_like(128, 1)
+    config = SolverConfig(time_budget_s=30.0, milp_slice_s=5.0, seed=0)
+    cluster = Cluster(WORLD, 8)
+    fast = solve(lengths, _cost(), cluster, config)
+    assert _ring_groups(fast), "precondition: the default model chooses ring groups here"
+    slow_cost = _cost(attn_route_factor={RING_FUSED: 10.0})
+    slow = solve(lengths, slow_cost, cluster, config)
+    # Every sequence fits a Ulysses group of this cluster: no ring group is chosen any more.
+    assert not _ring_groups(slow), [(g.size, g.ulysses, g.ring) for g in _ring_groups(slow)]
+    # The plan is priced by the slow route's coefficient, and the old plan costs more under it.
+    assert slow.est_step_ms == pytest.approx(_priced(slow, slow_cost), rel=1e-9)
+    assert _priced(fast, slow_cost) > slow.est_step_ms
+    assert _priced(fast, slow_cost) > _priced(fast, _cost())
