@@ -14,7 +14,9 @@ is what lets the MILP stay linear:
                                    + b_{d,u,r}
     fits(lengths, d)     = sum_i s_i / d <= tokens_per_rank
 
-a1: attention (quadratic) ms per token^2 on one rank; a2: linear-layer ms per token;
+a1: attention (quadratic) ms per token^2 on one rank, times the factor of the group's attention
+route (``attn_coefficient``: Ulysses, fused ring or tiled ring, ``planner/routes.py``);
+a2: linear-layer ms per token;
 c_{d,u}: Ulysses all-to-all ms per token over u ranks of a group of d (0 for u = 1; depends on the
 network tier); p_{d,u}: one ring step's K/V p2p ms per token, hidden behind the attention block it
 overlaps; e_d: one ring step's overhead beyond its traffic, never hidden; b: fixed ms
