@@ -90,6 +90,7 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
     # The stock reference with the same weights (the HSP spec keeps megatron's parameter names).
     shape = ModelShape(
         **DEMO_MODEL,
+        kv_channels=DEMO_MODEL["hidden_size"] // DEMO_MODEL["num_attention_heads"],
         ffn_hidden_size=4 * DEMO_MODEL["hidden_size"],
         vocab_size=DEMO_VOCAB_SIZE,
         max_sequence_length=1024,

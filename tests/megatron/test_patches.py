@@ -471,6 +471,7 @@ MAIN_CASES = [
 
 
 @pytest.mark.slow
+@pytest.mark.spawns
 @pytest.mark.skipif(GIT is None, reason="git is not installed")
 @pytest.mark.parametrize(("ref", "flags", "entry", "impl"), MAIN_CASES, ids=str)
 def test_script_main_runs_to_megatrons_cuda_check(ref, flags, entry, impl, tmp_path):
@@ -499,6 +500,7 @@ def test_script_main_runs_to_megatrons_cuda_check(ref, flags, entry, impl, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.spawns
 @pytest.mark.skipif(GIT is None, reason="git is not installed")
 @pytest.mark.parametrize("ref", sorted(REFS))
 def test_stock_script_ends_at_the_same_check(ref, tmp_path):

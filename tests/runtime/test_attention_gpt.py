@@ -81,6 +81,7 @@ def _stock_model_with_weights_of(model):
         hidden_size=c.hidden_size,
         num_attention_heads=c.num_attention_heads,
         num_query_groups=c.num_query_groups,
+        kv_channels=c.kv_channels,
         ffn_hidden_size=c.ffn_hidden_size,
         vocab_size=VOCAB,
         max_sequence_length=512,
