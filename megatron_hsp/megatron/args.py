@@ -29,7 +29,7 @@ from megatron_hsp.megatron.model_cost import (
 )
 from megatron_hsp.planner import units
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.groupspace import COMMUNICATOR_GB, DEFAULT_MAX_COMMUNICATORS
+from megatron_hsp.planner.groupspace import DEFAULT_MAX_COMMUNICATORS
 from megatron_hsp.planner.search.settings import (
     DEFAULT_SOLVER,
     DEFAULT_TIME_BUDGET_S,
@@ -148,7 +148,7 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="Most communicators one rank may hold for HSP's groups (default "
-        f"{DEFAULT_MAX_COMMUNICATORS}; about {COMMUNICATOR_GB} GB of GPU memory each, charged "
+        f"{DEFAULT_MAX_COMMUNICATORS}; their GPU memory, from NCCL's buffer sizes, is charged "
         "to the planner's memory cap). Group sizes past it are left out, in a fixed priority "
         "order (1, the largest, powers of two, sizes within a node, then the rest).",
     )
@@ -354,8 +354,9 @@ def _communicator_budget(
 ) -> tuple[list[int], float | None]:
     """(sizes within ``--hsp-max-communicators``, the memory cap left after their communicators).
 
-    Why: a communicator per group size (and two more per hybrid size) costs 0.5-0.7 GB of GPU
-    memory each under NCCL; at 1024 GPUs every legal size would be 390 of them per rank. Sizes
+    Why: a communicator per group size (and up to two more per hybrid size) holds NCCL buffers
+    for every peer its collective connects (``groupspace.communicator_memory_gb``); at 1024
+    GPUs every legal size would be 260 of them per rank. Sizes
     chosen automatically are narrowed (with a note); sizes asked for with --hsp-group-sizes must
     fit, else a clear error. The kept communicators' memory is taken off the memory cap of cost
     models sized from one (first-principles and FlexSP presets); a fitted file's capacity was
@@ -364,6 +365,7 @@ def _communicator_budget(
     model, each of which holds the communicators.
     """
     from megatron_hsp.planner.groupspace import (
+        communicator_memory_gb,
         communicators_per_rank,
         sizes_within_communicator_budget,
     )
@@ -386,7 +388,7 @@ def _communicator_budget(
             f"group sizes {dropped} left out: all {len(sizes)} sizes would hold {need} "
             f"communicators per rank, over --hsp-max-communicators {cap}; training uses {kept}"
         )
-    comm_gb = communicators_per_rank(kept, heads) * COMMUNICATOR_GB * gpus_per_slot
+    comm_gb = communicator_memory_gb(kept, heads) * gpus_per_slot
     base = user_cap_gb
     if base is None:
         model_cap = cost.details.get("memory_cap_gb")  # presets sized from a memory cap
@@ -396,12 +398,12 @@ def _communicator_budget(
     left = base - comm_gb
     if left <= 0:
         raise HSPArgsError(
-            f"{communicators_per_rank(kept, heads)} communicators x {COMMUNICATOR_GB} GB leave no "
+            f"{communicators_per_rank(kept, heads)} communicators ({comm_gb:.3g} GB) leave no "
             f"memory under the {base:g} GB cap; lower --hsp-max-communicators or raise "
             "--hsp-memory-cap-gb"
         )
     notes.append(
-        f"{comm_gb:g} GB per GPU charged for {communicators_per_rank(kept, heads)} "
+        f"{comm_gb:.3g} GB per GPU charged for {communicators_per_rank(kept, heads)} "
         f"communicators: the planner's memory cap is {left:g} GB of {base:g}"
     )
     return kept, left

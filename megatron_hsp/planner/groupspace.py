@@ -149,45 +149,100 @@ class Cluster:
         """Process groups per TP x PP position that the runtime pre-creates for ``sizes``.
 
         One per block; with ``heads``, a hybrid block (u > 1 and r > 1) adds its ``r`` Ulysses
-        and ``u`` ring sub-groups (pure ring reuses the block's group). Every rank holds a
-        process-group object for each (``new_group`` is collective over the world); only the
-        groups a rank is a member of and communicates on become communicators
-        (``communicators_per_rank``).
+        and ``u`` ring sub-groups (pure ring reuses the block's group), and a set of slots
+        already created for another size is reused (``group_families``). Every rank holds a
+        process-group object for each; only the groups a rank is a member of and communicates
+        on become communicators (``communicators_per_rank``).
         """
         chosen = self.legal_sizes() if sizes is None else self.legal_sizes(sizes)
-        total = 0
+        made: set[tuple[int, ...]] = set()
         for d in chosen:
-            u, r = heads.split(d) if heads is not None else (d, 1)
-            extra = u + r if u > 1 and r > 1 else 0
-            total += len(self.block_starts(d)) * (1 + extra)
-        return total
+            for family in group_families(self, d, heads):
+                made.update(family)
+        return len(made)
 
 
 # Communicators (NCCL) one rank may hold for HSP's groups, by default (``--hsp-max-communicators``).
 # Why 24: it holds, for a 32-head model in nodes of 8, size 1 (free), every power of two up to
-# 1024 and the largest size (hybrid sizes cost 3 each) plus the intra-node sizes; 16 would leave
-# a 128 -> 1024 gap at 1024 GPUs. NCCL reports 0.5-0.7 GB per communicator created without a
-# shared parent (docs/runtime.md): several GB per GPU at the default cap, charged to the memory cap.
+# 1024 and the largest size plus the intra-node sizes; 16 would leave a 128 -> 1024 gap at 1024
+# GPUs. What they cost in memory is ``communicator_memory_gb`` (docs/runtime.md).
 DEFAULT_MAX_COMMUNICATORS = 24
-# Device memory charged per communicator in the planner's memory model (GB), the low end of
-# NCCL's reported 0.5-0.7 GB (buffers per channel and peer; docs/runtime.md).
-COMMUNICATOR_GB = 0.5
+
+# The memory rule's inputs (docs/runtime.md, "What a communicator costs", has the NCCL settings
+# they come from). One connection to a peer holds, per channel, a buffer for each NCCL protocol:
+# Simple (NCCL_BUFFSIZE), LL128 and LL.
+NCCL_SIMPLE_BYTES = 4 * 2**20
+NCCL_LL128_BYTES = 4_915_200
+NCCL_LL_BYTES = 2**19
+# Channels NCCL opens to each point-to-point peer (all-to-all and send/recv).
+NCCL_P2P_CHANNELS_PER_PEER = 2
+# Both ends of a connection are charged (the receive buffers and the sender's staging).
+COMMUNICATOR_PEER_BYTES = (
+    2 * NCCL_P2P_CHANNELS_PER_PEER * (NCCL_SIMPLE_BYTES + NCCL_LL128_BYTES + NCCL_LL_BYTES)
+)
+# Per communicator whatever it runs: device-side channel and work structures.
+COMMUNICATOR_FIXED_BYTES = 16 * 2**20
+
+
+def communicator_sets(
+    sizes: Iterable[int], heads: HeadSpace | None = None
+) -> dict[tuple[int, ...], int]:
+    """The communicators slot 0 holds for ``sizes``, as ``slot set -> peers its collective
+    connects``. Slot 0 is in the first block of every size, so this is a rank's full set.
+
+    A pure-Ulysses block runs all-to-all (every other member is a peer); a pure-ring block and a
+    hybrid split's ring sub-group run the ring's shifts (next and previous: two peers, one for a
+    ring of two); a hybrid split's Ulysses sub-group (its first ``u`` slots) runs all-to-all and
+    is the same set as a block of ``u`` (or another hybrid size's Ulysses sub-group), which the
+    runtime creates once (``runtime/groups.py``); the block of a hybrid split only names the
+    ranks (no collective runs on it, so no peer is connected). Groups of one rank hold none.
+    """
+    out: dict[tuple[int, ...], int] = {}
+
+    def add(ranks: tuple[int, ...], peers: int) -> None:
+        out[ranks] = max(out.get(ranks, 0), peers)
+
+    for d in sorted({int(x) for x in sizes}):
+        if d <= 1:
+            continue
+        u, r = heads.split(d) if heads is not None else (d, 1)
+        if r == 1:
+            add(tuple(range(d)), d - 1)
+        elif u == 1:
+            add(tuple(range(d)), min(2, d - 1))
+        else:
+            add(tuple(range(d)), 0)
+            add(tuple(range(u)), u - 1)
+            add(tuple(range(0, d, u)), min(2, r - 1))
+    return out
 
 
 def communicators_for_size(size: int, heads: HeadSpace | None = None) -> int:
-    """Communicators one rank joins to run groups of ``size``: none for 1 (no collective), one
-    for its block, two more for a hybrid split (its Ulysses and its ring sub-group; pure ring
-    and pure Ulysses run on the block's own group)."""
-    if size <= 1:
-        return 0
-    u, r = heads.split(size) if heads is not None else (size, 1)
-    return 3 if u > 1 and r > 1 else 1
+    """Communicators one rank joins to run groups of ``size`` alone: none for 1 (no
+    collective), one for its block, two more for a hybrid split (its Ulysses and its ring
+    sub-group; pure ring and pure Ulysses run on the block's own group)."""
+    return len(communicator_sets([size], heads))
 
 
 def communicators_per_rank(sizes: Iterable[int], heads: HeadSpace | None = None) -> int:
-    """Communicators one rank holds when every size of ``sizes`` is in use (each rank belongs to
-    exactly one aligned block per size)."""
-    return sum(communicators_for_size(int(d), heads) for d in set(sizes))
+    """Communicators one rank holds when every size of ``sizes`` is in use: each rank belongs
+    to one aligned block per size, and groups of the same ranks are one communicator."""
+    return len(communicator_sets(sizes, heads))
+
+
+def communicator_memory_gb(sizes: Iterable[int], heads: HeadSpace | None = None) -> float:
+    """GPU memory (GB) one rank's communicators for ``sizes`` hold: what the planner's memory
+    cap is charged (``megatron/args.py``) and ``benchmarks/communicators.py`` reports.
+
+    Each communicator costs ``COMMUNICATOR_FIXED_BYTES`` plus ``COMMUNICATOR_PEER_BYTES`` per
+    peer its collective connects (``communicator_sets``). NCCL connects a peer when a collective
+    first needs it, so a group warmed with (or running) its own collective only holds those
+    buffers; the rule assumes no split sharing (NCCL_COMM_SPLIT_SHARE_RESOURCES unset), which
+    would only lower it. The settings behind each figure: docs/runtime.md.
+    """
+    sets = communicator_sets(sizes, heads)
+    total = sum(COMMUNICATOR_FIXED_BYTES + p * COMMUNICATOR_PEER_BYTES for p in sets.values())
+    return total / 1e9
 
 
 def sizes_within_communicator_budget(
@@ -196,7 +251,9 @@ def sizes_within_communicator_budget(
     """The sizes kept under a cap of ``cap`` communicators per rank, in a fixed priority order:
     1 (free), the largest (the longest sequences need it), every power of two, every other size
     up to a node, then whole-node sizes ascending. Deterministic, so every rank and the planner
-    agree without a collective; sizes past the cap are dropped, never created lazily mid-run."""
+    agree without a collective; sizes past the cap are dropped, never created lazily mid-run.
+    A size costs the communicators it adds to those already kept (a hybrid's Ulysses sub-group
+    may be a kept block already)."""
     if cap < 1:
         raise ValueError(f"communicator cap must be >= 1, got {cap}")
     ordered = sorted({int(d) for d in sizes})
@@ -207,13 +264,42 @@ def sizes_within_communicator_budget(
     intra = [d for d in ordered if d <= gpus_per_node]
     priority = list(dict.fromkeys([*first, *powers, *intra, *ordered]))
     kept: list[int] = []
-    used = 0
     for d in priority:
-        need = communicators_for_size(d, heads)
-        if used + need <= cap:
+        if communicators_per_rank([*kept, d], heads) <= cap:
             kept.append(d)
-            used += need
     return sorted(kept)
+
+
+def group_families(
+    cluster: Cluster, size: int, heads: HeadSpace | None = None
+) -> list[list[tuple[int, ...]]]:
+    """The families of disjoint slot sets the runtime creates for ``size``, in creation order:
+    its blocks, then (hybrid split) every block's Ulysses sub-groups, then its ring sub-groups.
+    One family is one ``split_group`` call under NCCL (``runtime/groups.py``)."""
+    blocks = cluster.aligned_blocks(size)
+    u, r = heads.split(size) if heads is not None else (size, 1)
+    if u == 1 or r == 1:
+        return [blocks]
+    runs = [b[j * u : (j + 1) * u] for b in blocks for j in range(r)]
+    strides = [b[i::u] for b in blocks for i in range(u)]
+    return [blocks, runs, strides]
+
+
+def startup_calls_per_rank(
+    cluster: Cluster, sizes: Iterable[int], heads: HeadSpace | None = None
+) -> int:
+    """Group-creation calls each rank makes at start-up under NCCL: one ``split_group`` per
+    family with a slot set not created before (sets already created are reused), so of the
+    order of the sizes, not of the blocks (``Cluster.process_group_count``)."""
+    made: set[tuple[int, ...]] = set()
+    calls = 0
+    for d in sorted({int(x) for x in sizes}):
+        for family in group_families(cluster, d, heads):
+            fresh = [s for s in family if s not in made]
+            if fresh:
+                calls += 1
+                made.update(fresh)
+    return calls
 
 
 # Above this many candidate sizes the solver searches a geometric subset (``planning_sizes``).

@@ -11,6 +11,10 @@ detected from the installed library, never assumed from a version number:
   per its docstring), present in 2.14 (which raises on unequal head counts without it). Without
   it KV heads are repeated before the call, as the per-document path does.
 * its ``return_aux`` keyword (log-sum-exp output), which ring attention needs from a flash kernel.
+* ``torch.distributed.split_group(parent_pg, split_ranks, timeout, pg_options, group_desc)``:
+  one ``ncclCommSplit`` creates every group of a family. Present with these arguments at both
+  ends of the range; it splits NCCL only (gloo and CPU-only hosts raise), hence
+  ``can_split_groups``.
 """
 
 from __future__ import annotations
@@ -154,4 +158,32 @@ def varlen_causal(
     )
 
 
-__all__ = ["TorchFeatures", "torch_features", "varlen_causal"]
+# The arguments of ``dist.split_group`` the runtime passes (``groups._create_family``).
+SPLIT_GROUP_ARGS = ("parent_pg", "split_ranks", "timeout", "group_desc")
+
+
+def can_split_groups(backend: str, bound_device: object, split_fn: Callable | None = None) -> bool:
+    """Whether process groups can be made by ``dist.split_group`` (one call per family of
+    disjoint groups) instead of one world-wide ``new_group`` per group.
+
+    Needs a ``split_group`` taking ``SPLIT_GROUP_ARGS``, the NCCL backend (torch splits NCCL
+    communicators only: gloo raises "does not support splitting") and a device bound to the
+    default group (``split_group`` raises without one; ``groups.bind_world_device`` binds it).
+    ``split_fn`` defaults to the installed torch's (tests pass others).
+    """
+    import torch.distributed as dist
+
+    fn = split_fn if split_fn is not None else getattr(dist, "split_group", None)
+    if fn is None or backend != "nccl" or bound_device is None:
+        return False
+    params = inspect.signature(fn).parameters
+    return all(a in params for a in SPLIT_GROUP_ARGS)
+
+
+__all__ = [
+    "SPLIT_GROUP_ARGS",
+    "TorchFeatures",
+    "can_split_groups",
+    "torch_features",
+    "varlen_causal",
+]

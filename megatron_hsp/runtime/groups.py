@@ -2,8 +2,18 @@
 
 Creating process groups lazily in the middle of training stalls or deadlocks (``new_group`` is a
 collective over the whole world, and NCCL communicators are set up on first use), so the runtime
-creates every legal block (``Cluster.aligned_blocks``) of every configured size at start-up, on
-every rank, in one fixed order, and warms each group once with a tiny all-reduce.
+creates every legal block (``Cluster.aligned_blocks``) of every configured size at start-up (or
+lazily, the same on every rank, before the step that first uses a size), in one fixed order.
+
+Under NCCL one ``dist.split_group`` call creates a whole family of disjoint groups (a size's
+blocks, its Ulysses sub-groups, its ring sub-groups: ``groupspace.group_families``), so start-up
+costs a few calls per size instead of one world-wide ``new_group`` per block; other backends
+(gloo, which torch cannot split) keep one ``new_group`` per group. A set of ranks is created
+once and reused by every size that needs it (a hybrid split's Ulysses sub-group is a block of
+its Ulysses degree). Each new group is warmed with the collective it will run -- all-to-all for
+Ulysses groups, the ring's point-to-point shift for ring groups -- and a group that runs none
+(the block of a hybrid split) is not warmed, so NCCL connects only the peers and buffers the
+group uses (``groupspace.communicator_memory_gb`` charges exactly those).
 
 Plan "ranks" are sequence-parallel *slots*: data-parallel x context-parallel positions. Tensor and
 pipeline parallel groups stay static. megatron-core orders global ranks ``tp-cp-ep-dp-pp`` (tensor
@@ -29,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.groupspace import Cluster, HeadSpace
+from megatron_hsp.planner.groupspace import Cluster, HeadSpace, group_families
+from megatron_hsp.runtime.compat import can_split_groups
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +104,14 @@ class GroupRegistry:
     pending: set[int] = field(default_factory=set)
     new_group_kwargs: dict[str, object] = field(default_factory=dict)
     warm: bool = True
+    # One ``split_group`` per family (NCCL) instead of one ``new_group`` per group.
+    use_split: bool = False
+    # Calls to ``split_group`` / ``new_group`` this rank made (collective over the world each).
+    startup_calls: int = 0
+    # Every global rank set created so far (the same on every rank) and this rank's groups.
+    made: set[tuple[int, ...]] = field(default_factory=set)
+    mine: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    warmed: set[tuple[int, ...]] = field(default_factory=set)
 
     def ensure(self, sizes: Iterable[int]) -> list[int]:
         """Create the process groups of every size in ``sizes`` not created yet; returns them.
@@ -176,7 +195,8 @@ class GroupRegistry:
             f"{self.created} process groups for sizes {list(self.sizes)} over "
             f"{self.layout.num_slots} slots x tp {self.layout.tensor_parallel} x pp "
             f"{self.layout.pipeline_parallel} ({self.communicators} communicators on this rank): "
-            f"created in {self.create_s * 1e3:.1f} ms, "
+            f"created in {self.create_s * 1e3:.1f} ms by {self.startup_calls} "
+            f"{'split_group' if self.use_split else 'new_group'} calls, "
             f"warmed in {self.warm_s * 1e3:.1f} ms"
         )
 
@@ -184,18 +204,6 @@ class GroupRegistry:
 def default_sizes(cluster: Cluster) -> tuple[int, ...]:
     """Every size that tiles the cluster as aligned blocks (the planner may use any of them)."""
     return tuple(cluster.legal_sizes())
-
-
-def hybrid_slot_sets(
-    slots: Sequence[int], ulysses: int, ring: int
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Ulysses sub-groups (``ring`` runs of ``ulysses`` consecutive slots) and ring sub-groups
-    (``ulysses`` strided sets) of one block: slot ``i`` is Ulysses position ``i % u``, ring
-    position ``i // u`` (``groupspace`` module doc). Empty lists where a degree is 1."""
-    s = list(slots)
-    ulysses_sets = [s[j * ulysses : (j + 1) * ulysses] for j in range(ring)] if ulysses > 1 else []
-    ring_sets = [s[i::ulysses] for i in range(ulysses)] if ring > 1 else []
-    return ulysses_sets, ring_sets
 
 
 def create_groups(
@@ -222,7 +230,8 @@ def create_groups(
     sub-groups and ``ulysses`` ring sub-groups (pure ring reuses the block's own group), so every
     process group exists before the first step. ``Cluster.process_group_count`` bounds the blocks.
     ``bind_device`` first binds this rank's CUDA device to the world group under NCCL
-    (``bind_world_device``), so these groups are communicator splits, not new communicators.
+    (``bind_world_device``), so these groups are communicator splits, not new communicators,
+    and each family is one ``split_group`` call where ``compat.can_split_groups`` allows it.
     ``lazy`` creates nothing now: each size's groups are created by ``GroupRegistry.ensure`` the
     first time an agreed plan uses it (the step, every rank alike), so a run holds communicators
     only for the sizes its plans use.
@@ -253,6 +262,10 @@ def create_groups(
         reg.new_group_kwargs["backend"] = backend
     if timeout is not None:
         reg.new_group_kwargs["timeout"] = timeout
+    default = dist.distributed_c10d._get_default_group()
+    reg.use_split = backend in (None, dist.get_backend()) and can_split_groups(
+        dist.get_backend(), getattr(default, "bound_device_id", None)
+    )
     reg.pending = set(chosen)
     if not lazy:
         reg.ensure(chosen)
@@ -261,51 +274,71 @@ def create_groups(
 
 
 def _create_size(reg: GroupRegistry, size: int) -> None:
-    """Create (collectively) and warm every group of ``size``: each aligned block, per pipeline
-    stage and tensor-parallel rank, plus the Ulysses/ring sub-groups of a hybrid split.
-    Same nested order on every rank: block, pipeline stage, tensor-parallel rank."""
-    layout, kwargs = reg.layout, reg.new_group_kwargs
+    """Create (collectively) and warm every group of ``size``: its blocks, then the Ulysses and
+    the ring sub-groups of a hybrid split (``groupspace.group_families``), each family for every
+    pipeline stage and tensor-parallel rank. Same order on every rank."""
+    layout = reg.layout
     my_slot, my_tp, my_pp = layout.coords(reg.rank)
+    u, r = reg.split(size)
+    families = group_families(reg.cluster, size, reg.heads)
+    # What each family runs: blocks run all-to-all (pure Ulysses), the ring (pure ring) or
+    # nothing themselves (hybrid: their sub-groups do); then Ulysses runs, then ring strides.
+    kinds = ["ring" if u == 1 and size > 1 else "all-to-all" if r == 1 else None]
+    kinds += ["all-to-all", "ring"]
     t0 = time.perf_counter()
-    fresh: list[dist.ProcessGroup] = []
-    for block, slots in enumerate(reg.cluster.aligned_blocks(size)):
-        for pp in range(layout.pipeline_parallel):
-            for tp in range(layout.tensor_parallel):
-                ranks = layout.slot_ranks(slots, tp, pp)
-                pg = dist.new_group(ranks, **kwargs)
-                reg.created += 1
-                mine = tp == my_tp and pp == my_pp and my_slot in slots
-                if mine:
-                    reg.groups[(size, block)] = pg
-                    if size > 1:  # a group of one rank never communicates: no communicator
-                        fresh.append(pg)
-                u, r = reg.split(size)
-                if r == 1:
-                    continue
-                # Pure ring (u == 1) runs on the block's own group: no second, identical
-                # communicator (groupspace.communicators_for_size).
-                ulysses_sets, ring_sets = hybrid_slot_sets(slots, u, r) if u > 1 else ([], [])
-                sub_u: dist.ProcessGroup | None = None
-                sub_r: dist.ProcessGroup = pg
-                for sub in ulysses_sets:
-                    g = dist.new_group(layout.slot_ranks(sub, tp, pp), **kwargs)
-                    reg.created += 1
-                    if mine and my_slot in sub:
-                        sub_u = g
-                for sub in ring_sets:
-                    g = dist.new_group(layout.slot_ranks(sub, tp, pp), **kwargs)
-                    reg.created += 1
-                    if mine and my_slot in sub:
-                        sub_r = g
-                if mine:
-                    reg.hybrids[(size, block)] = (sub_u, sub_r)
-                    fresh += [g for g in (sub_u, sub_r) if g is not None and g is not pg]
+    mine: list[tuple[dist.ProcessGroup, tuple[int, ...], str | None]] = []
+    for family, kind in zip(families, kinds, strict=False):
+        sets = [
+            tuple(layout.slot_ranks(slots, tp, pp))
+            for slots in family
+            for pp in range(layout.pipeline_parallel)
+            for tp in range(layout.tensor_parallel)
+        ]
+        _create_family(reg, [s for s in sets if s not in reg.made])
+        for slots in family:
+            if my_slot in slots:
+                ranks = tuple(layout.slot_ranks(slots, my_tp, my_pp))
+                mine.append((reg.mine[ranks], ranks, kind))
+    for b, slots in enumerate(reg.cluster.aligned_blocks(size)):
+        if my_slot in slots:
+            block = mine[0][0]
+            reg.groups[(size, b)] = block
+            if r > 1:
+                sub_u = next((g for g, _, k in mine[1:] if k == "all-to-all"), None)
+                sub_r = next((g for g, _, k in mine[1:] if k == "ring"), block)
+                reg.hybrids[(size, b)] = (sub_u, sub_r)
     reg.create_s += time.perf_counter() - t0
     if reg.warm:
         t1 = time.perf_counter()
-        for g in fresh:
-            _warm(g)
+        for g, ranks, kind in mine:
+            if kind is not None and len(ranks) > 1 and ranks not in reg.warmed:
+                _warm(g, kind)
+                reg.warmed.add(ranks)
         reg.warm_s += time.perf_counter() - t1
+
+
+def _create_family(reg: GroupRegistry, sets: list[tuple[int, ...]]) -> None:
+    """Create the disjoint global rank ``sets`` (collective: every rank, same sets): one
+    ``split_group`` of the world under NCCL, else one ``new_group`` per set."""
+    if not sets:
+        return
+    me = reg.rank
+    if reg.use_split:
+        kwargs = {"timeout": reg.new_group_kwargs.get("timeout")}
+        pg = dist.split_group(None, [list(s) for s in sets], group_desc="hsp", **kwargs)
+        reg.startup_calls += 1
+        reg.created += len(sets)
+        for s in sets:
+            if me in s:
+                reg.mine[s] = pg
+    else:
+        for s in sets:
+            pg = dist.new_group(list(s), **reg.new_group_kwargs)
+            reg.startup_calls += 1
+            reg.created += 1
+            if me in s:
+                reg.mine[s] = pg
+    reg.made.update(sets)
 
 
 def bind_world_device() -> torch.device | None:
@@ -341,13 +374,25 @@ def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def _warm(group: dist.ProcessGroup) -> None:
-    # One tiny collective sets up the communicator now rather than inside the first micro-batch.
-    t = torch.ones(1, device=group_device(group))
-    dist.all_reduce(t, group=group)
-    expected = dist.get_world_size(group)
-    if int(t.item()) != expected:
-        raise RuntimeError(f"warm-up all-reduce on a group of {expected} returned {t.item()}")
+def _warm(group: dist.ProcessGroup, kind: str) -> None:
+    """Set the communicator up now rather than inside the first micro-batch, with the collective
+    the group runs (``kind``: "all-to-all" or "ring"), so NCCL connects exactly the peers and
+    buffers that collective uses; checked, so a broken group fails here, not mid-step."""
+    n = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    device = group_device(group)
+    if kind == "all-to-all":
+        send = torch.full((n,), float(me), device=device)
+        got = torch.empty_like(send)
+        dist.all_to_all_single(got, send, group=group)
+        expected = list(range(n))
+    else:
+        from megatron_hsp.runtime.ring import ring_shift
+
+        got = ring_shift(torch.full((1,), float(me), device=device), group)
+        expected = [(me - 1) % n]
+    if [int(x) for x in got.tolist()] != expected:
+        raise RuntimeError(f"warm-up {kind} on a group of {n} returned {got.tolist()}")
 
 
 def create_groups_from_megatron(

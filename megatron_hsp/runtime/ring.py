@@ -42,7 +42,12 @@ def _shift(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor
     dst = dist.get_global_rank(group, (me + step) % r)
     src = dist.get_global_rank(group, (me - step) % r)
     out = torch.empty_like(x)
-    ops = [dist.P2POp(dist.isend, x.contiguous(), dst), dist.P2POp(dist.irecv, out, src)]
+    # On the ring's own group, so its communicator carries the ring's traffic (the world's
+    # would otherwise connect every ring pair on the world communicator as well).
+    ops = [
+        dist.P2POp(dist.isend, x.contiguous(), dst, group=group),
+        dist.P2POp(dist.irecv, out, src, group=group),
+    ]
     for req in dist.batch_isend_irecv(ops):
         req.wait()
     return out

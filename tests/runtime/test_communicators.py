@@ -12,10 +12,10 @@ import pytest
 
 from megatron_hsp.megatron.args import HSPArgsError, validate_hsp_args
 from megatron_hsp.planner.groupspace import (
-    COMMUNICATOR_GB,
     DEFAULT_MAX_COMMUNICATORS,
     Cluster,
     HeadSpace,
+    communicator_memory_gb,
     communicators_for_size,
     communicators_per_rank,
     sizes_within_communicator_budget,
@@ -35,15 +35,15 @@ def test_communicators_per_size_follow_the_split():
 def test_budget_keeps_the_largest_and_the_power_of_two_ladder_first():
     heads = HeadSpace.from_model(32, 8, 1)
     sizes = Cluster(1024, 8).legal_sizes()
-    # every legal size: 386 (issue 15 measured 390 with size-1 groups warmed and pure-ring
-    # duplicates, benchmarks/communicators.py's "before" column)
-    assert communicators_per_rank(sizes, heads) == 386
+    # every legal size: 260 (386 while a hybrid split's Ulysses sub-group, the same ranks as a
+    # block of its Ulysses degree, was a communicator of its own for every hybrid size)
+    assert communicators_per_rank(sizes, heads) == 260
     kept = sizes_within_communicator_budget(sizes, 8, DEFAULT_MAX_COMMUNICATORS, heads)
     assert communicators_per_rank(kept, heads) <= DEFAULT_MAX_COMMUNICATORS
     assert {1, 1024} <= set(kept)
     assert {2**k for k in range(11)} <= set(kept)
-    # a tiny cap still keeps size 1 and the largest
-    assert sizes_within_communicator_budget(sizes, 8, 3, heads) == [1, 1024]
+    # a tiny cap still keeps size 1 and the largest (whose Ulysses sub-group is the block of 32)
+    assert sizes_within_communicator_budget(sizes, 8, 3, heads) == [1, 32, 1024]
     with pytest.raises(ValueError):
         sizes_within_communicator_budget(sizes, 8, 0, heads)
 
@@ -60,12 +60,15 @@ def test_communicators_benchmark_contract_and_bound():
     doc = json.loads(out)
     assert set(doc) == {"8", "64", "1024", "4096"}
     for row in doc.values():
-        assert set(row) == {"groups", "communicators_per_rank", "est_gb_per_rank"}
+        assert set(row) == {
+            "groups",
+            "communicators_per_rank",
+            "est_gb_per_rank",
+            "startup_calls_per_rank",
+        }
         assert 0 < row["communicators_per_rank"] <= DEFAULT_MAX_COMMUNICATORS
-        assert row["est_gb_per_rank"] == pytest.approx(
-            row["communicators_per_rank"] * COMMUNICATOR_GB
-        )
-    assert doc["8"]["groups"] == 25  # 29 before: no duplicate group for pure ring blocks
+    # 29 with a duplicate group per pure ring block, 25 with a Ulysses sub-group per hybrid block
+    assert doc["8"]["groups"] == 22
 
 
 BASE = [
@@ -97,7 +100,8 @@ def test_communicator_memory_is_charged_to_the_planner_cap():
     )
     comms = communicators_per_rank(cfg.group_sizes, HeadSpace.from_model(32, 8, 1))
     assert comms > 0
-    assert cfg.memory_cap_gb == pytest.approx(60 - comms * COMMUNICATOR_GB)
+    charge = communicator_memory_gb(cfg.group_sizes, HeadSpace.from_model(32, 8, 1))
+    assert cfg.memory_cap_gb == pytest.approx(60 - charge)
     assert any("communicators" in n and "memory cap" in n for n in cfg.notes)
 
 
