@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_hsp.megatron import hooks, patches
-from megatron_hsp.megatron.args import exit_on_refusal, validate_hsp_args
+from megatron_hsp.megatron.config import exit_on_refusal, validate_hsp_args
 from megatron_hsp.megatron.datasets import hsp_data_from_args
 from megatron_hsp.megatron.model_cost import spec_label
 

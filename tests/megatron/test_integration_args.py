@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from megatron_hsp.megatron.args import (
+from megatron_hsp.megatron.config import (
     HSPArgsError,
     add_hsp_args,
     parse_sizes,

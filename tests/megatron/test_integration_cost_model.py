@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from megatron_hsp.megatron.args import HSPArgsError, validate_hsp_args
+from megatron_hsp.megatron.config import HSPArgsError, validate_hsp_args
 from megatron_hsp.megatron.model_cost import (
     HARDWARE_PRESETS,
     nvml_gpu_names,

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_hsp.megatron.args import HSPArgsError
+from megatron_hsp.megatron.config import HSPArgsError
 from megatron_hsp.megatron.datasets import (
     build_split_sampler,
     data_fingerprint,
