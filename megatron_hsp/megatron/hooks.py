@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from megatron_hsp.megatron.config import HSPConfig, exit_on_refusal
+from megatron_hsp.megatron.config import HSPConfig
+from megatron_hsp.megatron.refusals import exit_on_refusal
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.step.mbclock import MicrobatchClock
 from megatron_hsp.step.observe import (

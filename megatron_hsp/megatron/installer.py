@@ -21,9 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_hsp.megatron import hooks, patches
-from megatron_hsp.megatron.config import exit_on_refusal, validate_hsp_args
+from megatron_hsp.megatron.config import validate_hsp_args
 from megatron_hsp.megatron.datasets import hsp_data_from_args
 from megatron_hsp.megatron.model_cost import spec_label
+from megatron_hsp.megatron.refusals import exit_on_refusal
 
 LAYER_SPEC = ["megatron_hsp.megatron.layer_spec", "hsp_layer_spec"]
 

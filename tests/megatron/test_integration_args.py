@@ -8,12 +8,12 @@ import re
 import pytest
 
 from megatron_hsp.megatron.config import (
-    HSPArgsError,
     add_hsp_args,
     parse_sizes,
     parse_tokens,
     validate_hsp_args,
 )
+from megatron_hsp.megatron.refusals import HSPArgsError
 from tests.helpers.megatron_args import parse
 
 BASE = [
