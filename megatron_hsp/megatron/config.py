@@ -239,6 +239,11 @@ def validate_hsp_args(
     ``validate_args`` (``refuse_before_megatron``), returning None; everything that needs
     values Megatron derives (the cost model: FFN size, padded vocabulary) waits for the full
     call. ``gpu_names`` replaces NVML's answer (tests).
+
+    The steps run in this order, each taking what it needs and returning what it derives: the
+    refusals (``refusals.REFUSALS``), the pipeline settings, the parallel layout, the group sizes
+    and heads, the Megatron settings HSP needs, the batch and length flags, then (full call
+    only) the cost model, the sizes it prices and the communicators' budget, the planner.
     """
     if not getattr(args, "hsp", False):
         return None
@@ -246,29 +251,97 @@ def validate_hsp_args(
     notes: list[str] = []
 
     refuse_what_hsp_cannot_run(args)
-    pp = arg_value(args, "pipeline_model_parallel_size", 1)
-    dispatcher = getattr(args, "moe_token_dispatcher_type", None)
-    if pp > 1 and not early:
-        # Every stage runs the same plan, but a micro-batch's activation is [tokens of this
-        # rank, 1, hidden] and its token count changes every micro-batch: Megatron's own shape
-        # handshake between stages (docs/integration.md, "Pipeline parallelism", says why not
-        # shapes computed from the plan).
-        if not getattr(args, "variable_seq_lengths", False):
-            args.variable_seq_lengths = True
-            notes.append(
-                f"variable_seq_lengths set (--pipeline-model-parallel-size {pp}): the "
-                "activations sent between stages change shape every micro-batch, so the "
-                "stages exchange each one's shape first"
-            )
-        if dispatcher == "allgather":
-            # The same refusal fires in a dense model too, where no dispatcher is ever built.
-            args.moe_token_dispatcher_type = "alltoall"
-            notes.append(
-                "--moe-token-dispatcher-type set to alltoall: megatron-core refuses "
-                "variable_seq_lengths with allgather even without experts (dense model: no "
-                "dispatcher is built)"
-            )
+    pp = _pipeline_settings(args, early, notes)
+    layout = _parallel_layout(args, env, pp)
+    sizes = _requested_group_sizes(args, layout)
+    heads, space = _head_space(args, layout.tp, sizes, notes)
+    _settings_hsp_needs(args, notes)
+    _check_planner_budgets(args)
+    gbs = _global_batch(args, early, notes)
+    max_seq = _max_seq(args, early)
+    if args.hsp_log_interval < 0:
+        raise HSPArgsError(f"--hsp-log-interval must be >= 0 (got {args.hsp_log_interval})")
+    refit_out = _refit_out(args)
+    hardware = _hardware(args)
+    if early:
+        return None
 
+    spec, gpus_per_slot = _cost_model_spec(args, hardware, gpu_names, layout.tp, notes)
+    user_cap = args.hsp_memory_cap_gb
+    if user_cap is not None:
+        user_cap *= gpus_per_slot  # per GPU on the command line, per slot in the model
+    sizes, cost = _sizes_the_cost_model_prices(
+        args, spec, sizes, layout.world, layout.slots_per_node, int(max_seq), user_cap, notes
+    )
+    sizes, memory_cap_gb = _communicator_budget(
+        args, sizes, layout.slots_per_node, space, cost, notes, user_cap, gpus_per_slot
+    )
+    # Said once the sizes are final, so notes never contradict each other.
+    _note_ring_sizes(space, sizes, heads, layout.tp, notes)
+    seed = args.hsp_seed if args.hsp_seed is not None else int(arg_value(args, "seed", 1234))
+    planner = _planner_settings(args, sizes, cost, pp, seed, notes)
+    return HSPConfig(
+        cost_model=spec,
+        world_size=layout.world,
+        gpus_per_node=layout.slots_per_node,
+        memory_cap_gb=memory_cap_gb,
+        max_seq=int(max_seq),
+        planner=planner,
+        overlong=args.hsp_overlong,
+        global_batch_docs=None if args.hsp_token_budget else int(gbs),
+        token_budget=args.hsp_token_budget,
+        seed=seed,
+        plan_log=args.hsp_plan_log,
+        log_interval=args.hsp_log_interval,
+        background_planner=not args.hsp_sync_planner,
+        refit=not getattr(args, "hsp_no_refit", False),
+        refit_out=refit_out,
+        notes=tuple(notes),
+    )
+
+
+def _pipeline_settings(args: argparse.Namespace, early: bool, notes: list[str]) -> int:
+    """``--pipeline-model-parallel-size``, after setting what HSP's stages need of Megatron.
+
+    Every stage runs the same plan, but a micro-batch's activation is [tokens of this rank, 1,
+    hidden] and its token count changes every micro-batch: Megatron's own shape handshake
+    between stages (docs/integration.md, "Pipeline parallelism", says why not shapes computed
+    from the plan). Set on the full call only (the early one runs on a copy).
+    """
+    pp = arg_value(args, "pipeline_model_parallel_size", 1)
+    if pp == 1 or early:
+        return pp
+    if not getattr(args, "variable_seq_lengths", False):
+        args.variable_seq_lengths = True
+        notes.append(
+            f"variable_seq_lengths set (--pipeline-model-parallel-size {pp}): the "
+            "activations sent between stages change shape every micro-batch, so the "
+            "stages exchange each one's shape first"
+        )
+    if getattr(args, "moe_token_dispatcher_type", None) == "allgather":
+        # megatron-core refuses variable_seq_lengths with allgather in a dense model too, where
+        # no dispatcher is ever built (with experts: refusals.refuse_allgather_with_pipeline).
+        args.moe_token_dispatcher_type = "alltoall"
+        notes.append(
+            "--moe-token-dispatcher-type set to alltoall: megatron-core refuses "
+            "variable_seq_lengths with allgather even without experts (dense model: no "
+            "dispatcher is built)"
+        )
+    return pp
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where HSP's groups run: Megatron's tensor-parallel size and the sequence-parallel slots
+    (data-parallel ranks) it and the pipeline leave, in nodes of ``slots_per_node``."""
+
+    tp: int
+    world: int
+    slots_per_node: int
+
+
+def _parallel_layout(args: argparse.Namespace, env: Mapping[str, str], pp: int) -> _Layout:
+    """The sequence-parallel slots: world / (tp x pp), in whole nodes of (GPUs per node / tp)."""
     tp = arg_value(args, "tensor_model_parallel_size", 1)
     world = arg_value(args, "world_size", int(env.get("WORLD_SIZE", "1")))
     if world % (tp * pp) != 0:
@@ -277,7 +350,6 @@ def validate_hsp_args(
             f"--pipeline-model-parallel-size {pp}"
         )
     sp_world = world // (tp * pp)
-
     gpn = args.hsp_gpus_per_node or _gpus_per_node_from_env(env) or world
     if gpn < 1 or gpn % tp != 0:
         raise HSPArgsError(
@@ -291,26 +363,36 @@ def validate_hsp_args(
             f"(--hsp-gpus-per-node {gpn} / --tensor-model-parallel-size {tp}); launch a whole "
             "number of nodes or fix --hsp-gpus-per-node"
         )
+    return _Layout(tp=tp, world=sp_world, slots_per_node=slots_per_node)
 
+
+def _requested_group_sizes(args: argparse.Namespace, layout: _Layout) -> list[int]:
+    """``--hsp-group-sizes``, each checked against the legal sizes; ``auto``: all of them."""
+    legal = legal_group_sizes(layout.world, layout.slots_per_node)
+    requested = args.hsp_group_sizes
+    if requested is None:
+        return legal
+    bad = [d for d in requested if d not in legal]
+    if bad:
+        raise HSPArgsError(
+            f"--hsp-group-sizes {','.join(map(str, requested))}: {bad} are not legal group "
+            f"sizes on {layout.world} ranks in nodes of {layout.slots_per_node} (every size up "
+            f"to a node, then whole nodes); legal sizes: {','.join(map(str, legal))}"
+        )
+    return list(requested)
+
+
+def _head_space(
+    args: argparse.Namespace, tp: int, sizes: list[int], notes: list[str]
+) -> tuple[int | None, Any]:
+    """(``--num-attention-heads``, the ``HeadSpace`` that splits each group into Ulysses x
+    ring), or (None, None) where the flags give no heads; notes KV heads replicated in groups."""
     heads = arg_value(args, "num_attention_heads", None)
     kv_heads = (
         arg_value(args, "num_query_groups", heads)
         if getattr(args, "group_query_attention", False)
         else heads
     )
-    legal = legal_group_sizes(sp_world, slots_per_node)
-    requested = args.hsp_group_sizes
-    if requested is None:
-        sizes = legal
-    else:
-        bad = [d for d in requested if d not in legal]
-        if bad:
-            raise HSPArgsError(
-                f"--hsp-group-sizes {','.join(map(str, requested))}: {bad} are not legal group "
-                f"sizes on {sp_world} ranks in nodes of {slots_per_node} (every size up to a "
-                f"node, then whole nodes); legal sizes: {','.join(map(str, legal))}"
-            )
-        sizes = list(requested)
     space = None
     if heads is not None:
         from megatron_hsp.planner.groupspace import HeadSpace
@@ -326,7 +408,12 @@ def validate_hsp_args(
             f"{kv_heads // tp} KV heads per tensor-parallel rank are fewer than the largest "
             f"group ({max(sizes)}); KV heads are replicated inside such groups"
         )
+    return heads, space
 
+
+def _settings_hsp_needs(args: argparse.Namespace, notes: list[str]) -> None:
+    """Set the Megatron settings HSP needs, each noted: per-token loss (groups train different
+    numbers of tokens) and the external data loader (HSP's sampler feeds the micro-batches)."""
     if not getattr(args, "calculate_per_token_loss", False):
         args.calculate_per_token_loss = True
         notes.append(
@@ -341,13 +428,21 @@ def validate_hsp_args(
     if hasattr(args, "dataloader_type"):
         args.dataloader_type = "external"
 
+
+def _check_planner_budgets(args: argparse.Namespace) -> None:
+    """``--hsp-time-budget-s`` and ``--hsp-memory-cap-gb`` must be positive."""
     if args.hsp_time_budget_s <= 0:
         raise HSPArgsError(f"--hsp-time-budget-s must be > 0 (got {args.hsp_time_budget_s})")
     if args.hsp_memory_cap_gb is not None and args.hsp_memory_cap_gb <= 0:
         raise HSPArgsError(f"--hsp-memory-cap-gb must be > 0 (got {args.hsp_memory_cap_gb})")
+
+
+def _global_batch(args: argparse.Namespace, early: bool, notes: list[str]) -> int | None:
+    """``--global-batch-size`` (documents per step); a token budget takes its place.
+
+    Megatron's validate_args derives a missing --global-batch-size (micro-batch x data
+    parallel): checked on the full call only."""
     gbs = getattr(args, "global_batch_size", None)
-    # Megatron's validate_args derives a missing --global-batch-size (micro-batch x data
-    # parallel) and --seq-length: checked on the full call only.
     if args.hsp_token_budget is None and not gbs and not early:
         raise HSPArgsError(
             "--hsp needs a global batch: give --global-batch-size (documents per step) or "
@@ -358,6 +453,13 @@ def validate_hsp_args(
             f"--hsp-token-budget {args.hsp_token_budget} sets the batch; --global-batch-size "
             f"{gbs} is ignored by the sampler"
         )
+    return gbs
+
+
+def _max_seq(args: argparse.Namespace, early: bool) -> int | None:
+    """The longest document the cost model is sized for: ``--hsp-max-seq``, else
+    ``--seq-length`` (which Megatron's validate_args may derive: required on the full call
+    only), never past learned absolute positions."""
     seq = arg_value(args, "seq_length", None) or arg_value(args, "max_position_embeddings", None)
     max_seq = args.hsp_max_seq or seq
     if not max_seq and not early:
@@ -369,59 +471,76 @@ def validate_hsp_args(
             "with --position-embedding-type learned_absolute a document's positions past it "
             "have no embedding; lower --hsp-max-seq or raise --max-position-embeddings"
         )
-    if args.hsp_log_interval < 0:
-        raise HSPArgsError(f"--hsp-log-interval must be >= 0 (got {args.hsp_log_interval})")
-    refit_out = _refit_out(args)
+    return max_seq
+
+
+def _hardware(args: argparse.Namespace) -> str:
+    """``--hsp-hardware``, which only the default cost model reads."""
     hardware = getattr(args, "hsp_hardware", "auto")
     if args.hsp_cost_model and hardware not in (None, "auto"):
         raise HSPArgsError(
             f"--hsp-hardware {hardware} prices the default cost model, and --hsp-cost-model "
             f"{args.hsp_cost_model} brings its own figures; drop one of them"
         )
-    if early:
-        return None
+    return hardware
 
-    # The cost model: the user's, else first principles from this model's own flags.
-    gpus_per_slot = 1
-    spec: str | dict[str, Any]
+
+def _cost_model_spec(
+    args: argparse.Namespace,
+    hardware: str,
+    gpu_names: list[str] | None,
+    tp: int,
+    notes: list[str],
+) -> tuple[str | dict[str, Any], int]:
+    """(the cost model: the user's, else first principles from this model's own flags, GPUs
+    per slot it prices: 1 for a user's model, tp for the default, which prices a whole slot)."""
     if args.hsp_cost_model:
-        spec = args.hsp_cost_model
-    else:
-        try:
-            choice = choose_hardware(hardware, gpu_names)
-        except HardwareUnknown as exc:
-            raise HSPArgsError(str(exc)) from None
-        try:
-            spec, derived = default_cost_model_spec(args, choice, tp)
-        except ValueError as exc:
-            raise HSPArgsError(str(exc)) from None
-        notes.extend(derived)
-        gpus_per_slot = tp
-    user_cap = args.hsp_memory_cap_gb
-    if user_cap is not None:
-        user_cap *= gpus_per_slot  # per GPU on the command line, per slot in the model
-    sizes, cost = _sizes_the_cost_model_prices(
-        args, spec, sizes, sp_world, slots_per_node, int(max_seq), user_cap, notes
-    )
-    sizes, memory_cap_gb = _communicator_budget(
-        args, sizes, slots_per_node, space, cost, notes, user_cap, gpus_per_slot
-    )
-    if space is not None:  # said once the sizes are final, so notes never contradict each other
-        ringed = [d for d in sizes if space.split(d)[1] > 1]
-        if ringed:
-            notes.append(
-                f"group sizes {ringed} run Ulysses x ring attention: {heads // tp} attention "
-                f"heads per tensor-parallel rank (--num-attention-heads {heads} / "
-                f"--tensor-model-parallel-size {tp}) do not split over them, so "
-                + ", ".join(f"{d} = {space.split(d)[0]} x {space.split(d)[1]}" for d in ringed)
-            )
+        return args.hsp_cost_model, 1
+    try:
+        choice = choose_hardware(hardware, gpu_names)
+    except HardwareUnknown as exc:
+        raise HSPArgsError(str(exc)) from None
+    try:
+        spec, derived = default_cost_model_spec(args, choice, tp)
+    except ValueError as exc:
+        raise HSPArgsError(str(exc)) from None
+    notes.extend(derived)
+    return spec, tp
 
-    seed = args.hsp_seed if args.hsp_seed is not None else int(arg_value(args, "seed", 1234))
+
+def _note_ring_sizes(
+    space: Any, sizes: list[int], heads: int | None, tp: int, notes: list[str]
+) -> None:
+    """Note the group sizes whose heads do not split over them: they run Ulysses x ring."""
+    if space is None:
+        return
+    ringed = [d for d in sizes if space.split(d)[1] > 1]
+    if ringed:
+        assert heads is not None  # a head space comes from the heads
+        notes.append(
+            f"group sizes {ringed} run Ulysses x ring attention: {heads // tp} attention "
+            f"heads per tensor-parallel rank (--num-attention-heads {heads} / "
+            f"--tensor-model-parallel-size {tp}) do not split over them, so "
+            + ", ".join(f"{d} = {space.split(d)[0]} x {space.split(d)[1]}" for d in ringed)
+        )
+
+
+def _planner_settings(
+    args: argparse.Namespace,
+    sizes: list[int],
+    cost: Any,
+    pp: int,
+    seed: int,
+    notes: list[str],
+) -> PlannerSettings:
+    """The planner's settings; the pipeline is priced only with a stage cost model for it.
+
+    The planner prices the pipeline (and keeps interleaving's micro-batch multiple) only with a
+    stage cost model built for it (planner/cost/parallel.py); with any other model it plans the
+    stage's micro-batches unpipelined and the runtime pads an interleaved count
+    (hooks._prepare, docs/integration.md).
+    """
     vpp = int(arg_value(args, "virtual_pipeline_model_parallel_size", 1))
-    # The planner prices the pipeline (and keeps interleaving's micro-batch multiple) only with
-    # a stage cost model built for it (planner/cost/parallel.py); with any other model it plans the
-    # stage's micro-batches unpipelined and the runtime pads an interleaved count
-    # (hooks._prepare, docs/integration.md).
     staged = (int(cost.details.get("pp", 1)), int(cost.details.get("vpp", 1))) == (pp, vpp)
     if pp > 1 and not staged:
         notes.append(
@@ -430,30 +549,13 @@ def validate_hsp_args(
             + ": plans are not priced as a pipeline"
             + (" and their micro-batch count is padded for interleaving" if vpp > 1 else "")
         )
-    return HSPConfig(
-        cost_model=spec,
-        world_size=sp_world,
-        gpus_per_node=slots_per_node,
-        memory_cap_gb=memory_cap_gb,
-        max_seq=int(max_seq),
-        planner=PlannerSettings(
-            solver=args.hsp_solver,
-            time_budget_s=float(args.hsp_time_budget_s),
-            sizes=tuple(sizes),
-            seed=seed,
-            pp=pp if pp > 1 and staged else 1,
-            vpp=vpp if pp > 1 and staged else 1,
-        ),
-        overlong=args.hsp_overlong,
-        global_batch_docs=None if args.hsp_token_budget else int(gbs),
-        token_budget=args.hsp_token_budget,
+    return PlannerSettings(
+        solver=args.hsp_solver,
+        time_budget_s=float(args.hsp_time_budget_s),
+        sizes=tuple(sizes),
         seed=seed,
-        plan_log=args.hsp_plan_log,
-        log_interval=args.hsp_log_interval,
-        background_planner=not args.hsp_sync_planner,
-        refit=not getattr(args, "hsp_no_refit", False),
-        refit_out=refit_out,
-        notes=tuple(notes),
+        pp=pp if pp > 1 and staged else 1,
+        vpp=vpp if pp > 1 and staged else 1,
     )
 
 
