@@ -67,7 +67,7 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 def hsp_flags_help() -> str:
     """The ``--hsp*`` flags with their defaults, from the one parser that defines them
-    (``megatron.args.add_hsp_args``), so this list cannot drift from what Megatron parses."""
+    (``megatron.flags.add_hsp_args``), so this list cannot drift from what Megatron parses."""
     from megatron_hsp.megatron.flags import add_hsp_args
 
     parser = argparse.ArgumentParser(

@@ -236,7 +236,7 @@ def validate_hsp_args(
     loader) and reports each change in ``HSPConfig.notes``.
 
     ``early``: the flag-only checks, run on the freshly parsed flags before Megatron's own
-    ``validate_args`` (``refuse_before_megatron``), returning None; everything that needs
+    ``validate_args`` (``flags.refuse_before_megatron``), returning None; everything that needs
     values Megatron derives (the cost model: FFN size, padded vocabulary) waits for the full
     call. ``gpu_names`` replaces NVML's answer (tests).
 

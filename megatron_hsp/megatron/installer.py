@@ -44,7 +44,7 @@ def install(
     Returns the dataset provider and forward step ``pretrain()`` should get: HSP's when ``--hsp``
     is on, the given ones otherwise. ``args=None`` only swaps providers for an earlier install.
     A flag HSP refuses ends the process here, before the model is built: one line on stderr,
-    exit 2 (``args.exit_on_refusal``).
+    exit 2 (``refusals.exit_on_refusal``).
     """
     if args is not None and not getattr(args, "_hsp_installed", False):
         config = exit_on_refusal(lambda: validate_hsp_args(args))

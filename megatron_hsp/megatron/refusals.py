@@ -84,6 +84,7 @@ _UNSUPPORTED_WITH_HSP: tuple[tuple[str, str, str], ...] = (
 def _refuse_features_hsp_does_not_run(
     args: argparse.Namespace, table: tuple[tuple[str, str, str], ...] = _UNSUPPORTED_WITH_HSP
 ) -> None:
+    """Refuse the first feature of ``table`` (attribute, flag, why) that is on."""
     for attr, flag, why in table:
         value = getattr(args, attr, None)
         if value in (None, False, 0, "none", ""):
