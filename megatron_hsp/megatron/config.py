@@ -31,7 +31,7 @@ from megatron_hsp.megatron.model_cost import (
 from megatron_hsp.megatron.refusals import HSPArgsError, arg_value, refuse_what_hsp_cannot_run
 from megatron_hsp.planner import units
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.groupspace import DEFAULT_MAX_COMMUNICATORS
+from megatron_hsp.planner.groupspace import DEFAULT_MAX_COMMUNICATORS, HeadSpace
 from megatron_hsp.planner.search.settings import PlannerSettings
 
 
@@ -384,7 +384,7 @@ def _requested_group_sizes(args: argparse.Namespace, layout: _Layout) -> list[in
 
 def _head_space(
     args: argparse.Namespace, tp: int, sizes: list[int], notes: list[str]
-) -> tuple[int | None, Any]:
+) -> tuple[int | None, HeadSpace | None]:
     """(``--num-attention-heads``, the ``HeadSpace`` that splits each group into Ulysses x
     ring), or (None, None) where the flags give no heads; notes KV heads replicated in groups."""
     heads = arg_value(args, "num_attention_heads", None)
@@ -395,8 +395,6 @@ def _head_space(
     )
     space = None
     if heads is not None:
-        from megatron_hsp.planner.groupspace import HeadSpace
-
         if heads % tp:
             raise HSPArgsError(
                 f"--num-attention-heads {heads} is not divisible by "
@@ -509,7 +507,7 @@ def _cost_model_spec(
 
 
 def _note_ring_sizes(
-    space: Any, sizes: list[int], heads: int | None, tp: int, notes: list[str]
+    space: HeadSpace | None, sizes: list[int], heads: int | None, tp: int, notes: list[str]
 ) -> None:
     """Note the group sizes whose heads do not split over them: they run Ulysses x ring."""
     if space is None:
