@@ -67,8 +67,8 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 def hsp_flags_help() -> str:
     """The ``--hsp*`` flags with their defaults, from the one parser that defines them
-    (``megatron.args.add_hsp_args``), so this list cannot drift from what Megatron parses."""
-    from megatron_hsp.megatron.args import add_hsp_args
+    (``megatron.flags.add_hsp_args``), so this list cannot drift from what Megatron parses."""
+    from megatron_hsp.megatron.flags import add_hsp_args
 
     parser = argparse.ArgumentParser(
         prog="... pretrain_gpt.py <megatron args>",

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_hsp.megatron.args import add_hsp_args
+from megatron_hsp.megatron.flags import add_hsp_args
 
 pytestmark = pytest.mark.spawns
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_hsp.megatron.args import add_hsp_args, hsp_extra_args_provider, validate_hsp_args
+from megatron_hsp.megatron.config import validate_hsp_args
+from megatron_hsp.megatron.flags import add_hsp_args, hsp_extra_args_provider
 
 __all__ = ["add_hsp_args", "hsp_extra_args_provider", "install", "validate_hsp_args"]
 

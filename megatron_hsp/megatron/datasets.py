@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_hsp.megatron.args import HSPArgsError
+from megatron_hsp.megatron.refusals import HSPArgsError
 
 SPLITS = ("train", "valid", "test")
 

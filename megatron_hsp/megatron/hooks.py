@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from megatron_hsp.megatron.args import HSPConfig, exit_on_refusal
+from megatron_hsp.megatron.config import HSPConfig
+from megatron_hsp.megatron.refusals import exit_on_refusal
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.step.mbclock import MicrobatchClock
 from megatron_hsp.step.observe import (
@@ -99,7 +100,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     import torch
     import torch.distributed as dist
 
-    from megatron_hsp.megatron.args import document_length_limit, overlong_line
+    from megatron_hsp.megatron.config import document_length_limit, overlong_line
     from megatron_hsp.megatron.datasets import (
         build_split_sampler,
         data_fingerprint,

@@ -21,9 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_hsp.megatron import hooks, patches
-from megatron_hsp.megatron.args import exit_on_refusal, validate_hsp_args
+from megatron_hsp.megatron.config import validate_hsp_args
 from megatron_hsp.megatron.datasets import hsp_data_from_args
 from megatron_hsp.megatron.model_cost import spec_label
+from megatron_hsp.megatron.refusals import exit_on_refusal
 
 LAYER_SPEC = ["megatron_hsp.megatron.layer_spec", "hsp_layer_spec"]
 
@@ -43,7 +44,7 @@ def install(
     Returns the dataset provider and forward step ``pretrain()`` should get: HSP's when ``--hsp``
     is on, the given ones otherwise. ``args=None`` only swaps providers for an earlier install.
     A flag HSP refuses ends the process here, before the model is built: one line on stderr,
-    exit 2 (``args.exit_on_refusal``).
+    exit 2 (``refusals.exit_on_refusal``).
     """
     if args is not None and not getattr(args, "_hsp_installed", False):
         config = exit_on_refusal(lambda: validate_hsp_args(args))

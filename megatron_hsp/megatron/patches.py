@@ -308,7 +308,7 @@ def apply_training_patches() -> None:
 
 def apply_launcher_patches(install_fn: Callable[..., Any]) -> None:
     """Entry-point patches for ``python -m megatron_hsp.launch`` (unchanged ``pretrain_gpt.py``)."""
-    from megatron_hsp.megatron.args import hsp_extra_args_provider
+    from megatron_hsp.megatron.flags import hsp_extra_args_provider
 
     def make_parse(original, sig):
         def parse_and_validate_args(*a, **kw):

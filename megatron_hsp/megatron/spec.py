@@ -77,7 +77,7 @@ def _swap_hybrid_attention(stack: object, backend: str) -> object:
     attention_layer, dsa_layer, mla_layer, mlp_layer, moe_layer) and the pattern picks one per
     layer. ``attention_layer`` is a TransformerLayer with megatron-core SelfAttention, what HSP
     replaces; MLP layers run per token and need nothing; the other types are refused at argument
-    time (``args._HYBRID_SYMBOLS_HSP_CANNOT_RUN``) and stay as they are here.
+    time (``refusals._HYBRID_SYMBOLS_HSP_CANNOT_RUN``) and stay as they are here.
     """
     layer = stack.attention_layer  # type: ignore[attr-defined]
     if not isinstance(layer, ModuleSpec):

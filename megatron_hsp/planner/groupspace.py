@@ -232,7 +232,7 @@ def communicators_per_rank(sizes: Iterable[int], heads: HeadSpace | None = None)
 
 def communicator_memory_gb(sizes: Iterable[int], heads: HeadSpace | None = None) -> float:
     """GPU memory (GB) one rank's communicators for ``sizes`` hold: what the planner's memory
-    cap is charged (``megatron/args.py``) and ``benchmarks/communicators.py`` reports.
+    cap is charged (``megatron/config.py``) and ``benchmarks/communicators.py`` reports.
 
     Each communicator costs ``COMMUNICATOR_FIXED_BYTES`` plus ``COMMUNICATOR_PEER_BYTES`` per
     peer its collective connects (``communicator_sets``). NCCL connects a peer when a collective

@@ -27,7 +27,7 @@ gradient in ``finalize_model_grads``. Here each rank attaches ``sum_d partial_d 
 local, the counts are the group's); summed over the group's ranks by the gradient reduction,
 that is the stock sum. The micro-batch-level ``aux_loss`` and the accumulated ``global_aux_loss``
 depend on which documents share a micro-batch (in stock Megatron too) and are refused at
-argument time (``megatron.args``).
+argument time (``megatron.refusals``).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class HSPTopKRouter(TopKRouter):
 
 def check_micro_batch(state: MoEMicroBatch, tokens: int, tp_cp_group: object) -> None:
     """The router must see exactly the rank's packed tokens, unsplit by TP/CP (HSP refuses MoE
-    with tensor or context parallelism: ``megatron.args``)."""
+    with tensor or context parallelism: ``megatron.refusals``)."""
     size = tp_cp_group.size() if tp_cp_group is not None else 1  # type: ignore[attr-defined]
     if tokens != state.documents.numel() or size != 1:
         raise RuntimeError(

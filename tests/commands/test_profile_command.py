@@ -69,7 +69,7 @@ def test_plan_and_bench_accept_the_profile(profiled, command, capsys):
 @pytest.mark.dist
 def test_megatron_hsp_cost_model_accepts_the_profile(profiled):
     """The Megatron path: the flag reaches HSPConfig and loads as the training hook loads it."""
-    from megatron_hsp.megatron.args import validate_hsp_args
+    from megatron_hsp.megatron.config import validate_hsp_args
     from megatron_hsp.planner.cost.costmodel import load_cost_model
     from tests.helpers.megatron_args import parse
 

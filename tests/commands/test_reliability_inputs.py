@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_hsp.cli import main
-from megatron_hsp.megatron.args import parse_tokens as megatron_parse_tokens
+from megatron_hsp.megatron.flags import parse_tokens as megatron_parse_tokens
 from megatron_hsp.planner.lengths import parse_max_seq
 from megatron_hsp.planner.units import parse_tokens
 from tests.helpers import ROOT

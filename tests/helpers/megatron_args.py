@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_hsp.megatron.args import add_hsp_args, hsp_extra_args_provider
+from megatron_hsp.megatron.flags import add_hsp_args, hsp_extra_args_provider
 
 
 def megatron_like_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from megatron_hsp.megatron import hooks
-from megatron_hsp.megatron.args import HSPArgsError, validate_hsp_args
+from megatron_hsp.megatron.config import validate_hsp_args
+from megatron_hsp.megatron.refusals import HSPArgsError
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.step.corpus import write_indexed_dataset
 from tests.helpers import FIXTURES

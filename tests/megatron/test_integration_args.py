@@ -7,13 +7,9 @@ import re
 
 import pytest
 
-from megatron_hsp.megatron.args import (
-    HSPArgsError,
-    add_hsp_args,
-    parse_sizes,
-    parse_tokens,
-    validate_hsp_args,
-)
+from megatron_hsp.megatron.config import validate_hsp_args
+from megatron_hsp.megatron.flags import add_hsp_args, parse_sizes, parse_tokens
+from megatron_hsp.megatron.refusals import HSPArgsError
 from tests.helpers.megatron_args import parse
 
 BASE = [

@@ -12,12 +12,13 @@ import re
 
 import pytest
 
-from megatron_hsp.megatron.args import HSPArgsError, validate_hsp_args
+from megatron_hsp.megatron.config import validate_hsp_args
 from megatron_hsp.megatron.model_cost import (
     HARDWARE_PRESETS,
     nvml_gpu_names,
     preset_for_gpu_name,
 )
+from megatron_hsp.megatron.refusals import HSPArgsError
 from megatron_hsp.planner.cost.costmodel import load_cost_model
 from tests.helpers.megatron_args import parse
 

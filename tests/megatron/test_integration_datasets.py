@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_hsp.megatron.args import HSPArgsError
 from megatron_hsp.megatron.datasets import (
     build_split_sampler,
     data_fingerprint,
     document_range,
     hsp_data_from_args,
 )
+from megatron_hsp.megatron.refusals import HSPArgsError
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.step.corpus import write_indexed_dataset
 from megatron_hsp.step.documents import BlendedDocumentReader, DocumentIndex, DocumentReader

@@ -34,7 +34,7 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
 
     from megatron_hsp.commands.demo_config import DEMO_COST_MODEL, DEMO_MODEL
     from megatron_hsp.megatron import hooks
-    from megatron_hsp.megatron.args import HSPConfig
+    from megatron_hsp.megatron.config import HSPConfig
     from megatron_hsp.planner.search.settings import PlannerSettings
     from megatron_hsp.runtime.agreement import agree_on_plan
     from megatron_hsp.runtime.groups import create_groups

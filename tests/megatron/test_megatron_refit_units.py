@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from megatron_hsp.megatron.args import REFIT_FILE, validate_hsp_args
+from megatron_hsp.megatron.config import REFIT_FILE, validate_hsp_args
 from megatron_hsp.step.mbclock import MicrobatchClock
 from tests.helpers.megatron_args import parse
 

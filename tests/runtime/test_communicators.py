@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from megatron_hsp.megatron.args import HSPArgsError, validate_hsp_args
+from megatron_hsp.megatron.config import validate_hsp_args
+from megatron_hsp.megatron.refusals import HSPArgsError
 from megatron_hsp.planner.groupspace import (
     DEFAULT_MAX_COMMUNICATORS,
     Cluster,

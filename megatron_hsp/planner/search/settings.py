@@ -1,6 +1,6 @@
 """The planner's knobs: one type for every entry point.
 
-Megatron's ``--hsp-*`` flags (``megatron/args.py``), the demo, ``plan``/``bench`` and the
+Megatron's ``--hsp-*`` flags (``megatron/flags.py``), the demo, ``plan``/``bench`` and the
 background planner service all hand the planner the same four choices: which solver, how long it
 may search, which group sizes it may use, and its seed. They used to be re-declared in five
 dataclasses with the default budget written five times; here they are declared once, with the

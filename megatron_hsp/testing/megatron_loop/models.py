@@ -18,7 +18,7 @@ def _megatron_args(argv: list[str]) -> Any:
     """Megatron's own parse + validate on ``argv`` (``--hsp*`` flags added as users get them)."""
     from megatron.training.arguments import parse_args, validate_args
 
-    from megatron_hsp.megatron.args import hsp_extra_args_provider
+    from megatron_hsp.megatron.flags import hsp_extra_args_provider
 
     saved = sys.argv
     sys.argv = ["megatron-hsp-selftest", *argv]

@@ -280,6 +280,6 @@ DEFAULT_OPTIONS = (
         tokens_per_rank=100,
         seq_aux_loss=0.1,
     ),
-    # The allgather dispatcher (EP 1: HSP refuses it under EP > 1, args.py says why).
+    # The allgather dispatcher (EP 1: HSP refuses it under EP > 1, megatron/refusals.py says why).
     LoopOptions(num_experts=4, moe_dispatcher="allgather", seq_aux_loss=0.1, z_loss=0.01),
 )

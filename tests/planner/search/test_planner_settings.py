@@ -18,7 +18,7 @@ from megatron_hsp.planner.search.settings import (
 
 def test_every_entry_point_defaults_to_the_declared_budget_and_solver():
     from megatron_hsp.commands.common import add_common_arguments
-    from megatron_hsp.megatron.args import add_hsp_args
+    from megatron_hsp.megatron.flags import add_hsp_args
     from megatron_hsp.planner.search.settings import SolverConfig
     from megatron_hsp.step.planner_service import PlannerSpec
 

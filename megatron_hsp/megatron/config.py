@@ -1,0 +1,624 @@
+"""``HSPConfig``: what the data, planner and runtime layers read, and ``validate_hsp_args``,
+which builds it from Megatron's parsed flags in named steps.
+
+Two passes of ``validate_hsp_args``: the flag-only checks as soon as Megatron's parser returns
+(``flags.refuse_before_megatron``), before Megatron's own ``validate_args`` can stop on an assert
+or a device query; then all of them on the validated namespace, since the cost model needs values
+Megatron derives there (FFN size, padded vocabulary, world size). Every error names the flag at
+fault and what would work, and ends the process with one line and exit 2
+(``refusals.exit_on_refusal``); every setting we change on the user's behalf
+(``--calculate-per-token-loss``) is returned as a note and printed. Also here: the refit output
+path and the longest document a run trains whole.
+
+This module imports neither torch nor Megatron: the flags can be checked anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_hsp.megatron.model_cost import (
+    HardwareUnknown,
+    choose_hardware,
+    default_cost_model_spec,
+    spec_label,
+)
+from megatron_hsp.megatron.refusals import HSPArgsError, arg_value, refuse_what_hsp_cannot_run
+from megatron_hsp.planner import units
+from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.groupspace import DEFAULT_MAX_COMMUNICATORS, HeadSpace
+from megatron_hsp.planner.search.settings import PlannerSettings
+
+
+@dataclass(frozen=True)
+class HSPConfig:
+    """Validated HSP settings; what the data, planner and runtime layers read."""
+
+    # preset name or file (--hsp-cost-model), else the first-principles spec mapping built from
+    # Megatron's flags (model_cost.default_cost_model_spec); load_cost_model takes either.
+    cost_model: str | Mapping[str, Any]
+    world_size: int  # sequence-parallel slots = data-parallel x context-parallel ranks
+    gpus_per_node: int  # slots per node (GPUs per node / tensor-parallel size)
+    memory_cap_gb: float | None
+    max_seq: int
+    planner: PlannerSettings  # solver, budget, allowed group sizes (always set here), seed
+    overlong: str
+    global_batch_docs: int | None
+    token_budget: int | None
+    seed: int
+    plan_log: str | None = None
+    log_interval: int = 1
+    background_planner: bool = True
+    refit: bool = True  # online refit of the cost model (--hsp-no-refit turns it off)
+    refit_out: str | None = None  # where the refit model is written (--hsp-refit-out)
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def group_sizes(self) -> tuple[int, ...]:
+        """The group sizes the run pre-creates and plans with."""
+        assert self.planner.sizes is not None
+        return self.planner.sizes
+
+
+def _launcher_flags(message: str) -> str:
+    """The planner's messages name ``megatron-hsp plan``'s flags; here the flags are ``--hsp-*``.
+
+    Why: the refusal on 1-2 ranks told Megatron users to "raise --memory-cap-gb", a flag the
+    launcher does not have."""
+    for flag in ("memory-cap-gb", "cost-model"):
+        message = re.sub(rf"(?<![\w-])--{flag}\b", f"--hsp-{flag}", message)
+    return message
+
+
+def _sizes_the_cost_model_prices(
+    args: argparse.Namespace,
+    spec: str | Mapping[str, Any],
+    sizes: list[int],
+    world: int,
+    slots_per_node: int,
+    max_seq: int,
+    memory_cap_gb: float | None,
+    notes: list[str],
+) -> tuple[list[int], Any]:
+    """(group sizes the cost model has figures for, the cost model), checked once before
+    training starts.
+
+    Why here: a fitted cost model lists the sizes it measured (say 2, 4, 8), while the legal
+    sizes include every size up to a node (3, 5, 6, 7). Left to the planner, the gap surfaced on
+    the first step as a planning failure. Sizes chosen automatically are narrowed (with a note);
+    sizes the user asked for with --hsp-group-sizes must all be priced, else a clear error.
+    """
+    from megatron_hsp.planner.cost.costmodel import load_cost_model
+
+    label = spec_label(spec)
+    try:
+        cost = load_cost_model(
+            spec,
+            world_size=world,
+            gpus_per_node=slots_per_node,
+            max_seq_k=units.tokens_to_k(max_seq),
+            memory_cap_gb=memory_cap_gb,
+        )
+    except InputError as exc:
+        what = "--hsp-cost-model" if args.hsp_cost_model else "default cost model"
+        hint = ""
+        if not args.hsp_cost_model:
+            if "memory cap" not in str(exc):
+                hint = "; give a cost model with --hsp-cost-model FILE"
+            elif not getattr(args, "use_distributed_optimizer", False):
+                hint = "; --use-distributed-optimizer shards the optimizer states over the ranks"
+        message = _launcher_flags(str(exc).removeprefix(f"cost model {label!r}: "))
+        if not message.startswith("--hsp-cost-model"):  # the loader's own messages name it
+            message = f"{what} {label}: {message}"
+        raise HSPArgsError(f"{message}{hint}") from None
+    priced = set(cost.sizes)
+    missing = [d for d in sizes if d not in priced]
+    if not missing:
+        return sizes, cost
+    if args.hsp_group_sizes is not None:
+        raise HSPArgsError(
+            f"--hsp-group-sizes {','.join(map(str, sizes))}: cost model "
+            f"{label!r} has no figures for group sizes {missing} (it prices "
+            f"{sorted(priced)}); leave those sizes out or use a cost model that prices them"
+        )
+    kept = [d for d in sizes if d in priced]
+    if not kept:
+        raise HSPArgsError(
+            f"--hsp-cost-model {label}: prices none of the legal group sizes "
+            f"{sizes} on {world} ranks in nodes of {slots_per_node}; it prices {sorted(priced)}"
+        )
+    notes.append(
+        f"group sizes {missing} left out: cost model {label!r} has no figures for "
+        f"them (it prices {sorted(priced)}); training uses {kept}"
+    )
+    return kept, cost
+
+
+def _communicator_budget(
+    args: argparse.Namespace,
+    sizes: list[int],
+    slots_per_node: int,
+    heads: Any,
+    cost: Any,
+    notes: list[str],
+    user_cap_gb: float | None = None,
+    gpus_per_slot: int = 1,
+) -> tuple[list[int], float | None]:
+    """(sizes within ``--hsp-max-communicators``, the memory cap left after their communicators).
+
+    Why: a communicator per group size (and up to two more per hybrid size) holds NCCL buffers
+    for every peer its collective connects (``groupspace.communicator_memory_gb``); at 1024
+    GPUs every legal size would be 260 of them per rank. Sizes
+    chosen automatically are narrowed (with a note); sizes asked for with --hsp-group-sizes must
+    fit, else a clear error. The kept communicators' memory is taken off the memory cap of cost
+    models sized from one (first-principles and FlexSP presets); a fitted file's capacity was
+    measured with its communicators in place. ``user_cap_gb`` is ``--hsp-memory-cap-gb`` in
+    the cost model's units: per slot of ``gpus_per_slot`` tensor-parallel GPUs for the default
+    model, each of which holds the communicators.
+    """
+    from megatron_hsp.planner.groupspace import (
+        communicator_memory_gb,
+        communicators_per_rank,
+        sizes_within_communicator_budget,
+    )
+
+    cap = args.hsp_max_communicators
+    cap = DEFAULT_MAX_COMMUNICATORS if cap is None else cap
+    if cap < 1:
+        raise HSPArgsError(f"--hsp-max-communicators must be >= 1 (got {cap})")
+    kept = sizes_within_communicator_budget(sizes, slots_per_node, cap, heads)
+    if kept != sorted(sizes):
+        need = communicators_per_rank(sizes, heads)
+        if args.hsp_group_sizes is not None:
+            raise HSPArgsError(
+                f"--hsp-group-sizes {','.join(map(str, sizes))} needs {need} communicators per "
+                f"rank, more than --hsp-max-communicators {cap}; ask for fewer sizes or raise "
+                "the cap"
+            )
+        dropped = sorted(set(sizes) - set(kept))
+        notes.append(
+            f"group sizes {dropped} left out: all {len(sizes)} sizes would hold {need} "
+            f"communicators per rank, over --hsp-max-communicators {cap}; training uses {kept}"
+        )
+    comm_gb = communicator_memory_gb(kept, heads) * gpus_per_slot
+    base = user_cap_gb
+    if base is None:
+        model_cap = cost.details.get("memory_cap_gb")  # presets sized from a memory cap
+        base = None if model_cap is None else float(model_cap)
+    if base is None or comm_gb == 0:
+        return kept, user_cap_gb
+    left = base - comm_gb
+    if left <= 0:
+        raise HSPArgsError(
+            f"{communicators_per_rank(kept, heads)} communicators ({comm_gb:.3g} GB) leave no "
+            f"memory under the {base:g} GB cap; lower --hsp-max-communicators or raise "
+            "--hsp-memory-cap-gb"
+        )
+    notes.append(
+        f"{comm_gb:.3g} GB per GPU charged for {communicators_per_rank(kept, heads)} "
+        f"communicators: the planner's memory cap is {left:g} GB of {base:g}"
+    )
+    return kept, left
+
+
+def _gpus_per_node_from_env(env: Mapping[str, str]) -> int | None:
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_GPUS_ON_NODE", "SLURM_NTASKS_PER_NODE"):
+        raw = env.get(key, "")
+        m = re.match(r"\d+", raw)  # SLURM_NTASKS_PER_NODE may read "8(x2)"
+        if m and int(m.group()) > 0:
+            return int(m.group())
+    return None
+
+
+def legal_group_sizes(world_size: int, slots_per_node: int) -> list[int]:
+    """Legal group sizes: ``groupspace.Cluster.legal_sizes`` (every size up to a node, then
+    whole nodes); the heads never exclude a size, a group runs Ulysses x ring."""
+    from megatron_hsp.planner.groupspace import Cluster
+
+    return Cluster(world_size, slots_per_node).legal_sizes()
+
+
+def validate_hsp_args(
+    args: argparse.Namespace,
+    env: Mapping[str, str] | None = None,
+    *,
+    early: bool = False,
+    gpu_names: list[str] | None = None,
+) -> HSPConfig | None:
+    """Check ``--hsp*`` against Megatron's validated args; returns None when ``--hsp`` is off.
+
+    Mutates ``args`` only where HSP needs a Megatron setting (per-token loss, external data
+    loader) and reports each change in ``HSPConfig.notes``.
+
+    ``early``: the flag-only checks, run on the freshly parsed flags before Megatron's own
+    ``validate_args`` (``flags.refuse_before_megatron``), returning None; everything that needs
+    values Megatron derives (the cost model: FFN size, padded vocabulary) waits for the full
+    call. ``gpu_names`` replaces NVML's answer (tests).
+
+    The steps run in this order, each taking what it needs and returning what it derives: the
+    refusals (``refusals.REFUSALS``), the pipeline settings, the parallel layout, the group sizes
+    and heads, the Megatron settings HSP needs, the batch and length flags, then (full call
+    only) the cost model, the sizes it prices and the communicators' budget, the planner.
+    """
+    if not getattr(args, "hsp", False):
+        return None
+    env = os.environ if env is None else env
+    notes: list[str] = []
+
+    refuse_what_hsp_cannot_run(args)
+    pp = _pipeline_settings(args, early, notes)
+    layout = _parallel_layout(args, env, pp)
+    sizes = _requested_group_sizes(args, layout)
+    heads, space = _head_space(args, layout.tp, sizes, notes)
+    _settings_hsp_needs(args, notes)
+    _check_planner_budgets(args)
+    gbs = _global_batch(args, early, notes)
+    max_seq = _max_seq(args, early)
+    if args.hsp_log_interval < 0:
+        raise HSPArgsError(f"--hsp-log-interval must be >= 0 (got {args.hsp_log_interval})")
+    refit_out = _refit_out(args)
+    hardware = _hardware(args)
+    if early:
+        return None
+
+    spec, gpus_per_slot = _cost_model_spec(args, hardware, gpu_names, layout.tp, notes)
+    user_cap = args.hsp_memory_cap_gb
+    if user_cap is not None:
+        user_cap *= gpus_per_slot  # per GPU on the command line, per slot in the model
+    sizes, cost = _sizes_the_cost_model_prices(
+        args, spec, sizes, layout.world, layout.slots_per_node, int(max_seq), user_cap, notes
+    )
+    sizes, memory_cap_gb = _communicator_budget(
+        args, sizes, layout.slots_per_node, space, cost, notes, user_cap, gpus_per_slot
+    )
+    # Said once the sizes are final, so notes never contradict each other.
+    _note_ring_sizes(space, sizes, heads, layout.tp, notes)
+    seed = args.hsp_seed if args.hsp_seed is not None else int(arg_value(args, "seed", 1234))
+    planner = _planner_settings(args, sizes, cost, pp, seed, notes)
+    return HSPConfig(
+        cost_model=spec,
+        world_size=layout.world,
+        gpus_per_node=layout.slots_per_node,
+        memory_cap_gb=memory_cap_gb,
+        max_seq=int(max_seq),
+        planner=planner,
+        overlong=args.hsp_overlong,
+        global_batch_docs=None if args.hsp_token_budget else int(gbs),
+        token_budget=args.hsp_token_budget,
+        seed=seed,
+        plan_log=args.hsp_plan_log,
+        log_interval=args.hsp_log_interval,
+        background_planner=not args.hsp_sync_planner,
+        refit=not getattr(args, "hsp_no_refit", False),
+        refit_out=refit_out,
+        notes=tuple(notes),
+    )
+
+
+def _pipeline_settings(args: argparse.Namespace, early: bool, notes: list[str]) -> int:
+    """``--pipeline-model-parallel-size``, after setting what HSP's stages need of Megatron.
+
+    Every stage runs the same plan, but a micro-batch's activation is [tokens of this rank, 1,
+    hidden] and its token count changes every micro-batch: Megatron's own shape handshake
+    between stages (docs/integration.md, "Pipeline parallelism", says why not shapes computed
+    from the plan). Set on the full call only (the early one runs on a copy).
+    """
+    pp = arg_value(args, "pipeline_model_parallel_size", 1)
+    if pp == 1 or early:
+        return pp
+    if not getattr(args, "variable_seq_lengths", False):
+        args.variable_seq_lengths = True
+        notes.append(
+            f"variable_seq_lengths set (--pipeline-model-parallel-size {pp}): the "
+            "activations sent between stages change shape every micro-batch, so the "
+            "stages exchange each one's shape first"
+        )
+    if getattr(args, "moe_token_dispatcher_type", None) == "allgather":
+        # megatron-core refuses variable_seq_lengths with allgather in a dense model too, where
+        # no dispatcher is ever built (with experts: refusals.refuse_allgather_with_pipeline).
+        args.moe_token_dispatcher_type = "alltoall"
+        notes.append(
+            "--moe-token-dispatcher-type set to alltoall: megatron-core refuses "
+            "variable_seq_lengths with allgather even without experts (dense model: no "
+            "dispatcher is built)"
+        )
+    return pp
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where HSP's groups run: Megatron's tensor-parallel size and the sequence-parallel slots
+    (data-parallel ranks) it and the pipeline leave, in nodes of ``slots_per_node``."""
+
+    tp: int
+    world: int
+    slots_per_node: int
+
+
+def _parallel_layout(args: argparse.Namespace, env: Mapping[str, str], pp: int) -> _Layout:
+    """The sequence-parallel slots: world / (tp x pp), in whole nodes of (GPUs per node / tp)."""
+    tp = arg_value(args, "tensor_model_parallel_size", 1)
+    world = arg_value(args, "world_size", int(env.get("WORLD_SIZE", "1")))
+    if world % (tp * pp) != 0:
+        raise HSPArgsError(
+            f"world size {world} is not a multiple of --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}"
+        )
+    sp_world = world // (tp * pp)
+    gpn = args.hsp_gpus_per_node or _gpus_per_node_from_env(env) or world
+    if gpn < 1 or gpn % tp != 0:
+        raise HSPArgsError(
+            f"--hsp-gpus-per-node {gpn} must be a positive multiple of "
+            f"--tensor-model-parallel-size {tp} (tensor-parallel groups stay inside a node)"
+        )
+    slots_per_node = min(gpn // tp, sp_world)
+    if sp_world % slots_per_node != 0:
+        raise HSPArgsError(
+            f"{sp_world} sequence-parallel ranks do not fill whole nodes of {slots_per_node} "
+            f"(--hsp-gpus-per-node {gpn} / --tensor-model-parallel-size {tp}); launch a whole "
+            "number of nodes or fix --hsp-gpus-per-node"
+        )
+    return _Layout(tp=tp, world=sp_world, slots_per_node=slots_per_node)
+
+
+def _requested_group_sizes(args: argparse.Namespace, layout: _Layout) -> list[int]:
+    """``--hsp-group-sizes``, each checked against the legal sizes; ``auto``: all of them."""
+    legal = legal_group_sizes(layout.world, layout.slots_per_node)
+    requested = args.hsp_group_sizes
+    if requested is None:
+        return legal
+    bad = [d for d in requested if d not in legal]
+    if bad:
+        raise HSPArgsError(
+            f"--hsp-group-sizes {','.join(map(str, requested))}: {bad} are not legal group "
+            f"sizes on {layout.world} ranks in nodes of {layout.slots_per_node} (every size up "
+            f"to a node, then whole nodes); legal sizes: {','.join(map(str, legal))}"
+        )
+    return list(requested)
+
+
+def _head_space(
+    args: argparse.Namespace, tp: int, sizes: list[int], notes: list[str]
+) -> tuple[int | None, HeadSpace | None]:
+    """(``--num-attention-heads``, the ``HeadSpace`` that splits each group into Ulysses x
+    ring), or (None, None) where the flags give no heads; notes KV heads replicated in groups."""
+    heads = arg_value(args, "num_attention_heads", None)
+    kv_heads = (
+        arg_value(args, "num_query_groups", heads)
+        if getattr(args, "group_query_attention", False)
+        else heads
+    )
+    space = None
+    if heads is not None:
+        if heads % tp:
+            raise HSPArgsError(
+                f"--num-attention-heads {heads} is not divisible by "
+                f"--tensor-model-parallel-size {tp}"
+            )
+        space = HeadSpace.from_model(heads, kv_heads, tp)
+    if kv_heads is not None and heads is not None and (kv_heads // tp) < max(sizes):
+        notes.append(
+            f"{kv_heads // tp} KV heads per tensor-parallel rank are fewer than the largest "
+            f"group ({max(sizes)}); KV heads are replicated inside such groups"
+        )
+    return heads, space
+
+
+def _settings_hsp_needs(args: argparse.Namespace, notes: list[str]) -> None:
+    """Set the Megatron settings HSP needs, each noted: per-token loss (groups train different
+    numbers of tokens) and the external data loader (HSP's sampler feeds the micro-batches)."""
+    if not getattr(args, "calculate_per_token_loss", False):
+        args.calculate_per_token_loss = True
+        notes.append(
+            "--calculate-per-token-loss forced on: groups train different numbers of tokens, "
+            "so the loss is normalised by the global token count, as on one device"
+        )
+    if getattr(args, "dataloader_type", None) not in (None, "external"):
+        notes.append(
+            f"--dataloader-type {args.dataloader_type} replaced by 'external': HSP's "
+            "document sampler feeds the planned micro-batches"
+        )
+    if hasattr(args, "dataloader_type"):
+        args.dataloader_type = "external"
+
+
+def _check_planner_budgets(args: argparse.Namespace) -> None:
+    """``--hsp-time-budget-s`` and ``--hsp-memory-cap-gb`` must be positive."""
+    if args.hsp_time_budget_s <= 0:
+        raise HSPArgsError(f"--hsp-time-budget-s must be > 0 (got {args.hsp_time_budget_s})")
+    if args.hsp_memory_cap_gb is not None and args.hsp_memory_cap_gb <= 0:
+        raise HSPArgsError(f"--hsp-memory-cap-gb must be > 0 (got {args.hsp_memory_cap_gb})")
+
+
+def _global_batch(args: argparse.Namespace, early: bool, notes: list[str]) -> int | None:
+    """``--global-batch-size`` (documents per step); a token budget takes its place.
+
+    Megatron's validate_args derives a missing --global-batch-size (micro-batch x data
+    parallel): checked on the full call only."""
+    gbs = getattr(args, "global_batch_size", None)
+    if args.hsp_token_budget is None and not gbs and not early:
+        raise HSPArgsError(
+            "--hsp needs a global batch: give --global-batch-size (documents per step) or "
+            "--hsp-token-budget (tokens per step)"
+        )
+    if args.hsp_token_budget is not None and gbs:
+        notes.append(
+            f"--hsp-token-budget {args.hsp_token_budget} sets the batch; --global-batch-size "
+            f"{gbs} is ignored by the sampler"
+        )
+    return gbs
+
+
+def _max_seq(args: argparse.Namespace, early: bool) -> int | None:
+    """The longest document the cost model is sized for: ``--hsp-max-seq``, else
+    ``--seq-length`` (which Megatron's validate_args may derive: required on the full call
+    only), never past learned absolute positions."""
+    seq = arg_value(args, "seq_length", None) or arg_value(args, "max_position_embeddings", None)
+    max_seq = args.hsp_max_seq or seq
+    if not max_seq and not early:
+        raise HSPArgsError("--hsp needs --hsp-max-seq or --seq-length to size the cost model")
+    positions = _learned_positions(args)
+    if positions is not None and max_seq and int(max_seq) > positions:
+        raise HSPArgsError(
+            f"--hsp-max-seq {max_seq} is longer than --max-position-embeddings {positions}: "
+            "with --position-embedding-type learned_absolute a document's positions past it "
+            "have no embedding; lower --hsp-max-seq or raise --max-position-embeddings"
+        )
+    return max_seq
+
+
+def _hardware(args: argparse.Namespace) -> str:
+    """``--hsp-hardware``, which only the default cost model reads."""
+    hardware = getattr(args, "hsp_hardware", "auto")
+    if args.hsp_cost_model and hardware not in (None, "auto"):
+        raise HSPArgsError(
+            f"--hsp-hardware {hardware} prices the default cost model, and --hsp-cost-model "
+            f"{args.hsp_cost_model} brings its own figures; drop one of them"
+        )
+    return hardware
+
+
+def _cost_model_spec(
+    args: argparse.Namespace,
+    hardware: str,
+    gpu_names: list[str] | None,
+    tp: int,
+    notes: list[str],
+) -> tuple[str | dict[str, Any], int]:
+    """(the cost model: the user's, else first principles from this model's own flags, GPUs
+    per slot it prices: 1 for a user's model, tp for the default, which prices a whole slot)."""
+    if args.hsp_cost_model:
+        return args.hsp_cost_model, 1
+    try:
+        choice = choose_hardware(hardware, gpu_names)
+    except HardwareUnknown as exc:
+        raise HSPArgsError(str(exc)) from None
+    try:
+        spec, derived = default_cost_model_spec(args, choice, tp)
+    except ValueError as exc:
+        raise HSPArgsError(str(exc)) from None
+    notes.extend(derived)
+    return spec, tp
+
+
+def _note_ring_sizes(
+    space: HeadSpace | None, sizes: list[int], heads: int | None, tp: int, notes: list[str]
+) -> None:
+    """Note the group sizes whose heads do not split over them: they run Ulysses x ring."""
+    if space is None:
+        return
+    ringed = [d for d in sizes if space.split(d)[1] > 1]
+    if ringed:
+        assert heads is not None  # a head space comes from the heads
+        notes.append(
+            f"group sizes {ringed} run Ulysses x ring attention: {heads // tp} attention "
+            f"heads per tensor-parallel rank (--num-attention-heads {heads} / "
+            f"--tensor-model-parallel-size {tp}) do not split over them, so "
+            + ", ".join(f"{d} = {space.split(d)[0]} x {space.split(d)[1]}" for d in ringed)
+        )
+
+
+def _planner_settings(
+    args: argparse.Namespace,
+    sizes: list[int],
+    cost: Any,
+    pp: int,
+    seed: int,
+    notes: list[str],
+) -> PlannerSettings:
+    """The planner's settings; the pipeline is priced only with a stage cost model for it.
+
+    The planner prices the pipeline (and keeps interleaving's micro-batch multiple) only with a
+    stage cost model built for it (planner/cost/parallel.py); with any other model it plans the
+    stage's micro-batches unpipelined and the runtime pads an interleaved count
+    (hooks._prepare, docs/integration.md).
+    """
+    vpp = int(arg_value(args, "virtual_pipeline_model_parallel_size", 1))
+    staged = (int(cost.details.get("pp", 1)), int(cost.details.get("vpp", 1))) == (pp, vpp)
+    if pp > 1 and not staged:
+        notes.append(
+            f"the cost model is not a stage model for --pipeline-model-parallel-size {pp}"
+            + (f" x {vpp} virtual stages" if vpp > 1 else "")
+            + ": plans are not priced as a pipeline"
+            + (" and their micro-batch count is padded for interleaving" if vpp > 1 else "")
+        )
+    return PlannerSettings(
+        solver=args.hsp_solver,
+        time_budget_s=float(args.hsp_time_budget_s),
+        sizes=tuple(sizes),
+        seed=seed,
+        pp=pp if pp > 1 and staged else 1,
+        vpp=vpp if pp > 1 and staged else 1,
+    )
+
+
+def _learned_positions(args: argparse.Namespace) -> int | None:
+    """``--max-position-embeddings`` where it limits a document (learned absolute positions:
+    one embedding per position), else None (RoPE, no positions: any length)."""
+    if arg_value(args, "position_embedding_type", "learned_absolute") != "learned_absolute":
+        return None
+    positions = arg_value(args, "max_position_embeddings", None)
+    return int(positions) if positions else None
+
+
+def document_length_limit(
+    args: argparse.Namespace, max_seq: int, memory_length: int
+) -> tuple[int, str]:
+    """The longest document trained whole under ``--hsp`` and the limit that sets it.
+
+    Why not the memory limit alone: Megatron users set ``--seq-length`` as the longest sample,
+    and learned absolute positions have no embedding past ``--max-position-embeddings``;
+    whole documents used to train up to whatever the largest group's memory held. Longer
+    documents follow ``--hsp-overlong``. Ties name the user's flag.
+    """
+    flag = "--hsp-max-seq" if getattr(args, "hsp_max_seq", None) else "--seq-length"
+    limits = [(int(max_seq), flag)]
+    positions = _learned_positions(args)
+    if positions is not None:
+        limits.append((positions, "--max-position-embeddings (learned absolute positions)"))
+    limits.append((int(memory_length), "what the largest group's memory holds"))
+    return min(limits, key=lambda limit: limit[0])
+
+
+def overlong_line(split: str, count: int, total: int, limit: int, why: str, policy: str) -> str:
+    """The start-up line: how many documents are over the limit and what happens to them."""
+    if not count:
+        return f"{split} split: no document over {limit} tokens ({why})"
+    fate = {
+        "drop": "dropped",
+        "split": f"split into {limit}-token pieces",
+        "error": "refused",
+    }[policy]
+    return (
+        f"{split} split: {count} of {total} documents are over {limit} tokens ({why}): "
+        f"{fate} (--hsp-overlong {policy})"
+    )
+
+
+REFIT_FILE = "hsp-cost-model.yaml"
+
+
+def _refit_out(args: argparse.Namespace) -> str | None:
+    """Where the online refit writes its model: ``--hsp-refit-out``, else ``<--save>/``
+    ``hsp-cost-model.yaml``, else nowhere. Checked now, not after hours of training."""
+    from pathlib import Path
+
+    from megatron_hsp.planner.paths import check_output_path
+
+    out = getattr(args, "hsp_refit_out", None)
+    if getattr(args, "hsp_no_refit", False):
+        if out:
+            raise HSPArgsError(
+                f"--hsp-refit-out {out} names where the online refit writes its model, and "
+                "--hsp-no-refit turns the refit off; drop one of them"
+            )
+        return None
+    if out:
+        return check_output_path("--hsp-refit-out", out)
+    save = arg_value(args, "save", None)
+    return str(Path(save) / REFIT_FILE) if save else None
