@@ -80,7 +80,18 @@ class _GatherStandIn:
         return self.inner(*args, **kwargs)
 
     def context_parallel(
-        self, q, k, v, cu, group, ulysses_group, ring_group, *, softmax_scale, cu_seqlens_host=None
+        self,
+        q,
+        k,
+        v,
+        cu,
+        group,
+        ulysses_group,
+        ring_group,
+        *,
+        softmax_scale,
+        cu_seqlens_host=None,
+        micro_batch=None,
     ):
         import torch.distributed as dist
 
