@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from typing import Any
 
 from megatron_hsp.commands.common import add_verbose_argument, import_warnings_summarised
 
@@ -116,7 +118,7 @@ def _run(args: argparse.Namespace) -> int:
             result["ok"] = result["ok"] and all(p["caught"] for p in plants)
     if args.json:
         doc = {k: v for k, v in result.items() if not k.startswith("_")}
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(_finite(doc), indent=2, allow_nan=False))
     else:
         print(case_table(result["_results"]))
         if args.mutations:
@@ -150,3 +152,15 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr if not result["ok"] else sys.stdout,
         )
     return 0 if result["ok"] else 1
+
+
+def _finite(value: Any) -> Any:
+    """``--json`` is strict JSON: a margin of ``inf`` (an exact check failed; ``worst_check``
+    names it) is written as null, never as the non-standard ``Infinity``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
