@@ -105,13 +105,13 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         build_split_sampler,
         data_fingerprint,
         hsp_data_from_args,
+        train_sampler,
     )
     from megatron_hsp.runtime.backends import te_available
     from megatron_hsp.runtime.groups import create_groups_from_megatron
     from megatron_hsp.step.documents import BlendedDocumentReader, DocumentIndex
     from megatron_hsp.step.pipeline import build_step_pipeline
     from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
-    from megatron_hsp.step.sampler import SamplerConfig
 
     cfg = run.config
     data = run.data if run.data is not None else hsp_data_from_args(args)
@@ -137,27 +137,12 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     max_length, why = document_length_limit(
         args, cfg.max_seq, cost.max_trainable_length(list(cfg.group_sizes))
     )
-    base = SamplerConfig(
-        seed=cfg.seed,
-        max_length=max_length,
-        global_batch_docs=cfg.global_batch_docs,
-        token_budget=cfg.token_budget,
-        overlong=cfg.overlong,
-    )
-    try:
-        sampler = build_split_sampler(data, "train", indices, base)
-    except InputError as exc:  # --hsp-overlong error: say which limit the documents pass
-        raise InputError(f"{exc} (the limit, {max_length} tokens, is {why})") from None
-    if dist.get_rank() == 0 and sampler is not None:
+    sampler = train_sampler(data, indices, cfg, max_length, why)
+    if dist.get_rank() == 0:
         over = sum(s.overlong_docs for s in sampler.samplers)
         total = sum(len(s.lengths) for s in sampler.samplers)
         line = overlong_line("training", over, total, max_length, why, cfg.overlong)
         print(f"[megatron-hsp] {line}", flush=True)
-    if sampler is None:
-        raise InputError(
-            "the training split has no documents: --split gives it a share of 0 or the "
-            "datasets are too small for it; give training a share (e.g. --split 969,30,1)"
-        )
     # Resume: Megatron restored args.iteration from the checkpoint; replaying that many batches
     # reads only lengths and lands on exactly the next unseen batch, if the data and sampling
     # flags are those the checkpoint trained with (checked against --load's record).
@@ -220,7 +205,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         # Its own sampler over its own documents, its own state: evaluation never draws from,
         # or moves, the training sampler. By count: Megatron's eval global batch.
         split_config = replace(
-            base, global_batch_docs=None if cfg.token_budget else int(eval_batch)
+            sampler.config, global_batch_docs=None if cfg.token_budget else int(eval_batch)
         )
         split_sampler = build_split_sampler(data, split, indices, split_config)
         if split_sampler is None:
