@@ -536,8 +536,9 @@ class MegatronJob:
         )
 
 
-def print_notes(setup: Any, out: Any = sys.stderr) -> None:
+def print_notes(setup: Any, out: Any = None) -> None:
     """The job's notes (how the cost model was derived, what was set), one line each."""
+    out = sys.stderr if out is None else out
     job = getattr(setup, "job", None)
     if job is None:
         return
