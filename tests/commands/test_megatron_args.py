@@ -179,3 +179,21 @@ def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
     assert not missing, missing
     sampling = next(b for b in blocks if b.strip().startswith("--sampling"))
     assert "training" in sampling and "sequential" in sampling
+
+
+@pytest.mark.spawns
+def test_a_megatron_job_plans_without_torch() -> None:
+    """The planner side of a Megatron job (flags, first-principles cost model, training sampler
+    over --lengths) imports neither torch nor Megatron."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from megatron_hsp.cli import main\n"
+        f"assert main(['plan', *{MODEL!r}, '--global-batch-size', '8', '--lr', '1e-4']) == 0\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'))\n"
+        "assert not bad, bad\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
