@@ -447,11 +447,10 @@ def megatron_setup(args: argparse.Namespace) -> Any:
     """The ``Setup`` (``commands.common``) of the Megatron job the flags describe: the training
     run's ``HSPConfig`` (cost model, slots, group sizes, planner settings) and its sampler."""
     from megatron_hsp.commands.common import Setup, check_numeric_flags_of_command
-    from megatron_hsp.megatron.config import document_length_limit, overlong_line, validate_hsp_args
+    from megatron_hsp.megatron.config import document_length_limit, validate_hsp_args
     from megatron_hsp.megatron.datasets import train_sampler
     from megatron_hsp.planner.cost.parallel import ParallelConfig, pipeline_spec_for
     from megatron_hsp.planner.topology import Cluster
-    from megatron_hsp.step.planner_service import PlannerSpec
 
     refuse_harness_flags(args)
     check_numeric_flags_of_command(args)
@@ -460,24 +459,13 @@ def megatron_setup(args: argparse.Namespace) -> Any:
     cfg = validate_hsp_args(ns, env={})
     assert cfg is not None  # --hsp is on
     notes.extend(cfg.notes)
-    spec = PlannerSpec(
-        cost_model=cfg.cost_model,
-        world_size=cfg.world_size,
-        gpus_per_node=cfg.gpus_per_node,
-        max_seq=cfg.max_seq,
-        memory_cap_gb=cfg.memory_cap_gb,
-        settings=cfg.planner,
-    )
-    cost = spec.load_cost_model()
+    cost = cfg.planner_spec().load_cost_model()
     cluster = Cluster(cfg.world_size, cfg.gpus_per_node)
     data, indices, described = _data_and_indices(ns)
     max_length, why = document_length_limit(
         ns, cfg.max_seq, cost.max_trainable_length(list(cfg.group_sizes))
     )
-    sampler = train_sampler(data, indices, cfg, max_length, why)
-    over = sum(s.overlong_docs for s in sampler.samplers)
-    total = sum(len(s.lengths) for s in sampler.samplers)
-    line = overlong_line("training", over, total, max_length, why, cfg.overlong)
+    sampler, line = train_sampler(data, indices, cfg, max_length, why)
     settings = cfg.planner
     parallel = ParallelConfig(
         ns.tensor_model_parallel_size,

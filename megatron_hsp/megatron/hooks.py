@@ -100,7 +100,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     import torch
     import torch.distributed as dist
 
-    from megatron_hsp.megatron.config import document_length_limit, overlong_line
+    from megatron_hsp.megatron.config import document_length_limit
     from megatron_hsp.megatron.datasets import (
         build_split_sampler,
         data_fingerprint,
@@ -111,7 +111,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     from megatron_hsp.runtime.groups import create_groups_from_megatron
     from megatron_hsp.step.documents import BlendedDocumentReader, DocumentIndex
     from megatron_hsp.step.pipeline import build_step_pipeline
-    from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
+    from megatron_hsp.step.planner_service import PlannerService
 
     cfg = run.config
     data = run.data if run.data is not None else hsp_data_from_args(args)
@@ -119,14 +119,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     run.registry = create_groups_from_megatron(
         cfg.gpus_per_node, sizes=cfg.group_sizes, heads=_head_space(), lazy=True
     )
-    spec = PlannerSpec(
-        cost_model=cfg.cost_model,
-        world_size=cfg.world_size,
-        gpus_per_node=cfg.gpus_per_node,
-        max_seq=cfg.max_seq,
-        memory_cap_gb=cfg.memory_cap_gb,
-        settings=cfg.planner,
-    )
+    spec = cfg.planner_spec()
     cost = spec.load_cost_model()
     run.step_overhead_ms = cost.step_overhead_ms
     run.cost_model, run.predict_model = cost, None
@@ -137,11 +130,8 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     max_length, why = document_length_limit(
         args, cfg.max_seq, cost.max_trainable_length(list(cfg.group_sizes))
     )
-    sampler = train_sampler(data, indices, cfg, max_length, why)
+    sampler, line = train_sampler(data, indices, cfg, max_length, why)
     if dist.get_rank() == 0:
-        over = sum(s.overlong_docs for s in sampler.samplers)
-        total = sum(len(s.lengths) for s in sampler.samplers)
-        line = overlong_line("training", over, total, max_length, why, cfg.overlong)
         print(f"[megatron-hsp] {line}", flush=True)
     # Resume: Megatron restored args.iteration from the checkpoint; replaying that many batches
     # reads only lengths and lands on exactly the next unseen batch, if the data and sampling
