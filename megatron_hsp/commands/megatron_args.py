@@ -62,10 +62,12 @@ PLANNER_FLAGS: dict[str, str] = {
     "tensor_model_parallel_size": "HSP plans slots of this many GPUs",
     "pipeline_model_parallel_size": "every stage runs the same plan",
     "num_layers_per_virtual_pipeline_stage": "interleaved pipeline (virtual stages)",
+    "num_virtual_stages_per_pipeline_rank": "interleaved pipeline (virtual stages)",
     "context_parallel_size": "your static context-parallel size: the baseline hsp is compared "
     "with (static-CP); under --hsp these GPUs become HSP ranks",
     "expert_model_parallel_size": "expert parallelism (MoE)",
     "num_layers": "model size, for the first-principles cost model",
+    "hybrid_layer_pattern": "hybrid models: attention and MLP layers counted from it",
     "hidden_size": "model size",
     "ffn_hidden_size": "model size (default: 4 x hidden, or SwiGLU's 8/3 rounded to 64, as "
     "Megatron derives it)",
@@ -363,9 +365,12 @@ def _megatron_namespace(args: argparse.Namespace, notes: list[str]) -> argparse.
             "under --hsp needs --attention-dropout 0, which these times assume"
         )
         ns.attention_dropout = 0.0
+    # Megatron's validate_args: virtual stages per rank, given or from layers per virtual stage.
+    vpp = ns.num_virtual_stages_per_pipeline_rank
     layers_per_vstage = ns.num_layers_per_virtual_pipeline_stage
-    if layers_per_vstage and pp > 1 and ns.num_layers:
-        ns.virtual_pipeline_model_parallel_size = (ns.num_layers // pp) // layers_per_vstage
+    if vpp is None and layers_per_vstage and ns.num_layers:
+        vpp = (ns.num_layers // pp) // layers_per_vstage
+    ns.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
     return ns
 
 
