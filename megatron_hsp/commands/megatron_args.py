@@ -24,9 +24,10 @@ knows is an error naming it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -126,7 +127,8 @@ def flag_rows(parser: argparse.ArgumentParser) -> list[str]:
     return out
 
 
-def megatron_flags() -> list[MegatronFlag]:
+@functools.cache
+def megatron_flags() -> tuple[MegatronFlag, ...]:
     """Every Megatron flag, from the shipped list (no torch, no Megatron needed)."""
     path = resources.files("megatron_hsp") / "data" / MEGATRON_FLAGS_FILE
     flags = []
@@ -135,7 +137,7 @@ def megatron_flags() -> list[MegatronFlag]:
             continue
         dest, kind, typ, default, options = line.split("\t")
         flags.append(MegatronFlag(dest, kind, typ, json.loads(default), tuple(options.split())))
-    return flags
+    return tuple(flags)
 
 
 _TYPES = {"int": int, "float": float, "str": str}
@@ -166,8 +168,6 @@ def _add_flag(group: Any, flag: MegatronFlag, help_text: str) -> None:
 def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
     """Megatron's flags (the planner's with help and default, the rest hidden and ignored), the
     world size as torchrun spells it, and the ``--hsp*`` flags (``megatron/flags.py``)."""
-    from megatron_hsp.megatron.flags import add_hsp_args
-
     parser.allow_abbrev = False  # Megatron's parser too: 800 flags make prefixes ambiguous
     flags = {f.dest: f for f in megatron_flags()}
     job = parser.add_argument_group(
@@ -178,6 +178,17 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
         _add_flag(job, flags[dest], help_text)
     # Megatron's --seed defaults to 1234; the FlexSP harness's to 0 (set after parsing).
     job.set_defaults(seed=None)
+    _add_world_and_hsp_arguments(parser)
+    hidden = parser.add_argument_group("other Megatron flags (ignored)")
+    for flag in flags.values():
+        if flag.dest not in PLANNER_FLAGS:
+            _add_flag(hidden, flag, argparse.SUPPRESS)
+
+
+def _add_world_and_hsp_arguments(parser: argparse.ArgumentParser) -> None:
+    """The world size as torchrun spells it, and the ``--hsp*`` flags (``megatron/flags.py``)."""
+    from megatron_hsp.megatron.flags import add_hsp_args
+
     world = parser.add_argument_group("world size (as torchrun or Slurm give it)")
     world.add_argument("--nnodes", type=int, default=1, help="nodes")
     world.add_argument("--nproc-per-node", type=int, default=8, help="GPUs per node")
@@ -188,10 +199,6 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
         help="GPUs in all (default: --nnodes x --nproc-per-node)",
     )
     add_hsp_args(parser)
-    hidden = parser.add_argument_group("other Megatron flags (ignored)")
-    for flag in flags.values():
-        if flag.dest not in PLANNER_FLAGS:
-            _add_flag(hidden, flag, argparse.SUPPRESS)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -240,15 +247,19 @@ def setup_from_args(args: argparse.Namespace) -> Any:
 
     if not getattr(args, "flexsp_harness", False):
         return megatron_setup(args)
+    defaults = megatron_defaults()
+    job_only = argparse.ArgumentParser()
+    _add_world_and_hsp_arguments(job_only)
+    defaults.update(vars(job_only.parse_args([])))
     given = [
         "--" + dest.replace("_", "-")
-        for dest in PLANNER_FLAGS
-        if dest != "seed" and getattr(args, dest) != megatron_defaults()[dest]
+        for dest in [*PLANNER_FLAGS, *vars(job_only.parse_args([]))]
+        if dest != "seed" and getattr(args, dest) != defaults[dest]
     ]
     if given:
         raise InputError(
             f"{given[0]} describes a Megatron job, which --flexsp-harness does not plan; drop "
-            "--flexsp-harness to plan the job, or the Megatron flags to run the harness"
+            "--flexsp-harness to plan the job, or that flag to run the harness"
         )
     apply_harness_defaults(args)
     return build_setup(args)
@@ -568,11 +579,6 @@ def gain_lines(result: dict, cp: int) -> list[str]:
         label = f" (CP {degree})" if degree else ""
         out.append(f"planned gain: hsp {best / hsp:.2f}x faster than the best static{label}")
     return out
-
-
-def all_flag_names(flags: Iterable[MegatronFlag]) -> set[str]:
-    """Every option string of ``flags``."""
-    return {o for f in flags for o in f.options}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

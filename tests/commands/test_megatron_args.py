@@ -152,6 +152,8 @@ def test_missing_dataset_is_one_line(capsys: pytest.CaptureFixture[str]) -> None
     [
         (["plan", "--seq-length", "1024"], "--num-layers"),
         (["plan", "--flexsp-harness", "--num-layers", "4"], "--num-layers describes a Megatron"),
+        (["plan", "--flexsp-harness", "--nnodes", "2"], "--nnodes describes a Megatron"),
+        (["plan", "--flexsp-harness", "--hsp-solver", "cbc"], "--hsp-solver describes a Megatron"),
     ],
 )
 def test_mode_errors_are_one_line(
