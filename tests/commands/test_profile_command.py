@@ -54,7 +54,7 @@ def test_profile_writes_every_measured_term(profiled):
 
 @pytest.mark.spawns
 @pytest.mark.dist
-@pytest.mark.parametrize("command", ["plan", "--flexsp-harness", "bench"])
+@pytest.mark.parametrize("command", ["plan", "bench"])
 def test_plan_and_bench_accept_the_profile(profiled, command, capsys):
     argv = [
         command,
