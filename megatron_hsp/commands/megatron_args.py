@@ -568,7 +568,7 @@ def gain_lines(result: dict, cp: int) -> list[str]:
     if mine:
         out.append(
             f"planned gain: hsp {mine / hsp:.2f}x faster than your static CP {cp} "
-            f"({mine:.2f} s -> {hsp:.2f} s over {len(methods['hsp']['step_ms'])} steps)"
+            f"({mine:.3g} s -> {hsp:.3g} s over {len(methods['hsp']['step_ms'])} steps)"
         )
     elif f"static-{cp}" in methods:
         reason = methods[f"static-{cp}"].get("infeasible_reason", "not plannable")
