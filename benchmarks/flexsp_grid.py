@@ -57,9 +57,9 @@ def available_methods(methods: str) -> str:
 
 def row_argv(row: dict, lengths: str, methods: str, time_budget: float, out: Path) -> list[str]:
     return [
-        "bench", "--lengths", lengths, "--gpus", str(row["gpus"]), "--gpus-per-node", "8",
-        "--cost-model", row["model"], "--max-seq", row["max_seq"], "--global-batch",
-        str(row["gbs"]), "--steps", str(row["steps"]), "--sampling", "sequential",
+        "bench", "--flexsp-harness", "--lengths", lengths, "--gpus", str(row["gpus"]),
+        "--gpus-per-node", "8", "--cost-model", row["model"], "--max-seq", row["max_seq"],
+        "--global-batch", str(row["gbs"]), "--steps", str(row["steps"]), "--sampling", "sequential",
         "--overlong", "drop",
         "--methods", methods, "--time-budget", str(time_budget), "--json", str(out),
     ]  # fmt: skip

@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             out = Path(tmp) / f"{name}.json"
             cmd = [
-                sys.executable, "-m", "megatron_hsp.cli", "bench", "--lengths", str(path),
-                "--gpus", str(args.gpus), "--cost-model", args.cost_model,
+                sys.executable, "-m", "megatron_hsp.cli", "bench", "--flexsp-harness",
+                "--lengths", str(path), "--gpus", str(args.gpus), "--cost-model", args.cost_model,
                 "--max-seq", str(args.max_seq), "--global-batch", str(args.global_batch),
                 "--steps", str(args.steps), "--sampling", "sequential", "--methods",
                 args.methods, "--overlong", "drop", "--json", str(out),

@@ -68,7 +68,14 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        message = getattr(_module(args.command), "unknown_arguments", None)
+        if message is None:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        print(message(extras), file=sys.stderr)
+        return 2
     if args.command in NEEDS_TORCH:
         error = missing_torch(args.command)
         if error:

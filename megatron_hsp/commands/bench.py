@@ -9,11 +9,14 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_hsp.commands.common import (
-    add_common_arguments,
-    build_setup,
-    config_dict,
-    import_warnings_summarised,
+from megatron_hsp.commands.common import config_dict, import_warnings_summarised
+from megatron_hsp.commands.megatron_args import (
+    add_job_arguments,
+    default_methods,
+    gain_lines,
+    print_notes,
+    setup_from_args,
+    unknown_flags_message,
 )
 from megatron_hsp.evaluation.bench import DEFAULT_METHODS, PlanFn, parse_methods, run_bench
 from megatron_hsp.planner.errors import InputError
@@ -22,13 +25,15 @@ from megatron_hsp.planner.plan import Plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_arguments(parser)
+    add_job_arguments(parser, "bench")
     parser.add_argument("--steps", type=int, default=20, help="global batches to plan")
     parser.add_argument("--start-step", type=int, default=0, help="first global batch (0-based)")
     parser.add_argument(
         "--methods",
-        default=",".join(DEFAULT_METHODS),
-        help="comma-separated: hsp, static-best, static-N, batchada, flexsp-style (FlexSP's "
+        default=None,
+        help="default: hsp, static-<your --context-parallel-size>, static-best (with "
+        f"--flexsp-harness: {','.join(DEFAULT_METHODS)}); "
+        "comma-separated: hsp, static-best, static-N, batchada, flexsp-style (FlexSP's "
         "planner emulated on our solver), dp-balanced, dp-balanced-N, megatron-dcp, "
         "megatron-dcp-dev (dev's DefaultDynamicCPScheduler from the Megatron-LM checkout named by "
         "$MEGATRON_HSP_DEV_CHECKOUT), lower-bound "
@@ -74,10 +79,14 @@ def run_from_args(
     """Run the bench; ``hsp_plans`` / ``lengths_out`` collect hsp's plans and the batches."""
     if args.steps < 1:
         raise InputError(f"--steps must be >= 1, got {args.steps}")
+    setup = setup_from_args(args)
+    if args.methods is None:
+        args.methods = ",".join(DEFAULT_METHODS if setup.job is None else default_methods(setup))
     methods = parse_methods(args.methods)
     if "hsp" in methods and "lower-bound" not in methods:
         methods.append("lower-bound")
-    setup = build_setup(args)
+    if not args.json:
+        print_notes(setup)
     batches = [setup.sampler.batch(args.start_step + i) for i in range(args.steps)]
     out = run_bench(
         batches,
@@ -106,16 +115,33 @@ def run_from_args(
     }
     if lengths_out is not None:
         lengths_out.extend(b.lengths for b in batches)
+    job = setup.job
+    if job is not None:  # a Megatron job: what it is, and the planned gain
+        out["job"] = {
+            "described": job.describe(),
+            "cost_model": setup.cost.name,
+            "context_parallel_size": job.cp,
+            "notes": list(job.notes),
+            "overlong": setup.sampler.overlong_line,
+        }
     return {"config": config_dict(args), **out}
 
 
 def format_bench(result: dict) -> str:
     cfg, summ, methods = result["config"], result["summary"], result["methods"]
     hsp_total = summ["total_step_s"].get("hsp")
+    steps = f"{cfg['start_step']}..{cfg['start_step'] + cfg['steps'] - 1}"
+    job = result.get("job")
+    if job is None:
+        head = (
+            f"bench: {cfg['cost_model']} on {cfg['gpus']} GPUs ({cfg['gpus_per_node']}/node), "
+            f"max-seq {cfg['max_seq']}, GBS {cfg['global_batch']}, {cfg['sampling']} batches "
+            f"{steps}"
+        )
+    else:
+        head = f"bench: {job['cost_model']} on {job['described']}; training-sampler batches {steps}"
     lines = [
-        f"bench: {cfg['cost_model']} on {cfg['gpus']} GPUs ({cfg['gpus_per_node']}/node), "
-        f"max-seq {cfg['max_seq']}, GBS {cfg['global_batch']}, {cfg['sampling']} batches "
-        f"{cfg['start_step']}..{cfg['start_step'] + cfg['steps'] - 1}",
+        head,
         f"{'method':<18} {'total_s':>9} {'mean_step_s':>11} {'hsp_speedup':>11} "
         f"{'solve_p50_ms':>12} {'solve_p99_ms':>12} {'valid':>5}",
     ]
@@ -145,6 +171,8 @@ def format_bench(result: dict) -> str:
         + f"; planner peak RSS {summ['planner_peak_rss_mb']:.0f} MB"
     )
     lines.extend(_not_trained_lines(summ.get("batches") or {}))
+    if job is not None:
+        lines.extend(gain_lines(result, job["context_parallel_size"]))
     return "\n".join(lines)
 
 
@@ -160,6 +188,11 @@ def _not_trained_lines(b: dict) -> list[str]:
             f"the memory allows ({b.get('tokens_per_rank')} tokens per rank; --overlong)"
         )
     return out  # FlexSP's harness rule is said on stderr when the corpus is read (common.py)
+
+
+def unknown_arguments(extras: list[str]) -> str:
+    """The one line for flags neither Megatron nor ``bench`` knows (``cli.main``)."""
+    return unknown_flags_message("bench", extras)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,69 +40,127 @@ from megatron_hsp.planner.units import check_range
 MAX_GPUS_PER_NODE = 512
 
 
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+# The FlexSP harness's defaults (docs/cli-plan-bench.md): the published FlexSP comparison.
+HARNESS_DEFAULTS: dict[str, object] = {
+    "gpus": 64,
+    "gpus_per_node": 8,
+    "cost_model": "flexsp-gpt-7b",
+    "tp": 1,
+    "pp": 1,
+    "vpp": 1,
+    "ep": 1,
+    "max_seq": "192k",
+    "global_batch": 512,
+    "seed": 0,
+    "solver": DEFAULT_SOLVER,
+    "time_budget": DEFAULT_TIME_BUDGET_S,
+    "sampling": "sequential",
+}
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, harness: bool = True) -> None:
+    """The FlexSP harness's flags. ``harness`` False (``plan``/``bench``, whose flags are
+    Megatron's: ``megatron_args``): they default to None, are shown as the harness's, and
+    ``apply_harness_defaults`` fills them under ``--flexsp-harness``."""
+    group = (
+        parser
+        if harness
+        else parser.add_argument_group(
+            "FlexSP harness (only with --flexsp-harness: FlexSP's published setup, its fitted 7B "
+            "cost model, lengths padded to 128, documents over max-seq - 128 dropped, k = 1000)"
+        )
+    )
+
+    def default(key: str) -> object:
+        return HARNESS_DEFAULTS.get(key) if harness else None
+
+    def shown(key: str, text: str) -> str:
+        value = HARNESS_DEFAULTS.get(key)
+        return text if value is None else f"{text} (default: {value})"
+
+    group.add_argument(
         "--lengths",
         default=None,
         help="text file (one length per line, .gz ok) or Megatron indexed dataset prefix; "
         "default: the embedded Wikipedia 100k subset",
     )
-    parser.add_argument(
+    group.add_argument(
         "--gpus",
         type=int,
-        default=64,
-        help="GPUs (default 64); the planner plans gpus / (tp * pp) sequence-parallel slots",
+        default=default("gpus"),
+        help=shown("gpus", "GPUs; the planner plans gpus / (tp * pp) sequence-parallel slots"),
     )
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="default 8")
-    parser.add_argument(
+    group.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=default("gpus_per_node"),
+        help=shown("gpus_per_node", ""),
+    )
+    group.add_argument(
         "--cost-model",
-        default="flexsp-gpt-7b",
-        help=f"preset ({', '.join(preset_names() + parallel_preset_names())}) or a YAML/JSON "
-        "spec file",
+        default=default("cost_model"),
+        help=shown(
+            "cost_model",
+            f"preset ({', '.join(preset_names() + parallel_preset_names())}) or a YAML/JSON "
+            "spec file",
+        ),
     )
-    parser.add_argument(
-        "--tp", type=int, default=1, help="tensor-parallel size (first-principles presets)"
+    group.add_argument(
+        "--tp", type=int, default=default("tp"), help=shown("tp", "tensor-parallel size")
     )
-    parser.add_argument(
+    group.add_argument(
         "--pp",
         type=int,
-        default=1,
-        help="pipeline stages; every stage runs the same plan, priced under 1F1B (docs/solver.md)",
+        default=default("pp"),
+        help=shown("pp", "pipeline stages; every stage runs the same plan, priced under 1F1B"),
     )
-    parser.add_argument(
+    group.add_argument(
         "--vpp",
         type=int,
-        default=1,
-        help="virtual stages per device (> 1: interleaved, micro-batches a multiple of pp)",
+        default=default("vpp"),
+        help=shown("vpp", "virtual stages per device (> 1: interleaved)"),
     )
-    parser.add_argument(
-        "--ep", type=int, default=1, help="expert-parallel size over a stage's slots (MoE presets)"
+    group.add_argument(
+        "--ep", type=int, default=default("ep"), help=shown("ep", "expert-parallel size (MoE)")
     )
-    parser.add_argument("--max-seq", default="192k", help="max sequence length (192k = 192000)")
-    parser.add_argument("--global-batch", type=int, default=512, help="sequences per step")
-    parser.add_argument("--seed", type=int, default=0, help="random sampling and solver seed")
-    parser.add_argument(
+    group.add_argument(
+        "--max-seq",
+        default=default("max_seq"),
+        help=shown("max_seq", "max sequence length (k = 1000)"),
+    )
+    group.add_argument(
+        "--global-batch",
+        type=int,
+        default=default("global_batch"),
+        help=shown("global_batch", "sequences per step"),
+    )
+    if harness:  # plan/bench: Megatron's --seed (megatron_args)
+        parser.add_argument("--seed", type=int, default=0, help="random sampling and solver seed")
+    group.add_argument(
         "--memory-cap-gb",
         type=float,
         default=None,
         help="per-GPU memory cap (default: the cost model's, 30 for flexsp-*)",
     )
-    parser.add_argument(
-        "--solver", choices=MILP_SOLVERS, default=DEFAULT_SOLVER, help="MILP backend"
+    group.add_argument(
+        "--solver",
+        choices=MILP_SOLVERS,
+        default=default("solver"),
+        help=shown("solver", "MILP backend"),
     )
-    parser.add_argument(
+    group.add_argument(
         "--time-budget",
         type=float,
-        default=DEFAULT_TIME_BUDGET_S,
-        help="hsp wall-clock budget per batch (s)",
+        default=default("time_budget"),
+        help=shown("time_budget", "hsp wall-clock budget per batch (s)"),
     )
-    parser.add_argument(
+    group.add_argument(
         "--sizes",
         default=None,
         help="allowed group sizes, comma-separated (e.g. 1,2,4,8,16,32,64) or 'pow2'; "
         "default: every size the cluster and cost model allow",
     )
-    parser.add_argument(
+    group.add_argument(
         "--overlong",
         choices=OVERLONG_POLICIES,
         default=None,
@@ -110,8 +168,34 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "drop under --sampling sequential (FlexSP's harness rule; the count is printed), error "
         "under random",
     )
-    parser.add_argument("--sampling", choices=SAMPLING_MODES, default="sequential")
-    add_verbose_argument(parser)
+    group.add_argument(
+        "--sampling",
+        choices=SAMPLING_MODES if harness else ("training", *SAMPLING_MODES),
+        default=default("sampling"),
+        help="how global batches are drawn: sequential (FlexSP's harness: consecutive runs of "
+        "--global-batch padded lengths) or random (seeded draws without replacement)"
+        + (
+            ""
+            if harness
+            else "; without --flexsp-harness: training (default), the training "
+            "run's own sampler (step/sampler.py: a seeded permutation of whole documents per "
+            "epoch, blends by tokens)"
+        ),
+    )
+    if harness:
+        add_verbose_argument(parser)
+
+
+def apply_harness_defaults(args: argparse.Namespace) -> None:
+    """``--flexsp-harness``: the harness flags left at None take the harness's defaults."""
+    for key, value in HARNESS_DEFAULTS.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.sampling == "training":
+        raise InputError(
+            "--sampling training is the Megatron job's sampler; with --flexsp-harness choose "
+            "sequential or random"
+        )
 
 
 @dataclass
@@ -123,9 +207,15 @@ class Setup:
     max_seq: int
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     pipeline: PipelineSpec | None = None  # None: no pipeline (pp 1)
+    # A Megatron job (megatron_args.megatron_setup): the training run's planner settings and
+    # what the report says about the job; None under --flexsp-harness.
+    planner: PlannerSettings | None = None
+    job: object | None = None
 
     def settings(self, args: argparse.Namespace) -> PlannerSettings:
         """hsp's settings from the flags, with this setup's sizes and pipeline."""
+        if self.planner is not None:
+            return self.planner
         par = self.parallel
         return PlannerSettings(
             args.solver, args.time_budget, self.sizes, args.seed, pp=par.pp, vpp=par.vpp
@@ -158,7 +248,7 @@ MAX_TIME_BUDGET_S = 3600.0
 
 
 def check_numeric_flags(args: argparse.Namespace) -> None:
-    """Every numeric flag in range, before any work; errors name the flag and the range."""
+    """Every numeric harness flag in range, before any work; errors name the flag and range."""
     check_range(args.gpus, "--gpus", low=1, high=MAX_GPUS)
     # Nodes are 4-8 GPUs, racks such as NVL72 72: a "node" of thousands made every size up to
     # it legal and exhausted memory building the size tables.
@@ -171,6 +261,11 @@ def check_numeric_flags(args: argparse.Namespace) -> None:
     for flag in ("tp", "pp", "vpp", "ep"):
         if getattr(args, flag, None) is not None:
             check_range(getattr(args, flag), "--" + flag, low=1, high=MAX_GPUS)
+    check_numeric_flags_of_command(args)
+
+
+def check_numeric_flags_of_command(args: argparse.Namespace) -> None:
+    """``plan``'s and ``bench``'s own numeric flags in range (both modes)."""
     for flag in ("steps", "start_step", "batch_index"):
         if getattr(args, flag, None) is not None:
             low = 1 if flag == "steps" else 0

@@ -7,10 +7,12 @@ import dataclasses
 import json
 import time
 
-from megatron_hsp.commands.common import (
-    add_common_arguments,
-    build_setup,
-    import_warnings_summarised,
+from megatron_hsp.commands.common import Setup, import_warnings_summarised
+from megatron_hsp.commands.megatron_args import (
+    add_job_arguments,
+    print_notes,
+    setup_from_args,
+    unknown_flags_message,
 )
 from megatron_hsp.evaluation.baselines import memory_model_for
 from megatron_hsp.evaluation.bench import (
@@ -26,7 +28,7 @@ from megatron_hsp.planner.plan import Plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_arguments(parser)
+    add_job_arguments(parser, "plan")
     parser.add_argument("--batch-index", type=int, default=0, help="which global batch (0-based)")
     parser.add_argument(
         "--method",
@@ -43,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def make_plan(args: argparse.Namespace) -> Plan:
-    setup = build_setup(args)
+def make_plan(args: argparse.Namespace, setup: Setup | None = None) -> Plan:
+    setup = setup_from_args(args) if setup is None else setup
     batch = setup.sampler.batch(args.batch_index)
     lengths = batch.lengths
     (method,) = parse_methods(args.method)
@@ -147,6 +149,11 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def unknown_arguments(extras: list[str]) -> str:
+    """The one line for flags neither Megatron nor ``plan`` knows (``cli.main``)."""
+    return unknown_flags_message("plan", extras)
+
+
 def run(args: argparse.Namespace) -> int:
     with import_warnings_summarised(args.verbose, "plan"):
         return _run(args)
@@ -158,12 +165,13 @@ def _run(args: argparse.Namespace) -> int:
         from megatron_hsp.commands.plots import check_png_path
 
         out = check_png_path(args.plot)
-    plan = make_plan(args)
+    setup = setup_from_args(args)
+    print_notes(setup)
+    plan = make_plan(args, setup)
     if out is not None:
         from megatron_hsp.commands.plots import plot_plan
 
-        setup_cost = build_setup(args).cost
-        plot_plan(plan, out, setup_cost.tokens_per_rank)
+        plot_plan(plan, out, setup.cost.tokens_per_rank)
     if args.json:
         print(json.dumps(plan.to_dict()))
     else:

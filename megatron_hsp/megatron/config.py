@@ -64,6 +64,20 @@ class HSPConfig:
         assert self.planner.sizes is not None
         return self.planner.sizes
 
+    def planner_spec(self) -> Any:
+        """The ``step.planner_service.PlannerSpec`` of this run: what the planner process and
+        ``plan``/``bench`` (``commands/megatron_args.py``) build the cost model from."""
+        from megatron_hsp.step.planner_service import PlannerSpec
+
+        return PlannerSpec(
+            cost_model=self.cost_model,
+            world_size=self.world_size,
+            gpus_per_node=self.gpus_per_node,
+            max_seq=self.max_seq,
+            memory_cap_gb=self.memory_cap_gb,
+            settings=self.planner,
+        )
+
 
 def _launcher_flags(message: str) -> str:
     """The planner's messages name ``megatron-hsp plan``'s flags; here the flags are ``--hsp-*``.

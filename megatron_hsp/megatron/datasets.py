@@ -288,6 +288,41 @@ def build_split_sampler(data: HSPData, split: str, indices: dict[str, Any], conf
     return BlendedBatchSampler(components, config)
 
 
+def train_sampler(
+    data: HSPData, indices: dict[str, Any], cfg: Any, max_length: int, why: str
+) -> tuple[Any, str]:
+    """(the training split's sampler of a run with ``HSPConfig`` ``cfg``, the start-up line
+    saying how many documents are over ``max_length`` and what happens to them).
+
+    Whole documents up to ``max_length`` (``config.document_length_limit``, which gives
+    ``why``), the run's seed, batch and overlong policy. The one place the training run
+    (``hooks.build_pipeline``) and ``plan``/``bench`` (``commands/megatron_args.py``) build it,
+    so both draw the same batches."""
+    from megatron_hsp.megatron.config import overlong_line
+    from megatron_hsp.planner.errors import InputError
+    from megatron_hsp.step.sampler import SamplerConfig
+
+    base = SamplerConfig(
+        seed=cfg.seed,
+        max_length=max_length,
+        global_batch_docs=cfg.global_batch_docs,
+        token_budget=cfg.token_budget,
+        overlong=cfg.overlong,
+    )
+    try:
+        sampler = build_split_sampler(data, "train", indices, base)
+    except InputError as exc:  # --hsp-overlong error: say which limit the documents pass
+        raise InputError(f"{exc} (the limit, {max_length} tokens, is {why})") from None
+    if sampler is None:
+        raise InputError(
+            "the training split has no documents: --split gives it a share of 0 or the "
+            "datasets are too small for it; give training a share (e.g. --split 969,30,1)"
+        )
+    over = sum(s.overlong_docs for s in sampler.samplers)
+    total = sum(len(s.lengths) for s in sampler.samplers)
+    return sampler, overlong_line("training", over, total, max_length, why, cfg.overlong)
+
+
 def data_fingerprint(data: HSPData, indices: dict[str, Any]) -> str:
     """What the splits hold: every dataset's document lengths, each split's sources."""
     h = hashlib.sha256()

@@ -100,18 +100,18 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     import torch
     import torch.distributed as dist
 
-    from megatron_hsp.megatron.config import document_length_limit, overlong_line
+    from megatron_hsp.megatron.config import document_length_limit
     from megatron_hsp.megatron.datasets import (
         build_split_sampler,
         data_fingerprint,
         hsp_data_from_args,
+        train_sampler,
     )
     from megatron_hsp.runtime.backends import te_available
     from megatron_hsp.runtime.groups import create_groups_from_megatron
     from megatron_hsp.step.documents import BlendedDocumentReader, DocumentIndex
     from megatron_hsp.step.pipeline import build_step_pipeline
-    from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
-    from megatron_hsp.step.sampler import SamplerConfig
+    from megatron_hsp.step.planner_service import PlannerService
 
     cfg = run.config
     data = run.data if run.data is not None else hsp_data_from_args(args)
@@ -119,14 +119,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     run.registry = create_groups_from_megatron(
         cfg.gpus_per_node, sizes=cfg.group_sizes, heads=_head_space(), lazy=True
     )
-    spec = PlannerSpec(
-        cost_model=cfg.cost_model,
-        world_size=cfg.world_size,
-        gpus_per_node=cfg.gpus_per_node,
-        max_seq=cfg.max_seq,
-        memory_cap_gb=cfg.memory_cap_gb,
-        settings=cfg.planner,
-    )
+    spec = cfg.planner_spec()
     cost = spec.load_cost_model()
     run.step_overhead_ms = cost.step_overhead_ms
     run.cost_model, run.predict_model = cost, None
@@ -137,27 +130,9 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     max_length, why = document_length_limit(
         args, cfg.max_seq, cost.max_trainable_length(list(cfg.group_sizes))
     )
-    base = SamplerConfig(
-        seed=cfg.seed,
-        max_length=max_length,
-        global_batch_docs=cfg.global_batch_docs,
-        token_budget=cfg.token_budget,
-        overlong=cfg.overlong,
-    )
-    try:
-        sampler = build_split_sampler(data, "train", indices, base)
-    except InputError as exc:  # --hsp-overlong error: say which limit the documents pass
-        raise InputError(f"{exc} (the limit, {max_length} tokens, is {why})") from None
-    if dist.get_rank() == 0 and sampler is not None:
-        over = sum(s.overlong_docs for s in sampler.samplers)
-        total = sum(len(s.lengths) for s in sampler.samplers)
-        line = overlong_line("training", over, total, max_length, why, cfg.overlong)
+    sampler, line = train_sampler(data, indices, cfg, max_length, why)
+    if dist.get_rank() == 0:
         print(f"[megatron-hsp] {line}", flush=True)
-    if sampler is None:
-        raise InputError(
-            "the training split has no documents: --split gives it a share of 0 or the "
-            "datasets are too small for it; give training a share (e.g. --split 969,30,1)"
-        )
     # Resume: Megatron restored args.iteration from the checkpoint; replaying that many batches
     # reads only lengths and lands on exactly the next unseen batch, if the data and sampling
     # flags are those the checkpoint trained with (checked against --load's record).
@@ -220,7 +195,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         # Its own sampler over its own documents, its own state: evaluation never draws from,
         # or moves, the training sampler. By count: Megatron's eval global batch.
         split_config = replace(
-            base, global_batch_docs=None if cfg.token_budget else int(eval_batch)
+            sampler.config, global_batch_docs=None if cfg.token_budget else int(eval_batch)
         )
         split_sampler = build_split_sampler(data, split, indices, split_config)
         if split_sampler is None:

@@ -44,7 +44,10 @@ def test_planner_and_commands_do_not_import_torch():
 
 
 def test_plan_static_json_is_a_valid_plan(capsys):
-    assert main(["plan", "--method", "static-64", "--json", "--batch-index", "2"]) == 0
+    assert (
+        main(["plan", "--flexsp-harness", "--method", "static-64", "--json", "--batch-index", "2"])
+        == 0
+    )
     d = json.loads(capsys.readouterr().out)
     for key in (
         "world_size",
@@ -68,7 +71,21 @@ def test_plan_static_json_is_a_valid_plan(capsys):
 
 
 def test_plan_table_by_default(capsys):
-    assert main(["plan", "--method", "batchada", "--gpus", "16", "--global-batch", "64"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--flexsp-harness",
+                "--method",
+                "batchada",
+                "--gpus",
+                "16",
+                "--global-batch",
+                "64",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "estimated step" in out and "groups (size x count)" in out
 
@@ -77,6 +94,7 @@ def test_bench_json_contract(tmp_path, capsys):
     out = tmp_path / "b.json"
     argv = [
         "bench",
+        "--flexsp-harness",
         "--steps",
         "2",
         "--methods",
@@ -102,15 +120,16 @@ def test_bench_json_contract(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["plan", "--lengths", "/nonexistent/x.txt"], "no such file"),
-        (["plan", "--gpus", "12"], "not a multiple of --gpus-per-node"),
-        (["plan", "--cost-model", "gpt-9000"], "neither a preset"),
-        (["plan", "--max-seq", "huge"], "--max-seq"),
-        (["plan", "--sizes", "12"], "cannot tile"),
-        (["plan", "--batch-index", "100000"], "full batches"),
+        (["plan", "--flexsp-harness", "--lengths", "/nonexistent/x.txt"], "no such file"),
+        (["plan", "--flexsp-harness", "--gpus", "12"], "not a multiple of --gpus-per-node"),
+        (["plan", "--flexsp-harness", "--cost-model", "gpt-9000"], "neither a preset"),
+        (["plan", "--flexsp-harness", "--max-seq", "huge"], "--max-seq"),
+        (["plan", "--flexsp-harness", "--sizes", "12"], "cannot tile"),
+        (["plan", "--flexsp-harness", "--batch-index", "100000"], "full batches"),
         (
             [
                 "plan",
+                "--flexsp-harness",
                 "--method",
                 "static-64",
                 "--max-seq",
@@ -124,10 +143,10 @@ def test_bench_json_contract(tmp_path, capsys):
             ],
             "longest trainable length",
         ),
-        (["plan", "--method", "static-3"], "must divide --gpus"),
-        (["plan", "--method", "static-best"], "use `megatron-hsp bench`"),
-        (["bench", "--methods", "magic"], "--methods"),
-        (["bench", "--steps", "0", "--methods", "batchada"], "--steps"),
+        (["plan", "--flexsp-harness", "--method", "static-3"], "must divide --gpus"),
+        (["plan", "--flexsp-harness", "--method", "static-best"], "use `megatron-hsp bench`"),
+        (["bench", "--flexsp-harness", "--methods", "magic"], "--methods"),
+        (["bench", "--flexsp-harness", "--steps", "0", "--methods", "batchada"], "--steps"),
     ],
 )
 def test_errors_exit_2_with_a_message(argv, message, capsys):
@@ -138,7 +157,7 @@ def test_errors_exit_2_with_a_message(argv, message, capsys):
 def test_bad_lengths_file_names_line(tmp_path, capsys):
     f = tmp_path / "l.txt"
     f.write_text("100\nx\n")
-    assert main(["plan", "--lengths", str(f)]) == 2
+    assert main(["plan", "--flexsp-harness", "--lengths", str(f)]) == 2
     assert "l.txt:2" in capsys.readouterr().err
 
 
@@ -146,7 +165,9 @@ def test_bad_lengths_file_names_line(tmp_path, capsys):
     not HAS_SOLVER, reason="megatron_hsp.planner.search.solver not merged in this build"
 )
 def test_plan_hsp_json(capsys):
-    assert main(["plan", "--json", "--global-batch", "128", "--gpus", "16"]) == 0
+    assert (
+        main(["plan", "--flexsp-harness", "--json", "--global-batch", "128", "--gpus", "16"]) == 0
+    )
     plan = Plan.from_dict(json.loads(capsys.readouterr().out))
     assert plan.num_sequences == 128 and plan.lower_bound_ms > 0
 
@@ -158,6 +179,7 @@ def test_bench_hsp_summary(tmp_path):
     out = tmp_path / "b.json"
     argv = [
         "bench",
+        "--flexsp-harness",
         "--steps",
         "2",
         "--gpus",
@@ -181,6 +203,7 @@ def test_bench_reports_infeasible_static_degree(tmp_path, capsys):
     out = tmp_path / "b.json"
     argv = [
         "bench",
+        "--flexsp-harness",
         "--lengths",
         str(lengths),
         "--gpus",

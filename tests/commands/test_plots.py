@@ -16,14 +16,23 @@ def _is_png(path) -> bool:
 
 def test_plan_plot_writes_png(tmp_path):
     out = tmp_path / "plan.png"
-    argv = ["plan", "--method", "batchada", "--gpus", "16", "--global-batch", "64"]
+    argv = [
+        "plan",
+        "--flexsp-harness",
+        "--method",
+        "batchada",
+        "--gpus",
+        "16",
+        "--global-batch",
+        "64",
+    ]
     assert main([*argv, "--plot", str(out)]) == 0
     assert _is_png(out)
 
 
 def test_bench_plot_writes_png(tmp_path):
     out = tmp_path / "bench.png"
-    argv = ["bench", "--gpus", "16", "--global-batch", "64", "--steps", "2"]
+    argv = ["bench", "--flexsp-harness", "--gpus", "16", "--global-batch", "64", "--steps", "2"]
     assert main([*argv, "--methods", "hsp,batchada,dp-balanced", "--plot", str(out)]) == 0
     assert _is_png(out)
 
@@ -35,7 +44,8 @@ def test_bench_plot_writes_png(tmp_path):
 )
 def test_bad_plot_paths_exit_2(tmp_path, capsys, command, name, message):
     path = tmp_path / name if name != "." else tmp_path
-    argv = [command, "--gpus", "16", "--global-batch", "64", "--plot", str(path)]
+    argv = [command, "--flexsp-harness", "--gpus", "16", "--global-batch", "64"]
+    argv += ["--plot", str(path)]
     if command == "bench":
         argv += ["--steps", "1", "--methods", "batchada"]
     assert main(argv) == 2

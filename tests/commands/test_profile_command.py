@@ -56,7 +56,16 @@ def test_profile_writes_every_measured_term(profiled):
 @pytest.mark.dist
 @pytest.mark.parametrize("command", ["plan", "bench"])
 def test_plan_and_bench_accept_the_profile(profiled, command, capsys):
-    argv = [command, "--cost-model", profiled, "--gpus", "2", "--gpus-per-node", "2"]
+    argv = [
+        command,
+        "--flexsp-harness",
+        "--cost-model",
+        profiled,
+        "--gpus",
+        "2",
+        "--gpus-per-node",
+        "2",
+    ]
     argv += ["--max-seq", "2048", "--global-batch", "8"]
     if command == "bench":
         argv += ["--steps", "2"]

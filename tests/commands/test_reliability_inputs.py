@@ -63,7 +63,10 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str], bound_s: float 
     ],
 )
 def test_bad_cost_model_exits_2_naming_field(tmp_path, capsys, override, needle):
-    rc, _, err = run_cli(["plan", *SMALL, "--cost-model", spec_file(tmp_path, **override)], capsys)
+    rc, _, err = run_cli(
+        ["plan", "--flexsp-harness", *SMALL, "--cost-model", spec_file(tmp_path, **override)],
+        capsys,
+    )
     assert rc == 2
     line = err.strip().splitlines()
     assert len(line) == 1 and needle in line[0], err
@@ -79,13 +82,15 @@ def test_bad_cost_model_exits_2_naming_field(tmp_path, capsys, override, needle)
     ],
 )
 def test_bad_lengths_exit_2_with_file_line(tmp_path, capsys, data, needle):
-    rc, _, err = run_cli(["plan", *SMALL, "--lengths", lengths_file(tmp_path, data)], capsys)
+    rc, _, err = run_cli(
+        ["plan", "--flexsp-harness", *SMALL, "--lengths", lengths_file(tmp_path, data)], capsys
+    )
     assert rc == 2 and needle in err, err
 
 
 def test_bom_is_not_part_of_the_first_length(tmp_path, capsys):
     path = lengths_file(tmp_path, b"\xef\xbb\xbf" + b"1000\n" * 8)
-    rc, out, err = run_cli(["plan", *SMALL, "--lengths", path], capsys)
+    rc, out, err = run_cli(["plan", "--flexsp-harness", *SMALL, "--lengths", path], capsys)
     assert rc == 0 and "8 sequences" in out, err
 
 
@@ -101,7 +106,7 @@ def test_bom_is_not_part_of_the_first_length(tmp_path, capsys):
     ],
 )
 def test_numeric_flags_range_checked(capsys, flags, needle):
-    rc, _, err = run_cli(["plan", *SMALL, *flags], capsys, bound_s=10)
+    rc, _, err = run_cli(["plan", "--flexsp-harness", *SMALL, *flags], capsys, bound_s=10)
     assert rc == 2 and needle in err, err
 
 
@@ -134,7 +139,10 @@ def test_fuzz_plan_and_bench(tmp_path, capsys, seed):
     lengths = lengths_file(tmp_path, _malformed_lengths(rng))
     cost = tmp_path / "cost.json"
     cost.write_text(json.dumps(_malformed_cost(rng), allow_nan=True))
-    for command in (["plan"], ["bench", "--steps", "1", "--methods", "hsp"]):
+    for command in (
+        ["plan", "--flexsp-harness"],
+        ["bench", "--flexsp-harness", "--steps", "1", "--methods", "hsp"],
+    ):
         for extra in (["--lengths", lengths], ["--cost-model", str(cost)]):
             rc, out, err = run_cli([*command, *SMALL, "--overlong", "split", *extra], capsys)
             assert rc in (0, 2), (rc, err)
@@ -206,11 +214,11 @@ def test_make_bench_target_exists_and_covers_every_script():
 
 def test_sequential_drops_are_printed_and_error_is_honoured(capsys):
     """Issue 9: FlexSP's drop of overlong documents is announced, and --overlong error obeyed."""
-    rc, _, err = run_cli(["plan", *SMALL], capsys)
+    rc, _, err = run_cli(["plan", "--flexsp-harness", *SMALL], capsys)
     assert rc == 0 and "dropped (--overlong drop, FlexSP's harness rule)" in err, err
-    rc, _, err = run_cli(["plan", *SMALL, "--overlong", "error"], capsys)
+    rc, _, err = run_cli(["plan", "--flexsp-harness", *SMALL, "--overlong", "error"], capsys)
     assert rc == 2 and "--sampling sequential" in err and "--overlong drop" in err, err
-    rc, _, err = run_cli(["plan", *SMALL, "--overlong", "split"], capsys)
+    rc, _, err = run_cli(["plan", "--flexsp-harness", *SMALL, "--overlong", "split"], capsys)
     assert rc == 0 and "split into" in err, err
 
 
@@ -234,7 +242,9 @@ def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
     """Issue 18: ``bench --json``, ``demo --json FILE`` and ``profile --out`` checked their path
     only after the work (then crashed, losing it); ``profile --out`` overwrote silently."""
     missing = str(tmp_path / "no-such-dir" / "out.json")
-    rc, _, err = run_cli(["bench", *SMALL, "--steps", "1", "--json", missing], capsys, bound_s=5)
+    rc, _, err = run_cli(
+        ["bench", "--flexsp-harness", *SMALL, "--steps", "1", "--json", missing], capsys, bound_s=5
+    )
     assert rc == 2 and "--json" in err and "does not exist" in err, err
     assert "running" not in err  # refused before any method ran
     rc, _, err = run_cli(["demo", "--json", missing, "--steps", "1"], capsys, bound_s=5)
@@ -244,13 +254,17 @@ def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
     rc, _, err = run_cli(["profile", "--out", str(existing)], capsys, bound_s=5)
     assert rc == 2 and "--force" in err, err
     assert existing.read_text() == "keep me\n"
-    rc, _, err = run_cli(["bench", *SMALL, "--steps", "1", "--json", str(tmp_path)], capsys, 5)
+    rc, _, err = run_cli(
+        ["bench", "--flexsp-harness", *SMALL, "--steps", "1", "--json", str(tmp_path)], capsys, 5
+    )
     assert rc == 2 and "is a directory" in err, err
 
 
 def test_bench_json_dash_is_standard_output(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    rc, out, _ = run_cli(["bench", *SMALL, "--steps", "1", "--json", "-"], capsys, bound_s=60)
+    rc, out, _ = run_cli(
+        ["bench", "--flexsp-harness", *SMALL, "--steps", "1", "--json", "-"], capsys, bound_s=60
+    )
     assert rc == 0
     doc = json.loads(out)  # JSON only: no table, no banner
     assert "summary" in doc
@@ -262,7 +276,7 @@ def test_length_files_take_ascii_digits_only(tmp_path, capsys, line):
     """Issue 18: ``int()`` accepted ``1_000``, ``+7`` and non-ASCII digits silently."""
     f = tmp_path / "lengths.txt"
     f.write_text(f"100\n{line}\n200\n", encoding="utf-8")
-    rc, _, err = run_cli(["plan", *SMALL, "--lengths", str(f)], capsys)
+    rc, _, err = run_cli(["plan", "--flexsp-harness", *SMALL, "--lengths", str(f)], capsys)
     assert rc == 2 and f"{f}:2" in err and "digits 0-9 only" in err, err
 
 
@@ -296,7 +310,9 @@ def test_cost_model_files_are_loaded_strictly(tmp_path, capsys, text, suffix, ne
     fractional token capacity and YAML syntax errors (8 lines) now end in one line, fast."""
     f = tmp_path / f"model{suffix}"
     f.write_text(text)
-    rc, _, err = run_cli(["plan", *SMALL, "--cost-model", str(f)], capsys, bound_s=10)
+    rc, _, err = run_cli(
+        ["plan", "--flexsp-harness", *SMALL, "--cost-model", str(f)], capsys, bound_s=10
+    )
     assert rc == 2 and needle in err, err
     assert len([x for x in err.splitlines() if x.strip()]) == 1, err
 
@@ -310,7 +326,10 @@ def test_cost_model_files_are_loaded_strictly(tmp_path, capsys, text, suffix, ne
         (["profile", "--out", "OUT", "--vocab", "0"], "--vocab"),
         (["demo", "--global-batch", "100000"], "<= 4096"),  # memory grew to GBs, then hung
         (["demo", "--token-budget", "99999999"], "<= 262144"),
-        (["plan", "--gpus", "16384", "--gpus-per-node", "16384"], "<= 512"),  # exhausted 24 GB
+        (
+            ["plan", "--flexsp-harness", "--gpus", "16384", "--gpus-per-node", "16384"],
+            "<= 512",
+        ),  # exhausted 24 GB
     ],
 )
 def test_out_of_range_flags_are_one_line_errors(tmp_path, capsys, argv, needle):

@@ -16,7 +16,16 @@ import pytest
 from megatron_hsp.commands import bench, demo, plan, selftest
 from tests.helpers import ROOT
 
-ARGV = ["plan", "--method", "megatron-dcp", "--gpus", "8", "--global-batch", "8"]
+ARGV = [
+    "plan",
+    "--flexsp-harness",
+    "--method",
+    "megatron-dcp",
+    "--gpus",
+    "8",
+    "--global-batch",
+    "8",
+]
 
 
 def _run(extra: list[str]) -> subprocess.CompletedProcess[str]:
@@ -79,8 +88,8 @@ def test_highs_banner_never_reaches_stdout():
     ).stdout
     assert out == '{"ok": true}\n', out
     bench = subprocess.run(
-        [sys.executable, "-m", "megatron_hsp.cli", "bench", "--steps", "1", "--methods",
-         "hsp,lower-bound"],
+        [sys.executable, "-m", "megatron_hsp.cli", "bench", "--flexsp-harness", "--steps", "1",
+         "--methods", "hsp,lower-bound"],
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout  # fmt: skip
     assert "Running HiGHS" not in bench and bench.startswith("bench:"), bench[:200]

@@ -134,16 +134,35 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.spawns
 def test_cli_plan_with_pipeline_and_refusal():
     r = _cli(
-        "plan", "--cost-model", "llama3-70b-h100", "--gpus", "256", "--tp", "8", "--pp", "4",
-        "--max-seq", "128k", "--global-batch", "32", "--time-budget", "0.5", "--json",
+        "plan", "--flexsp-harness", "--cost-model", "llama3-70b-h100", "--gpus", "256", "--tp",
+        "8", "--pp", "4", "--max-seq", "128k", "--global-batch", "32", "--time-budget", "0.5",
+        "--json",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     assert plan["world_size"] == 8 and plan["extra"]["pipeline"]["schedule"] == "1f1b"
     assert plan["est_step_ms"] > plan["extra"]["pipeline"]["sum_microbatch_ms"]
-    r = _cli("plan", "--cost-model", "flexsp-gpt-7b", "--pp", "2", "--global-batch", "16")
+    r = _cli(
+        "plan",
+        "--flexsp-harness",
+        "--cost-model",
+        "flexsp-gpt-7b",
+        "--pp",
+        "2",
+        "--global-batch",
+        "16",
+    )
     assert r.returncode == 2 and "cannot be split" in r.stderr
-    r = _cli("plan", "--cost-model", "llama3-8b-h100", "--vpp", "2", "--global-batch", "16")
+    r = _cli(
+        "plan",
+        "--flexsp-harness",
+        "--cost-model",
+        "llama3-8b-h100",
+        "--vpp",
+        "2",
+        "--global-batch",
+        "16",
+    )
     assert r.returncode == 2 and "--vpp" in r.stderr
 
 
@@ -170,7 +189,9 @@ def test_spec_order_as_given_is_respected():
     ],
 )
 def test_cli_refuses_bad_parallel_flags(flags, needle):
-    r = _cli("plan", "--cost-model", "llama3-8b-h100", "--global-batch", "16", *flags)
+    r = _cli(
+        "plan", "--flexsp-harness", "--cost-model", "llama3-8b-h100", "--global-batch", "16", *flags
+    )
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and len(r.stderr.strip().splitlines()) <= 2
 

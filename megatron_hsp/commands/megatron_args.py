@@ -1,0 +1,609 @@
+"""``plan`` and ``bench`` in Megatron's own terms: a user pastes their ``pretrain_gpt.py`` flags.
+
+Why: the planner's own flags (``--gpus``, ``--global-batch``, ``--max-seq``, ``--sizes``) and its
+FlexSP-harness defaults (the FlexSP-fitted 7B preset, lengths padded to 128) could not answer
+"does *my* job gain". Here the flags are Megatron's, the HSP flags are ``megatron/flags.py``'s
+table, and the job is built by the code the training run uses:
+
+* the cost model and the planner's settings: ``megatron.config.validate_hsp_args`` (first
+  principles from the model's sizes on ``--hsp-hardware``, or ``--hsp-cost-model``);
+* the batches: the training split's sampler (``megatron.datasets.train_sampler``) over the
+  ``--data-path`` blend and ``--split`` the run would read (Megatron's indexed ``.idx``), or over
+  ``--lengths``/the embedded Wikipedia lengths as one dataset.
+
+Megatron's flags are read without torch or Megatron: ``MEGATRON_FLAGS_FILE`` lists every flag of
+megatron-core's ``megatron/training/arguments.py`` (name, values it takes, type, default),
+written by ``flag_rows`` from Megatron's own parser and checked against it in
+``tests/commands/test_megatron_args.py``. The flags the planner reads (``PLANNER_FLAGS``) are
+parsed with Megatron's types and defaults from that list; every other Megatron flag is accepted
+and ignored (a pasted command line holds optimizer, logging and checkpoint flags), with the
+values it takes, so the next flag is never swallowed. A flag neither Megatron nor the command
+knows is an error naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatron_hsp.planner.errors import InputError
+
+MEGATRON_FLAGS_FILE = "megatron_flags.tsv"
+
+# Megatron flags the planner reads -> what it does with them (the help text; the type and the
+# default are Megatron's, from MEGATRON_FLAGS_FILE).
+PLANNER_FLAGS: dict[str, str] = {
+    "seq_length": "longest document trained whole (--hsp-max-seq overrides); sizes the cost model",
+    "max_position_embeddings": "with learned absolute positions, no document trains past it",
+    "position_embedding_type": "learned_absolute limits documents to --max-position-embeddings",
+    "global_batch_size": "documents per step under --hsp (default: --micro-batch-size x data "
+    "parallel, as Megatron derives it)",
+    "micro_batch_size": "only to derive a missing --global-batch-size (HSP picks micro-batches)",
+    "seed": "the document sampler's and planner's seed (--hsp-seed overrides; default: 1234, "
+    "Megatron's; 0 with --flexsp-harness)",
+    "data_path": "indexed datasets: PREFIX, or weights and prefixes (W1 P1 W2 P2 ...), split by "
+    "--split as the training run reads them",
+    "split": "train/valid/test shares of each --data-path dataset (Megatron: 969,30,1); bench "
+    "and plan draw the training split",
+    "data_args_path": "a file holding --data-path's list",
+    "train_data_path": "the training split's datasets (instead of --data-path)",
+    "valid_data_path": "read for the data checks only",
+    "test_data_path": "read for the data checks only",
+    "per_split_data_args_path": "JSON file of the three splits' lists",
+    "mmap_bin_files": "read as Megatron reads it",
+    "tensor_model_parallel_size": "HSP plans slots of this many GPUs",
+    "pipeline_model_parallel_size": "every stage runs the same plan",
+    "num_layers_per_virtual_pipeline_stage": "interleaved pipeline (virtual stages)",
+    "num_virtual_stages_per_pipeline_rank": "interleaved pipeline (virtual stages)",
+    "context_parallel_size": "your static context-parallel size: the baseline hsp is compared "
+    "with (static-CP); under --hsp these GPUs become HSP ranks",
+    "expert_model_parallel_size": "expert parallelism (MoE)",
+    "num_layers": "model size, for the first-principles cost model",
+    "hybrid_layer_pattern": "hybrid models: attention and MLP layers counted from it",
+    "hidden_size": "model size",
+    "ffn_hidden_size": "model size (default: 4 x hidden, or SwiGLU's 8/3 rounded to 64, as "
+    "Megatron derives it)",
+    "num_attention_heads": "model size; also which group sizes split the heads",
+    "num_query_groups": "KV heads with --group-query-attention",
+    "group_query_attention": "use --num-query-groups KV heads",
+    "num_experts": "MoE: priced as the active experts' dense FFN",
+    "moe_router_topk": "MoE: experts per token",
+    "moe_ffn_hidden_size": "MoE: an expert's FFN",
+    "moe_shared_expert_intermediate_size": "MoE: shared experts' FFN",
+    "swiglu": "gated FFN",
+    "untie_embeddings_and_output_weights": "separate output layer weights",
+    "vocab_size": "vocabulary (default: priced as 128256, Llama 3's)",
+    "bf16": "precision",
+    "fp16": "precision",
+    "use_distributed_optimizer": "ZeRO-1 optimizer states (memory)",
+    "recompute_granularity": "full recompute (memory and time)",
+    "attention_dropout": "training under --hsp needs 0 (said in a note; it does not change the "
+    "planned times)",
+}
+
+
+@dataclass(frozen=True)
+class MegatronFlag:
+    """One Megatron flag: ``kind`` is how many values it takes (``true``/``false``/``bool``:
+    none; ``1``, ``*``, ``+`` or a count), ``type`` int/float/str, ``default`` Megatron's."""
+
+    dest: str
+    kind: str
+    type: str
+    default: Any
+    options: tuple[str, ...]
+
+
+def flag_rows(parser: argparse.ArgumentParser) -> list[str]:
+    """``MEGATRON_FLAGS_FILE``'s lines from a parser Megatron's ``add_megatron_arguments`` filled
+    (the test compares the shipped file with this; ``--regenerate`` rewrites it)."""
+    kinds = {"_StoreTrueAction": "true", "_StoreFalseAction": "false"}
+    out = []
+    for a in parser._actions:
+        if not a.option_strings or a.dest == "help":
+            continue
+        name = type(a).__name__
+        if name == "BooleanOptionalAction":
+            kind = "bool"
+        elif name in kinds:
+            kind = kinds[name]
+        elif name == "_StoreAction":
+            kind = "1" if a.nargs is None else str(a.nargs)
+        else:
+            raise ValueError(f"{a.option_strings}: {name} has no kind in {MEGATRON_FLAGS_FILE}")
+        typ = getattr(a.type, "__name__", None)
+        typ = typ if typ in ("int", "float") else "str"
+        default = json.dumps(a.default, default=str)
+        out.append("\t".join((a.dest, kind, typ, default, " ".join(a.option_strings))))
+    return out
+
+
+@functools.cache
+def megatron_flags() -> tuple[MegatronFlag, ...]:
+    """Every Megatron flag, from the shipped list (no torch, no Megatron needed)."""
+    path = resources.files("megatron_hsp") / "data" / MEGATRON_FLAGS_FILE
+    flags = []
+    for line in path.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        dest, kind, typ, default, options = line.split("\t")
+        flags.append(MegatronFlag(dest, kind, typ, json.loads(default), tuple(options.split())))
+    return tuple(flags)
+
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _add_flag(group: Any, flag: MegatronFlag, help_text: str) -> None:
+    """Add one Megatron flag as Megatron's parser defines it (``help_text`` SUPPRESS: ignored,
+    absent from the namespace unless given)."""
+    ignored = help_text == argparse.SUPPRESS
+    default = argparse.SUPPRESS if ignored else flag.default
+    kw: dict[str, Any] = {"dest": flag.dest, "default": default, "help": help_text}
+    if flag.kind == "true":
+        group.add_argument(*flag.options, action="store_true", **kw)
+    elif flag.kind == "false":
+        group.add_argument(*flag.options, action="store_false", **kw)
+    elif flag.kind == "bool":  # BooleanOptionalAction: Megatron lists --x and --no-x
+        positive = [o for o in flag.options if "--no-" + o[2:] in flag.options]
+        if positive:
+            group.add_argument(*positive, action=argparse.BooleanOptionalAction, **kw)
+        else:
+            group.add_argument(*flag.options, action="store_const", const=True, **kw)
+    else:
+        nargs = None if flag.kind == "1" else int(flag.kind) if flag.kind.isdigit() else flag.kind
+        kw["nargs"] = nargs
+        group.add_argument(*flag.options, type=_TYPES[flag.type], **kw)
+
+
+def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
+    """Megatron's flags (the planner's with help and default, the rest hidden and ignored), the
+    world size as torchrun spells it, and the ``--hsp*`` flags (``megatron/flags.py``)."""
+    parser.allow_abbrev = False  # Megatron's parser too: 800 flags make prefixes ambiguous
+    flags = {f.dest: f for f in megatron_flags()}
+    job = parser.add_argument_group(
+        "Megatron training flags the planner reads (paste your pretrain_gpt.py flags; "
+        "other Megatron flags are accepted and ignored)"
+    )
+    for dest, help_text in PLANNER_FLAGS.items():
+        _add_flag(job, flags[dest], help_text)
+    # Megatron's --seed defaults to 1234; the FlexSP harness's to 0 (set after parsing).
+    job.set_defaults(seed=None)
+    _add_world_and_hsp_arguments(parser)
+    hidden = parser.add_argument_group("other Megatron flags (ignored)")
+    for flag in flags.values():
+        if flag.dest not in PLANNER_FLAGS:
+            _add_flag(hidden, flag, argparse.SUPPRESS)
+
+
+def _add_world_and_hsp_arguments(parser: argparse.ArgumentParser) -> None:
+    """The world size as torchrun spells it, and the ``--hsp*`` flags (``megatron/flags.py``)."""
+    from megatron_hsp.megatron.flags import add_hsp_args
+
+    world = parser.add_argument_group("world size (as torchrun or Slurm give it)")
+    world.add_argument("--nnodes", type=int, default=1, help="nodes")
+    world.add_argument("--nproc-per-node", type=int, default=8, help="GPUs per node")
+    world.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="GPUs in all (default: --nnodes x --nproc-per-node)",
+    )
+    add_hsp_args(parser)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in ``--help``, unless its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and "default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def add_job_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """``plan``'s and ``bench``'s shared flags: the Megatron job, the FlexSP harness, --verbose.
+
+    A bad value is one line naming the flag (argparse's own message, without the usage block
+    of some sixty flags)."""
+    from megatron_hsp.commands.common import add_common_arguments, add_verbose_argument
+
+    parser.formatter_class = HelpFormatter
+
+    def error(message: str) -> None:
+        print(
+            f"megatron-hsp {command}: error: {message}; megatron-hsp {command} --help lists "
+            "the flags",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+    parser.error = error  # type: ignore[method-assign]
+    parser.add_argument(
+        "--flexsp-harness",
+        action="store_true",
+        help="plan FlexSP's published setup instead of a Megatron job: the harness flags below "
+        "(--gpus, --global-batch, --max-seq, ...) with their defaults, FlexSP's fitted 7B cost "
+        "model, lengths padded to 128, documents over max-seq - 128 dropped, k = 1000",
+    )
+    add_megatron_arguments(parser)
+    add_common_arguments(parser, harness=False)
+    add_verbose_argument(parser)
+
+
+def setup_from_args(args: argparse.Namespace) -> Any:
+    """``plan``/``bench``: the FlexSP harness's setup under ``--flexsp-harness``, else the
+    Megatron job the flags describe."""
+    from megatron_hsp.commands.common import apply_harness_defaults, build_setup
+
+    if not getattr(args, "flexsp_harness", False):
+        return megatron_setup(args)
+    defaults = megatron_defaults()
+    job_only = argparse.ArgumentParser()
+    _add_world_and_hsp_arguments(job_only)
+    defaults.update(vars(job_only.parse_args([])))
+    given = [
+        "--" + dest.replace("_", "-")
+        for dest in [*PLANNER_FLAGS, *vars(job_only.parse_args([]))]
+        if dest != "seed" and getattr(args, dest) != defaults[dest]
+    ]
+    if given:
+        raise InputError(
+            f"{given[0]} describes a Megatron job, which --flexsp-harness does not plan; drop "
+            "--flexsp-harness to plan the job, or that flag to run the harness"
+        )
+    apply_harness_defaults(args)
+    return build_setup(args)
+
+
+def megatron_defaults() -> dict[str, Any]:
+    """Megatron's default of every flag (dest -> value), from the shipped list."""
+    return {f.dest: f.default for f in megatron_flags()}
+
+
+def unknown_flags_message(command: str, extras: Sequence[str]) -> str:
+    """One line for arguments neither Megatron nor the command knows."""
+    flags = [a for a in extras if a.startswith("-")]
+    what = flags[0] if flags else extras[0]
+    kind = "flag" if flags else "argument"
+    return (
+        f"megatron-hsp {command}: error: {kind} {what} is neither a Megatron-LM training flag "
+        f"nor one of {command}'s (megatron-hsp {command} --help lists them; a flag of a newer "
+        "Megatron-LM than the one this release lists is not known either)"
+        + (f"; also unknown: {' '.join(extras[1:])}" if len(extras) > 1 else "")
+    )
+
+
+# ----------------------------------------------------------------------------- the job
+# FlexSP-harness flags of add_common_arguments, and their names in this mode.
+HARNESS_FLAGS: dict[str, str] = {
+    "gpus": "--world-size N (or --nnodes and --nproc-per-node)",
+    "gpus_per_node": "--nproc-per-node",
+    "global_batch": "--global-batch-size",
+    "max_seq": "--seq-length (or --hsp-max-seq)",
+    "cost_model": "--hsp-cost-model (default: first principles from the model's sizes)",
+    "tp": "--tensor-model-parallel-size",
+    "pp": "--pipeline-model-parallel-size",
+    "vpp": "--num-layers-per-virtual-pipeline-stage",
+    "ep": "--expert-model-parallel-size",
+    "sizes": "--hsp-group-sizes",
+    "memory_cap_gb": "--hsp-memory-cap-gb",
+    "solver": "--hsp-solver",
+    "time_budget": "--hsp-time-budget-s",
+    "overlong": "--hsp-overlong",
+    "sampling": "nothing (batches are drawn by the training run's sampler)",
+}
+
+
+def refuse_harness_flags(args: argparse.Namespace) -> None:
+    """Without ``--flexsp-harness`` the FlexSP harness's flags are errors naming the Megatron
+    flag that says the same (they were left at None by ``add_common_arguments(harness=False)``)."""
+    for dest, instead in HARNESS_FLAGS.items():
+        if getattr(args, dest, None) is not None:
+            flag = "--" + dest.replace("_", "-")
+            if dest == "sampling" and args.sampling == "training":
+                continue
+            raise InputError(
+                f"{flag} is a FlexSP-harness flag: add --flexsp-harness to reproduce the FlexSP "
+                f"comparison, or give your Megatron job's {instead}"
+            )
+
+
+def _megatron_namespace(args: argparse.Namespace, notes: list[str]) -> argparse.Namespace:
+    """The namespace the training run's ``validate_hsp_args`` would see: ``--hsp`` on, the world
+    size, and what Megatron's ``validate_args`` derives (FFN size, global batch, virtual stages).
+    Your static context parallelism becomes HSP ranks (``--hsp`` refuses CP > 1), and the
+    micro-batch size 1 (HSP chooses micro-batches); both are the baseline's, said in notes."""
+    ns = argparse.Namespace(**vars(args))
+    ns.hsp = True
+    if ns.seed is None:
+        ns.seed = megatron_defaults()["seed"]
+    for flag, dest in (("--nnodes", "nnodes"), ("--nproc-per-node", "nproc_per_node")):
+        if getattr(ns, dest) < 1:
+            raise InputError(f"{flag} must be >= 1 (got {getattr(ns, dest)})")
+    world = ns.world_size if ns.world_size is not None else ns.nnodes * ns.nproc_per_node
+    if world < 1:
+        raise InputError(f"--world-size must be >= 1 (got {world})")
+    ns.world_size = world
+    if ns.hsp_gpus_per_node is None:
+        ns.hsp_gpus_per_node = min(ns.nproc_per_node, world)
+    tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
+    cp = ns.context_parallel_size
+    for flag, v in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                    ("--context-parallel-size", cp),
+                    ("--expert-model-parallel-size", ns.expert_model_parallel_size)):  # fmt: skip
+        if v < 1:
+            raise InputError(f"{flag} must be >= 1 (got {v})")
+    if world % (tp * pp * cp):
+        raise InputError(
+            f"world size {world} is not a multiple of --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} (Megatron "
+            "requires it); fix the sizes or --nnodes/--nproc-per-node/--world-size"
+        )
+    if cp > 1:
+        notes.append(
+            f"--context-parallel-size {cp}: the static baseline (static-{cp}); under --hsp the "
+            "same GPUs are HSP ranks (--context-parallel-size 1)"
+        )
+        ns.context_parallel_size = 1
+    if ns.ffn_hidden_size is None and ns.hidden_size:
+        # Megatron's validate_args: SwiGLU's 8/3 x hidden rounded down to a multiple of 64.
+        h = ns.hidden_size
+        ns.ffn_hidden_size = int((4 * h * 2 / 3) / 64) * 64 if ns.swiglu else 4 * h
+    if not ns.group_query_attention:
+        ns.num_query_groups = ns.num_attention_heads
+    if ns.global_batch_size is None and ns.hsp_token_budget is None:
+        dp = world // (tp * pp * cp)
+        mbs = ns.micro_batch_size or 1
+        ns.global_batch_size = mbs * dp
+        notes.append(
+            f"--global-batch-size not given: {ns.global_batch_size} documents per step "
+            f"(--micro-batch-size {mbs} x {dp} data-parallel ranks, as Megatron derives it)"
+        )
+    ns.micro_batch_size = 1
+    if ns.attention_dropout:
+        notes.append(
+            f"--attention-dropout {ns.attention_dropout:g} (Megatron's default is 0.1): training "
+            "under --hsp needs --attention-dropout 0, which these times assume"
+        )
+        ns.attention_dropout = 0.0
+    # Megatron's validate_args: virtual stages per rank, given or from layers per virtual stage.
+    vpp = ns.num_virtual_stages_per_pipeline_rank
+    layers_per_vstage = ns.num_layers_per_virtual_pipeline_stage
+    if vpp is None and layers_per_vstage and ns.num_layers:
+        vpp = (ns.num_layers // pp) // layers_per_vstage
+    ns.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
+    return ns
+
+
+class _Lengths:
+    """A corpus given as lengths (``--lengths`` or the embedded default), shaped like a
+    ``documents.DocumentIndex`` for ``datasets.build_split_sampler``."""
+
+    def __init__(self, lengths: np.ndarray) -> None:
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+def _data_and_indices(ns: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
+    """(``datasets.HSPData``, prefix -> index, a description): the Megatron data flags as the
+    training run reads them (megatron-core's blend and split helpers, its ``IndexedDataset``:
+    these need torch), else ``--lengths``/the embedded lengths as one whole dataset."""
+    from megatron_hsp.megatron.datasets import HSPData, SplitSource
+
+    data_flags = ("data_path", "data_args_path", "per_split_data_args_path", "train_data_path")
+    given = [f for f in data_flags if getattr(ns, f, None) is not None]
+    if given and ns.lengths is not None:
+        raise InputError(
+            f"--lengths and --{given[0].replace('_', '-')} both name the documents; give one"
+        )
+    if given:
+        try:
+            import megatron.core  # noqa: F401
+        except ImportError as exc:
+            raise InputError(
+                f"--{given[0].replace('_', '-')} is read with megatron-core, as the training run "
+                f"reads it, and it does not import here ({exc}); install megatron-hsp[runtime] or "
+                "give the lengths with --lengths PREFIX (one dataset, no blend)"
+            ) from None
+        from megatron_hsp.megatron.datasets import hsp_data_from_args
+        from megatron_hsp.step.documents import DocumentIndex
+
+        data = hsp_data_from_args(ns)
+        mmap = bool(getattr(ns, "mmap_bin_files", True))
+        indices = {p: DocumentIndex(p, mmap=mmap) for p in data.prefixes}
+        return data, indices, data.describe()
+    from megatron_hsp.planner.lengths import default_lengths_path, read_lengths
+
+    name = ns.lengths or str(default_lengths_path())
+    source = SplitSource(name, None, None)
+    data = HSPData(splits={"train": (source,)}, prefixes=(name,))
+    return data, {name: _Lengths(read_lengths(ns.lengths))}, f"train: {Path(name).name}"
+
+
+@dataclass
+class TrainingBatches:
+    """The training split's global batches, as ``planner.lengths.BatchSampler`` serves them
+    (``batch(step)``): step ``i`` is the ``i``-th batch the training run's sampler draws."""
+
+    sampler: Any
+    overlong_line: str
+    harness_dropped: int = 0  # no FlexSP harness rule here (read by the reports)
+
+    def __post_init__(self) -> None:
+        self._drawn: list[Any] = []
+
+    def batch(self, step: int) -> Any:
+        from megatron_hsp.planner.lengths import GlobalBatch
+
+        if step < 0:
+            raise InputError(f"--start-step / --batch-index must be >= 0, got {step}")
+        while len(self._drawn) <= step:
+            self._drawn.append(self.sampler.next_batch())
+        b = self._drawn[step]
+        return GlobalBatch(
+            step,
+            np.asarray(b.lengths, dtype=np.int64),
+            np.asarray([p.doc for p in b.pieces], dtype=np.int64),
+        )
+
+
+def megatron_setup(args: argparse.Namespace) -> Any:
+    """The ``Setup`` (``commands.common``) of the Megatron job the flags describe: the training
+    run's ``HSPConfig`` (cost model, slots, group sizes, planner settings) and its sampler."""
+    from megatron_hsp.commands.common import Setup, check_numeric_flags_of_command
+    from megatron_hsp.megatron.config import document_length_limit, validate_hsp_args
+    from megatron_hsp.megatron.datasets import train_sampler
+    from megatron_hsp.planner.cost.parallel import ParallelConfig, pipeline_spec_for
+    from megatron_hsp.planner.topology import Cluster
+
+    refuse_harness_flags(args)
+    check_numeric_flags_of_command(args)
+    notes: list[str] = []
+    ns = _megatron_namespace(args, notes)
+    cfg = validate_hsp_args(ns, env={})
+    assert cfg is not None  # --hsp is on
+    notes.extend(cfg.notes)
+    cost = cfg.planner_spec().load_cost_model()
+    cluster = Cluster(cfg.world_size, cfg.gpus_per_node)
+    data, indices, described = _data_and_indices(ns)
+    max_length, why = document_length_limit(
+        ns, cfg.max_seq, cost.max_trainable_length(list(cfg.group_sizes))
+    )
+    sampler, line = train_sampler(data, indices, cfg, max_length, why)
+    settings = cfg.planner
+    parallel = ParallelConfig(
+        ns.tensor_model_parallel_size,
+        ns.pipeline_model_parallel_size,
+        settings.vpp,
+        ns.expert_model_parallel_size,
+    )
+    pipeline = pipeline_spec_for(cost, settings.pp, settings.vpp) if settings.pp > 1 else None
+    job = MegatronJob(
+        world_size=ns.world_size,
+        tp=ns.tensor_model_parallel_size,
+        pp=ns.pipeline_model_parallel_size,
+        cp=args.context_parallel_size,
+        global_batch=cfg.global_batch_docs,
+        token_budget=cfg.token_budget,
+        max_length=max_length,
+        data=described,
+        notes=tuple(notes),
+    )
+    return Setup(
+        cluster,
+        cost,
+        TrainingBatches(sampler, line),  # type: ignore[arg-type]
+        cfg.group_sizes,
+        cfg.max_seq,
+        parallel,
+        pipeline,
+        planner=settings,
+        job=job,
+    )
+
+
+@dataclass(frozen=True)
+class MegatronJob:
+    """What the report says about the job: its parallel sizes, batch, data and the notes."""
+
+    world_size: int
+    tp: int
+    pp: int
+    cp: int
+    global_batch: int | None
+    token_budget: int | None
+    max_length: int
+    data: str
+    notes: tuple[str, ...]
+
+    def describe(self) -> str:
+        batch = (
+            f"GBS {self.global_batch} documents"
+            if self.token_budget is None
+            else f"{self.token_budget} tokens per step"
+        )
+        return (
+            f"{self.world_size} GPUs (TP {self.tp} x PP {self.pp}; your CP {self.cp}), {batch}, "
+            f"documents up to {self.max_length} tokens; {self.data}"
+        )
+
+
+def print_notes(setup: Any, out: Any = None) -> None:
+    """The job's notes (how the cost model was derived, what was set), one line each."""
+    out = sys.stderr if out is None else out
+    job = getattr(setup, "job", None)
+    if job is None:
+        return
+    for note in job.notes:
+        print(f"note: {note}", file=out)
+    print(setup.sampler.overlong_line, file=out)
+
+
+def default_methods(setup: Any) -> list[str]:
+    """hsp against your static CP and the best static layout (and the lower bound)."""
+    return ["hsp", f"static-{setup.job.cp}", "static-best"]
+
+
+def gain_lines(result: dict, cp: int) -> list[str]:
+    """The headline: hsp's planned step time against your static CP and the best static."""
+    totals = result["summary"]["total_step_s"]
+    hsp = totals.get("hsp")
+    if not hsp:
+        return []
+    out = []
+    mine = totals.get(f"static-{cp}")
+    methods = result["methods"]
+    if mine:
+        out.append(
+            f"planned gain: hsp {mine / hsp:.2f}x faster than your static CP {cp} "
+            f"({mine:.3g} s -> {hsp:.3g} s over {len(methods['hsp']['step_ms'])} steps)"
+        )
+    elif f"static-{cp}" in methods:
+        reason = methods[f"static-{cp}"].get("infeasible_reason", "not plannable")
+        out.append(f"planned gain: your static CP {cp} cannot train these batches ({reason})")
+    best = totals.get("static-best")
+    if best:
+        degree = methods["static-best"].get("degree")
+        label = f" (CP {degree})" if degree else ""
+        out.append(f"planned gain: hsp {best / hsp:.2f}x faster than the best static{label}")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m megatron_hsp.commands.megatron_args --regenerate``: rewrite the shipped list
+    from the installed Megatron (needs torch and megatron-core's ``megatron/training``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv != ["--regenerate"]:
+        print("usage: python -m megatron_hsp.commands.megatron_args --regenerate", file=sys.stderr)
+        return 2
+    from megatron.training.arguments import add_megatron_arguments as add_megatron
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_megatron(parser)
+    from megatron.core.package_info import __shortversion__ as version
+
+    path = Path(str(resources.files("megatron_hsp") / "data" / MEGATRON_FLAGS_FILE))
+    head = (
+        f"# Megatron-LM training flags of megatron-core {version} (megatron/training/"
+        "arguments.py): dest, values taken, type, default (JSON), option strings.\n"
+        "# Written by: python -m megatron_hsp.commands.megatron_args --regenerate\n"
+    )
+    path.write_text(head + "\n".join(flag_rows(parser)) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
