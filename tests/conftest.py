@@ -46,8 +46,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 # Helper programs a library runs once per process, whichever test happens to be first (argv
 # prefixes, the program by its base name): matplotlib's font cache asks fontconfig's ``fc-list``
-# for the installed fonts; megatron-core's ``package_info`` asks git for its own commit.
-INCIDENTAL = (("fc-list",), ("git", "rev-parse", "--short", "HEAD"))
+# for the installed fonts; megatron-core's ``package_info`` asks git for its own commit;
+# ``ctypes.util.find_library`` (called while megatron-core imports) reads ``ldconfig -p``.
+INCIDENTAL = (("fc-list",), ("git", "rev-parse", "--short", "HEAD"), ("ldconfig", "-p"))
 
 
 def _command(args: Any) -> str:
