@@ -94,7 +94,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "--time-budget",
         type=float,
         default=DEFAULT_TIME_BUDGET_S,
-        help="hsp wall-clock budget per batch (s)",
+        help="hsp wall-clock safety cap per batch (s); work counts limit the search, and a "
+        "plan the cap cut says so (cut_by_cap in --json)",
     )
     parser.add_argument(
         "--sizes",

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_hsp.planner.cost.costmodel import CostModel
+from megatron_hsp.planner.search.budget import Cap
 from megatron_hsp.planner.search.highs import add_row, quiet_highs
 from megatron_hsp.planner.search.instance import Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.topology import Cluster
@@ -56,8 +57,9 @@ def lower_bound_ms(
     return instance_lower_bound(Instance.build(checked, cost, cluster, allowed))
 
 
-def instance_lower_bound(inst: Instance, deadline: float | None = None) -> float:
-    """Max of facts 1-5; past ``deadline`` (a ``time.perf_counter()`` value) a weaker bound.
+def instance_lower_bound(inst: Instance, deadline: float | Cap | None = None) -> float:
+    """Max of facts 1-5; past ``deadline`` (a ``budget.now()`` value or a ``Cap``, which then
+    records ``bound`` as cut) a weaker bound.
 
     Facts 1-3 are linear in the batch and always computed. Fact 4 runs per critical sequence and
     per group size; it is a ``max`` term, so dropping a sequence's fact 4 keeps the bound valid
@@ -99,7 +101,7 @@ def _dff(k: int, x: np.ndarray) -> np.ndarray:
 MEMORY_PACKING_MAX_CELLS = 300_000
 
 
-def _memory_packing_bound(inst: Instance, m_min: int, deadline: float | None = None) -> float:
+def _memory_packing_bound(inst: Instance, m_min: int, deadline: float | Cap | None = None) -> float:
     """Fact 5: memory granularity against fixed costs, in Lagrangian form.
 
     Fact 1 packs tokens perfectly into ``m_min`` micro-batches. But a group of ``d`` holds at
@@ -143,8 +145,8 @@ def _memory_packing_bound(inst: Instance, m_min: int, deadline: float | None = N
     return best
 
 
-def _past(deadline: float | None) -> bool:
-    return deadline is not None and time.perf_counter() >= deadline
+def _past(deadline: float | Cap | None) -> bool:
+    return deadline is not None and Cap.of(deadline).past("bound")
 
 
 def _most_critical(inst: Instance, best: list[float], k: int) -> list[int]:
@@ -154,7 +156,7 @@ def _most_critical(inst: Instance, best: list[float], k: int) -> list[int]:
 
 
 def _critical_with_memory(
-    inst: Instance, star: int, m_min: int, deadline: float | None = None
+    inst: Instance, star: int, m_min: int, deadline: float | Cap | None = None
 ) -> float | None:
     """Fact 4 for sequence ``star`` (module docstring), or None when the deadline cut it."""
     if _past(deadline):
