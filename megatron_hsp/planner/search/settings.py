@@ -42,6 +42,22 @@ BACKENDS = MILP_SOLVERS
 CHUNKINGS = ("time-lpt", "contiguous-tokens", "long-grouped", "long-sized")
 
 
+# The batch size the greedy, local-search and MILP counts are given for. Each candidate schedules
+# every sequence and each local-search evaluation about a micro-batch's worth, so above it the
+# counts shrink in proportion (at 8192 sequences no MILP: one took seconds at 1024 GPUs), keeping
+# solves at 1024-16384 GPUs about as long as when a 1 s budget stopped them
+# (docs/results/solver.md).
+WORK_REFERENCE_SEQUENCES = 512
+
+
+def scaled_count(count: int, sequences: int) -> int:
+    """``count`` (given at ``WORK_REFERENCE_SEQUENCES`` sequences) for a batch of ``sequences``:
+    unchanged up to the reference, in proportion above it (0 once it rounds down)."""
+    if sequences <= WORK_REFERENCE_SEQUENCES:
+        return count
+    return count * WORK_REFERENCE_SEQUENCES // sequences
+
+
 @dataclass(frozen=True)
 class SolverConfig:
     """How hard and with what to search. Defaults suit per-step planning during training."""
@@ -56,7 +72,9 @@ class SolverConfig:
     chunkings: tuple[str, ...] = CHUNKINGS  # candidate chunkings (see chunking.py)
     use_milp: bool = True  # False: greedy only (status "heuristic")
     max_buckets: int = 16  # length buckets per micro-batch in the MILP
-    # Work limits keep results deterministic; the wall-clock budget is the safety net.
+    # Work limits keep results deterministic; the wall-clock budget is the safety net. The
+    # candidate, evaluation and MILP counts are per WORK_REFERENCE_SEQUENCES sequences
+    # (``scaled_count``).
     max_candidates: int = 64  # greedy (count, chunking) candidates scheduled
     improve_evals: int = 60  # local-search schedule evaluations between micro-batches
     milp_max_nodes: int = 100  # branch-and-bound nodes per micro-batch MILP

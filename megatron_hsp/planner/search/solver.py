@@ -57,7 +57,7 @@ from megatron_hsp.planner.search.greedy import (
 from megatron_hsp.planner.search.improve import improve
 from megatron_hsp.planner.search.instance import GroupSpec, Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.search.milp import refine_microbatches, require_cbc
-from megatron_hsp.planner.search.settings import BACKENDS, CHUNKINGS, SolverConfig
+from megatron_hsp.planner.search.settings import BACKENDS, CHUNKINGS, SolverConfig, scaled_count
 from megatron_hsp.planner.topology import Cluster
 
 # ``long-grouped:scored`` candidates: the longest of these shares of the sequences whose scored
@@ -107,7 +107,8 @@ def solve(
     starts, candidates = _greedy_candidates(inst, cluster, config, cap, pipe)
     best = starts[0]
     phases["greedy"] = time.perf_counter() - start
-    if config.improve_evals > 0:
+    improve_evals = scaled_count(config.improve_evals, len(checked))
+    if improve_evals > 0:
         # Local search from the best start and from the runner-up of another chunking: the
         # descent ends in different optima (lognormal-dcp: 0.3% behind before it, 1.4% ahead
         # after).
@@ -117,14 +118,14 @@ def solve(
                 cluster,
                 cand.microbatches,
                 cap,
-                max_evals=config.improve_evals,
+                max_evals=improve_evals,
                 merge=pipe is None,  # a pipeline's count stays a multiple of its stages
             )
             cand.total = _objective(cand.microbatches, pipe)
         best = min(starts, key=lambda c: c.total)
-    if pipe is not None and config.improve_evals > 0:
+    if pipe is not None and improve_evals > 0:
         best.microbatches = _balance_for_pipeline(
-            inst, cluster, best.microbatches, pipe, cap, config.improve_evals
+            inst, cluster, best.microbatches, pipe, cap, improve_evals
         )
         best.total = _objective(best.microbatches, pipe)
     phases["improve"] = time.perf_counter() - start
@@ -143,7 +144,7 @@ def solve(
             slice_s=config.milp_slice_s,
             max_nodes=config.milp_max_nodes,
             min_gap=config.milp_min_gap,
-            max_solves=config.milp_max_microbatches,
+            max_solves=scaled_count(config.milp_max_microbatches, len(checked)),
         )
         best.total = _objective(best.microbatches, pipe)
     phases["milp"] = time.perf_counter() - start
@@ -299,13 +300,15 @@ def _greedy_candidates(
     cap: Cap | float,
     pipe: PipelineSpec | None = None,
 ) -> tuple[list[_Candidate], int]:
-    """Try (count, chunking) candidates up to ``config.max_candidates`` schedules; the first
-    always completes, the cap (``greedy``) only cuts a search that overruns it.
+    """Try (count, chunking) candidates up to ``config.max_candidates`` schedules (scaled,
+    ``scaled_count``); the first always completes, the cap (``greedy``) only cuts a search that
+    overruns it.
 
     Returns the best, then the best of another chunking kind when it is within
     ``RUNNER_UP_WITHIN`` of it (local search starts from both), and the candidates scheduled.
     """
     cap = Cap.of(cap)
+    max_candidates = max(1, scaled_count(config.max_candidates, len(inst.lengths)))
     best: _Candidate | None = None
     by_kind: dict[str, _Candidate] = {}
     extra = config.extra_microbatches
@@ -335,7 +338,7 @@ def _greedy_candidates(
         """A plan in hand, no rescue running, and the candidates or the cap spent: stop."""
         if best is None or rescue:
             return False
-        return tried >= config.max_candidates or cap.past("greedy")
+        return tried >= max_candidates or cap.past("greedy")
 
     def open_() -> bool:
         return scored_open
