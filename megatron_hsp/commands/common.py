@@ -152,7 +152,11 @@ def add_common_arguments(parser: argparse.ArgumentParser, harness: bool = True) 
         "--time-budget",
         type=float,
         default=default("time_budget"),
-        help=shown("time_budget", "hsp wall-clock budget per batch (s)"),
+        help=shown(
+            "time_budget",
+            "hsp wall-clock safety cap per batch (s); work counts limit the search, and a "
+            "plan the cap cut says so (cut_by_cap in --json)",
+        ),
     )
     group.add_argument(
         "--sizes",

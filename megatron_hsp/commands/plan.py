@@ -130,6 +130,11 @@ def format_plan(plan: Plan) -> str:
             f"{p['sum_microbatch_ms'] / 1e3:.3f} s + bubble {p['bubble_ms'] / 1e3:.3f} s "
             f"({p['order']} order), {p['peak_in_flight']:g} in flight"
         )
+    if x.get("cut_by_cap"):
+        lines.append(
+            f"cut by the --time-budget cap in: {', '.join(x['cut_by_cap'])} (a plan that may "
+            "differ on a faster or less loaded machine; a larger --time-budget lets counts decide)"
+        )
     if x.get("overlong_dropped") or x.get("overlong_split"):
         lines.append(
             f"overlong: dropped {x.get('overlong_dropped', 0)}, split {x.get('overlong_split', 0)}"

@@ -144,6 +144,9 @@ class MethodResult:
     executable: list[bool | None] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     infeasible: list[str] = field(default_factory=list)
+    # Per batch, the stages the wall-clock cap stopped (hsp's ``plan.extra["cut_by_cap"]``; empty:
+    # the work counts decided the plan, the same on any machine).
+    cut_by_cap: list[list[str]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -162,6 +165,8 @@ class MethodResult:
             )
         if self.problems:
             d["problems"] = self.problems[:10]  # invalid or not executable
+        if any(self.cut_by_cap):
+            d["cut_by_cap"] = self.cut_by_cap
         if self.infeasible:
             d["infeasible_batches"] = len(self.infeasible)
             d["infeasible_reason"] = self.infeasible[0]
@@ -176,6 +181,7 @@ def _record(res: MethodResult, plan: Plan, lengths: np.ndarray, cost: CostModel,
     res.step_ms.append(float(plan.est_step_ms))
     res.solve_ms.append(float(ms))
     res.microbatches.append(len(plan.microbatches))
+    res.cut_by_cap.append(list(plan.extra.get("cut_by_cap", [])))
     res.valid.append(not problems)
     res.executable.append(None if heads is None else not not_runnable)
     res.problems.extend(problems + not_runnable)

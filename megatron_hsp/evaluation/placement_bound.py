@@ -81,8 +81,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_hsp.planner.search.bounds import LpBound, length_classes
-from megatron_hsp.planner.search.highs import add_row, quiet_highs
+from megatron_hsp.planner.search.bounds import HighsModel, LpBound, dual_bound, length_classes
 from megatron_hsp.planner.search.instance import Instance
 from megatron_hsp.planner.topology import Cluster
 
@@ -291,6 +290,451 @@ def _subset_curves(
     return rows
 
 
+@dataclass
+class _Problem:
+    """What the placement LP is built from (``_problem``): explicit classes, short sequences,
+    mixes, node configurations and the constants of the master and the pricing."""
+
+    n: int  # ranks
+    g: int  # ranks per node
+    nodes: int
+    cap: float  # tokens per rank
+    b_min: float  # the smallest fixed cost
+    sizes: list[int]
+    fixed: list[float]
+    mixes: list[dict[int, int]]
+    configs: list[dict[int, int]]
+    cross: list[int]  # size indices of cross-node groups
+    intra: list[int]  # size indices of multi-rank groups inside a node
+    classes: list[list[int]]
+    class_of: dict[int, int]
+    rep: list[int]  # class length (its shortest member)
+    count: list[int]
+    tk: list[list[float]]  # class time per size index
+    fits: list[list[int]]  # size indices that hold each class
+    m_low: float  # no pattern lasts less
+    m_cap: float  # no micro-batch of a better plan lasts more
+    m_floor: int  # micro-batches memory forces
+    explicit: int  # explicit sequences (at most one pattern each)
+    long_sequences: int
+    short_tokens: list[float]
+    short_work: list[float]
+    short_inflated: list[float]
+    intra_node: bool
+
+
+def _problem(
+    inst: Instance, cluster: Cluster, rel_width: float, upper_ms: float | None, intra_node: bool
+) -> _Problem | None:
+    """The explicit (long, and with ``intra_node`` mid) classes and the short sequences; None
+    when there is nothing explicit or too many mixes."""
+    n, g = inst.world_size, cluster.node_width
+    sizes = list(inst.sizes)
+    need = [sizes[inst.dmin[i]] for i in range(len(inst.lengths))]
+    long_ids = [i for i in range(len(inst.lengths)) if need[i] > g]
+    mid_ids = [i for i in range(len(inst.lengths)) if sizes[0] < need[i] <= g and intra_node]
+    if not long_ids and not mid_ids:
+        return None
+    mixes = cross_node_mixes(cluster, sizes)
+    if mixes is None:
+        return None
+    cap, b_min = inst.cap, inst.min_fixed
+    explicit = set(long_ids) | set(mid_ids)
+    short = [i for i in range(len(inst.lengths)) if i not in explicit]
+    cross = [j for j, d in enumerate(sizes) if d > g]
+    # Classes: long ones (only cross-node groups hold them), then the multi-rank ones a node holds.
+    classes = length_classes(long_ids, inst.lengths, rel_width) + length_classes(
+        mid_ids, inst.lengths, rel_width
+    )
+    rep = [inst.lengths[c[0]] for c in classes]
+    tk = [[inst.times[c[0]][j] for j in range(len(sizes))] for c in classes]
+    fits = [[j for j in range(len(sizes)) if rep[k] <= sizes[j] * cap and sizes[j] > 1]
+            for k in range(len(classes))]  # fmt: skip
+    return _Problem(
+        n=n,
+        g=g,
+        nodes=max(1, n // g),
+        cap=cap,
+        b_min=b_min,
+        sizes=sizes,
+        fixed=list(inst.fixed),
+        mixes=mixes,
+        configs=node_configs(cluster, sizes),
+        cross=cross,
+        intra=[j for j, d in enumerate(sizes) if 1 < d <= g],
+        classes=classes,
+        class_of={i: k for k, c in enumerate(classes) for i in c},
+        rep=rep,
+        count=[len(c) for c in classes],
+        tk=tk,
+        fits=fits,
+        m_low=min(tk[k][j] + inst.fixed[j] for k in range(len(classes)) for j in fits[k]),
+        m_cap=upper_ms if upper_ms is not None else float(sum(inst.best)) + b_min,
+        m_floor=max(1, math.ceil(sum(inst.lengths) / (n * cap))),
+        explicit=len(explicit),
+        long_sequences=len(long_ids),
+        short_tokens=[float(inst.lengths[i]) for i in short],
+        short_work=[float(inst.work_min[i]) for i in short],
+        short_inflated=[_inflated_work(inst, i, cross) for i in short],
+        intra_node=intra_node,
+    )
+
+
+class _Master:
+    """The master LP (module docstring): rows 0..nk-1 cover classes; then the short sequences'
+    work and tokens on long patterns' free ranks, inside their long groups and in micro-batches
+    of short sequences only; the micro-batch floor; then the curves that tie each part's work
+    to its tokens. Columns: one ms of every rank in each area, the short-only micro-batch, the
+    short-sequence variables, and patterns."""
+
+    def __init__(self, p: _Problem) -> None:
+        self.p = p
+        nk = len(p.classes)
+        self.rows = dict(zip(("wf", "tf", "wl", "tl", "ws", "ts", "count"), range(nk, nk + 7),
+                             strict=True))  # fmt: skip
+        self.lp = HighsModel()
+        w_short, tok_short = float(sum(p.short_work)), float(sum(p.short_tokens))
+        rhs = [0.0, 0.0, 0.0, 0.0, w_short, tok_short, float(p.m_floor)]
+        self.lp.empty_rows([(float(c), math.inf) for c in p.count] + [(r, math.inf) for r in rhs])
+        self.curves = _subset_curves(p.short_tokens, p.short_work, p.short_inflated)
+        self.first_curve = nk + 7
+        self.lp.empty_rows([(lo, hi) for lo, hi, _ in self.curves])
+        self.free_lines = _carry_lines(p.short_tokens, p.short_work, self._free_token_points())
+        self.capped = False  # phase two: free work capped by what free tokens carry
+        self.wf_of: list[tuple[int, float, float]] = []  # pattern column, free work both ways
+        r = self.rows
+        # One ms of every rank: for free ranks, long groups or short-only micro-batches (the
+        # first two a relaxation of lengthening a long pattern, which gives both at once).
+        for row in (r["wf"], r["wl"], r["ws"]):
+            self.lp.column(1.0, {row: float(p.n)})
+        # A micro-batch of short sequences only; it and every pattern count towards the floor.
+        self.lp.column(p.b_min, {r["ts"]: float(p.n * p.cap), r["count"]: 1.0})
+        moves = {  # what each short-sequence variable takes from its area and gives the rest
+            "x_free": {r["tf"]: -1.0, r["ts"]: 1.0},
+            "w_free": {r["wf"]: -1.0, r["ws"]: 1.0},
+            "x_long": {r["tl"]: -1.0, r["ts"]: 1.0},
+            "w_long": {r["ws"]: 1.0},
+            "c_long": {r["wl"]: -1.0},
+        }
+        for name in SHORT_VARS:
+            entries = {self.first_curve + k: c[name]
+                       for k, (_, _, c) in enumerate(self.curves) if name in c}  # fmt: skip
+            entries.update(moves[name])
+            self.lp.column(0.0, entries)
+
+    def _free_token_points(self) -> list[float] | None:
+        """Without pooled intra-node groups a pattern's free tokens are ``(N - D) cap`` for the
+        ranks ``D`` of some part of a mix: exact with a line each (None: every line)."""
+        p = self.p
+        if p.intra_node:
+            return None
+        taken = set()
+        for mix in p.mixes:
+            for part in itertools.product(*(range(c + 1) for c in mix.values())):
+                taken.add(sum(d * c for d, c in zip(mix, part, strict=True)))
+        return [float((p.n - d) * p.cap) for d in taken]
+
+    def add_pattern(self, groups: list[tuple[int, dict[int, int]]],
+                    pooled: dict[int, tuple[int, dict[int, int]]]) -> None:  # fmt: skip
+        """A pattern: cross-node groups as (size index, class counts); intra-node groups pooled
+        per size index as (groups, class counts)."""
+        p, r = self.p, self.rows
+        makespan = p.b_min
+        rank_ms, tokens = 0.0, 0.0  # on free ranks (pooled intra-node groups)
+        long_ranks, long_ms, long_tokens = 0, 0.0, 0.0  # cross-node groups
+        cover: dict[int, float] = {}
+        for j, content in groups:
+            t_g = sum(p.tk[k][j] * c for k, c in content.items())
+            makespan = max(makespan, t_g + p.fixed[j])
+            long_ranks += p.sizes[j]
+            long_ms += p.sizes[j] * (t_g + p.fixed[j])
+            long_tokens += sum(p.rep[k] * c for k, c in content.items())
+            for k, c in content.items():
+                cover[k] = cover.get(k, 0.0) + c
+        for j, (ng, content) in pooled.items():
+            t_all = sum(p.tk[k][j] * c for k, c in content.items())
+            makespan = max(makespan, (t_all + p.fixed[j] * ng) / ng)
+            makespan = max(makespan, *(p.tk[k][j] + p.fixed[j] for k in content))
+            rank_ms += p.sizes[j] * (t_all + (p.fixed[j] - p.b_min) * ng)
+            tokens += sum(p.rep[k] * c for k, c in content.items())
+            for k, c in content.items():
+                cover[k] = cover.get(k, 0.0) + c
+        free = p.n - long_ranks
+        entries = dict(cover)
+        entries[r["count"]] = 1.0
+        entries[r["tf"]] = max(0.0, free * p.cap - tokens)
+        entries[r["tl"]] = max(0.0, long_ranks * p.cap - long_tokens)
+        spare = max(0.0, free * (makespan - p.b_min) - rank_ms)
+        carried = min(spare, _carried(self.free_lines, entries[r["tf"]]))
+        entries[r["wf"]] = carried if self.capped else spare
+        entries[r["wl"]] = max(0.0, long_ranks * makespan - long_ms)
+        self.wf_of.append((self.lp.h.getNumCol(), spare, carried))
+        self.lp.column(makespan, entries)
+
+    def add_micro(self, micro: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """A plan's micro-batch, as (group size, sequence ids) per group, as a pattern (if it
+        holds an explicit sequence)."""
+        p = self.p
+        groups, pooled = [], {}
+        index_of = {d: j for j, d in enumerate(p.sizes)}
+        for d, ids in micro:
+            content: dict[int, int] = {}
+            for i in ids:
+                if i in p.class_of:
+                    content[p.class_of[i]] = content.get(p.class_of[i], 0) + 1
+            if not content or d not in index_of:
+                continue
+            j = index_of[d]
+            if d > p.g:
+                groups.append((j, content))
+            else:
+                ng, pool = pooled.get(j, (0, {}))
+                for k, c in content.items():
+                    pool[k] = pool.get(k, 0) + c
+                pooled[j] = (ng + 1, pool)
+        if groups or pooled:
+            self.add_pattern(groups, pooled)
+
+    def cap_free_work(self) -> None:
+        """Phase two: every pattern's free work capped by what its free tokens carry."""
+        self.capped = True
+        for col, _, wf in self.wf_of:
+            self.lp.h.changeCoeff(self.rows["wf"], col, wf)
+
+    def duals(self) -> tuple[float, list[float], list[float], float]:
+        """Solve: (value, class duals, area duals in ``rows`` order, the curves' dual value)."""
+        z_rmp, duals = self.lp.solve_master()
+        nk = len(self.p.classes)
+        pi = [max(0.0, float(duals[k])) for k in range(nk)]
+        area = [max(0.0, float(duals[r])) for r in self.rows.values()]
+        curve_dual = 0.0
+        for k, (lo, hi, _) in enumerate(self.curves):
+            y = float(duals[self.first_curve + k])
+            side = lo if y > 0 else hi
+            if abs(side) < math.inf:  # a dual on the infinite side is numerical noise
+                curve_dual += y * side
+        return z_rmp, pi, area, curve_dual
+
+
+class _Pricing:
+    """The pricing MILP, built once; only its objective changes. It chooses a mix, fills each
+    cross-node group (and with ``intra_node`` the pooled intra-node groups) and pays the
+    makespan ``M``; ``f`` is the work the pattern's free ranks offer short sequences."""
+
+    def __init__(self, p: _Problem, free_lines: Sequence[tuple[float, float]]) -> None:
+        self.p = p
+        self.lp = HighsModel()
+        self.mvar = self.lp.var(p.m_low, max(p.m_low, p.m_cap))
+        self.slots: list[tuple[int, int]] = []  # cross-node groups: (size index, u variable)
+        self.uvm: list[int] = []  # per slot, u x M (free ranks' time is (N - sum d u) M)
+        self.xvar: dict[tuple[int, int], int] = {}  # (slot, class) -> variable
+        self.bits: dict[int, list[tuple[int, int]]] = {}  # size index -> [(2^i, bit variable)]
+        self.pvar: dict[tuple[int, int], int] = {}  # (size index, class) -> pooled count
+        node_terms = self._cross_node_groups()
+        self._intra_node_groups(node_terms)
+        for k in range(len(p.classes)):
+            terms = [(x, 1.0) for (_, kk), x in self.xvar.items() if kk == k]
+            terms += [(x, 1.0) for (_, kk), x in self.pvar.items() if kk == k]
+            if terms:
+                self.lp.row(-math.inf, float(p.count[k]), terms)
+        self.line_rows = self._free_work(free_lines)
+        # A pattern holds an explicit sequence, so M >= m_low.
+        self.lp.row(1.0, math.inf, [(x, 1.0) for x in [*self.xvar.values(), *self.pvar.values()]])
+
+    def _cross_node_groups(self) -> list[tuple[int, float]]:
+        """One slot per cross-node group a mix may hold, its memory and time rows; returns the
+        nodes the slots take (the node row is completed by the configurations)."""
+        p, lp, inf = self.p, self.lp, math.inf
+        yvar = [lp.var(0.0, 1.0, True) for _ in p.mixes]
+        if yvar:
+            lp.row(-inf, 1.0, [(y, 1.0) for y in yvar])
+        node_terms: list[tuple[int, float]] = []
+        for j in p.cross:
+            d = p.sizes[j]
+            us = [lp.var(0.0, 1.0, True)
+                  for _ in range(max((m.get(d, 0) for m in p.mixes), default=0))]  # fmt: skip
+            if not us:
+                continue
+            in_mixes = [(y, -float(m.get(d, 0))) for y, m in zip(yvar, p.mixes, strict=True)]
+            lp.row(-inf, 0.0, [(u, 1.0) for u in us] + in_mixes)
+            for a, b in itertools.pairwise(us):
+                lp.row(0.0, inf, [(a, 1.0), (b, -1.0)])  # symmetry: fill slots in order
+            for u in us:
+                s = len(self.slots)
+                self.slots.append((j, u))
+                node_terms.append((u, float(d // p.g)))
+                v = lp.var(0.0, inf)
+                self.uvm.append(v)
+                lp.row(-inf, 0.0, [(v, 1.0), (self.mvar, -1.0)])
+                lp.row(-inf, 0.0, [(v, 1.0), (u, -p.m_cap)])
+                lp.row(-p.m_cap, inf, [(v, 1.0), (self.mvar, -1.0), (u, -p.m_cap)])
+                mem, tim = [(u, -float(d * p.cap))], [(u, p.fixed[j]), (self.mvar, -1.0)]
+                for k in range(len(p.classes)):
+                    if j in p.fits[k]:
+                        x = lp.var(0.0, float(min(p.count[k], (d * p.cap) // p.rep[k])), True)
+                        self.xvar[s, k] = x
+                        mem.append((x, float(p.rep[k])))
+                        tim.append((x, p.tk[k][j]))
+                lp.row(-inf, 0.0, mem)
+                lp.row(-inf, 0.0, tim)
+                # A pattern's cross-node groups are those holding an explicit sequence (a group
+                # of short ones only is free ranks); an empty one would mis-price its u x M.
+                held = [
+                    (self.xvar[s, k], -1.0) for k in range(len(p.classes)) if (s, k) in self.xvar
+                ]
+                lp.row(-inf, 0.0, [(u, 1.0), *held])
+        return node_terms
+
+    def _intra_node_groups(self, node_terms: list[tuple[int, float]]) -> None:
+        """Intra-node groups, pooled per size: ``ng`` groups (bits of it, to price ``ng * M``)
+        in the nodes the configurations give; every class in it fits one group and finishes by
+        M, and together they fit the groups' memory and ``ng`` makespans (a relaxation)."""
+        p, lp, inf = self.p, self.lp, math.inf
+        cvar = [lp.var(0.0, float(p.nodes), True) for _ in p.configs]
+        lp.row(-inf, float(p.nodes), node_terms + [(c, 1.0) for c in cvar])
+        for j in p.intra:
+            d = p.sizes[j]
+            most = p.nodes * (p.g // d)
+            ks = [k for k in range(len(p.classes)) if j in p.fits[k]]
+            if not ks or not any(c.get(d, 0) for c in p.configs):
+                continue
+            bs = [(1 << i, lp.var(0.0, 1.0, True)) for i in range(most.bit_length())]
+            self.bits[j] = bs
+            in_configs = [(c, -float(cf.get(d, 0))) for c, cf in zip(cvar, p.configs, strict=True)]
+            lp.row(-inf, 0.0, [(b, float(w)) for w, b in bs] + in_configs)
+            mem = [(b, -float(w * d * p.cap)) for w, b in bs]
+            tim = [(b, float(w) * p.fixed[j]) for w, b in bs]
+            for w, b in bs:  # v_b = bit * M, linearised: v <= M, v <= m_cap * bit
+                v = lp.var(0.0, inf)
+                lp.row(-inf, 0.0, [(v, 1.0), (self.mvar, -1.0)])
+                lp.row(-inf, 0.0, [(v, 1.0), (b, -p.m_cap)])
+                tim.append((v, -float(w)))
+            for k in ks:
+                most_k = min(p.count[k], most * ((d * p.cap) // p.rep[k]))
+                x = lp.var(0.0, float(most_k), True)
+                z = lp.var(0.0, 1.0, True)
+                self.pvar[j, k] = x
+                lp.row(-inf, 0.0, [(x, 1.0), (z, -float(most_k))])
+                lp.row(-inf, 0.0, [(z, p.tk[k][j] + p.fixed[j]), (self.mvar, -1.0)])
+                mem.append((x, float(p.rep[k])))
+                tim.append((x, p.tk[k][j]))
+            lp.row(-inf, 0.0, mem)
+            lp.row(-inf, 0.0, tim)
+
+    def _free_work(self, free_lines: Sequence[tuple[float, float]]) -> list[tuple[int, float]]:
+        """``f``: at most the free ranks' spare time, and (phase two; rows returned with the
+        bound they then take) at most what their memory's tokens carry."""
+        p, lp = self.p, self.lp
+        self.fvar = lp.var(0.0, math.inf)
+        terms = [(self.fvar, 1.0), (self.mvar, -float(p.n))]  # f <= n M - sum d v + b_min D - ..
+        terms += [t for (j, u), v in zip(self.slots, self.uvm, strict=True)
+                  for t in ((v, float(p.sizes[j])), (u, -p.b_min * p.sizes[j]))]  # fmt: skip
+        terms += [(b, p.sizes[j] * (p.fixed[j] - p.b_min) * w)
+                  for j, bs in self.bits.items() for w, b in bs]  # fmt: skip
+        terms += [(x, p.sizes[j] * p.tk[k][j]) for (j, k), x in self.pvar.items()]
+        lp.row(-math.inf, -p.n * p.b_min, terms)
+        line_rows = []
+        for a, c in free_lines:  # f <= c + a (n cap - cap D - pooled tokens)
+            terms = [(self.fvar, 1.0)] + [(u, a * p.cap * p.sizes[j]) for j, u in self.slots]
+            terms += [(x, a * p.rep[k]) for (j, k), x in self.pvar.items()]
+            line_rows.append((lp.row(-math.inf, math.inf, terms), c + a * p.n * p.cap))
+        return line_rows
+
+    def cap_free_work(self) -> None:
+        for r, ub in self.line_rows:
+            self.lp.h.changeRowBounds(r, -math.inf, ub)
+
+    def costs(self, pi: list[float], area: list[float]) -> tuple[np.ndarray, float]:
+        """Reduced value of a pattern: sw f + st (N - D) cap + sl (D M - sum d (T + b))
+        + stl (D cap - sum L) + covers - M, with D = sum d u, D M = sum d v; (costs, offset)."""
+        p = self.p
+        sw, st, sl, stl, _, _, sc = area
+        costs = np.zeros(self.lp.h.getNumCol())
+        costs[self.mvar] = -1.0
+        costs[self.fvar] = sw
+        for (j, u), v in zip(self.slots, self.uvm, strict=True):
+            d = p.sizes[j]
+            costs[u] = d * (p.cap * (stl - st) - sl * p.fixed[j])
+            costs[v] = d * sl
+        for (s, k), x in self.xvar.items():
+            j = self.slots[s][0]
+            costs[x] = pi[k] - sl * p.sizes[j] * p.tk[k][j] - stl * p.rep[k]
+        for (_, k), x in self.pvar.items():
+            costs[x] = pi[k] - st * p.rep[k]
+        return costs, st * p.n * p.cap + sc
+
+    def pattern(self, sol: list[float]):
+        """The pattern a pricing solution describes, as ``_Master.add_pattern``'s arguments."""
+        groups: list[tuple[int, dict[int, int]]] = []
+        for s, (j, u) in enumerate(self.slots):
+            if sol[u] < 0.5:
+                continue
+            content = {
+                k: round(sol[x]) for (ss, k), x in self.xvar.items() if ss == s and sol[x] > 0.5
+            }
+            if content:
+                groups.append((j, content))
+        pooled: dict[int, tuple[int, dict[int, int]]] = {}
+        for j, bs in self.bits.items():
+            content = {
+                k: round(sol[x]) for (jj, k), x in self.pvar.items() if jj == j and sol[x] > 0.5
+            }
+            ng = sum(w for w, b in bs if sol[b] > 0.5)
+            if content and ng:
+                pooled[j] = (ng, content)
+        return groups, pooled
+
+
+@dataclass
+class _Limits:
+    t_end: float
+    max_iterations: int
+    price_limit_s: float
+    iterations: int = 0
+
+
+def _generate(master: _Master, price: _Pricing, lim: _Limits) -> tuple[float, float, bool]:
+    """Column generation to convergence or a limit: (bound, master value, converged).
+
+    Early columns need only improve the master: a loose MILP gap finds them fast; once the best
+    column found is worth little, the pricing is solved tightly, which convergence needs.
+    """
+    p = master.p
+    rel_gap = LOOSE_GAP
+    z_rmp, z_star = 0.0, math.inf
+    while True:
+        z_rmp, pi, area, curve_dual = master.duals()
+        remaining = lim.t_end - time.perf_counter()
+        if lim.iterations >= lim.max_iterations or remaining <= 0:
+            break
+        lim.iterations += 1
+        costs, offset = price.costs(pi, area)
+        limit = max(0.05, min(lim.price_limit_s, remaining))
+        z_bound, best, sol = price.lp.price(costs, rel_gap, limit)
+        z_star = max(0.0, z_bound + offset)
+        tol = 1e-7 * max(1.0, z_rmp)
+        # A column only from a feasible MILP solution (a time limit may leave none).
+        found = best + offset if sol is not None else 0.0
+        if z_star <= tol:
+            break
+        if found <= max(tol, 1e-3 * z_rmp / max(1, len(p.classes))) and rel_gap > TIGHT_GAP:
+            rel_gap = TIGHT_GAP  # too little found to go on loosely: solve tightly next
+            if found <= tol:
+                continue
+        elif found <= tol:
+            break
+        groups, pooled = price.pattern(sol)
+        if not groups and not pooled:
+            break
+        master.add_pattern(groups, pooled)
+    sws, sts, sc = area[4], area[5], area[6]
+    dual_obj = sum(x * c for x, c in zip(pi, p.count, strict=True))
+    dual_obj += sws * sum(p.short_work) + sts * sum(p.short_tokens) + sc * p.m_floor + curve_dual
+    # A plan has at most one micro-batch with explicit sequences per explicit sequence.
+    bound, converged = dual_bound(dual_obj, z_star, z_rmp, p.m_low, p.explicit)
+    return bound, z_rmp, converged
+
+
 def placement_lp_bound(
     inst: Instance,
     cluster: Cluster,
@@ -316,404 +760,34 @@ def placement_lp_bound(
     instances, but its pricing MILP is slow: at 64 ranks and 512 sequences it does not converge
     in minutes. Without it they are short (fractional) and only cross-node placement counts.
     """
-    import highspy
-
-    t_end = time.perf_counter() + time_limit_s
-    n, g = inst.world_size, cluster.node_width
-    sizes = inst.sizes
-    nodes = max(1, n // g)
-    need = [sizes[inst.dmin[i]] for i in range(len(inst.lengths))]
-    long_ids = [i for i in range(len(inst.lengths)) if need[i] > g]
-    mid_ids = [i for i in range(len(inst.lengths)) if sizes[0] < need[i] <= g and intra_node]
-    if not long_ids and not mid_ids:
+    lim = _Limits(time.perf_counter() + time_limit_s, max_iterations, price_limit_s)
+    p = _problem(inst, cluster, rel_width, upper_ms, intra_node)
+    if p is None:
         return None
-    mixes = cross_node_mixes(cluster, sizes)
-    if mixes is None:
-        return None
-    configs = node_configs(cluster, sizes)
-    cross = [j for j, d in enumerate(sizes) if d > g]
-    intra = [j for j, d in enumerate(sizes) if 1 < d <= g]
-    b_min = inst.min_fixed
-    cap = inst.cap
-    explicit = set(long_ids) | set(mid_ids)
-    short = [i for i in range(len(inst.lengths)) if i not in explicit]
-    w_short = float(sum(inst.work_min[i] for i in short))
-    tok_short = float(sum(inst.lengths[i] for i in short))
-    m_cap = upper_ms if upper_ms is not None else float(sum(inst.best)) + b_min
-
-    # Classes: long ones (only cross-node groups hold them), then the multi-rank ones a node holds.
-    classes = length_classes(long_ids, inst.lengths, rel_width) + length_classes(
-        mid_ids, inst.lengths, rel_width
-    )
-    class_of = {i: k for k, c in enumerate(classes) for i in c}
-    nk = len(classes)
-    rep = [inst.lengths[c[0]] for c in classes]
-    count = [len(c) for c in classes]
-    tk = [[inst.times[c[0]][j] for j in range(len(sizes))] for c in classes]
-    fits = [[j for j in range(len(sizes)) if rep[k] <= sizes[j] * cap and sizes[j] > 1]
-            for k in range(nk)]  # fmt: skip
-    m_low = min(tk[k][j] + inst.fixed[j] for k in range(nk) for j in fits[k])
-
-    # Master LP (module docstring): rows 0..nk-1 cover classes; then the short sequences' work
-    # and tokens on long patterns' free ranks, inside their long groups and in micro-batches of
-    # short sequences only; then the curves that tie each part's work to its tokens.
-    row_wf, row_tf, row_wl, row_tl, row_ws, row_ts, row_count = range(nk, nk + 7)
-    m_floor = max(1, math.ceil(sum(inst.lengths) / (n * cap)))  # micro-batches memory forces
-    master = quiet_highs()
-    master.setOptionValue("threads", 1)
-    inf = highspy.kHighsInf
-    for k in range(nk):
-        master.addRow(float(count[k]), inf, 0, np.array([], np.int32), np.array([]))
-    for rhs in (0.0, 0.0, 0.0, 0.0, w_short, tok_short, float(m_floor)):
-        master.addRow(rhs, inf, 0, np.array([], np.int32), np.array([]))
-    short_tokens = [float(inst.lengths[i]) for i in short]
-    short_work = [float(inst.work_min[i]) for i in short]
-    curves = _subset_curves(
-        short_tokens, short_work, [_inflated_work(inst, i, cross) for i in short]
-    )
-    # The most minimum work one pattern's free ranks can get from the short sequences their
-    # memory holds (module docstring). Without pooled intra-node groups their tokens are
-    # ``(N - D) cap`` for the ranks ``D`` of some part of a mix: exact with a line each.
-    at = None
-    if not intra_node:
-        taken = set()
-        for mix in mixes:
-            for part in itertools.product(*(range(c + 1) for c in mix.values())):
-                taken.add(sum(d * c for d, c in zip(mix, part, strict=True)))
-        at = [float((n - d) * cap) for d in taken]
-    free_lines = _carry_lines(short_tokens, short_work, at)
-    first_curve = nk + 7
-    for lo, hi, _ in curves:
-        master.addRow(lo, hi, 0, np.array([], np.int32), np.array([]))
-
-    def add_column(cost: float, entries: dict[int, float]) -> None:
-        idx = np.array(list(entries.keys()), np.int32)
-        val = np.array(list(entries.values()), dtype=np.float64)
-        master.addCol(cost, 0.0, inf, len(idx), idx, val)
-
-    # One ms of every rank: for free ranks, long groups or short-only micro-batches (the first
-    # two a relaxation of lengthening a long pattern, which gives both at once).
-    for r in (row_wf, row_wl, row_ws):
-        add_column(1.0, {r: float(n)})
-    # A micro-batch of short sequences only; it and every pattern count towards the floor.
-    add_column(b_min, {row_ts: float(n * cap), row_count: 1.0})
-    moves = {  # what each short-sequence variable takes from its area and gives the rest
-        "x_free": {row_tf: -1.0, row_ts: 1.0},
-        "w_free": {row_wf: -1.0, row_ws: 1.0},
-        "x_long": {row_tl: -1.0, row_ts: 1.0},
-        "w_long": {row_ws: 1.0},
-        "c_long": {row_wl: -1.0},
-    }
-    for name in SHORT_VARS:
-        entries = {first_curve + r: c[name] for r, (_, _, c) in enumerate(curves) if name in c}
-        entries.update(moves[name])
-        add_column(0.0, entries)
-
-    # Two phases: the free ranks' work uncapped until the LP converges, then capped by what their
-    # tokens carry (module docstring), from those columns; each phase's bound is valid, and the
-    # first converges as fast as without the cap (sft-long-mix's capped pricing alone did not
-    # converge on one batch in minutes).
-    capped = False
-    wf_of: list[tuple[int, float, float]] = []  # pattern column, free work uncapped and capped
-
-    def pattern_column(
-        groups: list[tuple[int, dict[int, int]]], pooled: dict[int, tuple[int, dict[int, int]]]
-    ) -> tuple[float, dict[int, float], tuple[float, float]]:
-        """(makespan, master entries) of a pattern: cross-node groups as (size index, class
-        counts); intra-node groups pooled per size index as (groups, class counts)."""
-        makespan = b_min
-        rank_ms, tokens = 0.0, 0.0  # on free ranks (pooled intra-node groups)
-        long_ranks, long_ms, long_tokens = 0, 0.0, 0.0  # cross-node groups
-        cover: dict[int, float] = {}
-        for j, content in groups:
-            t_g = sum(tk[k][j] * c for k, c in content.items())
-            makespan = max(makespan, t_g + inst.fixed[j])
-            long_ranks += sizes[j]
-            long_ms += sizes[j] * (t_g + inst.fixed[j])
-            long_tokens += sum(rep[k] * c for k, c in content.items())
-            for k, c in content.items():
-                cover[k] = cover.get(k, 0.0) + c
-        for j, (ng, content) in pooled.items():
-            t_all = sum(tk[k][j] * c for k, c in content.items())
-            makespan = max(makespan, (t_all + inst.fixed[j] * ng) / ng)
-            makespan = max(makespan, *(tk[k][j] + inst.fixed[j] for k in content))
-            rank_ms += sizes[j] * (t_all + (inst.fixed[j] - b_min) * ng)
-            tokens += sum(rep[k] * c for k, c in content.items())
-            for k, c in content.items():
-                cover[k] = cover.get(k, 0.0) + c
-        free = n - long_ranks
-        entries = dict(cover)
-        entries[row_count] = 1.0
-        entries[row_tf] = max(0.0, free * cap - tokens)
-        entries[row_tl] = max(0.0, long_ranks * cap - long_tokens)
-        spare = max(0.0, free * (makespan - b_min) - rank_ms)
-        carried = min(spare, _carried(free_lines, entries[row_tf]))
-        entries[row_wf] = carried if capped else spare
-        entries[row_wl] = max(0.0, long_ranks * makespan - long_ms)
-        return makespan, entries, (spare, carried)
-
-    def add_pattern(makespan: float, entries: dict[int, float], wf: tuple[float, float]) -> None:
-        wf_of.append((master.getNumCol(), *wf))
-        add_column(makespan, entries)
-
-    def split(micro: Sequence[tuple[int, Sequence[int]]]):
-        """A micro-batch's explicit sequences as pattern_column's arguments."""
-        groups, pooled = [], {}
-        index_of = {d: j for j, d in enumerate(sizes)}
-        for d, ids in micro:
-            content: dict[int, int] = {}
-            for i in ids:
-                if i in class_of:
-                    content[class_of[i]] = content.get(class_of[i], 0) + 1
-            if not content or d not in index_of:
-                continue
-            j = index_of[d]
-            if d > g:
-                groups.append((j, content))
-            else:
-                ng, pool = pooled.get(j, (0, {}))
-                for k, c in content.items():
-                    pool[k] = pool.get(k, 0) + c
-                pooled[j] = (ng + 1, pool)
-        return groups, pooled
-
-    for k in range(nk):  # each class alone in its fastest group
-        j = min(fits[k], key=lambda j: tk[k][j] + inst.fixed[j])
-        add_pattern(*pattern_column(*split([(sizes[j], [classes[k][0]])])))
+    master = _Master(p)
+    for k in range(len(p.classes)):  # each class alone in its fastest group
+        j = min(p.fits[k], key=lambda j: p.tk[k][j] + p.fixed[j])
+        master.add_micro([(p.sizes[j], [p.classes[k][0]])])
     for micro in seed:
-        groups, pooled = split(micro)
-        if groups or pooled:
-            add_pattern(*pattern_column(groups, pooled))
-
-    # Pricing MILP, built once; only its objective changes.
-    price = quiet_highs()
-    price.setOptionValue("threads", 1)
-    ncols = 0
-
-    def var(lb: float, ub: float, integer: bool) -> int:
-        nonlocal ncols
-        price.addCol(0.0, lb, ub, 0, np.array([], np.int32), np.array([]))
-        if integer:
-            price.changeColIntegrality(ncols, highspy.HighsVarType.kInteger)
-        ncols += 1
-        return ncols - 1
-
-    def row(lb: float, ub: float, terms: list[tuple[int, float]]) -> None:
-        add_row(price, lb, ub, terms)
-
-    mvar = var(m_low, max(m_low, m_cap), False)
-    yvar = [var(0.0, 1.0, True) for _ in mixes]
-    if yvar:
-        row(-inf, 1.0, [(y, 1.0) for y in yvar])
-    slots: list[tuple[int, int]] = []  # cross-node groups: (size index, u variable)
-    uvm: list[int] = []  # per slot, u x M linearised (free ranks' time is (N - sum d u) M)
-    xvar: dict[tuple[int, int], int] = {}  # (slot, class) -> variable
-    node_terms: list[tuple[int, float]] = []  # nodes taken, by cross-node groups and node configs
-    for j in cross:
-        d = sizes[j]
-        most = max((m.get(d, 0) for m in mixes), default=0)
-        us = [var(0.0, 1.0, True) for _ in range(most)]
-        if not us:
-            continue
-        row(-inf, 0.0, [(u, 1.0) for u in us] + [(y, -float(m.get(d, 0))) for y, m in
-                                                 zip(yvar, mixes, strict=True)])  # fmt: skip
-        for a, b in itertools.pairwise(us):
-            row(0.0, inf, [(a, 1.0), (b, -1.0)])  # symmetry: fill slots in order
-        for u in us:
-            s = len(slots)
-            slots.append((j, u))
-            node_terms.append((u, float(d // g)))
-            v = var(0.0, inf, False)
-            uvm.append(v)
-            row(-inf, 0.0, [(v, 1.0), (mvar, -1.0)])
-            row(-inf, 0.0, [(v, 1.0), (u, -m_cap)])
-            row(-m_cap, inf, [(v, 1.0), (mvar, -1.0), (u, -m_cap)])
-            mem, tim = [(u, -float(d * cap))], [(u, inst.fixed[j]), (mvar, -1.0)]
-            for k in range(nk):
-                if j in fits[k]:
-                    x = var(0.0, float(min(count[k], (d * cap) // rep[k])), True)
-                    xvar[s, k] = x
-                    mem.append((x, float(rep[k])))
-                    tim.append((x, tk[k][j]))
-            row(-inf, 0.0, mem)
-            row(-inf, 0.0, tim)
-            # A pattern's cross-node groups are those holding an explicit sequence (a group of
-            # short ones only is free ranks); an empty one would also mis-price its u x M.
-            row(-inf, 0.0, [(u, 1.0)] + [(xvar[s, k], -1.0) for k in range(nk) if (s, k) in xvar])
-    # Intra-node groups, pooled per size: ``ng`` groups (bits of it, to price ``ng * M``) in the
-    # nodes the configurations give; every class in it fits one group and finishes by M, and
-    # together they fit the groups' memory and ``ng`` makespans (a relaxation of one by one).
-    cvar = [var(0.0, float(nodes), True) for _ in configs]
-    node_terms += [(c, 1.0) for c in cvar]
-    row(-inf, float(nodes), node_terms)
-    bits: dict[int, list[tuple[int, int]]] = {}  # size index -> [(2^i, bit variable)]
-    pvar: dict[tuple[int, int], int] = {}  # (size index, class) -> pooled count
-    for j in intra:
-        d = sizes[j]
-        most = nodes * (g // d)
-        ks = [k for k in range(nk) if j in fits[k]]
-        if not ks or not any(c.get(d, 0) for c in configs):
-            continue
-        bs = [(1 << i, var(0.0, 1.0, True)) for i in range(most.bit_length())]
-        bits[j] = bs
-        groups_terms = [(b, float(w)) for w, b in bs]
-        row(-inf, 0.0, groups_terms + [(c, -float(cf.get(d, 0))) for c, cf in
-                                       zip(cvar, configs, strict=True)])  # fmt: skip
-        mem = [(b, -float(w * d * cap)) for w, b in bs]
-        tim = [(b, float(w) * inst.fixed[j]) for w, b in bs]
-        for w, b in bs:  # v_b = bit * M, linearised: v <= M, v <= m_cap * bit
-            v = var(0.0, inf, False)
-            row(-inf, 0.0, [(v, 1.0), (mvar, -1.0)])
-            row(-inf, 0.0, [(v, 1.0), (b, -m_cap)])
-            tim.append((v, -float(w)))
-        for k in ks:
-            most_k = min(count[k], most * ((d * cap) // rep[k]))
-            x = var(0.0, float(most_k), True)
-            z = var(0.0, 1.0, True)
-            pvar[j, k] = x
-            row(-inf, 0.0, [(x, 1.0), (z, -float(most_k))])
-            row(-inf, 0.0, [(z, tk[k][j] + inst.fixed[j]), (mvar, -1.0)])
-            mem.append((x, float(rep[k])))
-            tim.append((x, tk[k][j]))
-        row(-inf, 0.0, mem)
-        row(-inf, 0.0, tim)
-    for k in range(nk):
-        terms = [(x, 1.0) for (s, kk), x in xvar.items() if kk == k]
-        terms += [(x, 1.0) for (j, kk), x in pvar.items() if kk == k]
-        if terms:
-            row(-inf, float(count[k]), terms)
-    # The work a pattern offers short sequences on its free ranks (f): at most their spare time,
-    # and at most what their memory's tokens carry.
-    fvar = var(0.0, inf, False)
-    terms = [(fvar, 1.0), (mvar, -float(n))]  # f <= n M - sum d v + b_min D - pooled rank-ms
-    terms += [t for (j, u), v in zip(slots, uvm, strict=True)
-              for t in ((v, float(sizes[j])), (u, -b_min * sizes[j]))]  # fmt: skip
-    terms += [(b, sizes[j] * (inst.fixed[j] - b_min) * w) for j, bs in bits.items() for w, b in bs]
-    terms += [(x, sizes[j] * tk[k][j]) for (j, k), x in pvar.items()]
-    row(-inf, -n * b_min, terms)
-    line_rows: list[tuple[int, float]] = []  # (pricing row, its bound once capped)
-    for a, c in free_lines:  # f <= c + a (n cap - cap D - pooled tokens)
-        terms = [(fvar, 1.0)] + [(u, a * cap * sizes[j]) for j, u in slots]
-        terms += [(x, a * rep[k]) for (j, k), x in pvar.items()]
-        line_rows.append((price.getNumRow(), c + a * n * cap))
-        row(-inf, inf, terms)
-    # A pattern holds an explicit sequence, so M >= m_low.
-    row(1.0, inf, [(x, 1.0) for x in [*xvar.values(), *pvar.values()]])
-    price.changeObjectiveSense(highspy.ObjSense.kMaximize)
-
-    iterations = 0
-
-    def generate() -> tuple[float, float, bool]:
-        """Column generation to convergence or the time limit: (bound, master value, converged)."""
-        nonlocal iterations
-        # Early columns need only improve the master: a loose MILP gap finds them fast; once the
-        # best column found is worth little, the pricing is solved tightly, which convergence
-        # needs.
-        rel_gap = LOOSE_GAP
-        z_rmp, z_star = 0.0, math.inf
-        while True:
-            master.run()
-            z_rmp = master.getInfo().objective_function_value
-            duals = master.getSolution().row_dual
-            pi = [max(0.0, float(duals[k])) for k in range(nk)]
-            sw, st, sl, stl, sws, sts, sc = (
-                max(0.0, float(duals[r]))
-                for r in (row_wf, row_tf, row_wl, row_tl, row_ws, row_ts, row_count)
-            )
-            curve_dual = 0.0
-            for r, (lo, hi, _) in enumerate(curves):
-                y = float(duals[first_curve + r])
-                side = lo if y > 0 else hi
-                if abs(side) < math.inf:  # a dual on the infinite side is numerical noise
-                    curve_dual += y * side
-            remaining = t_end - time.perf_counter()
-            if iterations >= max_iterations or remaining <= 0:
-                break
-            iterations += 1
-            costs = np.zeros(ncols)
-            # Reduced value: sw f + st (N - D) cap + sl (D M - sum d (T + b)) + stl (D cap - sum L)
-            # + covers - M, with D = sum d u, D M = sum d v (f: the work offered, rows above).
-            costs[mvar] = -1.0
-            costs[fvar] = sw
-            for (j, u), v in zip(slots, uvm, strict=True):
-                d = sizes[j]
-                costs[u] = d * (cap * (stl - st) - sl * inst.fixed[j])
-                costs[v] = d * sl
-            for (s, k), x in xvar.items():
-                j = slots[s][0]
-                costs[x] = pi[k] - sl * sizes[j] * tk[k][j] - stl * rep[k]
-            for (_, k), x in pvar.items():
-                costs[x] = pi[k] - st * rep[k]
-            offset = st * n * cap + sc
-            price.changeColsCost(ncols, np.arange(ncols, dtype=np.int32), costs)
-            price.setOptionValue("mip_rel_gap", rel_gap)
-            price.setOptionValue("time_limit", max(0.05, min(price_limit_s, remaining)))
-            price.run()
-            info = price.getInfo()
-            z_star = max(0.0, float(info.mip_dual_bound) + offset)
-            sol = price.getSolution().col_value
-            tol = 1e-7 * max(1.0, z_rmp)
-            # A column only from a feasible MILP solution (a time limit may leave none).
-            feasible = bool(sol) and int(info.primal_solution_status) == 2
-            found = float(info.objective_function_value) + offset if feasible else 0.0
-            if z_star <= tol:
-                break
-            if found <= max(tol, 1e-3 * z_rmp / max(1, nk)) and rel_gap > TIGHT_GAP:
-                rel_gap = TIGHT_GAP  # too little found to go on loosely: solve tightly next
-                if found <= tol:
-                    continue
-            elif found <= tol:
-                break
-            groups: list[tuple[int, dict[int, int]]] = []
-            for s, (j, u) in enumerate(slots):
-                if sol[u] < 0.5:
-                    continue
-                content = {
-                    k: round(sol[x]) for (ss, k), x in xvar.items() if ss == s and sol[x] > 0.5
-                }
-                if content:
-                    groups.append((j, content))
-            pooled: dict[int, tuple[int, dict[int, int]]] = {}
-            for j, bs in bits.items():
-                content = {
-                    k: round(sol[x]) for (jj, k), x in pvar.items() if jj == j and sol[x] > 0.5
-                }
-                ng = sum(w for w, b in bs if sol[b] > 0.5)
-                if content and ng:
-                    pooled[j] = (ng, content)
-            if not groups and not pooled:
-                break
-            add_pattern(*pattern_column(groups, pooled))
-        dual_obj = (
-            sum(p * c for p, c in zip(pi, count, strict=True)) + sws * w_short + sts * tok_short
-        )
-        dual_obj += sc * m_floor
-        dual_obj += curve_dual
-        converged = z_star <= 1e-7 * max(1.0, z_rmp)
-        z_eff = max(z_star, 1e-7 * max(1.0, z_rmp))
-        # Farley's scaled duals, or Lagrangian: a plan has at most one micro-batch with explicit
-        # sequences per explicit sequence, so it costs at least D - n_explicit z*.
-        bound = max(dual_obj / (1.0 + z_eff / m_low), dual_obj - len(explicit) * z_eff, 0.0)
-        if converged:
-            bound = min(z_rmp, bound)
-        return bound, z_rmp, converged
-
-    bound, z_rmp, converged = generate()
-    if converged and time.perf_counter() < t_end:
-        capped = True
-        for r, ub in line_rows:
-            price.changeRowBounds(r, -inf, ub)
-        for col, _, wf in wf_of:
-            master.changeCoeff(row_wf, col, wf)
-        again = generate()
+        master.add_micro(micro)
+    price = _Pricing(p, master.free_lines)
+    # Two phases: the free ranks' work uncapped until the LP converges, then capped by what
+    # their tokens carry (module docstring), from those columns; each phase's bound is valid,
+    # and the first converges as fast as without the cap (sft-long-mix's capped pricing alone
+    # did not converge on one batch in minutes).
+    bound, z_rmp, converged = _generate(master, price, lim)
+    if converged and time.perf_counter() < lim.t_end:
+        price.cap_free_work()
+        master.cap_free_work()
+        again = _generate(master, price, lim)
         if again[0] > bound:
             bound, z_rmp, converged = again
     return PlacementBound(
         bound_ms=bound * (1 - 1e-7),
         lp_ms=z_rmp,
         converged=converged,
-        iterations=iterations,
-        classes=nk,
-        long_sequences=len(long_ids),
-        mixes=len(mixes),
+        iterations=lim.iterations,
+        classes=len(p.classes),
+        long_sequences=p.long_sequences,
+        mixes=len(p.mixes),
     )

@@ -116,7 +116,8 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--hsp-time-budget-s",
         type=float,
         default=DEFAULT_TIME_BUDGET_S,
-        help="Wall-clock budget per plan; the best plan found by then is used (default "
+        help="Wall-clock safety cap per plan: work counts limit the search, and a plan the cap "
+        f"cut says so (cut_by_cap); the best plan found by then is used (default "
         f"{DEFAULT_TIME_BUDGET_S:g}).",
     )
     g.add_argument(

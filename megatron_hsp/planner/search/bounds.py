@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_hsp.planner.cost.costmodel import CostModel
+from megatron_hsp.planner.search.budget import Cap
 from megatron_hsp.planner.search.highs import add_row, quiet_highs
 from megatron_hsp.planner.search.instance import Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.topology import Cluster
@@ -56,8 +57,9 @@ def lower_bound_ms(
     return instance_lower_bound(Instance.build(checked, cost, cluster, allowed))
 
 
-def instance_lower_bound(inst: Instance, deadline: float | None = None) -> float:
-    """Max of facts 1-5; past ``deadline`` (a ``time.perf_counter()`` value) a weaker bound.
+def instance_lower_bound(inst: Instance, deadline: float | Cap | None = None) -> float:
+    """Max of facts 1-5; past ``deadline`` (a ``budget.now()`` value or a ``Cap``, which then
+    records ``bound`` as cut) a weaker bound.
 
     Facts 1-3 are linear in the batch and always computed. Fact 4 runs per critical sequence and
     per group size; it is a ``max`` term, so dropping a sequence's fact 4 keeps the bound valid
@@ -99,7 +101,7 @@ def _dff(k: int, x: np.ndarray) -> np.ndarray:
 MEMORY_PACKING_MAX_CELLS = 300_000
 
 
-def _memory_packing_bound(inst: Instance, m_min: int, deadline: float | None = None) -> float:
+def _memory_packing_bound(inst: Instance, m_min: int, deadline: float | Cap | None = None) -> float:
     """Fact 5: memory granularity against fixed costs, in Lagrangian form.
 
     Fact 1 packs tokens perfectly into ``m_min`` micro-batches. But a group of ``d`` holds at
@@ -143,8 +145,8 @@ def _memory_packing_bound(inst: Instance, m_min: int, deadline: float | None = N
     return best
 
 
-def _past(deadline: float | None) -> bool:
-    return deadline is not None and time.perf_counter() >= deadline
+def _past(deadline: float | Cap | None) -> bool:
+    return deadline is not None and Cap.of(deadline).past("bound")
 
 
 def _most_critical(inst: Instance, best: list[float], k: int) -> list[int]:
@@ -154,7 +156,7 @@ def _most_critical(inst: Instance, best: list[float], k: int) -> list[int]:
 
 
 def _critical_with_memory(
-    inst: Instance, star: int, m_min: int, deadline: float | None = None
+    inst: Instance, star: int, m_min: int, deadline: float | Cap | None = None
 ) -> float | None:
     """Fact 4 for sequence ``star`` (module docstring), or None when the deadline cut it."""
     if _past(deadline):
@@ -270,6 +272,95 @@ class LpBound:
     classes: int
 
 
+class HighsModel:
+    """A HiGHS model on one thread, built by rows and columns given as (index, coefficient)
+    entries: the master LPs and pricing MILPs of both column-generation bounds (this one and
+    ``evaluation/placement_bound.py``) are assembled with it."""
+
+    def __init__(self) -> None:
+        self.h = quiet_highs()
+        self.h.setOptionValue("threads", 1)
+
+    def empty_rows(self, bounds: Sequence[tuple[float, float]]) -> None:
+        """Rows ``lo <= . <= hi`` with no entries yet (a master's; columns fill them)."""
+        for lo, hi in bounds:
+            self.h.addRow(float(lo), float(hi), 0, np.array([], np.int32), np.array([]))
+
+    def column(self, cost: float, entries: dict[int, float], lb: float = 0.0,
+               ub: float = math.inf, integer: bool = False) -> int:  # fmt: skip
+        """A column with objective ``cost`` and ``entries`` in existing rows; its index."""
+        idx = self.h.getNumCol()
+        self.h.addCol(float(cost), float(lb), float(ub), len(entries),
+                      np.array(list(entries), np.int32),
+                      np.array(list(entries.values()), dtype=np.float64))  # fmt: skip
+        if integer:
+            self.h.changeColIntegrality(idx, _integer())
+        return idx
+
+    def var(self, lb: float, ub: float, integer: bool = False) -> int:
+        """An empty column with no cost (a pricing variable; rows come after)."""
+        return self.column(0.0, {}, lb, ub, integer)
+
+    def row(self, lb: float, ub: float, terms: list[tuple[int, float]]) -> int:
+        """``lb <= sum coef * x[col] <= ub``; its index."""
+        idx = self.h.getNumRow()
+        add_row(self.h, lb, ub, terms)
+        return idx
+
+    def price(self, costs: np.ndarray, rel_gap: float, time_limit_s: float) -> tuple:
+        """Maximise ``costs`` (the reduced values of a new column) within the limits:
+        (the MILP's dual bound, its best objective, its solution or None when it has none)."""
+        import highspy
+
+        self.h.changeObjectiveSense(highspy.ObjSense.kMaximize)
+        self.h.changeColsCost(len(costs), np.arange(len(costs), dtype=np.int32), costs)
+        self.h.setOptionValue("mip_rel_gap", rel_gap)
+        self.h.setOptionValue("time_limit", time_limit_s)
+        self.h.run()
+        info = self.h.getInfo()
+        sol = self.h.getSolution().col_value
+        feasible = bool(sol) and int(info.primal_solution_status) == 2
+        return (
+            float(info.mip_dual_bound),
+            float(info.objective_function_value),
+            (list(sol) if feasible else None),
+        )
+
+    def solve_master(self) -> tuple[float, list[float]]:
+        """(objective, row duals) of the LP."""
+        self.h.run()
+        return self.h.getInfo().objective_function_value, list(self.h.getSolution().row_dual)
+
+
+def _integer():
+    import highspy
+
+    return highspy.HighsVarType.kInteger
+
+
+def dual_bound(
+    dual_obj: float, z_star: float, z_rmp: float, m_low: float, most_mbs: int
+) -> tuple[float, bool]:
+    """(bound, converged) of a column generation stopped with duals worth ``dual_obj``, the
+    pricing's dual bound ``z_star`` on the best reduced value and master value ``z_rmp``.
+
+    Farley's ``D / (1 + z* / M_low)`` (every pattern has ``M >= M_low > 0``, so the scaled
+    duals are feasible) or the Lagrangian ``D - m_max z*`` (a plan of ``m <= m_max``
+    micro-batches costs at least ``D - m z*``), the larger; also when "converged": the
+    convergence tolerance (and HiGHS's own, at the same scale) lets a column worth up to ``tol``
+    go unadded, so z* is taken as at least ``tol``. With a fixed cost near 1e-7 ms that column
+    is the whole difference (two 1-token sequences that share one group were priced as two
+    micro-batches, the bound above the optimum). On real batches this costs ``m_max * tol``.
+    """
+    tol = 1e-7 * max(1.0, z_rmp)
+    converged = z_star <= tol
+    z_eff = max(z_star, tol)
+    bound = max(dual_obj / (1.0 + z_eff / m_low), dual_obj - most_mbs * z_eff, 0.0)
+    if converged:
+        bound = min(z_rmp, bound)
+    return bound, converged
+
+
 def lp_lower_bound_ms(
     lengths: Sequence[int],
     cost: CostModel,
@@ -311,6 +402,78 @@ def length_classes(ids: Sequence[int], lengths: Sequence[int], rel_width: float)
     return classes
 
 
+@dataclass
+class _ConfigLp:
+    """The configuration LP's classes, master and pricing MILP (``instance_lp_bound``)."""
+
+    count: list[int]  # sequences per class
+    tk: list[list[float]]  # class time per size, at its shortest member
+    master: HighsModel
+    price: HighsModel
+    mvar: int
+    gvar: dict[int, int]  # size index -> groups of that size
+    avar: dict[tuple[int, int], int]  # (class, size index) -> sequences in groups of that size
+    w_true: float  # the batch's exact minimum work
+    m_low: float  # the cheapest pattern's makespan
+
+
+def _config_lp(inst: Instance, cost: CostModel, rel_width: float, crit_share: float) -> _ConfigLp:
+    """Classes, the master LP (rows 0..nk-1 cover classes, row nk the work row) with its first
+    columns, and the pricing MILP, built once (only its objective changes)."""
+    n_ranks, sizes, fixed = inst.world_size, inst.sizes, inst.fixed
+    classes = length_classes(range(len(inst.lengths)), inst.lengths, rel_width)
+    rep = [inst.lengths[c[0]] for c in classes]
+    count = [len(c) for c in classes]
+    nk = len(classes)
+    fits = [[j for j, d in enumerate(sizes) if rep[k] <= cost.capacity(d)] for k in range(nk)]
+    tk = [[float(np.asarray(cost.seq_ms([rep[k]], d)[0], dtype=float).item()) for d in sizes]
+          for k in range(nk)]  # fmt: skip
+    w_true = float(sum(inst.work_min))
+    best_k = [min(tk[k][j] + fixed[j] for j in fits[k]) for k in range(nk)]
+
+    master = HighsModel()
+    master.empty_rows([(float(c), math.inf) for c in count] + [(w_true, math.inf)])
+    master.column(1.0, {nk: float(n_ranks)})  # idle area: keeps the work row feasible
+    for k in range(nk):
+        j = min(fits[k], key=lambda j: tk[k][j] + fixed[j])
+        m = tk[k][j] + fixed[j]
+        master.column(m, {k: 1.0, nk: n_ranks * m - sizes[j] * fixed[j]})
+
+    price = HighsModel()
+    price.h.setOptionValue("mip_rel_gap", 1e-6)
+    mvar = price.var(0.0, math.inf)
+    gvar = {j: price.var(0.0, float(n_ranks // d), True) for j, d in enumerate(sizes)}
+    avar: dict[tuple[int, int], int] = {}
+    zvar: dict[tuple[int, int], int] = {}
+    # Only classes whose best time is at least ``crit_share`` of the longest keep integer counts
+    # and a critical-path binary; the rest are fractional and never bind M (a relaxation: more
+    # patterns, so still a bound). 0.3 made column generation several times faster than 0.05 on
+    # the suite's code-heavy-tail and bimodal batches, at the same restricted-master value.
+    critical = [best_k[k] >= crit_share * max(best_k) for k in range(nk)]
+    for k in range(nk):
+        for j in fits[k]:
+            most = min(count[k], (n_ranks // sizes[j]) * (cost.capacity(sizes[j]) // rep[k]))
+            if most <= 0:
+                continue
+            avar[k, j] = price.var(0.0, float(most), critical[k])
+            if critical[k]:
+                zvar[k, j] = price.var(0.0, 1.0, True)
+    price.row(-math.inf, float(n_ranks), [(gvar[j], float(d)) for j, d in enumerate(sizes)])
+    for j, d in enumerate(sizes):
+        terms = [(avar[k, jj], float(rep[k])) for (k, jj) in avar if jj == j]
+        if terms:
+            price.row(-math.inf, 0.0, [*terms, (gvar[j], -float(cost.capacity(d)))])
+    work = [(v, sizes[j] * tk[k][j]) for (k, j), v in avar.items()]
+    work += [(gvar[j], d * fixed[j]) for j, d in enumerate(sizes)]
+    price.row(-math.inf, 0.0, [*work, (mvar, -float(n_ranks))])
+    for (k, j), z in zvar.items():
+        v = avar[k, j]
+        price.row(-math.inf, 0.0, [(v, 1.0), (z, -float(price.h.getLp().col_upper_[v]))])
+        price.row(-math.inf, 0.0, [(z, tk[k][j] + fixed[j]), (mvar, -1.0)])
+    m_low = min(best_k)
+    return _ConfigLp(count, tk, master, price, mvar, gvar, avar, w_true, m_low)
+
+
 def instance_lp_bound(
     inst: Instance,
     cost: CostModel,
@@ -346,145 +509,45 @@ def instance_lp_bound(
 
     (``F_p``: the pattern's fixed rank-ms; ``W``: the batch's exact ``sum work_min``, which makes
     up for the rounded-down class lengths; an empty pattern with ``M = 1`` keeps it feasible.)
-    Columns come from a pricing MILP (HiGHS). When a limit stops it first, the larger of two
-    valid bounds is returned, both from the last duals (objective ``D``) and ``z*``, the pricing
-    MILP's dual bound on the best reduced value: Farley's ``D / (1 + z* / M_low)`` (every
-    pattern has ``M >= M_low > 0``, so the scaled duals are feasible), and the Lagrangian
-    ``D - m_max z*`` (a plan of ``m`` micro-batches costs at least ``D - m z*``; ``m_max`` is the
-    sequence count, or ``upper_ms / b_min`` when a plan's step time ``upper_ms`` is given, since
-    no better plan has more micro-batches than that).
+    Columns come from a pricing MILP (HiGHS). When a limit stops it first, ``dual_bound`` gives
+    a valid bound from the last duals (``m_max``: the sequence count, or ``upper_ms / b_min`` when
+    a plan's step time ``upper_ms`` is given, since no better plan has more micro-batches).
     """
-    import highspy
-
     t_end = time.perf_counter() + time_limit_s
-    n_ranks = inst.world_size
-    sizes = inst.sizes
-    classes = length_classes(range(len(inst.lengths)), inst.lengths, rel_width)
-    rep = [inst.lengths[c[0]] for c in classes]
-    count = [len(c) for c in classes]
-    nk = len(classes)
-    fits = [[j for j, d in enumerate(sizes) if rep[k] <= cost.capacity(d)] for k in range(nk)]
-    t_kd = [np.asarray(cost.seq_ms([rep[k]], d)[0], dtype=float).item() for k in range(nk)
-            for d in sizes]  # fmt: skip
-    tk = [t_kd[k * len(sizes) : (k + 1) * len(sizes)] for k in range(nk)]
-    fixed = inst.fixed
-    w_true = float(sum(inst.work_min))
-    m_low = min(tk[k][j] + fixed[j] for k in range(nk) for j in fits[k])
-
-    # Master LP: rows 0..nk-1 cover classes, row nk the work row.
-    master = quiet_highs()
-    master.setOptionValue("threads", 1)
-    for k in range(nk):
-        master.addRow(float(count[k]), highspy.kHighsInf, 0, np.array([], np.int32), np.array([]))
-    master.addRow(w_true, highspy.kHighsInf, 0, np.array([], np.int32), np.array([]))
-
-    def add_column(m: float, a: dict[int, float], fixed_rank_ms: float) -> None:
-        idx = [*a.keys(), nk]
-        val = [float(v) for v in a.values()] + [n_ranks * m - fixed_rank_ms]
-        master.addCol(m, 0.0, highspy.kHighsInf, len(idx), np.array(idx, np.int32),
-                      np.array(val, dtype=np.float64))  # fmt: skip
-
-    add_column(1.0, {}, 0.0)  # idle area: keeps the work row feasible, bounds its dual by 1/N
-    for k in range(nk):
-        j = min(fits[k], key=lambda j: tk[k][j] + fixed[j])
-        add_column(tk[k][j] + fixed[j], {k: 1}, sizes[j] * fixed[j])
-
-    # Pricing MILP, built once; only its objective changes.
-    price = quiet_highs()
-    price.setOptionValue("threads", 1)
-    price.setOptionValue("mip_rel_gap", 1e-6)
-    inf = highspy.kHighsInf
-    cols: list[tuple[str, int, int]] = []
-
-    def var(lb: float, ub: float, integer: bool, tag: tuple[str, int, int]) -> int:
-        price.addCol(0.0, lb, ub, 0, np.array([], np.int32), np.array([]))
-        idx = len(cols)
-        cols.append(tag)
-        if integer:
-            price.changeColIntegrality(idx, highspy.HighsVarType.kInteger)
-        return idx
-
-    mvar = var(0.0, inf, False, ("M", 0, 0))
-    gvar = {j: var(0.0, float(n_ranks // d), True, ("g", j, 0)) for j, d in enumerate(sizes)}
-    avar: dict[tuple[int, int], int] = {}
-    zvar: dict[tuple[int, int], int] = {}
-    best_k = [min(tk[k][j] + fixed[j] for j in fits[k]) for k in range(nk)]
-    # Only classes whose best time is at least ``crit_share`` of the longest keep integer counts
-    # and a critical-path binary; the rest are fractional and never bind M (a relaxation: more
-    # patterns, so still a bound). 0.3 made column generation several times faster than 0.05 on
-    # the suite's code-heavy-tail and bimodal batches, at the same restricted-master value.
-    critical = [best_k[k] >= crit_share * max(best_k) for k in range(nk)]
-    for k in range(nk):
-        for j in fits[k]:
-            most = min(count[k], (n_ranks // sizes[j]) * (cost.capacity(sizes[j]) // rep[k]))
-            if most <= 0:
-                continue
-            avar[k, j] = var(0.0, float(most), critical[k], ("a", k, j))
-            if critical[k]:
-                zvar[k, j] = var(0.0, 1.0, True, ("z", k, j))
-
-    def row(lb: float, ub: float, terms: list[tuple[int, float]]) -> None:
-        add_row(price, lb, ub, terms)
-
-    row(-inf, float(n_ranks), [(gvar[j], float(d)) for j, d in enumerate(sizes)])
-    for j, d in enumerate(sizes):
-        terms = [(avar[k, jj], float(rep[k])) for (k, jj) in avar if jj == j]
-        if terms:
-            row(-inf, 0.0, [*terms, (gvar[j], -float(cost.capacity(d)))])
-    work_terms = [(v, sizes[j] * tk[k][j]) for (k, j), v in avar.items()]
-    work_terms += [(gvar[j], d * fixed[j]) for j, d in enumerate(sizes)]
-    row(-inf, 0.0, [*work_terms, (mvar, -float(n_ranks))])
-    for (k, j), z in zvar.items():
-        v = avar[k, j]
-        row(-inf, 0.0, [(v, 1.0), (z, -float(price.getLp().col_upper_[v]))])
-        row(-inf, 0.0, [(z, tk[k][j] + fixed[j]), (mvar, -1.0)])
-    price.changeObjectiveSense(highspy.ObjSense.kMaximize)
-
+    n_ranks, sizes, fixed = inst.world_size, inst.sizes, inst.fixed
+    lp = _config_lp(inst, cost, rel_width, crit_share)
+    nk = len(lp.count)
     iterations, z_rmp, z_star = 0, 0.0, math.inf
     while True:
-        master.run()
-        z_rmp = master.getInfo().objective_function_value
-        duals = master.getSolution().row_dual
+        z_rmp, duals = lp.master.solve_master()
         pi = [max(0.0, float(duals[k])) for k in range(nk)]
         sigma = max(0.0, float(duals[nk]))
         remaining = t_end - time.perf_counter()
         if iterations >= max_iterations or remaining <= 0:
             break
         iterations += 1
-        costs = np.zeros(len(cols))
-        costs[mvar] = sigma * n_ranks - 1.0
+        costs = np.zeros(lp.price.h.getNumCol())
+        costs[lp.mvar] = sigma * n_ranks - 1.0
         for j, d in enumerate(sizes):
-            costs[gvar[j]] = -sigma * d * fixed[j]
-        for (k, _j), v in avar.items():
+            costs[lp.gvar[j]] = -sigma * d * fixed[j]
+        for (k, _j), v in lp.avar.items():
             costs[v] = pi[k]
-        price.changeColsCost(len(cols), np.arange(len(cols), dtype=np.int32), costs)
-        price.setOptionValue("time_limit", max(0.05, min(price_limit_s, remaining)))
-        price.run()
-        info = price.getInfo()
-        z_star = max(0.0, float(info.mip_dual_bound))  # no pattern prices above this
-        x = price.getSolution().col_value
+        limit = max(0.05, min(price_limit_s, remaining))
+        z_bound, found, x = lp.price.price(costs, 1e-6, limit)
+        z_star = max(0.0, z_bound)  # no pattern prices above this
         tol = 1e-7 * max(1.0, z_rmp)
-        if z_star <= tol or not x or float(info.objective_function_value) <= tol:
+        if z_star <= tol or not x or found <= tol:
             break  # converged, or no improving column found (then Farley's bound below)
         counts: dict[int, float] = {}
-        for (k, _j), v in avar.items():
+        for (k, _j), v in lp.avar.items():
             if x[v] > 1e-9:
                 counts[k] = counts.get(k, 0) + x[v]
-        f_p = sum(sizes[j] * fixed[j] * round(x[gvar[j]]) for j in range(len(sizes)))
-        add_column(float(x[mvar]), counts, f_p)
-    dual_obj = sum(p * c for p, c in zip(pi, count, strict=True)) + sigma * w_true
-    converged = z_star <= 1e-7 * max(1.0, z_rmp)
-    # A plan of m micro-batches costs at least dual_obj - m z*, and m <= upper / b_min.
+        f_p = sum(sizes[j] * fixed[j] * round(x[lp.gvar[j]]) for j in range(len(sizes)))
+        m = float(x[lp.mvar])
+        lp.master.column(m, {**counts, nk: n_ranks * m - f_p})
+    dual_obj = sum(p * c for p, c in zip(pi, lp.count, strict=True)) + sigma * lp.w_true
     most_mbs = len(inst.lengths)
     if upper_ms is not None and inst.min_fixed > 0:
         most_mbs = min(most_mbs, math.floor(upper_ms / inst.min_fixed))
-    # Farley's / the Lagrangian bound, also when "converged": the convergence tolerance (and
-    # HiGHS's own, at the same scale) lets a column worth up to ``tol`` go unadded, so z* is
-    # taken as at least ``tol``. With a fixed cost near 1e-7 ms that column is the whole
-    # difference (two 1-token sequences that share one group were priced as two micro-batches,
-    # the bound above the optimum). On real batches this costs at most ``m_max * tol``.
-    z_eff = max(z_star, 1e-7 * max(1.0, z_rmp))
-    bound = max(dual_obj / (1.0 + z_eff / m_low), dual_obj - most_mbs * z_eff, 0.0)
-    if converged:
-        bound = min(z_rmp, bound)
+    bound, converged = dual_bound(dual_obj, z_star, z_rmp, lp.m_low, most_mbs)
     return LpBound(bound * (1 - 1e-7), z_rmp, converged, iterations, nk)

@@ -24,11 +24,11 @@ puts each cross-node sequence at the size that shortens the step most beside sho
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from megatron_hsp.planner.search.budget import Cap
 from megatron_hsp.planner.search.greedy import RankTiler
 from megatron_hsp.planner.search.instance import Instance
 from megatron_hsp.planner.topology import Cluster
@@ -125,16 +125,17 @@ def _first_fit_by_blocks(
     cluster: Cluster,
     order: Sequence[int],
     size_of: Callable[[int], int],
-    deadline: float,
+    deadline: float | Cap,
 ) -> tuple[list[list[int]], list[int]] | None:
     """First fit of ``order`` (longest first), one group of ``size_of(i)`` each, into
     micro-batches whose aligned blocks hold every group (``RankTiler``: 32 + 24 does not tile 64
     ranks); returns the micro-batches and the ranks each uses; None past ``deadline``."""
+    cap = Cap.of(deadline)
     chunks: list[list[int]] = []
     ranks: list[int] = []
     tilers: list[RankTiler] = []
     for i in order:
-        if time.perf_counter() > deadline:
+        if cap.past("chunking"):
             return None
         d = size_of(i)
         for c in range(len(chunks)):
@@ -165,7 +166,7 @@ def chunk_long_grouped(
     inst: Instance,
     cluster: Cluster,
     m: int,
-    deadline: float = math.inf,
+    deadline: float | Cap = math.inf,
     scored_share: float | None = None,
 ) -> list[list[int]] | None:
     """Long sequences packed by rank need, similar times together; short ones fill the gaps.
@@ -345,7 +346,7 @@ def _scored_sizes(inst: Instance, cluster: Cluster, share: float = 1.0) -> dict[
 
 
 def chunk_long_sized(
-    inst: Instance, cluster: Cluster, m: int, deadline: float = math.inf
+    inst: Instance, cluster: Cluster, m: int, deadline: float | Cap = math.inf
 ) -> list[list[int]] | None:
     """Cross-node sequences at ``cross_node_size``, first-fit decreasing into micro-batches
     whose aligned blocks hold them; every other sequence, longest first, where the estimated

@@ -12,9 +12,9 @@ lightest micro-batch is merged into another wherever that saves time (``_merge_l
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
+from megatron_hsp.planner.search.budget import Cap
 from megatron_hsp.planner.search.greedy import schedule_microbatch
 from megatron_hsp.planner.search.instance import GroupSpec, Instance
 from megatron_hsp.planner.topology import Cluster
@@ -65,7 +65,7 @@ MERGE_TRIES = 8
 
 
 def _merge_lightest(
-    inst: Instance, cluster: Cluster, mbs: list[Scheduled], deadline: float
+    inst: Instance, cluster: Cluster, mbs: list[Scheduled], cap: Cap
 ) -> tuple[bool, int]:
     """Empty the shortest micro-batch into another whose schedule grows by less than it lasts;
     (merged, schedules evaluated).
@@ -85,7 +85,7 @@ def _merge_lightest(
                    key=lambda b: (-spare[b], b))  # fmt: skip
     evals = 0
     for b in order[:MERGE_TRIES]:
-        if time.perf_counter() >= deadline:
+        if cap.past("improve"):
             break
         need = (mbs[a][0] + mbs[b][0]) * (1 - 1e-6)
         joined = members[b] + out
@@ -104,29 +104,32 @@ def improve(
     inst: Instance,
     cluster: Cluster,
     microbatches: list[Scheduled],
-    deadline: float,
+    deadline: float | Cap,
     max_evals: int = 120,
     top: int = 6,
     merge: bool = True,
 ) -> tuple[list[Scheduled], int]:
     """First-improvement descent; returns the micro-batches and the schedules evaluated.
-    ``merge``: micro-batches may be merged (not when their count must stay a multiple)."""
+    ``merge``: micro-batches may be merged (not when their count must stay a multiple).
+    ``max_evals`` limits the work; ``deadline`` (a ``budget.now()`` value or a ``Cap``) is only a
+    safety cap."""
+    cap = Cap.of(deadline)
     mbs = list(microbatches)
     evals = 0
     room = inst.world_size * inst.cap
     # Past the deadline already (huge batches spend the budget in the greedy phase): the first
     # move would be refused anyway, after sorting every micro-batch (costly at 100k sequences).
-    improved = len(mbs) > 1 and time.perf_counter() < deadline
+    improved = len(mbs) > 1 and not cap.past("improve")
     while merge and improved and len(mbs) > 1 and evals < max_evals:
-        improved, spent = _merge_lightest(inst, cluster, mbs, deadline)
+        improved, spent = _merge_lightest(inst, cluster, mbs, cap)
         evals += spent
-    improved = len(mbs) > 1 and time.perf_counter() < deadline
+    improved = len(mbs) > 1 and not cap.past("improve")
     while improved:
         improved = False
         members = [_ids(mb) for mb in mbs]
         tokens = [sum(inst.lengths[i] for i in ids) for ids in members]
         for a, b, out, in_k in _moves(inst, members, [s for s, _ in mbs], top):
-            if evals >= max_evals or time.perf_counter() >= deadline:
+            if evals >= max_evals or cap.past("improve"):
                 return mbs, evals
             delta = sum(inst.lengths[i] for i in out) - (0 if in_k is None else inst.lengths[in_k])
             if tokens[b] + delta > room or (in_k is None and len(members[a]) == len(out)):

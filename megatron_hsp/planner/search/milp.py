@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import pulp
 
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.search.budget import Cap
 from megatron_hsp.planner.search.greedy import groups_fit, groups_makespan
 from megatron_hsp.planner.search.highs import silence_banner
 from megatron_hsp.planner.search.instance import GroupSpec, Instance
@@ -95,16 +96,19 @@ def solve_microbatch(
     seed: int = 0,
     max_buckets: int = 16,
     max_nodes: int = 300,
-) -> tuple[float, list[GroupSpec] | None, bool]:
-    """(makespan, groups, proven): the MILP's schedule if it beats ``incumbent``, else None.
+) -> tuple[float, list[GroupSpec] | None, bool, bool]:
+    """(makespan, groups, proven, timed_out): the MILP's schedule if it beats ``incumbent``,
+    else None.
 
     ``proven`` says the solver proved its bucketed model optimal (or that nothing beats the
-    incumbent), so the caller may stop refining this micro-batch.
+    incumbent), so the caller may stop refining this micro-batch. ``timed_out``: the wall-clock
+    ``time_limit_s``, not the node limit, ended the solve (HiGHS's model status; CBC's run as
+    long as its limit).
     """
     sizes, nsz, n = inst.sizes, len(inst.sizes), inst.world_size
     floor = inst.microbatch_floor(seq_ids)
     if incumbent <= floor * (1 + 1e-6):
-        return incumbent, None, True
+        return incumbent, None, True, False
     buckets = buckets_of(inst, seq_ids, max_buckets)
     prob = pulp.LpProblem("hsp_microbatch", pulp.LpMinimize)
     big_m = incumbent
@@ -152,25 +156,30 @@ def solve_microbatch(
                 prob += var <= len(buckets[k]) * v, f"use_{k}_{j}"
                 prob += mk >= tmax * v, f"crit_{k}_{j}"
     solver = _make_solver(backend, time_limit_s, seed, max_nodes)
+    started = time.monotonic()  # not the search's clock: the solver's limit is real seconds
     stats = prob.solve(solver)
     proven = stats.status == pulp.LpSolveStatus.Optimal
+    if backend == "highs":
+        timed_out = str(prob.solverModel.getModelStatus()).endswith("kTimeLimit")
+    else:
+        timed_out = not proven and time.monotonic() - started >= solver.timeLimit * (1 - 1e-3)
     if not stats.has_solution or any(v.varValue is None for v in x.values()):
-        return incumbent, None, proven
+        return incumbent, None, proven, timed_out
     counts = {key: round(var.varValue or 0) for key, var in x.items()}
     n_groups = {j: round(pulp.value(n_expr[j]) or 0) for j in range(nsz)}
     groups = _realise(inst, buckets, counts, n_groups)
     if groups is None or not groups_fit(inst, groups, cluster):
-        return incumbent, None, proven
+        return incumbent, None, proven, timed_out
     span = groups_makespan(inst, groups)
     if span < incumbent - 1e-9:
-        return span, groups, proven
-    return incumbent, None, proven
+        return span, groups, proven, timed_out
+    return incumbent, None, proven, timed_out
 
 
 def _make_solver(backend: str, time_limit_s: float, seed: int, max_nodes: int) -> pulp.LpSolver:
     """One thread, fixed seed and a node limit: the same input gives the same answer unless the
     wall-clock limit (a safety net sized by the caller's budget) cuts in first."""
-    limit = max(_MIN_SOLVE_S, time_limit_s)
+    limit = max(_MIN_SOLVE_S, time_limit_s) if math.isfinite(time_limit_s) else None
     if backend == "cbc":
         return pulp.COIN_CMD(
             path=require_cbc(),
@@ -189,6 +198,11 @@ def _make_solver(backend: str, time_limit_s: float, seed: int, max_nodes: int) -
         random_seed=seed,
         mip_rel_gap=1e-3,
         mip_max_nodes=max_nodes,
+        # HiGHS's sub-MIP heuristics took 1 s of CPU within 10 nodes on a code-heavy-tail
+        # micro-batch (ZeRO-1 Llama 3 8B, 64 GPUs) and found nothing the node search missed:
+        # without them the node limit bounds the work (docs/results/solver.md).
+        mip_heuristic_run_rins=False,
+        mip_heuristic_run_rens=False,
     )
 
 
@@ -240,20 +254,23 @@ def refine_microbatches(
     inst: Instance,
     cluster: Cluster,
     microbatches: list[tuple[float, list[GroupSpec]]],
-    deadline: float,
+    deadline: float | Cap,
     backend: str = "highs",
     seed: int = 0,
     max_buckets: int = 16,
-    slice_s: float = 0.25,
+    slice_s: float = math.inf,
     max_nodes: int = 300,
     min_gap: float = 0.03,
     max_solves: int | None = None,
 ) -> tuple[list[tuple[float, list[GroupSpec]]], str, dict[str, int]]:
-    """Run the MILP on each micro-batch, biggest gap to its floor first, until the deadline.
+    """Run the MILP on each micro-batch, biggest gap to its floor first.
 
-    ``max_solves``: at most this many MILPs (None: no limit); the rest keep their greedy
-    schedules and count as ``skipped_limit`` (a work limit, so results do not depend on the
-    machine's speed, unlike the deadline).
+    Work is limited by counts: ``max_solves`` MILPs at most (None: no limit; the rest keep their
+    greedy schedules and count as ``skipped_limit``) and ``max_nodes`` branch-and-bound nodes
+    each, on one thread with a fixed seed, so results do not depend on the machine's speed.
+    ``deadline`` (a ``budget.now()`` value or a ``Cap``) and ``slice_s`` (per MILP) are safety
+    caps only: a MILP they stop, or one they leave out, is recorded on the cap (``milp``) and
+    counted in ``cut_by_cap``.
 
     Micro-batches within ``min_gap`` of their floor are left alone: the MILP rarely finds the
     last percent and costs tens of milliseconds each.
@@ -274,8 +291,10 @@ def refine_microbatches(
         "skipped_budget": 0,
         "skipped_limit": 0,
         "near_floor": 0,
+        "cut_by_cap": 0,
     }
-    for pos, b in enumerate(order):
+    cap = Cap.of(deadline)
+    for b in order:
         span, groups = out[b]
         if span <= floors[b] * (1 + min_gap):
             stats["near_floor"] += 1
@@ -283,16 +302,19 @@ def refine_microbatches(
         if max_solves is not None and stats["solved"] >= max_solves:
             stats["skipped_limit"] += 1
             continue
-        left = deadline - time.perf_counter()
-        share = min(left / (len(order) - pos), slice_s)
+        share = min(cap.left(), slice_s)
         if share < _MIN_SOLVE_S:
+            cap.mark("milp")  # the cap, not a count, left this micro-batch out
             stats["skipped_budget"] += 1
             continue
         ids = [i for _, g in groups for i in g]
         stats["solved"] += 1
-        new_span, new_groups, proven = solve_microbatch(
+        new_span, new_groups, proven, timed_out = solve_microbatch(
             inst, cluster, ids, span, share, backend, seed, max_buckets, max_nodes
         )
+        if timed_out:
+            stats["cut_by_cap"] += 1
+            cap.mark("milp")
         stats["proven"] += int(proven)
         if new_groups is not None:
             out[b] = (new_span, new_groups)

@@ -17,6 +17,7 @@ What is *not* a knob lives elsewhere: the cluster (``topology.Cluster``) and the
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from megatron_hsp.planner.cost.pipeline import PipelineSpec
@@ -27,9 +28,11 @@ from megatron_hsp.planner.errors import InputError
 SOLVERS = ("highs", "cbc", "greedy")
 MILP_SOLVERS = ("highs", "cbc")
 DEFAULT_SOLVER = "highs"
-# Wall-clock budget per plan: the step it plans runs for seconds, and the plan of step t+1 is
-# solved while step t trains (``step/planner_service.py``).
-DEFAULT_TIME_BUDGET_S = 1.0
+# Wall-clock safety cap per plan. Counts limit the search (``SolverConfig``); at 64 GPUs they take
+# 0.1-0.8 s of CPU, so a 1 s cap cut plans on a loaded machine and the plan depended on the load
+# (issue 30). 5 s leaves room for a machine several times slower; the step it plans runs for
+# seconds, and the plan of step t+1 is solved while step t trains (``step/planner_service.py``).
+DEFAULT_TIME_BUDGET_S = 5.0
 # The fallback planner's budget when a background plan is late (greedy only, so it answers in
 # about this long whatever made the full search slow).
 FALLBACK_TIME_BUDGET_S = 0.2
@@ -39,24 +42,44 @@ BACKENDS = MILP_SOLVERS
 CHUNKINGS = ("time-lpt", "contiguous-tokens", "long-grouped", "long-sized")
 
 
+# The batch size the greedy, local-search and MILP counts are given for. Each candidate schedules
+# every sequence and each local-search evaluation about a micro-batch's worth, so above it the
+# counts shrink in proportion (at 8192 sequences no MILP: one took seconds at 1024 GPUs), keeping
+# solves at 1024-16384 GPUs about as long as when a 1 s budget stopped them
+# (docs/results/solver.md).
+WORK_REFERENCE_SEQUENCES = 512
+
+
+def scaled_count(count: int, sequences: int) -> int:
+    """``count`` (given at ``WORK_REFERENCE_SEQUENCES`` sequences) for a batch of ``sequences``:
+    unchanged up to the reference, in proportion above it (0 once it rounds down)."""
+    if sequences <= WORK_REFERENCE_SEQUENCES:
+        return count
+    return count * WORK_REFERENCE_SEQUENCES // sequences
+
+
 @dataclass(frozen=True)
 class SolverConfig:
     """How hard and with what to search. Defaults suit per-step planning during training."""
 
     backend: str = DEFAULT_SOLVER  # MILP solver: "highs" (highspy) or "cbc" (COIN-OR CBC binary)
-    time_budget_s: float = DEFAULT_TIME_BUDGET_S  # hard wall-clock budget for the whole solve
+    # Wall-clock safety cap for the whole solve: the counts below limit the search; a plan the
+    # cap cut says so (``plan.extra["cut_by_cap"]``, ``planner/search/budget.py``).
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S
     sizes: tuple[int, ...] | None = None  # allowed group sizes; None: all that tile and are costed
     seed: int = 0  # MILP solver random seed
     extra_microbatches: int = 3  # counts tried above the memory minimum
     chunkings: tuple[str, ...] = CHUNKINGS  # candidate chunkings (see chunking.py)
     use_milp: bool = True  # False: greedy only (status "heuristic")
     max_buckets: int = 16  # length buckets per micro-batch in the MILP
-    # Work limits keep results deterministic; the wall-clock budget is the safety net.
+    # Work limits keep results deterministic; the wall-clock budget is the safety net. The
+    # candidate, evaluation and MILP counts are per WORK_REFERENCE_SEQUENCES sequences
+    # (``scaled_count``).
+    max_candidates: int = 64  # greedy (count, chunking) candidates scheduled
     improve_evals: int = 60  # local-search schedule evaluations between micro-batches
-    improve_share: float = 0.4  # at most this share of the budget goes to local search
     milp_max_nodes: int = 100  # branch-and-bound nodes per micro-batch MILP
     milp_min_gap: float = 0.03  # skip the MILP for micro-batches this close to their floor
-    milp_slice_s: float = 0.25  # wall-clock cap per micro-batch MILP
+    milp_slice_s: float = math.inf  # wall-clock safety cap per micro-batch MILP (and the budget)
     # Micro-batch MILPs per solve, biggest gap to the floor first (past the first two they
     # gained little at several times the solve time; measured in docs/results/solver.md).
     milp_max_microbatches: int = 2

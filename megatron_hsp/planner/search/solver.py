@@ -39,7 +39,9 @@ from megatron_hsp.planner.cost.pipeline import (
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.groupspace import planning_sizes
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
+from megatron_hsp.planner.search import budget
 from megatron_hsp.planner.search.bounds import instance_lower_bound
+from megatron_hsp.planner.search.budget import Cap
 from megatron_hsp.planner.search.chunking import (
     candidate_counts,
     chunk_contiguous,
@@ -55,7 +57,7 @@ from megatron_hsp.planner.search.greedy import (
 from megatron_hsp.planner.search.improve import improve
 from megatron_hsp.planner.search.instance import GroupSpec, Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.search.milp import refine_microbatches, require_cbc
-from megatron_hsp.planner.search.settings import BACKENDS, CHUNKINGS, SolverConfig
+from megatron_hsp.planner.search.settings import BACKENDS, CHUNKINGS, SolverConfig, scaled_count
 from megatron_hsp.planner.topology import Cluster
 
 # ``long-grouped:scored`` candidates: the longest of these shares of the sequences whose scored
@@ -80,10 +82,10 @@ def solve(
 ) -> Plan:
     """Plan one global batch: micro-batches, group sizes and placement, sequence assignment."""
     start, cpu_start = time.perf_counter(), time.process_time()
-    budget = max(0.0, config.time_budget_s)
-    deadline = start + budget
-    # Plan assembly and validation run after the search: keep a slice of the budget for them.
-    search_deadline = deadline - min(0.15 * budget, 0.15)
+    budget_s = max(0.0, config.time_budget_s)
+    # Counts limit the search (``SolverConfig``); the budget is a safety cap on wall clock, less
+    # a slice kept for plan assembly and validation. Stages it cuts end up in ``cut_by_cap``.
+    cap = Cap(budget.now() + budget_s - min(0.15 * budget_s, 0.15))
     if config.backend not in BACKENDS:
         raise InputError(f"unknown solver backend {config.backend!r}; choose from {BACKENDS}")
     if not config.chunkings or set(config.chunkings) - set(CHUNKINGS):
@@ -99,14 +101,14 @@ def solve(
     checked = check_lengths(lengths, cost, sizes)
     pipe = _pipeline(config, cost, len(checked))
     inst = Instance.build(checked, cost, cluster, sizes)
-    bound = instance_lower_bound(inst, deadline=search_deadline)
+    bound = instance_lower_bound(inst, deadline=cap)
 
     phases = {"setup": time.perf_counter() - start}
-    starts = _greedy_candidates(inst, cluster, config, search_deadline, pipe)
+    starts, candidates = _greedy_candidates(inst, cluster, config, cap, pipe)
     best = starts[0]
     phases["greedy"] = time.perf_counter() - start
-    if config.improve_evals > 0:
-        improve_until = min(search_deadline, time.perf_counter() + config.improve_share * budget)
+    improve_evals = scaled_count(config.improve_evals, len(checked))
+    if improve_evals > 0:
         # Local search from the best start and from the runner-up of another chunking: the
         # descent ends in different optima (lognormal-dcp: 0.3% behind before it, 1.4% ahead
         # after).
@@ -115,18 +117,15 @@ def solve(
                 inst,
                 cluster,
                 cand.microbatches,
-                improve_until,
-                max_evals=config.improve_evals,
+                cap,
+                max_evals=improve_evals,
                 merge=pipe is None,  # a pipeline's count stays a multiple of its stages
             )
             cand.total = _objective(cand.microbatches, pipe)
         best = min(starts, key=lambda c: c.total)
-    if pipe is not None and config.improve_evals > 0:
-        balance_until = min(
-            search_deadline, time.perf_counter() + 0.5 * config.improve_share * budget
-        )
+    if pipe is not None and improve_evals > 0:
         best.microbatches = _balance_for_pipeline(
-            inst, cluster, best.microbatches, pipe, balance_until, config.improve_evals
+            inst, cluster, best.microbatches, pipe, cap, improve_evals
         )
         best.total = _objective(best.microbatches, pipe)
     phases["improve"] = time.perf_counter() - start
@@ -138,14 +137,14 @@ def solve(
             inst,
             cluster,
             best.microbatches,
-            search_deadline,
+            cap,
             backend=config.backend,
             seed=config.seed,
             max_buckets=config.max_buckets,
             slice_s=config.milp_slice_s,
             max_nodes=config.milp_max_nodes,
             min_gap=config.milp_min_gap,
-            max_solves=config.milp_max_microbatches,
+            max_solves=scaled_count(config.milp_max_microbatches, len(checked)),
         )
         best.total = _objective(best.microbatches, pipe)
     phases["milp"] = time.perf_counter() - start
@@ -163,6 +162,10 @@ def solve(
         **plan.extra,
         "cpu_ms": round((time.process_time() - cpu_start) * 1e3, 3),
         "milp": milp_stats,
+        # Stages the wall-clock cap stopped before their counts did (empty: the counts alone
+        # decided this plan, so the same inputs give it on any machine).
+        "cut_by_cap": list(cap.cut),
+        "candidates": candidates,  # greedy candidates scheduled (a count limit)
         # Wall-clock ms at the end of each phase, for budget diagnostics.
         "phase_end_ms": {k: round(v * 1e3, 3) for k, v in phases.items()},
     }
@@ -215,7 +218,7 @@ def _balance_for_pipeline(
     cluster: Cluster,
     mbs: list[tuple[float, list[GroupSpec]]],
     pipe: PipelineSpec,
-    deadline: float,
+    cap: Cap | float,
     max_evals: int,
 ) -> list[tuple[float, list[GroupSpec]]]:
     """Move single sequences from the longest micro-batches to the shortest while the
@@ -227,11 +230,12 @@ def _balance_for_pipeline(
     two micro-batches greedily and is kept only if the pipelined step (quick order) improves;
     the MILP afterwards can only shorten micro-batches, which never lengthens the pipeline.
     """
+    cap = Cap.of(cap)
     out = list(mbs)
     current = _objective(out, pipe)
     evals = 0
     improved = True
-    while improved and evals < max_evals and time.perf_counter() < deadline:
+    while improved and evals < max_evals and not cap.past("improve"):
         improved = False
         order = sorted(range(len(out)), key=lambda b: -out[b][0])
         for a in order[: max(1, len(out) // 4)]:
@@ -242,7 +246,7 @@ def _balance_for_pipeline(
                 if b == a or out[b][0] >= out[a][0]:
                     continue
                 for i in ids:
-                    if evals >= max_evals or time.perf_counter() > deadline:
+                    if evals >= max_evals or cap.past("improve"):
                         return out
                     evals += 1
                     left = schedule_microbatch(inst, [j for j in ids if j != i], cluster)
@@ -293,14 +297,18 @@ def _greedy_candidates(
     inst: Instance,
     cluster: Cluster,
     config: SolverConfig,
-    deadline: float,
+    cap: Cap | float,
     pipe: PipelineSpec | None = None,
-) -> list[_Candidate]:
-    """Try every (count, chunking) candidate; the first always completes, others while in time.
+) -> tuple[list[_Candidate], int]:
+    """Try (count, chunking) candidates up to ``config.max_candidates`` schedules (scaled,
+    ``scaled_count``); the first always completes, the cap (``greedy``) only cuts a search that
+    overruns it.
 
     Returns the best, then the best of another chunking kind when it is within
-    ``RUNNER_UP_WITHIN`` of it (local search starts from both).
+    ``RUNNER_UP_WITHIN`` of it (local search starts from both), and the candidates scheduled.
     """
+    cap = Cap.of(cap)
+    max_candidates = max(1, scaled_count(config.max_candidates, len(inst.lengths)))
     best: _Candidate | None = None
     by_kind: dict[str, _Candidate] = {}
     extra = config.extra_microbatches
@@ -319,22 +327,37 @@ def _greedy_candidates(
     # Whether the long-grouped candidate with every sequence scored could beat the best (its
     # floors below it); partial shares are built only then.
     scored_open = False
+    # Per-kind climb: the every-count chunkings that have not fitted at any count yet (``unfit``
+    # collects the labels that did not fit at this count). The climb goes on while one of them
+    # has yet to fit with floors below the best: on long-heavy batches contiguous chunking fits
+    # only well above the count where ``long-grouped`` wins, and is best there (sft-long-mix,
+    # ZeRO-1: fits from 67 micro-batches, 0.6% ahead; the climb used to stop at 64).
+    never_fit = {k for k in EVERY_COUNT_CHUNKINGS if k in config.chunkings}
 
     def past() -> bool:
-        """A plan in hand, no rescue running, and the deadline gone: stop searching."""
-        return best is not None and not rescue and time.perf_counter() > deadline
+        """A plan in hand, no rescue running, and the candidates or the cap spent: stop."""
+        if best is None or rescue:
+            return False
+        return tried >= max_candidates or cap.past("greedy")
 
     def open_() -> bool:
         return scored_open
 
     while True:
-        # The first candidate always runs, so its chunking ignores the deadline too.
-        until = deadline if best is not None and not rescue else math.inf
+        # The first candidate always runs, so its chunking ignores the cap too.
+        until: Cap | float = cap if best is not None and not rescue else math.inf
         first = m == counts[0]
-        chunkings = _chunkings(inst, cluster, m, config.chunkings, first, until, past, open_)
+        kinds = config.chunkings
+        if m > counts[-1] and best_m < m - 2:  # climbing only for kinds yet to fit: build those
+            kinds = tuple(k for k in kinds if k in never_fit)
+        chunkings = _chunkings(inst, cluster, m, kinds, first, until, past, open_)
+        unfit: set[str] = set()
         for label, chunks in chunkings:
             cutoff = best.total if best is not None else float("inf")
-            cand = _schedule_chunks(inst, cluster, chunks, label, cutoff)
+            cand = _schedule_chunks(inst, cluster, chunks, label, cutoff, unfit)
+            kind = label.split("/")[0]
+            if label not in unfit and kind in never_fit:
+                never_fit.discard(kind)  # fitted, or its floors already above the best
             if cand is not None and pipe is not None:
                 # A pipelined step is at least the sum, so the sum-based cutoff stays valid.
                 fitted = _fit_multiple(inst, cluster, cand.microbatches, pipe.microbatch_multiple)
@@ -356,20 +379,19 @@ def _greedy_candidates(
                 scored_open = cand is not None or (
                     sum(inst.microbatch_floor(c) for c in chunks) < cutoff
                 )
-            if cand is not None:
-                kind = cand.label.split("/")[0]
-                if kind not in by_kind or cand.total < by_kind[kind].total:
-                    by_kind[kind] = cand
+            if cand is not None and (kind not in by_kind or cand.total < by_kind[kind].total):
+                by_kind[kind] = cand
         if past():
-            return _with_runner_up(best, by_kind)
+            return _with_runner_up(best, by_kind), tried
         if rescue and m > counts[0]:
             rescue = False  # one further count done
         if best is not None and m >= counts[-1]:
             # Past the counts near the memory floor, climb while the best is at the last count
             # or the one before: on long-heavy batches the best count can lie well above the
             # floor (memory-bound groups pool or expand better with fewer sequences each).
-            if best_m < m - 1 or m >= len(inst.lengths) or time.perf_counter() > deadline:
-                return _with_runner_up(best, by_kind)
+            climbing = best_m >= m - 1 or never_fit
+            if not climbing or m >= len(inst.lengths) or past():
+                return _with_runner_up(best, by_kind), tried
             m += 1
             continue
         # Past the deadline with nothing yet: double the count (one schedule per doubling) up to
@@ -378,7 +400,7 @@ def _greedy_candidates(
         # 1024 GPUs, many times the step time of the next feasible count.
         if m >= len(inst.lengths):
             break
-        late = time.perf_counter() > deadline and not rescue
+        late = not rescue and cap.past("greedy")
         m = min(len(inst.lengths), 2 * m) if late else m + 1
     if best is None and not set(config.chunkings) & set(EVERY_COUNT_CHUNKINGS):
         # long-grouped and long-sized are built once, for some batches only.
@@ -388,7 +410,7 @@ def _greedy_candidates(
         )
     if best is None:  # one sequence per micro-batch always fits: check_lengths guaranteed it
         raise InfeasibleError("no schedule found even with one sequence per micro-batch")
-    return _with_runner_up(best, by_kind)
+    return _with_runner_up(best, by_kind), tried
 
 
 # A runner-up start for local search must be this close to the best greedy candidate.
@@ -410,7 +432,7 @@ def _chunkings(
     m: int,
     kinds: tuple[str, ...],
     first: bool,
-    deadline: float = math.inf,
+    deadline: Cap | float = math.inf,
     stop: Callable[[], bool] | None = None,
     scored_open: Callable[[], bool] | None = None,
 ) -> Iterator[tuple[str, list[list[int]]]]:
@@ -464,9 +486,15 @@ def _chunkings(
 
 
 def _schedule_chunks(
-    inst: Instance, cluster: Cluster, chunks: list[list[int]], label: str, cutoff: float
+    inst: Instance,
+    cluster: Cluster,
+    chunks: list[list[int]],
+    label: str,
+    cutoff: float,
+    unfit: set[str] | None = None,
 ) -> _Candidate | None:
-    """Greedy schedule of each chunk; None if infeasible or provably no better than ``cutoff``."""
+    """Greedy schedule of each chunk; None if infeasible (``label`` then goes into ``unfit``)
+    or provably no better than ``cutoff``."""
     floors = [inst.microbatch_floor(c) for c in chunks]
     if sum(floors) >= cutoff:
         return None
@@ -476,6 +504,8 @@ def _schedule_chunks(
     for b, chunk in enumerate(chunks):
         got = schedule_microbatch(inst, chunk, cluster, hint=hint)
         if got is None:
+            if unfit is not None:
+                unfit.add(label)
             return None
         hint = got[0] / floors[b] if floors[b] > 0 else None
         mbs.append(got)

@@ -230,7 +230,7 @@ def test_pipeline_balancing_never_worse_and_keeps_every_sequence():
     lengths = check_lengths(_batch(60, seed=11), cost, resolve_sizes(cost, plane, None))
     inst = Instance.build(lengths, cost, plane, resolve_sizes(cost, plane, None))
     cfg = PlannerSettings(pp=4).solver_config()
-    cand = solver_mod._greedy_candidates(inst, plane, cfg, math.inf, spec)[0]
+    cand = solver_mod._greedy_candidates(inst, plane, cfg, math.inf, spec)[0][0]
     before = solver_mod._objective(cand.microbatches, spec)
     after_mbs = solver_mod._balance_for_pipeline(inst, plane, cand.microbatches, spec, math.inf, 60)
     assert solver_mod._objective(after_mbs, spec) <= before + 1e-9
