@@ -358,7 +358,7 @@ def price_baseline(plan: Plan, cost: CostModel, pipeline: PipelineSpec) -> Plan:
     """A baseline's plan under the pipeline, in its scheduler's order: every pass (a plan's
     micro-batch; a Megatron CP group's sub-samples are one pass each) is a pipeline micro-batch,
     priced by the stage model's execution model (every pass a barrier), as hsp's are."""
-    return price_plan(price(plan, cost), pipeline, reorder=False)
+    return price_plan(price(plan, cost, pipelined=True), pipeline, reorder=False)
 
 
 def _piped_degrees(

@@ -44,13 +44,15 @@ def layout_key(mb: MicroBatch) -> tuple[tuple[int, ...], ...]:
     return tuple(sorted(g.ranks for g in mb.groups))
 
 
-def segments(plan: Plan, cost: CostModel) -> list[range]:
-    """Runs of micro-batch indices that execute without a barrier between them (module doc)."""
+def segments(plan: Plan, cost: CostModel, pipelined: bool = False) -> list[range]:
+    """Runs of micro-batch indices that execute without a barrier between them (module doc);
+    ``pipelined``: every pass is a pipeline micro-batch, hence a barrier."""
     out: list[range] = []
     start = 0
     mbs = plan.microbatches
     for i in range(1, len(mbs) + 1):
-        if i == len(mbs) or cost.pass_barrier or layout_key(mbs[i]) != layout_key(mbs[start]):
+        barrier = cost.pass_barrier or pipelined
+        if i == len(mbs) or barrier or layout_key(mbs[i]) != layout_key(mbs[start]):
             out.append(range(start, i))
             start = i
     return out
@@ -64,16 +66,17 @@ def pass_ms(group: Group, cost: CostModel, ring: str = "overlap") -> float:
     return cost.group_ms(group.lengths, group.size, split, ring)
 
 
-def price(plan: Plan, cost: CostModel, ring: str = "overlap") -> Plan:
+def price(plan: Plan, cost: CostModel, ring: str = "overlap", *, pipelined: bool = False) -> Plan:
     """``plan`` with every estimate set by the execution model (the one price function).
 
     A group's ``est_ms`` is its pass time; a micro-batch's ``est_ms`` is how much it lengthens
     its segment (the segment's finish after this pass minus before it, so the micro-batches'
     sum is the step's price); ``est_step_ms`` is the sum over segments. ``ring`` is
-    ``CostModel.seq_ms``'s sensitivity knob, for baselines' ring groups only.
+    ``CostModel.seq_ms``'s sensitivity knob, for baselines' ring groups only. ``pipelined``:
+    price each pass on its own, for ``cost/pipeline.py``'s schedule to order.
     """
     microbatches: list[MicroBatch] = []
-    for seg in segments(plan, cost):
+    for seg in segments(plan, cost, pipelined):
         done: dict[tuple[int, ...], float] = {}
         finish = 0.0
         for m in seg:

@@ -162,12 +162,13 @@ def solve(
         best.total = _objective(best.microbatches, pipe)
     phases["milp"] = time.perf_counter() - start
     plan = _assemble(inst, cluster, cost, best, bound, 0.0, config, status)
-    plan = price(plan if pipe is not None else group_by_layout(plan), cost)
     if pipe is not None:
-        plan = price_plan(plan, pipe)
+        plan = price_plan(price(plan, cost, pipelined=True), pipe)
         plan = replace(
             plan, lower_bound_ms=pipeline_lower_bound(bound, min(inst.best), pipe.pp, pipe.vpp)
         )
+    else:  # equal layouts together share a segment; the order is kept where passes are barriers
+        plan = price(plan if cost.pass_barrier else group_by_layout(plan), cost)
     if baselines:
         plan = _no_worse_than_homogeneous(plan, checked, cost, cluster, sizes, pipe)
     plan.validate(checked, cost, cluster.world_size)
@@ -571,7 +572,7 @@ def _no_worse_than_homogeneous(
     for name, cand in homogeneous_plans(lengths, cost, cluster, sizes).items():
         if pipe is not None:
             try:
-                cand = price_plan(cand, pipe)
+                cand = price_plan(price(cand, cost, pipelined=True), pipe)
             except InputError:  # a count the interleaved schedule refuses
                 continue
         scored.append((cand.est_step_ms, name, cand))
