@@ -26,10 +26,6 @@ def variants(gpus_per_node: int) -> list[tuple[str, RingAssumptions]]:
     return [
         ("same rule as hsp: ring overlapped with attention (cost model)", RingAssumptions()),
         (
-            "same rule, fixed cost per sub-sample pass",
-            RingAssumptions(fixed_per_sequence=True),
-        ),
-        (
             "ring traffic fully hidden (most favourable to Megatron)",
             RingAssumptions("fully-hidden"),
         ),

@@ -39,7 +39,6 @@ from megatron_hsp.commands.common import build_setup
 from megatron_hsp.evaluation.baselines import (
     RingAssumptions,
     dp_balanced_best_degree,
-    memory_model_for,
     static_best_degree,
 )
 from megatron_hsp.evaluation.bench import price_baseline
@@ -151,7 +150,7 @@ def _best_pack(args: argparse.Namespace, steps: int, method: str) -> tuple[float
             except InputError:  # a count the interleaved schedule refuses
                 continue
             for p, b in zip(priced, batches, strict=True):
-                p.validate(b.tolist(), memory_model_for(p, setup.cost), setup.cluster.world_size)
+                p.validate(b.tolist(), setup.cost, setup.cluster.world_size)
             total = sum(p.est_step_ms for p in priced) / 1e3
             if best is None or total < best[0]:
                 best = (total, k, d)

@@ -126,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="hsp's (and flexsp-style's) wall-clock budget per batch, passed to bench (default: "
+        "bench's); a larger one keeps a loaded machine from cutting the search short",
+    )
+    ap.add_argument(
         "--only",
         nargs="*",
         default=None,
@@ -180,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--steps", str(args.steps), "--sampling", "sequential", "--methods",
                 args.methods, "--overlong", "drop", "--json", str(out),
             ]  # fmt: skip
+            if args.time_budget is not None:
+                cmd += ["--time-budget", str(args.time_budget)]
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if proc.returncode != 0:
                 print(f"| {name} | failed: {proc.stderr.strip().splitlines()[-1]} |")

@@ -14,7 +14,6 @@ from megatron_hsp.commands.megatron_args import (
     setup_from_args,
     unknown_flags_message,
 )
-from megatron_hsp.evaluation.baselines import memory_model_for
 from megatron_hsp.evaluation.bench import (
     hsp_plan_fn,
     lower_bound_fn,
@@ -90,7 +89,7 @@ def make_plan(args: argparse.Namespace, setup: Setup | None = None) -> Plan:
         # Baselines run in the order their schedulers emit (evaluation/bench.py).
         plan = price_baseline(plan, cost, setup.pipeline)
     elapsed = (time.perf_counter() - t0) * 1e3
-    plan.validate(lengths.tolist(), memory_model_for(plan, cost), cluster.world_size)
+    plan.validate(lengths.tolist(), cost, cluster.world_size)
     lb = plan.lower_bound_ms
     if not lb:
         fn = lower_bound_fn(cost, cluster, setup.sizes)

@@ -42,164 +42,19 @@ import numpy as np
 from megatron_hsp.planner.cost.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.groupspace import largest_ulysses
-from megatron_hsp.planner.plan import Group, MicroBatch, Plan
+from megatron_hsp.planner.plan import Plan
+
+# The layouts live in the planner (``solve`` scores them too); re-exported under their old names.
+from megatron_hsp.planner.search.homogeneous import FLEXSP_BIN_FILL as FLEXSP_BIN_FILL
+from megatron_hsp.planner.search.homogeneous import _best_fit_decreasing as _best_fit_decreasing
+from megatron_hsp.planner.search.homogeneous import dp_balanced_layout as dp_balanced_layout
+from megatron_hsp.planner.search.homogeneous import homogeneous_sizes as homogeneous_sizes
+from megatron_hsp.planner.search.homogeneous import plan_from_layout as plan_from_layout
+from megatron_hsp.planner.search.homogeneous import static_layout as static_layout
 from megatron_hsp.planner.topology import Cluster
 
 if TYPE_CHECKING:
     from megatron_hsp.planner.search.settings import SolverConfig
-
-FLEXSP_BIN_FILL = 0.9  # FlexSP packs bins to 90% of the memory-cap token capacity
-
-
-def homogeneous_sizes(
-    cost: CostModel, cluster: Cluster, sizes: Sequence[int] | None = None
-) -> list[int]:
-    """Degrees a homogeneous baseline may use on this cluster with this cost model."""
-    pool = set(cost.sizes) if sizes is None else set(sizes)
-    tiling = set(cluster.tiling_sizes())
-    return [
-        d
-        for d in cluster.legal_sizes(pool)
-        if d in tiling and (d == 1 or d in cost.a2a_ms_per_token)
-    ]
-
-
-def _best_fit_decreasing(lengths: np.ndarray, capacity: float) -> list[list[int]] | None:
-    """FlexSP's ``BestFitDecreasing``: bins as lists of sequence ids, or None if one is too long."""
-    order = np.argsort(-lengths, kind="stable")
-    remaining = np.empty(len(lengths), dtype=np.float64)
-    bins: list[list[int]] = []
-    for sid in order.tolist():
-        s = float(lengths[sid])
-        if s > capacity:
-            return None
-        used = len(bins)
-        if used:
-            room = remaining[:used] - s
-            room[room < 0] = np.inf
-            best = int(np.argmin(room))
-            if np.isfinite(room[best]):
-                remaining[best] -= s
-                bins[best].append(sid)
-                continue
-        remaining[used] = capacity - s
-        bins.append([sid])
-    return bins
-
-
-def static_layout(
-    lengths: Sequence[int] | np.ndarray, cost: CostModel, world_size: int, degree: int
-) -> list[list[list[int]]] | None:
-    """Micro-batches of ``world_size // degree`` groups (sequence-id lists), FlexSP's way.
-
-    Returns None when ``degree`` cannot hold the batch under the memory cap.
-    """
-    lens = np.asarray(lengths, dtype=np.int64)
-    if lens.size == 0:
-        raise InputError("the global batch is empty; nothing to plan")
-    per_mb = world_size // degree
-    capacity = max(cost.tokens_per_rank * degree * FLEXSP_BIN_FILL, float(lens.max()))
-    bins = _best_fit_decreasing(lens, capacity)
-    if bins is None:
-        return None
-    mb_num = (len(bins) + per_mb - 1) // per_mb
-    empty = per_mb * mb_num - len(bins)
-    groups: list[list[int]] = [sorted(b) for b in bins] + [[] for _ in range(empty)]
-    tokens = [int(lens[g].sum()) if g else 0 for g in groups]
-
-    # fill_empty: FlexSP asserts a donor exists; with fewer sequences than groups we leave the
-    # rest empty instead (a valid plan: idle ranks), where FlexSP would stop with an error.
-    g0, g1, g2 = (mb_num - 1) * per_mb, mb_num * per_mb - empty, mb_num * per_mb
-    for i in range(g1, g2):
-        j = g1 - 1
-        while j >= 0 and len(groups[j]) <= 1:
-            j -= 1
-        if j < 0:
-            break
-        k = groups[j].pop(0)
-        groups[i].append(k)
-        tokens[j] -= int(lens[k])
-        tokens[i] += int(lens[k])
-
-    # even_distribute (FlexSP: for degree >= 16, only when the last micro-batch had empty
-    # groups). FlexSP scans k = 0, 1, ... over all ids and moves k from j to i while i is below
-    # the mean and j above it; scanning only j's members in id order is the same walk (others
-    # do nothing). FlexSP would index past the end if the scan ran out; we stop there.
-    if degree >= 16 and empty > 0:
-        avg = sum(tokens[g0:g2]) // per_mb
-        for i in range(g0 + 1, g2):
-            if tokens[i] > avg:
-                continue
-            for j in range(g0, i):
-                for k in list(groups[j]):
-                    if not (tokens[i] < avg and tokens[j] > avg and len(groups[j]) > 1):
-                        break
-                    if tokens[i] + int(lens[k]) <= capacity:
-                        groups[j].remove(k)
-                        groups[i].append(k)
-                        tokens[j] -= int(lens[k])
-                        tokens[i] += int(lens[k])
-                groups[i].sort()
-
-    layout = [groups[m * per_mb : (m + 1) * per_mb] for m in range(mb_num)]
-    for mb in layout:
-        for g in mb:
-            if g and not cost.fits(lens[g].tolist(), degree):
-                return None
-    return layout
-
-
-def plan_from_layout(
-    lengths: Sequence[int] | np.ndarray,
-    cost: CostModel,
-    cluster: Cluster,
-    layout: Sequence[Sequence[tuple[int, Sequence[int]]]],
-    *,
-    solver: str,
-    status: str = "heuristic",
-    extra: dict | None = None,
-) -> Plan:
-    """A ``Plan`` from micro-batches of ``(group_size, seq_ids)`` placed as aligned blocks.
-
-    Groups are placed largest first, each at the lowest free aligned block, which tiles the
-    cluster whenever the sizes sum to the world size and each divides the next larger one.
-    Empty groups cost nothing; a micro-batch costs its slowest group.
-    """
-    lens = np.asarray(lengths, dtype=np.int64)
-    microbatches: list[MicroBatch] = []
-    for mb in layout:
-        placed: list[Group] = []
-        free = [True] * cluster.world_size
-        for size, ids in sorted(mb, key=lambda t: -t[0]):
-            block = next(
-                (b for b in cluster.aligned_blocks(size) if all(free[r] for r in b)),
-                None,
-            )
-            if block is None:
-                raise InfeasibleError(
-                    f"groups of sizes {sorted((s for s, _ in mb), reverse=True)} cannot be "
-                    f"placed as aligned blocks on {cluster.world_size} ranks"
-                )
-            for r in block:
-                free[r] = False
-            ids = sorted(int(i) for i in ids)
-            glens = tuple(int(x) for x in lens[ids]) if ids else ()
-            est = cost.group_ms(glens, size) if ids else 0.0
-            placed.append(Group(tuple(block), tuple(ids), glens, est, *cost.recorded_split(size)))
-        for r in (r for r in range(cluster.world_size) if free[r]):
-            placed.append(Group((r,), (), (), 0.0, *cost.recorded_split(1)))
-        placed.sort(key=lambda g: g.ranks[0])
-        microbatches.append(MicroBatch(tuple(placed), max(g.est_ms for g in placed)))
-    return Plan(
-        world_size=cluster.world_size,
-        gpus_per_node=cluster.gpus_per_node,
-        microbatches=tuple(microbatches),
-        cost_model=cost.name,
-        est_step_ms=float(sum(mb.est_ms for mb in microbatches)),
-        solver=solver,
-        status=status,
-        extra=dict(extra or {}),
-    )
 
 
 def static_plan(
@@ -371,7 +226,7 @@ def flexsp_style_plan(
     from megatron_hsp.planner.search.solver import solve
 
     config = flexsp_style_config(cost, cluster, base, sizes)
-    plan = solve([int(x) for x in lengths], cost, cluster, config)
+    plan = solve([int(x) for x in lengths], cost, cluster, config, baselines=False)
     extra = {**plan.extra, "method": "flexsp-style", "milp_backend": plan.solver}
     return dataclasses.replace(plan, solver="flexsp-style", extra=extra)
 
@@ -393,8 +248,6 @@ class RingAssumptions:
 
     overlap: "cost-model" (the one rule, the headline), "fully-hidden" (ring traffic free: the
         bound most favourable to Megatron) or "exposed" (no transfer hidden).
-    fixed_per_sequence: charge the group's fixed cost once per sub-sample pass (upstream's
-        dynamic-CP schedule runs one forward/backward per sequence) instead of once per group.
     ulysses: Megatron/TE hierarchical CP (``cp_comm_type="a2a+p2p"``,
         ``hierarchical_context_parallel_sizes``): all-to-all over this many ranks (e.g. a node),
         ring across; a group of d runs split (u, d/u) with u the largest degree dividing
@@ -402,7 +255,6 @@ class RingAssumptions:
     """
 
     overlap: str = "cost-model"
-    fixed_per_sequence: bool = False
     ulysses: int = 1
 
     def __post_init__(self) -> None:
@@ -425,41 +277,27 @@ class RingAssumptions:
 def ring_group_ms(
     lengths: Sequence[int] | np.ndarray, d: int, cost: CostModel, assume: RingAssumptions
 ) -> float:
-    """Time (ms) of a Megatron CP group of ``d`` (pure ring) training ``lengths``.
-
-    ``CostModel.group_ms`` at split ``(1, d)`` (``assume.split``); with ``fixed_per_sequence``
-    the fixed cost is paid once per sequence (one pass each) instead of once.
-    """
-    s = np.asarray(lengths, dtype=np.float64)
-    if s.size == 0:
+    """Time (ms) of one pass of a Megatron CP group of ``d`` training ``lengths``:
+    ``CostModel.group_ms`` at ``assume.split`` (pure ring by default)."""
+    if len(lengths) == 0:
         return 0.0
-    split = assume.split(d, cost)
-    ring = RING_OVERLAP[assume.overlap]
-    passes = int(s.size) if assume.fixed_per_sequence else 1
-    return float(cost.seq_ms(s, d, split, ring).sum()) + passes * cost.fixed_ms(d, split)
+    return cost.group_ms(lengths, d, assume.split(d, cost), RING_OVERLAP[assume.overlap])
 
 
-class PerSequenceMemory:
-    """Memory check for plans whose groups run their sequences in separate passes.
-
-    Upstream's dynamic-CP schedule trains each sub-sample of a group in its own forward/backward,
-    so only one sequence at a time must fit; ``Plan.problems`` takes this instead of the cost
-    model for such plans (``plan.extra['execution'] == SEQUENTIAL``).
-    """
-
-    def __init__(self, cost: CostModel) -> None:
-        self._cost = cost
-
-    def fits(self, lengths: Sequence[int], group_size: int) -> bool:
-        return all(self._cost.fits([int(x)], group_size) for x in lengths)
-
-
-SEQUENTIAL = "one-pass-per-sequence"
-
-
-def memory_model_for(plan: Plan, cost: CostModel) -> CostModel | PerSequenceMemory:
-    """The memory check that matches how ``plan`` executes (see ``PerSequenceMemory``)."""
-    return PerSequenceMemory(cost) if plan.extra.get("execution") == SEQUENTIAL else cost
+def sequential_passes(
+    layout: Sequence[Sequence[tuple[int, Sequence[int]]]],
+) -> list[list[tuple[int, list[int]]]]:
+    """Each scheduler micro-batch of ``layout`` as the passes it runs when every group trains
+    its sub-samples one forward/backward each (main's ``hybrid_context_parallel_forward_backward``):
+    pass k holds every group's k-th sub-sample, an empty group where it has fewer. The passes
+    keep the scheduler group's rank partition, so the execution model prices them as one segment
+    (``execution.py``)."""
+    out: list[list[tuple[int, list[int]]]] = []
+    for mb in layout:
+        depth = max((len(ids) for _, ids in mb), default=0)
+        for k in range(depth):
+            out.append([(size, [ids[k]] if k < len(ids) else []) for size, ids in mb])
+    return out
 
 
 def cp_groups_of_microbatch(
@@ -522,13 +360,11 @@ def ring_plan_from_layout(
     solver: str,
     extra: dict | None = None,
 ) -> Plan:
-    """A ``Plan`` of Megatron CP groups: every micro-batch is one synchronised scheduler group.
+    """A ``Plan`` of Megatron CP groups (split ``assume.split``, pure ring by default), priced
+    and memory-checked per pass by the execution model like every plan (``execution.py``).
 
-    All groups of a micro-batch finish before the next starts (upstream synchronises between
-    scheduler groups), so a micro-batch costs its slowest group, each group costed with
-    ``ring_group_ms`` and recorded with its split (pure ring by default). ``sequential``
-    groups train their sequences one pass each, so only the longest must fit; otherwise the whole
-    pack must.
+    ``sequential`` groups train their sub-samples one pass each (``sequential_passes``);
+    otherwise a group's pack is one pass and must fit as a whole.
     """
     lens = np.asarray(lengths, dtype=np.int64)
     unpriced = sorted(
@@ -543,80 +379,30 @@ def ring_plan_from_layout(
             "coefficients.ring_step_ms_per_token to the cost model, or leave "
             f"{method} out of --methods"
         )
-    for mb in layout:
+    passes = sequential_passes(layout) if sequential else layout
+    for mb in passes:
         for size, ids in mb:
             glens = [int(lens[i]) for i in ids]
-            need = [max(glens)] if (sequential and glens) else glens
-            if glens and not cost.fits(need, size):
+            if glens and not cost.fits(glens, size):
                 raise InfeasibleError(
-                    f"{solver}: a group of {size} holds {sum(need)} tokens in one pass, over its "
+                    f"{solver}: a group of {size} holds {sum(glens)} tokens in one pass, over its "
                     f"memory cap of {cost.capacity(size)} tokens"
                 )
-    plan = plan_from_layout(lens, cost, cluster, layout, solver=solver, extra=extra)
-    if not sequential:  # a packed group is one forward/backward: one fixed cost
-        assume = dataclasses.replace(assume, fixed_per_sequence=False)
-    microbatches: list[MicroBatch] = []
-    for mb in plan.microbatches:
-        groups = tuple(
-            dataclasses.replace(
-                g,
-                est_ms=ring_group_ms(g.lengths, g.size, cost, assume),
-                ulysses=assume.split(g.size, cost)[0],
-                ring=assume.split(g.size, cost)[1],
-            )
-            for g in mb.groups
-        )
-        microbatches.append(MicroBatch(groups, max(g.est_ms for g in groups)))
     info = {
-        **plan.extra,
-        "execution": SEQUENTIAL if sequential else "one-pass-per-group",
+        **(extra or {}),
+        "execution": "one-pass-per-sequence" if sequential else "one-pass-per-group",
         "ring_assumptions": dataclasses.asdict(assume),
     }
-    return dataclasses.replace(
-        plan,
-        microbatches=tuple(microbatches),
-        est_step_ms=float(sum(mb.est_ms for mb in microbatches)),
+    return plan_from_layout(
+        lens,
+        cost,
+        cluster,
+        passes,
+        solver=solver,
         extra=info,
+        split=lambda d: assume.split(d, cost),
+        ring=RING_OVERLAP[assume.overlap],
     )
-
-
-def dp_balanced_layout(
-    lengths: Sequence[int] | np.ndarray, cost: CostModel, world_size: int, cp: int
-) -> list[list[tuple[int, list[int]]]]:
-    """Megatron's ``dp_balanced`` packing scheduler, described from its behaviour.
-
-    Sequences are packed in arrival order into packs of at most ``tokens_per_rank * cp`` tokens
-    (a new pack starts when the next sequence would overflow); when the number of packs is not a
-    multiple of the DP size, the last sequence of the latest multi-sequence pack becomes a pack of
-    its own until it is; micro-batch ``i`` is packs ``i*dp .. i*dp+dp-1``, one per CP group.
-    """
-    lens = np.asarray(lengths, dtype=np.int64)
-    if lens.size == 0:
-        raise InputError("the global batch is empty; nothing to plan")
-    dp = world_size // cp
-    limit = cost.capacity(cp)
-    packs: list[list[int]] = []
-    used = 0
-    for sid, n in enumerate(lens.tolist()):
-        if packs and used + n <= limit:
-            packs[-1].append(sid)
-            used += n
-        else:
-            packs.append([sid])
-            used = n
-    short = -len(packs) % dp
-    i = len(packs) - 1
-    while short > 0:
-        if i < 0:
-            raise InfeasibleError(
-                f"dp-balanced-{cp}: {lens.size} sequences cannot fill {dp} data-parallel groups"
-            )
-        if len(packs[i]) > 1:
-            packs.append([packs[i].pop()])
-            short -= 1
-        else:
-            i -= 1
-    return [[(cp, p) for p in packs[m : m + dp]] for m in range(0, len(packs), dp)]
 
 
 def dp_balanced_plan(

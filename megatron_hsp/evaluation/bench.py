@@ -36,12 +36,12 @@ from megatron_hsp.evaluation.baselines import (
     dp_balanced_best_degree,
     dp_balanced_plan,
     flexsp_style_plan,
-    memory_model_for,
     static_best_degree,
     static_plan,
 )
 from megatron_hsp.planner import groupspace
 from megatron_hsp.planner.cost.costmodel import CostModel
+from megatron_hsp.planner.cost.execution import price
 from megatron_hsp.planner.cost.pipeline import PipelineSpec, pipeline_lower_bound, price_plan
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.lengths import GlobalBatch
@@ -175,7 +175,7 @@ class MethodResult:
 
 
 def _record(res: MethodResult, plan: Plan, lengths: np.ndarray, cost: CostModel, ms: float) -> None:
-    problems = plan.problems(lengths.tolist(), memory_model_for(plan, cost), plan.world_size)
+    problems = plan.problems(lengths.tolist(), cost, plan.world_size)
     heads = cost.head_space()
     not_runnable = [] if heads is None else groupspace.problems(plan, heads)
     res.step_ms.append(float(plan.est_step_ms))
@@ -228,8 +228,9 @@ def run_bench(
         )
 
     def piped(plan: Plan) -> Plan:
-        """A baseline's plan priced under the pipeline, in its own order."""
-        return plan if pipeline is None else price_baseline(plan, cost, pipeline)
+        """A baseline's plan priced by the one price function (``execution.price``), under the
+        pipeline in its own order."""
+        return price(plan, cost) if pipeline is None else price_baseline(plan, cost, pipeline)
 
     extra_methods = dict(extra_methods or {})
     lengths = [np.asarray(b.lengths, dtype=np.int64) for b in batches]
@@ -323,6 +324,8 @@ def run_bench(
                 plan = fn(b)
                 if name != "hsp":
                     plan = piped(plan)
+                elif pipeline is None:
+                    plan = price(plan, cost)  # the one price function, as every method's
             except InfeasibleError as exc:
                 if name == "hsp":
                     raise
@@ -357,60 +360,11 @@ def run_bench(
     }
 
 
-def sequential_pass_times(plan: Plan, cost: CostModel) -> list[float]:
-    """Per-pass times of a plan whose groups train their sequences one pass each.
-
-    Upstream's dynamic CP runs each sub-sample of a group in its own forward/backward (groups
-    side by side, all meeting before the next scheduler group); under a pipeline each pass is a
-    pipeline micro-batch: pass k of a scheduler group costs its slowest group's k-th sequence,
-    priced by the plan's own ring assumptions, the group's fixed cost on its first pass (as the
-    summed price charges it once) unless the assumptions charge it per sequence.
-    """
-    from megatron_hsp.evaluation.baselines import RING_OVERLAP, RingAssumptions
-
-    assume = RingAssumptions(**plan.extra.get("ring_assumptions", {}))
-    ring = RING_OVERLAP[assume.overlap]
-    out: list[float] = []
-    for mb in plan.microbatches:
-        depth = max((len(g.lengths) for g in mb.groups), default=0)
-        for k in range(depth):
-            t = 0.0
-            for g in mb.groups:
-                if k < len(g.lengths):
-                    split = assume.split(g.size, cost)
-                    ms = float(cost.seq_ms([g.lengths[k]], g.size, split, ring)[0])
-                    if k == 0 or assume.fixed_per_sequence:
-                        ms += cost.fixed_ms(g.size, split)
-                    t = max(t, ms)
-            out.append(t)
-    return out
-
-
 def price_baseline(plan: Plan, cost: CostModel, pipeline: PipelineSpec) -> Plan:
-    """A baseline's plan under the pipeline, in its scheduler's order.
-
-    Plans that run their sequences one pass each (megatron-dcp) can pipeline either each
-    scheduler group as one micro-batch or each pass (``sequential_pass_times``: more, smaller
-    micro-batches, but passes of side-by-side groups priced in lockstep, as every plan's
-    micro-batch is); the cheaper of the two is taken, the reading most favourable to them. A
-    pricing the interleaved schedule refuses (a count not a multiple of pp) is skipped; if both
-    are refused the ``InputError`` stands.
-    """
-    from megatron_hsp.evaluation.baselines import SEQUENTIAL
-
-    if plan.extra.get("execution") != SEQUENTIAL:
-        return price_plan(plan, pipeline, reorder=False)
-    options: list[Plan] = []
-    error: InputError | None = None
-    for times in (None, sequential_pass_times(plan, cost)):
-        try:
-            options.append(price_plan(plan, pipeline, reorder=False, pass_times=times))
-        except InputError as exc:
-            error = exc
-    if not options:
-        assert error is not None
-        raise error
-    return min(options, key=lambda p: p.est_step_ms)
+    """A baseline's plan under the pipeline, in its scheduler's order: every pass (a plan's
+    micro-batch; a Megatron CP group's sub-samples are one pass each) is a pipeline micro-batch,
+    priced by the stage model's execution model (every pass a barrier), as hsp's are."""
+    return price_plan(price(plan, cost, pipelined=True), pipeline, reorder=False)
 
 
 def _piped_degrees(

@@ -15,6 +15,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
+from megatron_hsp.planner.cost.costcore import CostModel
+from megatron_hsp.planner.cost.execution import price
 from megatron_hsp.planner.plan import Plan
 
 
@@ -37,24 +39,10 @@ def layout_summary(plan: Plan) -> str:
     return f"{len(plan.microbatches)} mb: " + " | ".join(parts)
 
 
-def plan_ms(plan: Plan, model: Any) -> float:
-    """A plan's micro-batch time under ``model``: per micro-batch its slowest group, summed (how
-    the planner prices ``est_step_ms`` outside a pipeline)."""
-    return float(
-        sum(
-            max(
-                (
-                    model.group_ms(
-                        list(g.lengths), g.size, (g.ulysses, g.ring) if g.ulysses else None
-                    )
-                    for g in mb.groups
-                    if g.seq_ids
-                ),
-                default=0.0,
-            )
-            for mb in plan.microbatches
-        )
-    )
+def plan_ms(plan: Plan, model: CostModel) -> float:
+    """A plan's time under ``model`` outside a pipeline: the execution model's price
+    (``planner/cost/execution.py``, how the planner prices ``est_step_ms``)."""
+    return price(plan, model).est_step_ms
 
 
 def predicted_step_ms(plan: Plan, model: Any) -> float:

@@ -127,7 +127,8 @@ def test_bench_runs_it_from_the_env_checkout_or_exits_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["bench", "--flexsp-harness", "--steps", "1", "--gpus", "8", "--global-batch", "32",
-            "--cost-model", "llama3-8b-h100", "--methods", "batchada,megatron-dcp-dev"]  # fmt: skip
+            "--max-seq", "3000", "--cost-model", "llama3-8b-h100",
+            "--methods", "batchada,megatron-dcp-dev"]  # fmt: skip
     monkeypatch.delenv(CHECKOUT_ENV, raising=False)
     assert main(argv) == 2
     assert CHECKOUT_ENV in capsys.readouterr().err

@@ -1,13 +1,14 @@
 """``megatron-dcp`` baseline: megatron-core's own dynamic-CP scheduler, costed as it executes.
 
-Runs ``BalancedCPScheduler`` from ``megatron.core.pipeline_parallel.hybrid_cp_schedule``
-(identical on Megatron-LM main d98e8a64 and in megatron-core 0.19.2) in-process on the batch's
-lengths and turns its micro-batches into a ``Plan`` costed by
-``evaluation.baselines.ring_plan_from_layout``: one micro-batch per scheduler group (groups are
-synchronised between them), each CP group training its sub-samples one forward/backward each
-(``hybrid_context_parallel_forward_backward``), ring attention for its communication.
-It imports torch (through megatron-core), which is why it lives outside ``planner/``;
-``megatron-hsp bench`` imports it only when ``--methods`` names ``megatron-dcp``.
+Runs ``BalancedCPScheduler`` from ``megatron.core.pipeline_parallel.hybrid_cp_schedule`` (identical
+on Megatron-LM main d98e8a64 and in megatron-core 0.19.2) in-process on the batch's lengths and
+turns its micro-batches into a ``Plan`` costed by ``evaluation.baselines.ring_plan_from_layout``:
+each scheduler group becomes its passes, every CP group training its sub-samples one
+forward/backward each (``hybrid_context_parallel_forward_backward``), ring attention for its
+communication, priced and memory-checked per pass by the execution model
+(``planner/cost/execution.py``) like every plan. It imports torch (through megatron-core), which is
+why it lives outside ``planner/``; ``megatron-hsp bench`` imports it only when ``--methods`` names
+``megatron-dcp``.
 
 What we adapt, and why it never makes the baseline look worse than it is:
 
@@ -18,8 +19,8 @@ What we adapt, and why it never makes the baseline look worse than it is:
 - Its groups are contiguous rank ranges that may start anywhere; we re-place each micro-batch's
   groups as aligned blocks (largest first), which never crosses a node boundary the original
   did not, so our a2a cost is at most what its own placement would pay.
-- Because each sub-sample is its own pass, only the longest sequence of a group must fit its
-  memory; no extra passes are added (``extra['execution']`` records this for the validator).
+- Each sub-sample is its own pass (``baselines.sequential_passes``): each must fit its group's
+  memory, and each pays the pass's fixed cost.
 """
 
 from __future__ import annotations

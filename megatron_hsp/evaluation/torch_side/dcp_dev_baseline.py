@@ -18,12 +18,12 @@ files lack one of those names is refused by name (an older or newer layout needs
 ``load_dev_dp_balanced`` loads ``DpBalancedScheduler.get_groups_and_subsamples`` the same way,
 for ``benchmarks/dp_balanced_source_check.py`` to compare ``dp-balanced``'s port against.
 
-Execution and pricing, as dev runs it: ``build_packed_microbatches`` packs each rank's
-sub-samples of a scheduler group into one THD sequence (one forward/backward per group, unlike
-main's sequential sub-sample passes), so the whole pack must fit and a group pays its fixed cost
-once (``ring_plan_from_layout(..., sequential=False)``); CP groups are ring attention priced by
-the same rule as ``megatron-dcp``'s (docs/baselines.md). ``max_seq_len_per_rank`` is the memory
-model's ``tokens_per_rank``, as for ``megatron-dcp``.
+Execution and pricing, as dev runs it: ``build_packed_microbatches`` packs each rank's sub-samples
+of a scheduler group into one THD sequence (one forward/backward per group, unlike main's
+sequential sub-sample passes), so the whole pack must fit and a group pays its fixed cost once per
+pass (``ring_plan_from_layout(..., sequential=False)``); CP groups are ring attention priced by the
+same rule as ``megatron-dcp``'s (docs/baselines.md). ``max_seq_len_per_rank`` is the memory model's
+``tokens_per_rank``, as for ``megatron-dcp``.
 """
 
 from __future__ import annotations

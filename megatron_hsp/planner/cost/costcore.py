@@ -18,7 +18,7 @@ a1: attention (quadratic) ms per token^2 on one rank; a2: linear-layer ms per to
 c_{d,u}: Ulysses all-to-all ms per token over u ranks of a group of d (0 for u = 1; depends on the
 network tier); p_{d,u}: one ring step's K/V p2p ms per token, hidden behind the attention block it
 overlaps; e_d: one ring step's overhead beyond its traffic, never hidden; b: fixed ms
-per group per micro-batch (attention kernel calls, call latencies of the split, the optimizer-free
+per group per pass (attention kernel calls, call latencies of the split, the optimizer-free
 per-pass overhead FlexSP fits as b1); tokens_per_rank: activation capacity left on a
 rank after model states, under the memory cap. (u, r) defaults to ``HeadSpace.split`` (what hsp's
 runtime executes); Megatron's CP baselines are the same formula at (1, d). What a step costs once
@@ -76,6 +76,12 @@ class CostModel:
     # communication kernels taking SMs from attention). Per step a rank merges s/d tokens x all
     # its heads whatever the split, so one figure per d serves every (u, r) of d. Empty: none.
     ring_step_extra_ms_per_token: Mapping[int, float] = field(default_factory=dict)
+    # Whether every pass (one forward and backward of a micro-batch) synchronises all ranks:
+    # true under ZeRO-3, whose per-pass parameter all-gathers and gradient reduce-scatter span
+    # every data-parallel rank; false where ranks meet only inside their group until the step's
+    # gradient reduction (ZeRO-0/1/2, Megatron's distributed optimizer). Derived from the
+    # training setup (``first_principles``); the execution model (``execution.py``) prices by it.
+    pass_barrier: bool = False
 
     def __post_init__(self) -> None:
         if self.tokens_per_rank <= 0:
@@ -251,6 +257,7 @@ class CostModel:
                 "a2a_ms_per_token": {int(k): float(v) for k, v in self.a2a_ms_per_token.items()},
                 "tokens_per_rank": int(self.tokens_per_rank),
                 **({"heads": list(self.heads)} if self.heads else {}),
+                **({"pass_barrier": True} if self.pass_barrier else {}),
                 **{
                     key: {int(k): float(v) for k, v in getattr(self, key).items()}
                     for key in RING_AND_LATENCY_KEYS

@@ -130,6 +130,7 @@ def _from_coefficients(name: str, co: Mapping[str, Any], cap_gb: float | None) -
         "model_states_gb",
         "act_mib_per_token",
         "heads",
+        "pass_barrier",
         "ring_step_ms_per_token",
         *RING_AND_LATENCY_KEYS,
     }
@@ -182,6 +183,7 @@ def _from_coefficients(name: str, co: Mapping[str, Any], cap_gb: float | None) -
         tokens_per_rank=tokens,
         source="explicit coefficients",
         heads=_heads(co.get("heads")),
+        pass_barrier=bool(co.get("pass_barrier", False)),
         **{
             key: {k: v for k, v in _size_map(co.get(key, {}), key).items() if k > 1}
             for key in RING_AND_LATENCY_KEYS
@@ -192,7 +194,7 @@ def _from_coefficients(name: str, co: Mapping[str, Any], cap_gb: float | None) -
 # ------------------------------------------------------------------ validation
 # Spec leaves that are text or flags rather than numbers; every other leaf must be a finite number.
 _TEXT_KEYS = {"name", "preset", "source"}
-_BOOL_KEYS = {"gated", "tied_embeddings", "recompute"}
+_BOOL_KEYS = {"gated", "tied_embeddings", "recompute", "pass_barrier"}
 # Numbers that may be zero (a free attention term, no fixed cost); the rest must be > 0.
 _MAY_BE_ZERO = {
     "attn_ms_per_token2",

@@ -185,6 +185,13 @@ class TrainingConfig:
         if self.zero_stage not in (0, 1, 2, 3):
             raise InputError(f"training.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
 
+    def pass_barrier(self, ranks: int) -> bool:
+        """Whether every pass synchronises all ``ranks``: ZeRO-3 all-gathers the parameters and
+        reduce-scatters the gradients over every data-parallel rank in each forward/backward;
+        ZeRO-0/1/2 accumulate gradients locally and reduce once per step
+        (``execution.py``)."""
+        return self.zero_stage == 3 and ranks > 1
+
     def model_state_bytes(self, params: float, shards: int) -> float:
         """Model-state bytes per rank, ZeRO (Rajbhandari et al. 2020, sec. 5, mixed-precision Adam).
 
@@ -542,6 +549,7 @@ def first_principles_cost_model(
         a2a_fixed_ms=terms.a2a_fixed,
         ring_step_fixed_ms=terms.ring_fixed,
         ring_step_extra_ms_per_token=terms.ring_extra,
+        pass_barrier=training.pass_barrier(world_size),
     )
 
 
@@ -575,7 +583,13 @@ LLAMA3_8B = ModelConfig("llama3-8b", 32, 4096, 32, 8, 14336, 128256, gated=True)
 LLAMA3_70B = ModelConfig("llama3-70b", 80, 8192, 64, 8, 28672, 128256, gated=True)
 
 FIRST_PRINCIPLES_PRESETS: dict[str, tuple[ModelConfig, HardwareConfig, TrainingConfig]] = {
-    "llama3-8b-h100": (LLAMA3_8B, H100_SXM, TrainingConfig(zero_stage=3, recompute=False)),
+    # Megatron's distributed optimizer (ZeRO-1, ``--use-distributed-optimizer``): what Megatron
+    # users run, and the only data-parallel setup Megatron's dynamic CP and hsp's integration
+    # accept (both refuse Megatron-FSDP). Passes are then not barriers and a pass's fixed cost
+    # is its kernel calls and latencies; the gradient reduction is paid once per step.
+    "llama3-8b-h100": (LLAMA3_8B, H100_SXM, TrainingConfig(zero_stage=1, recompute=False)),
     # 70B activations are ~24 MiB/token without recompute: full recompute is how it is trained.
+    # ZeRO-3: without tensor parallelism ZeRO-1's states (6.2 bytes per parameter, 430 GB) do
+    # not fit an 80 GB GPU; with --tp/--pp the stage model (``parallel.py``) runs ZeRO-1.
     "llama3-70b-h100": (LLAMA3_70B, H100_SXM, TrainingConfig(zero_stage=3, recompute=True)),
 }

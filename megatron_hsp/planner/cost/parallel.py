@@ -364,6 +364,8 @@ def model_parallel_cost_model(
             a2a_ms_per_token=terms.a2a,
             tokens_per_rank=tokens,
             source=source,
+            # A pipeline schedule meets every stage once per micro-batch: each pass is a barrier.
+            pass_barrier=pp > 1 or training.pass_barrier(plane),
             details={
                 "params_b": (base_params + expert_params) / 1e9,
                 "active_params_b": shape.active_params_b(),

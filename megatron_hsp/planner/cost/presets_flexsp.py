@@ -159,4 +159,8 @@ def flexsp_cost_model(
         },
         heads=(heads, heads) if heads else None,
         ring_step_ms_per_token=ring,
+        # FlexSP's setup is ZeRO-3 (its memory term above): every pass gathers the parameters
+        # and reduce-scatters the gradients over all ranks, so every pass is a barrier and b1,
+        # fitted per group per micro-batch, is paid per pass.
+        pass_barrier=world_size > 1,
     )

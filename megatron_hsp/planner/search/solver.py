@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from megatron_hsp.planner.cost.costmodel import CostModel, validate_cost_model
+from megatron_hsp.planner.cost.execution import group_by_layout, price
 from megatron_hsp.planner.cost.pipeline import (
     PipelineSpec,
     order_microbatches,
@@ -54,6 +55,7 @@ from megatron_hsp.planner.search.greedy import (
     place_groups,
     schedule_microbatch,
 )
+from megatron_hsp.planner.search.homogeneous import homogeneous_plans
 from megatron_hsp.planner.search.improve import improve
 from megatron_hsp.planner.search.instance import GroupSpec, Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.search.milp import refine_microbatches, require_cbc
@@ -79,8 +81,18 @@ def solve(
     cost: CostModel,
     cluster: Cluster,
     config: SolverConfig = DEFAULT_CONFIG,
+    *,
+    baselines: bool = True,
 ) -> Plan:
-    """Plan one global batch: micro-batches, group sizes and placement, sequence assignment."""
+    """Plan one global batch: micro-batches, group sizes and placement, sequence assignment.
+
+    The plan is priced by the execution model (``planner/cost/execution.py``), its passes of
+    equal layout adjacent so that they share a segment where passes are not barriers.
+    ``baselines``: also score the homogeneous layouts (static packing and ``dp_balanced`` at
+    every size, ``search/homogeneous.py``) and return the cheapest of them when it beats the
+    search, so that no plan is priced worse than the best of them; ``flexsp-style`` turns this
+    off (FlexSP's planner has no such fallback).
+    """
     start, cpu_start = time.perf_counter(), time.process_time()
     budget_s = max(0.0, config.time_budget_s)
     # Counts limit the search (``SolverConfig``); the budget is a safety cap on wall clock, less
@@ -150,10 +162,14 @@ def solve(
     phases["milp"] = time.perf_counter() - start
     plan = _assemble(inst, cluster, cost, best, bound, 0.0, config, status)
     if pipe is not None:
-        plan = price_plan(plan, pipe)
+        plan = price_plan(price(plan, cost, pipelined=True), pipe)
         plan = replace(
             plan, lower_bound_ms=pipeline_lower_bound(bound, min(inst.best), pipe.pp, pipe.vpp)
         )
+    else:  # equal layouts together share a segment; the order is kept where passes are barriers
+        plan = price(plan if cost.pass_barrier else group_by_layout(plan), cost)
+    if baselines:
+        plan = _no_worse_than_homogeneous(plan, checked, cost, cluster, sizes, pipe)
     plan.validate(checked, cost, cluster.world_size)
     # Timings cover everything, assembly and validation included.
     solve_ms = (time.perf_counter() - start) * 1e3
@@ -564,6 +580,44 @@ def _assemble(
         solver=config.backend if config.use_milp else "greedy",
         status=status,
         extra={"chunking": cand.label, "sizes": list(inst.sizes)},
+    )
+
+
+def _no_worse_than_homogeneous(
+    plan: Plan,
+    lengths: Sequence[int],
+    cost: CostModel,
+    cluster: Cluster,
+    sizes: Sequence[int],
+    pipe: PipelineSpec | None,
+) -> Plan:
+    """``plan``, or the cheapest homogeneous layout's passes where that is priced lower.
+
+    Every candidate is validated with the cost model's memory and executable at its split
+    (``homogeneous_plans``), and priced by the same function as the search's plan (under a
+    pipeline, ordered by the same schedule). ``extra["homogeneous_best"]`` names the cheapest
+    candidate and its price; ``extra["chunking"]`` says when it was taken.
+    """
+    scored: list[tuple[float, str, Plan]] = []
+    for name, cand in homogeneous_plans(lengths, cost, cluster, sizes).items():
+        if pipe is not None:
+            try:
+                cand = price_plan(price(cand, cost, pipelined=True), pipe)
+            except InputError:  # a count the interleaved schedule refuses
+                continue
+        scored.append((cand.est_step_ms, name, cand))
+    if not scored:
+        return plan
+    ms, name, cand = min(scored, key=lambda t: (t[0], t[1]))
+    extra = {**plan.extra, "homogeneous_best": {"layout": name, "est_step_ms": round(ms, 3)}}
+    if ms >= plan.est_step_ms:
+        return replace(plan, extra=extra)
+    extra["chunking"] = f"homogeneous:{name}"
+    return replace(
+        plan,
+        microbatches=cand.microbatches,
+        est_step_ms=cand.est_step_ms,
+        extra={**extra, **({"pipeline": cand.extra["pipeline"]} if pipe is not None else {})},
     )
 
 

@@ -83,10 +83,16 @@ def test_presets_carry_the_calibrated_terms():
     # Each ring step pays its kernel calls again, plus p2p latencies.
     assert m.ring_step_fixed_ms[7] > calls_ms
     assert set(m.ring_step_extra_ms_per_token) == {d for d in m.sizes if d > 1}
-    # Per step: gradient reduction is per micro-batch under ZeRO-3, the optimizer per step.
-    assert m.details["grad_reduce_ms_per_step"] == 0.0
-    assert m.step_overhead_ms == pytest.approx(m.details["optimizer_ms_per_step"]) and (
-        m.step_overhead_ms > 0
+    # The preset is Megatron's distributed optimizer (ZeRO-1): gradients reduced once per step,
+    # passes not barriers, no parameter traffic per pass.
+    assert m.details["grad_reduce_ms_per_step"] > 0 and not m.pass_barrier
+    assert m.details["zero3_ms_per_microbatch"] == 0.0
+    assert m.step_overhead_ms == pytest.approx(
+        m.details["optimizer_ms_per_step"] + m.details["grad_reduce_ms_per_step"]
     )
-    z1 = load_cost_model({"preset": "llama3-8b-h100", "training": {"zero_stage": 1}}, world_size=64)
-    assert z1.details["grad_reduce_ms_per_step"] > 0
+    # ZeRO-3: reduce-scatter per pass (every pass a barrier), the optimizer per step.
+    z3 = load_cost_model({"preset": "llama3-8b-h100", "training": {"zero_stage": 3}}, world_size=64)
+    assert z3.details["grad_reduce_ms_per_step"] == 0.0 and z3.pass_barrier
+    assert z3.step_overhead_ms == pytest.approx(z3.details["optimizer_ms_per_step"])
+    assert z3.step_overhead_ms > 0
+    assert z3.details["zero3_ms_per_microbatch"] > 0

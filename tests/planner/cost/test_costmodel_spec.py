@@ -47,7 +47,7 @@ def test_model_and_hardware_sections_equal_the_preset(tmp_path):
         "name": "llama3-8b-h100",
         "model": {k: v for k, v in dataclasses.asdict(LLAMA3_8B).items() if k != "name"},
         "hardware": dataclasses.asdict(H100_SXM),
-        "training": {"zero_stage": 3, "recompute": False},
+        "training": {"zero_stage": 1, "recompute": False},
     }
     path = tmp_path / "llama.yaml"
     path.write_text(yaml.safe_dump(spec))

@@ -35,7 +35,8 @@ def _priced_instances(seed: int, count: int):
         gpus = int(rng.choice([16, 64, 256, 1024]))
         family = rng.random()
         if family < 0.4:
-            cost = load_cost_model("llama3-8b-h100", world_size=gpus)
+            spec = {"preset": "llama3-8b-h100", "training": {"zero_stage": 3}}
+            cost = load_cost_model(spec, world_size=gpus)  # ZeRO-3: long sequences fit
         elif family < 0.7:
             cost = flexsp_cost_model("flexsp-gpt-7b", gpus, 192)
         else:  # FlexSP's own pricing (pure Ulysses): rank-ms grows with size, first fit

@@ -239,28 +239,26 @@ def test_pipeline_balancing_never_worse_and_keeps_every_sequence():
     assert len(after_mbs) == len(cand.microbatches)
 
 
-def test_sequential_passes_priced_by_hand_and_cheaper_reading_taken():
-    from megatron_hsp.evaluation.baselines import SEQUENTIAL
-    from megatron_hsp.evaluation.bench import price_baseline, sequential_pass_times
+def test_sequential_passes_are_pipeline_microbatches_each_paying_its_fixed_cost():
+    """A Megatron CP group's sub-samples are passes; under a pipeline each pass is a pipeline
+    micro-batch (a barrier), priced as the slowest group's pass with its fixed cost."""
+    from megatron_hsp.evaluation.bench import price_baseline
     from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 
     cost, _ = _setup(2)
     spec = pipeline_spec_for(cost, 2)
-    a = Group(ranks=tuple(range(8)), seq_ids=(0, 1), lengths=(4000, 1000), est_ms=1.0)
-    b = Group(ranks=tuple(range(8, 16)), seq_ids=(2,), lengths=(2000,), est_ms=1.0)
-    plan = Plan(
-        world_size=16,
-        gpus_per_node=8,
-        microbatches=(MicroBatch((a, b), est_ms=1.0),),
-        extra={"execution": SEQUENTIAL},
-    )
+    assert spec.pp == 2 and cost.pass_barrier  # the stage model: every pass a barrier
     ring = (1, 8)  # Megatron CP: pure ring
+    a0 = Group(tuple(range(8)), (0,), (4000,), 0.0, *ring)
+    b0 = Group(tuple(range(8, 16)), (2,), (2000,), 0.0, *ring)
+    a1 = Group(tuple(range(8)), (1,), (1000,), 0.0, *ring)
+    b1 = Group(tuple(range(8, 16)), (), (), 0.0, *ring)
+    plan = Plan(16, 8, (MicroBatch((a0, b0)), MicroBatch((a1, b1))))
     f = cost.fixed_ms(8, ring)
 
     def seq(n: int) -> float:
-        return float(cost.seq_ms([n], 8, ring)[0])
+        return float(cost.seq_ms([n], 8, ring)[0]) + f
 
-    passes = sequential_pass_times(plan, cost)
-    assert passes == pytest.approx([max(seq(4000), seq(2000)) + f, seq(1000)])
+    passes = [max(seq(4000), seq(2000)), seq(1000)]
     priced = price_baseline(plan, cost, spec)
-    assert priced.est_step_ms == pytest.approx(min(simulate(passes, spec), simulate([1.0], spec)))
+    assert priced.est_step_ms == pytest.approx(simulate(passes, spec))

@@ -1,0 +1,105 @@
+"""The execution model and the one price function every method's plan is priced by.
+
+What a plan states, and what the runtime does with it (``runtime/schedule.py``):
+
+- A plan's micro-batches are **passes**: in each, every group runs one forward and backward on
+  its sequences (a group without sequences skips it). Memory is checked per pass
+  (``Plan.problems`` with the cost model: the whole pass must fit its group).
+- Ranks walk the passes in plan order and meet only inside their own group's collectives: no
+  barrier is needed between passes (``runtime/schedule.py``'s docstring). So a run of
+  consecutive passes with the **same rank partition** is one **segment**: each group runs its
+  passes back to back, at its own pace, and the segment ends when its slowest group does. A
+  group with several passes in a segment is what Megatron's dynamic CP calls sequential
+  sub-sample passes; a group with fewer passes idles at the segment's end.
+- A **barrier** (every rank waits for every other) separates segments: a change of layout (a rank
+  cannot start its next group before all its new partners are there; priced as if all ranks
+  wait, which is exact when one group spans the cluster and conservative otherwise), and every
+  pass when the training setup makes each pass a global collective
+  (``CostModel.pass_barrier``: ZeRO-3's per-pass parameter all-gathers and gradient
+  reduce-scatter over all data-parallel ranks). Under a pipeline every pass is a pipeline
+  micro-batch, priced by ``cost/pipeline.py``'s schedule instead.
+
+Which fixed term is paid how often is the cost model's, derived from the training setup
+(``first_principles``): per pass and group ``CostModel.fixed_ms`` (kernel calls, collective
+latencies, and ZeRO-3's traffic where every pass is a barrier); per step
+``CostModel.step_overhead_ms`` (gradient reduction under ZeRO-0/1/2, the optimizer), the same
+for every plan of a step and so outside ``est_step_ms``.
+
+The price of a plan is the sum over segments of the segment's time: with barriers per pass,
+``sum_k max_g pass(g, k)``; otherwise ``max_g sum_k pass(g, k)``, ``pass(g, k)`` being
+``CostModel.group_ms`` of group ``g``'s sequences in pass ``k`` at the split the group records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from megatron_hsp.planner.cost.costcore import CostModel
+from megatron_hsp.planner.plan import Group, MicroBatch, Plan
+
+
+def layout_key(mb: MicroBatch) -> tuple[tuple[int, ...], ...]:
+    """A micro-batch's rank partition (what must be equal for two passes to share a segment)."""
+    return tuple(sorted(g.ranks for g in mb.groups))
+
+
+def segments(plan: Plan, cost: CostModel, pipelined: bool = False) -> list[range]:
+    """Runs of micro-batch indices that execute without a barrier between them (module doc);
+    ``pipelined``: every pass is a pipeline micro-batch, hence a barrier."""
+    out: list[range] = []
+    start = 0
+    mbs = plan.microbatches
+    for i in range(1, len(mbs) + 1):
+        barrier = cost.pass_barrier or pipelined
+        if i == len(mbs) or barrier or layout_key(mbs[i]) != layout_key(mbs[start]):
+            out.append(range(start, i))
+            start = i
+    return out
+
+
+def pass_ms(group: Group, cost: CostModel, ring: str = "overlap") -> float:
+    """One group's pass: ``CostModel.group_ms`` at the split it records (0 without sequences)."""
+    if not group.lengths:
+        return 0.0
+    split = (group.ulysses, group.ring) if group.ulysses else None
+    return cost.group_ms(group.lengths, group.size, split, ring)
+
+
+def price(plan: Plan, cost: CostModel, ring: str = "overlap", *, pipelined: bool = False) -> Plan:
+    """``plan`` with every estimate set by the execution model (the one price function).
+
+    A group's ``est_ms`` is its pass time; a micro-batch's ``est_ms`` is how much it lengthens
+    its segment (the segment's finish after this pass minus before it, so the micro-batches'
+    sum is the step's price); ``est_step_ms`` is the sum over segments. ``ring`` is
+    ``CostModel.seq_ms``'s sensitivity knob, for baselines' ring groups only. ``pipelined``:
+    price each pass on its own, for ``cost/pipeline.py``'s schedule to order.
+    """
+    microbatches: list[MicroBatch] = []
+    for seg in segments(plan, cost, pipelined):
+        done: dict[tuple[int, ...], float] = {}
+        finish = 0.0
+        for m in seg:
+            mb = plan.microbatches[m]
+            groups = tuple(dataclasses.replace(g, est_ms=pass_ms(g, cost, ring)) for g in mb.groups)
+            for g in groups:
+                done[g.ranks] = done.get(g.ranks, 0.0) + g.est_ms
+            now = max(done.values(), default=0.0)
+            microbatches.append(MicroBatch(groups, now - finish))
+            finish = now
+    return dataclasses.replace(
+        plan,
+        microbatches=tuple(microbatches),
+        est_step_ms=float(sum(mb.est_ms for mb in microbatches)),
+    )
+
+
+def group_by_layout(plan: Plan) -> Plan:
+    """``plan`` with micro-batches of equal rank partitions made adjacent (first-seen order of
+    layouts, plan order inside one), so that they share a segment. The order of passes is free
+    without a pipeline: every sequence is trained once per step whatever its pass."""
+    order: dict[tuple[tuple[int, ...], ...], list[MicroBatch]] = {}
+    for mb in plan.microbatches:
+        order.setdefault(layout_key(mb), []).append(mb)
+    mbs: Sequence[MicroBatch] = [mb for run in order.values() for mb in run]
+    return dataclasses.replace(plan, microbatches=tuple(mbs))

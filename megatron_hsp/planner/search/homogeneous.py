@@ -1,0 +1,248 @@
+"""Homogeneous layouts (static CP/Ulysses packing, Megatron's ``dp_balanced`` packing) and the
+plan a layout makes, torch-free, so that both the planner and ``evaluation/baselines.py`` use them.
+
+Why in the planner: ``solve`` scores these layouts beside its own search and never returns a plan
+priced worse than the best of them (hsp's plan space contains each of them: every layout is a
+sequence of passes of aligned groups, which the runtime executes at the cost model's split).
+``evaluation/baselines.py`` documents where each comes from (FlexSP's ``BestFitDecreasing``
+packing, Megatron's ``dp_balanced`` scheduler) and builds the named baselines on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from megatron_hsp.planner.cost.costcore import CostModel
+from megatron_hsp.planner.cost.execution import price
+from megatron_hsp.planner.errors import InfeasibleError, InputError
+from megatron_hsp.planner.plan import Group, MicroBatch, Plan
+from megatron_hsp.planner.topology import Cluster
+
+FLEXSP_BIN_FILL = 0.9  # FlexSP packs bins to 90% of the memory-cap token capacity
+
+
+def homogeneous_sizes(
+    cost: CostModel, cluster: Cluster, sizes: Sequence[int] | None = None
+) -> list[int]:
+    """Degrees a homogeneous baseline may use on this cluster with this cost model."""
+    pool = set(cost.sizes) if sizes is None else set(sizes)
+    tiling = set(cluster.tiling_sizes())
+    return [
+        d
+        for d in cluster.legal_sizes(pool)
+        if d in tiling and (d == 1 or d in cost.a2a_ms_per_token)
+    ]
+
+
+def _best_fit_decreasing(lengths: np.ndarray, capacity: float) -> list[list[int]] | None:
+    """FlexSP's ``BestFitDecreasing``: bins as lists of sequence ids, or None if one is too long."""
+    order = np.argsort(-lengths, kind="stable")
+    remaining = np.empty(len(lengths), dtype=np.float64)
+    bins: list[list[int]] = []
+    for sid in order.tolist():
+        s = float(lengths[sid])
+        if s > capacity:
+            return None
+        used = len(bins)
+        if used:
+            room = remaining[:used] - s
+            room[room < 0] = np.inf
+            best = int(np.argmin(room))
+            if np.isfinite(room[best]):
+                remaining[best] -= s
+                bins[best].append(sid)
+                continue
+        remaining[used] = capacity - s
+        bins.append([sid])
+    return bins
+
+
+def static_layout(
+    lengths: Sequence[int] | np.ndarray, cost: CostModel, world_size: int, degree: int
+) -> list[list[list[int]]] | None:
+    """Micro-batches of ``world_size // degree`` groups (sequence-id lists), FlexSP's way.
+
+    Returns None when ``degree`` cannot hold the batch under the memory cap.
+    """
+    lens = np.asarray(lengths, dtype=np.int64)
+    if lens.size == 0:
+        raise InputError("the global batch is empty; nothing to plan")
+    per_mb = world_size // degree
+    capacity = max(cost.tokens_per_rank * degree * FLEXSP_BIN_FILL, float(lens.max()))
+    bins = _best_fit_decreasing(lens, capacity)
+    if bins is None:
+        return None
+    mb_num = (len(bins) + per_mb - 1) // per_mb
+    empty = per_mb * mb_num - len(bins)
+    groups: list[list[int]] = [sorted(b) for b in bins] + [[] for _ in range(empty)]
+    tokens = [int(lens[g].sum()) if g else 0 for g in groups]
+
+    # fill_empty: FlexSP asserts a donor exists; with fewer sequences than groups we leave the
+    # rest empty instead (a valid plan: idle ranks), where FlexSP would stop with an error.
+    g0, g1, g2 = (mb_num - 1) * per_mb, mb_num * per_mb - empty, mb_num * per_mb
+    for i in range(g1, g2):
+        j = g1 - 1
+        while j >= 0 and len(groups[j]) <= 1:
+            j -= 1
+        if j < 0:
+            break
+        k = groups[j].pop(0)
+        groups[i].append(k)
+        tokens[j] -= int(lens[k])
+        tokens[i] += int(lens[k])
+
+    # even_distribute (FlexSP: for degree >= 16, only when the last micro-batch had empty
+    # groups). FlexSP scans k = 0, 1, ... over all ids and moves k from j to i while i is below
+    # the mean and j above it; scanning only j's members in id order is the same walk (others
+    # do nothing). FlexSP would index past the end if the scan ran out; we stop there.
+    if degree >= 16 and empty > 0:
+        avg = sum(tokens[g0:g2]) // per_mb
+        for i in range(g0 + 1, g2):
+            if tokens[i] > avg:
+                continue
+            for j in range(g0, i):
+                for k in list(groups[j]):
+                    if not (tokens[i] < avg and tokens[j] > avg and len(groups[j]) > 1):
+                        break
+                    if tokens[i] + int(lens[k]) <= capacity:
+                        groups[j].remove(k)
+                        groups[i].append(k)
+                        tokens[j] -= int(lens[k])
+                        tokens[i] += int(lens[k])
+                groups[i].sort()
+
+    layout = [groups[m * per_mb : (m + 1) * per_mb] for m in range(mb_num)]
+    for mb in layout:
+        for g in mb:
+            if g and not cost.fits(lens[g].tolist(), degree):
+                return None
+    return layout
+
+
+def plan_from_layout(
+    lengths: Sequence[int] | np.ndarray,
+    cost: CostModel,
+    cluster: Cluster,
+    layout: Sequence[Sequence[tuple[int, Sequence[int]]]],
+    *,
+    solver: str,
+    status: str = "heuristic",
+    extra: dict | None = None,
+    split: Callable[[int], tuple[int, int]] | None = None,
+    ring: str = "overlap",
+) -> Plan:
+    """A ``Plan`` from passes of ``(group_size, seq_ids)`` placed as aligned blocks, priced by
+    the execution model (``execution.price``).
+
+    Groups are placed largest first, each at the lowest free aligned block, which tiles the
+    cluster whenever the sizes sum to the world size and each divides the next larger one; ranks
+    left over are idle groups of one. ``split`` gives the (ulysses, ring) a group of a size runs
+    with (default: the cost model's, ``CostModel.recorded_split``); ``ring`` is
+    ``CostModel.seq_ms``'s sensitivity knob.
+    """
+    lens = np.asarray(lengths, dtype=np.int64)
+    split_of = split or cost.recorded_split
+    microbatches: list[MicroBatch] = []
+    for mb in layout:
+        placed: list[Group] = []
+        free = [True] * cluster.world_size
+        for size, ids in sorted(mb, key=lambda t: -t[0]):
+            block = next(
+                (b for b in cluster.aligned_blocks(size) if all(free[r] for r in b)),
+                None,
+            )
+            if block is None:
+                raise InfeasibleError(
+                    f"groups of sizes {sorted((s for s, _ in mb), reverse=True)} cannot be "
+                    f"placed as aligned blocks on {cluster.world_size} ranks"
+                )
+            for r in block:
+                free[r] = False
+            ids = sorted(int(i) for i in ids)
+            glens = tuple(int(x) for x in lens[ids]) if ids else ()
+            placed.append(Group(tuple(block), tuple(ids), glens, 0.0, *split_of(size)))
+        for r in (r for r in range(cluster.world_size) if free[r]):
+            placed.append(Group((r,), (), (), 0.0, *cost.recorded_split(1)))
+        placed.sort(key=lambda g: g.ranks[0])
+        microbatches.append(MicroBatch(tuple(placed)))
+    plan = Plan(
+        world_size=cluster.world_size,
+        gpus_per_node=cluster.gpus_per_node,
+        microbatches=tuple(microbatches),
+        cost_model=cost.name,
+        solver=solver,
+        status=status,
+        extra=dict(extra or {}),
+    )
+    return price(plan, cost, ring)
+
+
+def homogeneous_plans(
+    lengths: Sequence[int] | np.ndarray,
+    cost: CostModel,
+    cluster: Cluster,
+    sizes: Sequence[int] | None = None,
+) -> dict[str, Plan]:
+    """Every static (FlexSP packing) and ``dp_balanced`` layout of one batch that fits, at the
+    cost model's split, keyed ``static-N`` / ``dp-balanced-N``: what ``solve`` scores beside its
+    own search."""
+    out: dict[str, Plan] = {}
+    for d in homogeneous_sizes(cost, cluster, sizes):
+        layouts: dict[str, Sequence[Sequence[tuple[int, Sequence[int]]]] | None] = {}
+        static = static_layout(lengths, cost, cluster.world_size, d)
+        layouts[f"static-{d}"] = None if static is None else [[(d, g) for g in mb] for mb in static]
+        try:
+            layouts[f"dp-balanced-{d}"] = dp_balanced_layout(lengths, cost, cluster.world_size, d)
+        except InfeasibleError:
+            layouts[f"dp-balanced-{d}"] = None
+        for name, layout in layouts.items():
+            if layout is None:
+                continue
+            try:
+                plan = plan_from_layout(lengths, cost, cluster, layout, solver=name)
+            except InfeasibleError:
+                continue
+            if not plan.problems(list(map(int, lengths)), cost, cluster.world_size):
+                out[name] = plan
+    return out
+
+
+def dp_balanced_layout(
+    lengths: Sequence[int] | np.ndarray, cost: CostModel, world_size: int, cp: int
+) -> list[list[tuple[int, list[int]]]]:
+    """Megatron's ``dp_balanced`` packing scheduler, described from its behaviour.
+
+    Sequences are packed in arrival order into packs of at most ``tokens_per_rank * cp`` tokens
+    (a new pack starts when the next sequence would overflow); when the number of packs is not a
+    multiple of the DP size, the last sequence of the latest multi-sequence pack becomes a pack of
+    its own until it is; micro-batch ``i`` is packs ``i*dp .. i*dp+dp-1``, one per CP group.
+    """
+    lens = np.asarray(lengths, dtype=np.int64)
+    if lens.size == 0:
+        raise InputError("the global batch is empty; nothing to plan")
+    dp = world_size // cp
+    limit = cost.capacity(cp)
+    packs: list[list[int]] = []
+    used = 0
+    for sid, n in enumerate(lens.tolist()):
+        if packs and used + n <= limit:
+            packs[-1].append(sid)
+            used += n
+        else:
+            packs.append([sid])
+            used = n
+    short = -len(packs) % dp
+    i = len(packs) - 1
+    while short > 0:
+        if i < 0:
+            raise InfeasibleError(
+                f"dp-balanced-{cp}: {lens.size} sequences cannot fill {dp} data-parallel groups"
+            )
+        if len(packs[i]) > 1:
+            packs.append([packs[i].pop()])
+            short -= 1
+        else:
+            i -= 1
+    return [[(cp, p) for p in packs[m : m + dp]] for m in range(0, len(packs), dp)]

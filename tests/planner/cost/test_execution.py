@@ -1,0 +1,78 @@
+"""The execution model's price (``planner/cost/execution.py``), checked against prices written
+out by hand from ``CostModel.group_ms``: passes of one layout share a segment unless every pass
+is a barrier (ZeRO-3), layouts change at barriers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_hsp.planner.cost.costmodel import load_cost_model
+from megatron_hsp.planner.cost.execution import group_by_layout, price, segments
+from megatron_hsp.planner.plan import Group, MicroBatch, Plan
+
+
+def _plan(cost) -> Plan:
+    def g(ranks, ids, lens):
+        return Group(tuple(ranks), tuple(ids), tuple(lens), 0.0, *cost.recorded_split(len(ranks)))
+
+    left, right, whole = range(4), range(4, 8), range(8)
+    return Plan(
+        8,
+        8,
+        (
+            MicroBatch((g(left, [0], [9000]), g(right, [1], [1000]))),
+            MicroBatch((g(whole, [2], [20000]),)),
+            MicroBatch((g(left, [3], [1000]), g(right, [4], [8000]))),
+        ),
+    )
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_price_by_hand(zero_stage: int) -> None:
+    spec = {"preset": "llama3-8b-h100", "training": {"zero_stage": zero_stage}}
+    cost = load_cost_model(spec, world_size=8)
+    assert cost.pass_barrier == (zero_stage == 3)
+    plan = _plan(cost)
+
+    def t(lens: list[int], d: int) -> float:
+        return cost.group_ms(lens, d)
+
+    whole = t([20000], 8)
+    if zero_stage == 3:  # every pass a barrier: the slowest group of each pass
+        expect = max(t([9000], 4), t([1000], 4)) + whole + max(t([1000], 4), t([8000], 4))
+        assert [len(s) for s in segments(plan, cost)] == [1, 1, 1]
+    else:  # the layout changes at every pass here: the same as above
+        expect = max(t([9000], 4), t([1000], 4)) + whole + max(t([1000], 4), t([8000], 4))
+    assert price(plan, cost).est_step_ms == pytest.approx(expect)
+    # Passes of one layout made adjacent share a segment where passes are not barriers: each
+    # group runs its two passes back to back.
+    grouped = price(group_by_layout(plan), cost)
+    assert [len(mb.groups) for mb in grouped.microbatches] == [2, 2, 1]
+    if zero_stage == 3:
+        assert grouped.est_step_ms == pytest.approx(expect)
+    else:
+        pair = max(t([9000], 4) + t([1000], 4), t([1000], 4) + t([8000], 4))
+        assert grouped.est_step_ms == pytest.approx(pair + whole)
+        assert grouped.est_step_ms < expect
+    # The micro-batches' estimates add up to the step; groups carry their pass time.
+    assert sum(mb.est_ms for mb in grouped.microbatches) == pytest.approx(grouped.est_step_ms)
+    assert grouped.microbatches[0].groups[0].est_ms == pytest.approx(t([9000], 4))
+    # Coverage and fingerprints of the work are unchanged by pricing.
+    assert price(plan, cost).fingerprint() == plan.fingerprint()
+
+
+def test_pass_barrier_round_trips_and_is_derived_from_the_setup(tmp_path) -> None:
+    z1 = load_cost_model("llama3-8b-h100", world_size=64)
+    assert not z1.pass_barrier and z1.details["zero3_ms_per_microbatch"] == 0.0
+    flex = load_cost_model("flexsp-gpt-7b", world_size=64)
+    assert flex.pass_barrier  # FlexSP's setup is ZeRO-3
+    for m in (z1, flex):
+        assert load_cost_model(m.to_spec(), world_size=64) == m
+    assert not dataclasses.replace(flex, pass_barrier=False).pass_barrier
+    from megatron_hsp.planner.cost.first_principles import TrainingConfig
+
+    assert TrainingConfig(zero_stage=3).pass_barrier(64)
+    assert not TrainingConfig(zero_stage=3).pass_barrier(1)  # one rank: nothing to synchronise
+    assert not TrainingConfig(zero_stage=1).pass_barrier(64)
