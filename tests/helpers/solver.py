@@ -86,37 +86,52 @@ def brute_force_ms(
     sizes: list[int],
     placed: bool = False,
 ) -> float:
-    """Optimal step time by enumeration. By default it ignores rank alignment, so it is a true
-    lower value; ``placed`` keeps only the size mixes aligned blocks hold (the runtime's rule)."""
+    """Optimal step time by enumeration, under the execution model the runtime runs (written
+    here from its statement in docs/costmodel.md, not from the planner's price code): a step
+    is a sequence of segments; in a segment the ranks keep one layout (``cfg``), each group
+    runs its sequences in one or more passes back to back (every pass must fit), and the
+    segment lasts as long as its slowest group; where every pass is a barrier
+    (``cost.pass_barrier``) a segment holds one pass per group. By default it ignores rank
+    alignment, so it is a true lower value; ``placed`` keeps only the size mixes aligned blocks
+    hold (the runtime's rule)."""
     configs = _size_multisets(cluster.world_size, sizes)
     if placed:
         configs = [cfg for cfg in configs if _placeable(sorted(cfg, reverse=True), cluster)]
+    multi_pass = not cost.pass_barrier
+    inf = float("inf")
+
+    def group_time(member: list[int], d: int) -> float:
+        if not multi_pass:
+            return cost.group_ms(member, d) if cost.fits(member, d) else inf
+        best = inf
+        for passes in _set_partitions(list(range(len(member)))):
+            chunks = [[member[i] for i in part] for part in passes]
+            if all(cost.fits(c, d) for c in chunks):
+                best = min(best, sum(cost.group_ms(c, d) for c in chunks))
+        return best
+
     memo: dict[tuple[int, ...], float] = {}
 
-    def micro(ids: tuple[int, ...]) -> float:
+    def segment(ids: tuple[int, ...]) -> float:
         if ids in memo:
             return memo[ids]
-        best = float("inf")
+        best = inf
         for cfg in configs:
             if len(cfg) > len(ids):
                 continue
             for assign in itertools.product(range(len(cfg)), repeat=len(ids)):
                 span = 0.0
-                ok = True
                 for g, d in enumerate(cfg):
                     member = [lengths[i] for i, a in zip(ids, assign, strict=True) if a == g]
-                    if not member:
-                        continue
-                    if not cost.fits(member, d):
-                        ok = False
+                    if member:
+                        span = max(span, group_time(member, d))
+                    if span >= best:
                         break
-                    span = max(span, cost.group_ms(member, d))
-                if ok:
-                    best = min(best, span)
+                best = min(best, span)
         memo[ids] = best
         return best
 
     return min(
-        sum(micro(tuple(sorted(part))) for part in parts)
+        sum(segment(tuple(sorted(part))) for part in parts)
         for parts in _set_partitions(list(range(len(lengths))))
     )
