@@ -106,7 +106,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         data_fingerprint,
         hsp_data_from_args,
     )
-    from megatron_hsp.runtime.backends import te_available
+    from megatron_hsp.runtime.backends import attention_routes_for_run, te_available
     from megatron_hsp.runtime.groups import create_groups_from_megatron
     from megatron_hsp.step.documents import BlendedDocumentReader, DocumentIndex
     from megatron_hsp.step.pipeline import build_step_pipeline
@@ -116,9 +116,19 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     cfg = run.config
     data = run.data if run.data is not None else hsp_data_from_args(args)
     # Lazy: a size's communicators are created the first time an agreed plan uses it.
+    heads = _head_space()
     run.registry = create_groups_from_megatron(
-        cfg.gpus_per_node, sizes=cfg.group_sizes, heads=_head_space(), lazy=True
+        cfg.gpus_per_node, sizes=cfg.group_sizes, heads=heads, lazy=True
     )
+    # The model's device: CUDA in training; CPU where there is none (``selftest --megatron``).
+    run.device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    # The route each ring or hybrid group's attention will take (the layer spec's "auto"
+    # backend): the planner prices each route by its own coefficient (planner/routes.py).
+    splits = {} if heads is None else {d: heads.split(d) for d in cfg.group_sizes}
     spec = PlannerSpec(
         cost_model=cfg.cost_model,
         world_size=cfg.world_size,
@@ -126,6 +136,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         max_seq=cfg.max_seq,
         memory_cap_gb=cfg.memory_cap_gb,
         settings=cfg.planner,
+        ring_routes=attention_routes_for_run(splits, "auto", run.device.type),
     )
     cost = spec.load_cost_model()
     run.step_overhead_ms = cost.step_overhead_ms
@@ -169,12 +180,6 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         PlannerService(spec, background=cfg.background_planner, sync_flag="--hsp-sync-planner")
         if rank0
         else None
-    )
-    # The model's device: CUDA in training; CPU where there is none (``selftest --megatron``).
-    run.device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
     )
     # Megatron's sequence parallelism splits each rank's tokens over the TP group again.
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)

@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
+from megatron_hsp.planner.cost.refit import TERMS as REFIT_TERMS
 from megatron_hsp.planner.plan import Plan
 
 
@@ -258,8 +259,9 @@ def group_timings(plan: Plan, microbatch_s: list[list[float]]) -> list[tuple[int
     ]
 
 
-# ``StepRefitter.model_state``'s length: the four factors (planner/cost/refit.TERMS), the step cost.
-MODEL_STATE = 5
+# ``StepRefitter.model_state``'s length: the factors (planner/cost/refit.TERMS: four terms and
+# the ring routes' attention), then the step cost.
+MODEL_STATE = len(REFIT_TERMS) + 1
 
 
 def model_from_state(base: Any, state: list[float]) -> Any:
