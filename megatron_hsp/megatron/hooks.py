@@ -136,7 +136,15 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         max_seq=cfg.max_seq,
         memory_cap_gb=cfg.memory_cap_gb,
         settings=cfg.planner,
-        ring_routes=attention_routes_for_run(splits, "auto", run.device.type),
+        ring_routes=attention_routes_for_run(
+            splits,
+            "auto",
+            run.device.type,
+            dtype=getattr(args, "params_dtype", None) or torch.float32,
+            head_dim=int(
+                getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads
+            ),
+        ),
     )
     cost = spec.load_cost_model()
     run.step_overhead_ms = cost.step_overhead_ms

@@ -23,6 +23,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hsp.planner.routes import (
+    RING_FUSED,
     TE_MIN_A2A_P2P_THD,
     ring_routes,
     te_carries_ring,
@@ -30,6 +31,7 @@ from megatron_hsp.planner.routes import (
 )
 from megatron_hsp.runtime.compat import torch_features, varlen_causal
 from megatron_hsp.runtime.layout import te_cp_arguments
+from megatron_hsp.runtime.ring import ring_route
 
 log = logging.getLogger(__name__)
 
@@ -374,7 +376,12 @@ def te_available() -> bool:
 
 
 def attention_routes_for_run(
-    splits: Mapping[int, tuple[int, int]], backend: str, device_type: str
+    splits: Mapping[int, tuple[int, int]],
+    backend: str,
+    device_type: str,
+    *,
+    dtype: torch.dtype,
+    head_dim: int,
 ) -> dict[int, str]:
     """``{group size: route}`` of the ring and hybrid groups of ``splits`` (``{size: (ulysses,
     ring)}``) as this process's attention will run them: what the planner's cost model prices
@@ -384,14 +391,16 @@ def attention_routes_for_run(
     ``make_backend`` does). Off CUDA nothing is declared (empty map): there every route runs torch
     math in fp32 (per-document SDPA, the tiled ring), so no route is a different kernel class and
     the model's single coefficient stands. On CUDA a group TE does not carry runs HSP's own ring,
-    today the tiled kernel (``runtime/ring.py``).
+    fused or tiled as ``ring.ring_route`` decides for the model's ``dtype`` and ``head_dim`` (the
+    rule ``ring_attention`` itself runs).
     """
     if device_type != "cuda":
         return {}
     if backend == "auto":
         backend = "te" if te_available() else "torch"
     version = te_version() if backend == "te" else None
-    return ring_routes(splits, te_version=version, fused_ring=False)
+    fused = ring_route(device_type, dtype, head_dim) == RING_FUSED
+    return ring_routes(splits, te_version=version, fused_ring=fused)
 
 
 def make_backend(
