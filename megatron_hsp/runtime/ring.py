@@ -527,6 +527,45 @@ def plan_ring_step(
     return calls
 
 
+def plan_ring(
+    metas: list[np.ndarray], position: int, device: torch.device, skip_masked: bool = True
+) -> list[list[BlockCall]]:
+    """Every step's block calls for ring-group rank ``position``, from every ring-group rank's
+    [index, doc] rows (``metas``, by ring-group rank): step ``s`` sees rank ``position - s``'s
+    block."""
+    r = len(metas)
+    return [
+        plan_ring_step(metas[position], metas[(position - s) % r], s == 0, device, skip_masked)
+        for s in range(r)
+    ]
+
+
+def host_ring_plans(
+    cu_seqlens: list[int] | np.ndarray,
+    ulysses: int,
+    group: dist.ProcessGroup,
+    ring_group: dist.ProcessGroup,
+    device: torch.device,
+    skip_masked: bool = True,
+) -> list[list[BlockCall]]:
+    """The fused ring's plans for this rank, from the micro-batch's segment bounds on the host
+    (no device read, no collective): ring-group rank ``g`` is group rank
+    ``get_group_rank(group, get_global_rank(ring_group, g))``, i.e. ring position that // u,
+    which holds ``layout.ring_position_tokens``. Built once per micro-batch (the attention keeps
+    them in the micro-batch cache) and used by every layer."""
+    from megatron_hsp.runtime.layout import ring_position_tokens
+
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    r = ring_group.size()
+
+    def meta(g: int) -> np.ndarray:
+        pos = dist.get_group_rank(group, dist.get_global_rank(ring_group, g)) // ulysses
+        index = ring_position_tokens(cu, ulysses, r, pos)
+        return np.stack([index, np.searchsorted(cu, index, side="right")])
+
+    return plan_ring([meta(g) for g in range(r)], dist.get_rank(ring_group), device, skip_masked)
+
+
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -582,14 +621,14 @@ class _FusedRingAttention(torch.autograd.Function):
     skipped, shifts overlapped; backward recomputes every block from q, k, v, out and lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index, doc, group, scale, kernel, skip_masked):
+    def forward(ctx, q, k, v, index, doc, group, scale, kernel, skip_masked, plans):
         r = 1 if group is None else group.size()
         me = 0 if r == 1 else dist.get_rank(group)
-        metas = _gather_meta(torch.stack([index, doc]).to(torch.int64), group)
-        plans = [
-            plan_ring_step(metas[me], metas[(me - s) % r], s == 0, q.device, skip_masked)
-            for s in range(r)
-        ]
+        if plans is None:
+            metas = _gather_meta(torch.stack([index, doc]).to(torch.int64), group)
+            plans = plan_ring(metas, me, q.device, skip_masked)
+        elif len(plans) != r:
+            raise ValueError(f"fused ring: {len(plans)} step plans for a ring of {r}")
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full((q.size(1), q.size(0)), float("-inf"), device=q.device)
         auxes: list[list[object]] = []
@@ -673,7 +712,7 @@ class _FusedRingAttention(torch.autograd.Function):
             dq.to(q.dtype),
             dkv[0].to(k.dtype),
             dkv[1].to(v.dtype),
-            *([None] * 6),
+            *([None] * 7),
         )
 
 
@@ -688,12 +727,14 @@ def fused_ring_attention(
     *,
     block_kernel: BlockKernel | None = None,
     skip_masked: bool = True,
+    plans: list[list[BlockCall]] | None = None,
 ) -> torch.Tensor:
     """``ring_attention``'s result through the fused ring: ``block_kernel`` per step (default:
     flash on CUDA, the tiled kernel standing in for it elsewhere); ``skip_masked`` False
-    computes (and drops) the masked pairs too, for measuring what skipping saves."""
+    computes (and drops) the masked pairs too, for measuring what skipping saves; ``plans``:
+    the steps' calls made beforehand (``host_ring_plans``; None: gathered and planned here)."""
     kernel = block_kernel or (FLASH_KERNEL if q.is_cuda else TILED_KERNEL)
-    return _FusedRingAttention.apply(q, k, v, index, doc, group, scale, kernel, skip_masked)
+    return _FusedRingAttention.apply(q, k, v, index, doc, group, scale, kernel, skip_masked, plans)
 
 
 def ring_attention(
@@ -704,16 +745,18 @@ def ring_attention(
     doc: torch.Tensor,
     group: dist.ProcessGroup | None,
     scale: float,
+    plans: list[list[BlockCall]] | None = None,
 ) -> torch.Tensor:
     """Causal per-document attention of the local tokens against every ring position's tokens.
 
     ``index``/``doc``: buffer index and document of each local token (same on q and k/v). Step
     ``s`` sees the block of ring position ``i - s``; the visiting block carries its own index and
     document vectors. Memory linear in tokens (module docstring). The fused or the tiled ring,
-    as ``ring_route`` decides for these tensors.
+    as ``ring_route`` decides for these tensors; ``plans``: the fused ring's, made once per
+    micro-batch (``host_ring_plans``), unused by the tiled ring.
     """
     if ring_route(q.device.type, q.dtype, q.size(-1)) == RING_FUSED:
-        return fused_ring_attention(q, k, v, index, doc, group, scale)
+        return fused_ring_attention(q, k, v, index, doc, group, scale, plans=plans)
     return _RingAttention.apply(q, k, v, index, doc, group, scale)
 
 
@@ -726,8 +769,10 @@ __all__ = [
     "flash_block_available",
     "flash_forward_call",
     "fused_ring_attention",
+    "host_ring_plans",
     "merge_partials",
     "partial_attention",
+    "plan_ring",
     "plan_ring_step",
     "ring_attention",
     "ring_route",

@@ -112,9 +112,35 @@ def _worker(rank: int, world: int) -> dict:
                 *inputs,
             )
             entry[f"counts-skip-{skip}"] = counts
+        if layout == "zigzag":  # the plans the attention makes once per micro-batch
+            plans = ring.host_ring_plans(cu, 1, group, group, torch.device("cpu"))
+            entry["fused-host-plans"] = _run(
+                lambda *a, plans=plans: ring.fused_ring_attention(*a, plans=plans), *inputs
+            )
         entry["local_tokens"] = int(held.numel())
         entry["total"] = total
         results[name] = entry
+    # A hybrid 2 x 2 group (the world): Ulysses pairs {0, 1}, {2, 3}, rings {0, 2}, {1, 3}.
+    # The host plans map ring-group ranks to ring positions as the gathered index vectors do.
+    rings = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    ring_group = rings[rank % 2]
+    cu = _cu([13, 1, 8, 6, 9], 4)
+    held = ring_position_tokens(cu, 2, 2, rank // 2)
+    mine = torch.from_numpy(np.stack([held, np.searchsorted(cu, held, side="right")]))
+    metas = ring._gather_meta(mine, ring_group)
+    gathered = ring.plan_ring(metas, dist.get_rank(ring_group), torch.device("cpu"))
+    host = ring.host_ring_plans(cu, 2, dist.group.WORLD, ring_group, torch.device("cpu"))
+    results["hybrid-plans-equal"] = all(
+        len(a) == len(b)
+        and all(
+            torch.equal(x.rows_q, y.rows_q)
+            and torch.equal(x.rows_k, y.rows_k)
+            and torch.equal(x.cu_k, y.cu_k)
+            and x.causal == y.causal
+            for x, y in zip(a, b, strict=True)
+        )
+        for a, b in zip(gathered, host, strict=True)
+    ) and any(len(a) for a in gathered[1:])
     return results
 
 
@@ -140,6 +166,14 @@ def test_fused_ring_matches_the_tiled_ring_and_a_dense_reference(results, case) 
             assert _close(fused, entry["tiled"], 1e-5), (case, skip)  # out, dq, dk, dv
             assert _close(fused, entry["ref"], 1e-4), (case, skip)
         assert _close(entry["tiled"], entry["ref"], 1e-4), case
+        if "fused-host-plans" in entry:
+            assert _close(entry["fused-host-plans"], entry["tiled"], 1e-5), case
+
+
+@pytest.mark.spawns
+@pytest.mark.dist
+def test_host_plans_map_ring_ranks_to_positions_as_the_gathered_index_does(results) -> None:
+    assert [r["hybrid-plans-equal"] for r in results] == [True] * WORLD
 
 
 @pytest.mark.spawns
