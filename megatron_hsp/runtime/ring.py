@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsp.planner.routes import RING_FUSED, RING_TILED
+from megatron_hsp.runtime.layout import _ranges, ring_position_tokens
 
 
 def _shift(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
@@ -438,15 +439,6 @@ def _runs(index: np.ndarray, doc: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.flatnonzero(cut) + 1, [index.size]]).astype(np.int64)
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for every (s, n)."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.cumsum(lengths) - lengths
-    return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
-
-
 def plan_ring_step(
     q_meta: np.ndarray,
     k_meta: np.ndarray,
@@ -553,8 +545,6 @@ def host_ring_plans(
     ``get_group_rank(group, get_global_rank(ring_group, g))``, i.e. ring position that // u,
     which holds ``layout.ring_position_tokens``. Built once per micro-batch (the attention keeps
     them in the micro-batch cache) and used by every layer."""
-    from megatron_hsp.runtime.layout import ring_position_tokens
-
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     r = ring_group.size()
 
