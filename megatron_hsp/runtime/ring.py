@@ -620,7 +620,9 @@ class _FusedRingAttention(torch.autograd.Function):
         elif len(plans) != r:
             raise ValueError(f"fused ring: {len(plans)} step plans for a ring of {r}")
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full((q.size(1), q.size(0)), float("-inf"), device=q.device)
+        lse = torch.full(
+            (q.size(1), q.size(0)), float("-inf"), dtype=torch.float32, device=q.device
+        )
         auxes: list[list[object]] = []
         kv = torch.stack([k, v])
         pending = _start_shift(kv, group) if r > 1 else None
