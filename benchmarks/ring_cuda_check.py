@@ -24,13 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_hsp.runtime.layout import ring_position_tokens
-from megatron_hsp.runtime.ring import (
-    _RingAttention,
-    fused_ring_attention,
-    merge_partials,
-    partial_attention,
-    ring_route,
-)
+from megatron_hsp.runtime.ring import merge_partials, partial_attention, ring_attention, ring_route
 
 
 def reference(q, k, v, cu, scale):
@@ -133,12 +127,14 @@ def block_step(dev: torch.device) -> list[dict]:
         row = {"tokens": tokens, "local": held.numel(), "heads": heads, "dim": dim}
         row["route"] = ring_route(dev.type, dtype, dim)
         outs = {}
-        for name, fn in (
-            ("fused", fused_ring_attention),
-            ("tiled", _RingAttention.apply),
-        ):
+        for name in ("fused", "tiled"):
+            route = f"ring-{name}"
             x = [t.to(dtype).clone().requires_grad_(True) for t in base[:3]]
             meta = (held, doc, None, dim**-0.5)
+
+            def fn(*a, route=route):
+                return ring_attention(*a, route=route)
+
             out = fn(*x, *meta)
             out.backward(base[3].to(dtype))
             outs[name] = [out, *(t.grad for t in x)]

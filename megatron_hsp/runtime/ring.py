@@ -28,15 +28,16 @@ Two rings share this structure:
 - the tiled ring (``_RingAttention``): every step computes the whole visiting block in tiled fp32
   torch math under the index/document mask. Exact for any token assignment, memory-bounded, and
   the CPU reference; on a GPU it is far slower than a fused kernel (docs/runtime.md).
-- the fused ring (``_FusedRingAttention``, ``fused_ring_attention``): every step hands a block
-  kernel varlen batches of contiguous runs (a zigzag half-block: one chunk of one document) and
-  gets back (out, lse); the partials merge in fp32; fully masked pairs (another document, or keys
-  after the queries) are never computed, and a step with nothing visible calls no kernel. Backward
-  recomputes each block from q, k, v, the ring's final out and lse. The next block's shift runs
-  while the current block computes (on CUDA from a side stream). The block kernel is torch's flash
-  kernel on CUDA (``FLASH_KERNEL``: ``aten._flash_attention_forward`` / ``_backward``), and the
-  tiled kernel on the CPU (``TILED_KERNEL``, the same autograd function, so the CPU tests run the
-  fused ring's planning, merging, skipping and shifting exactly as a GPU would).
+- the fused ring (``_FusedRingAttention``; ``ring_attention(..., route="ring-fused")``): every
+  step hands a block kernel varlen batches of contiguous runs (a zigzag half-block: one chunk of
+  one document) and gets back (out, lse); the partials merge in fp32; fully masked pairs (another
+  document, or keys after the queries) are never computed, and a step with nothing visible calls
+  no kernel. Backward recomputes each block from q, k, v, the ring's final out and lse. The next
+  block's shift runs while the current block computes (on CUDA from a side stream). The block
+  kernel is torch's flash kernel on CUDA (``FLASH_KERNEL``: ``aten._flash_attention_forward`` /
+  ``_backward``), and the tiled kernel on the CPU (``TILED_KERNEL``, the same autograd function,
+  so the CPU tests run the fused ring's planning, merging, skipping and shifting exactly as a
+  GPU would).
 
 Which ring runs is decided once (``ring_route``): the fused ring where the flash operator exists,
 the tensors are on CUDA and in fp16/bf16; the tiled ring otherwise. The planner prices the same
@@ -708,27 +709,6 @@ class _FusedRingAttention(torch.autograd.Function):
         )
 
 
-def fused_ring_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    index: torch.Tensor,
-    doc: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    scale: float,
-    *,
-    block_kernel: BlockKernel | None = None,
-    skip_masked: bool = True,
-    plans: list[list[BlockCall]] | None = None,
-) -> torch.Tensor:
-    """``ring_attention``'s result through the fused ring: ``block_kernel`` per step (default:
-    flash on CUDA, the tiled kernel standing in for it elsewhere); ``skip_masked`` False
-    computes (and drops) the masked pairs too, for measuring what skipping saves; ``plans``:
-    the steps' calls made beforehand (``host_ring_plans``; None: gathered and planned here)."""
-    kernel = block_kernel or (FLASH_KERNEL if q.is_cuda else TILED_KERNEL)
-    return _FusedRingAttention.apply(q, k, v, index, doc, group, scale, kernel, skip_masked, plans)
-
-
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -738,17 +718,30 @@ def ring_attention(
     group: dist.ProcessGroup | None,
     scale: float,
     plans: list[list[BlockCall]] | None = None,
+    *,
+    route: str | None = None,
+    block_kernel: BlockKernel | None = None,
+    skip_masked: bool = True,
 ) -> torch.Tensor:
     """Causal per-document attention of the local tokens against every ring position's tokens.
 
     ``index``/``doc``: buffer index and document of each local token (same on q and k/v). Step
-    ``s`` sees the block of ring position ``i - s``; the visiting block carries its own index and
-    document vectors. Memory linear in tokens (module docstring). The fused or the tiled ring,
-    as ``ring_route`` decides for these tensors; ``plans``: the fused ring's, made once per
-    micro-batch (``host_ring_plans``), unused by the tiled ring.
+    ``s`` sees the block of ring position ``i - s``. Memory linear in tokens (module docstring).
+
+    ``route``: "ring-fused" or "ring-tiled" (None: as ``ring_route`` decides for these tensors).
+    The fused ring's options: ``plans``, its step calls made once per micro-batch
+    (``host_ring_plans``; None: gathered and planned here); ``block_kernel`` (default: flash on
+    CUDA, the tiled kernel standing in for it elsewhere); ``skip_masked`` False computes (and
+    drops) the masked pairs too, for measuring what skipping saves.
     """
-    if ring_route(q.device.type, q.dtype, q.size(-1)) == RING_FUSED:
-        return fused_ring_attention(q, k, v, index, doc, group, scale, plans=plans)
+    route = route or ring_route(q.device.type, q.dtype, q.size(-1))
+    if route == RING_FUSED:
+        kernel = block_kernel or (FLASH_KERNEL if q.is_cuda else TILED_KERNEL)
+        return _FusedRingAttention.apply(
+            q, k, v, index, doc, group, scale, kernel, skip_masked, plans
+        )
+    if route != RING_TILED:
+        raise ValueError(f"ring attention route {route!r}: use {RING_FUSED!r} or {RING_TILED!r}")
     return _RingAttention.apply(q, k, v, index, doc, group, scale)
 
 
@@ -760,7 +753,6 @@ __all__ = [
     "flash_backward_call",
     "flash_block_available",
     "flash_forward_call",
-    "fused_ring_attention",
     "host_ring_plans",
     "merge_partials",
     "partial_attention",

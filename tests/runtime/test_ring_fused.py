@@ -1,8 +1,8 @@
-"""The fused ring (``ring.fused_ring_attention``) on the CPU, with the tiled kernel standing in
-for flash through the same autograd function: rings of 2, 3 and 4 gloo ranks give the tiled
-ring's outputs and gradients (fp32 tolerance) and a float64 dense reference's (explicit
-document-causal mask, written here, sharing no ring code); fully masked pairs are never handed
-to the kernel (kernel calls and query-key pairs counted, both larger with skipping off)."""
+"""The fused ring (``ring.ring_attention(..., route="ring-fused")``) on the CPU, with the tiled
+kernel standing in for flash through the same autograd function: rings of 2, 3 and 4 gloo ranks
+give the tiled ring's outputs and gradients (fp32 tolerance) and a float64 dense reference's
+(explicit document-causal mask, written here, sharing no ring code); fully masked pairs are never
+handed to the kernel (kernel calls and query-key pairs counted, both larger with skipping off)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_hsp.planner.routes import RING_FUSED, RING_TILED
 from megatron_hsp.runtime import ring
 from megatron_hsp.runtime.layout import ring_position_tokens
 from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
@@ -101,13 +102,13 @@ def _worker(rank: int, world: int) -> dict:
         entry = {"ref": [out_ref.detach()[held], *(x[held] for x in grads_ref)]}
 
         inputs = (q, k, v, dout, held, doc_all[held], group, scale)
-        entry["tiled"] = _run(ring._RingAttention.apply, *inputs)
+        entry["tiled"] = _run(lambda *a: ring.ring_attention(*a, route=RING_TILED), *inputs)
         for skip in (True, False):
             counts = {"forward": 0, "backward": 0, "pairs": 0}
             kernel = _counting(ring.TILED_KERNEL, counts)
             entry[f"fused-skip-{skip}"] = _run(
-                lambda *a, kernel=kernel, skip=skip: ring.fused_ring_attention(
-                    *a, block_kernel=kernel, skip_masked=skip
+                lambda *a, kernel=kernel, skip=skip: ring.ring_attention(
+                    *a, route=RING_FUSED, block_kernel=kernel, skip_masked=skip
                 ),
                 *inputs,
             )
@@ -115,7 +116,7 @@ def _worker(rank: int, world: int) -> dict:
         if layout == "zigzag":  # the plans the attention makes once per micro-batch
             plans = ring.host_ring_plans(cu, 1, group, group, torch.device("cpu"))
             entry["fused-host-plans"] = _run(
-                lambda *a, plans=plans: ring.fused_ring_attention(*a, plans=plans), *inputs
+                lambda *a, plans=plans: ring.ring_attention(*a, plans, route=RING_FUSED), *inputs
             )
         entry["local_tokens"] = int(held.numel())
         entry["total"] = total
