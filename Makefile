@@ -11,13 +11,15 @@ OLD_VENV ?= .venv-torch-oldest
 OLD_PY := $(OLD_VENV)/bin/python
 OLD_STAMP := $(OLD_VENV)/.installed
 # The runtime tests that touch torch APIs whose shape changed across the range (attention
-# kernels, autograd functions, collectives, megatron-core's modules) plus the exactness selftest,
+# kernels, autograd functions, collectives, megatron-core's modules, the flash operators' schemas)
+# plus the exactness selftest,
 # and Megatron's own train_step with HSP (dense option sets, MoE) on the oldest megatron-core.
 OLDEST_TORCH_TESTS := tests/runtime/test_torch_compat.py tests/runtime/test_attention_units.py \
 	tests/runtime/test_attention_ulysses.py tests/runtime/test_attention_ring.py \
 	tests/runtime/test_attention_gpt.py tests/runtime/test_loss_normalisation.py \
 	tests/runtime/test_ring_layout.py tests/runtime/test_dispatch_packing.py \
 	tests/runtime/test_ring_memory.py tests/runtime/test_host_syncs.py \
+	tests/runtime/test_ring_fused.py tests/runtime/test_flash_block_schema.py \
 	tests/testing/test_selftest.py::test_selftest_matches_single_device \
 	tests/testing/test_megatron_loop.py::test_megatron_train_step_with_hsp_matches_the_stock_path \
 	tests/testing/test_megatron_loop.py::test_dropless_moe_at_ep_1_and_2_matches_the_stock_path

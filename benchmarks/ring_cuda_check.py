@@ -6,7 +6,12 @@ CUDA when present (CPU otherwise: numerics only, timings meaningless). Simulates
 of ``runtime/ring.py`` on one device (the K/V blocks of ``r`` ring
 positions visited in ring order, no communication) for a packed buffer of several documents,
 forward and backward, in fp32 and bf16, against per-document SDPA in fp32 (an independent
-reference); then times the dense per-step math against torch's SDPA per document. Prints JSON.
+reference); then times the dense per-step math against torch's SDPA per document; then
+(``block_step``) the fused ring's block kernel against the tiled ring's on one ring position's own
+block (zigzag layout of a ring of 4, one document): forward+backward time, peak CUDA memory and
+the outputs' agreement, at 8K-32K tokens, 32 heads, head dim 128, bf16 on CUDA (the fused ring's
+flash kernel; ../shared/gpu-checklist.md item 5), a small fp32 case on the CPU (the tiled kernel
+stands in for flash there: a smoke run, not a measurement). Prints JSON.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from megatron_hsp.runtime.ring import merge_partials, partial_attention
+from megatron_hsp.runtime.layout import ring_position_tokens
+from megatron_hsp.runtime.ring import merge_partials, partial_attention, ring_attention, ring_route
 
 
 def reference(q, k, v, cu, scale):
@@ -103,7 +109,53 @@ def main() -> None:
             fn(*x).backward(dout.to(torch.bfloat16))
         sync(dev)
         res[f"{name}_fwd_bwd_ms"] = (time.perf_counter() - t0) / 5 * 1e3
+    res["block_step"] = block_step(dev)
     print(json.dumps(res, indent=1))
+
+
+def block_step(dev: torch.device) -> list[dict]:
+    """Fused vs tiled ring on one position's own block (group None: the ring's first step)."""
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    heads, dim = (32, 128) if cuda else (4, 64)
+    rows = []
+    for tokens in (8192, 16384, 32768) if cuda else (2048,):
+        held = torch.from_numpy(ring_position_tokens([0, tokens], 1, 4, 0)).to(dev)
+        doc = torch.ones_like(held)
+        g = torch.Generator(device=dev).manual_seed(1)
+        base = [torch.randn(held.numel(), heads, dim, device=dev, generator=g) for _ in range(4)]
+        row = {"tokens": tokens, "local": held.numel(), "heads": heads, "dim": dim}
+        row["route"] = ring_route(dev.type, dtype, dim)
+        outs = {}
+        for name in ("fused", "tiled"):
+            route = f"ring-{name}"
+            x = [t.to(dtype).clone().requires_grad_(True) for t in base[:3]]
+            meta = (held, doc, None, dim**-0.5)
+
+            def fn(*a, route=route):
+                return ring_attention(*a, route=route)
+
+            out = fn(*x, *meta)
+            out.backward(base[3].to(dtype))
+            outs[name] = [out, *(t.grad for t in x)]
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(3):
+                fn(*x, *meta).backward(base[3].to(dtype))
+            sync(dev)
+            row[f"{name}_fwd_bwd_ms"] = (time.perf_counter() - t0) / 3 * 1e3
+            if cuda:
+                row[f"{name}_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        row.update(
+            {
+                ("out_rel" if n == "o" else f"d{n}_rel"): rel(a, b)
+                for n, a, b in zip("o" + "qkv", outs["fused"], outs["tiled"], strict=True)
+            }
+        )
+        rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

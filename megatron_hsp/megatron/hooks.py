@@ -107,7 +107,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         hsp_data_from_args,
         train_sampler,
     )
-    from megatron_hsp.runtime.backends import te_available
+    from megatron_hsp.runtime.backends import attention_routes_for_run, te_available
     from megatron_hsp.runtime.groups import create_groups_from_megatron
     from megatron_hsp.step.documents import BlendedDocumentReader, DocumentIndex
     from megatron_hsp.step.pipeline import build_step_pipeline
@@ -116,10 +116,31 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     cfg = run.config
     data = run.data if run.data is not None else hsp_data_from_args(args)
     # Lazy: a size's communicators are created the first time an agreed plan uses it.
+    heads = _head_space()
     run.registry = create_groups_from_megatron(
-        cfg.gpus_per_node, sizes=cfg.group_sizes, heads=_head_space(), lazy=True
+        cfg.gpus_per_node, sizes=cfg.group_sizes, heads=heads, lazy=True
     )
-    spec = cfg.planner_spec()
+    # The model's device: CUDA in training; CPU where there is none (``selftest --megatron``).
+    run.device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    # The route each ring or hybrid group's attention will take (the layer spec's "auto"
+    # backend): the planner prices each route by its own coefficient (planner/routes.py).
+    splits = {} if heads is None else {d: heads.split(d) for d in cfg.group_sizes}
+    spec = replace(
+        cfg.planner_spec(),
+        ring_routes=attention_routes_for_run(
+            splits,
+            "auto",
+            run.device.type,
+            dtype=getattr(args, "params_dtype", None) or torch.float32,
+            head_dim=int(
+                getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads
+            ),
+        ),
+    )
     cost = spec.load_cost_model()
     run.step_overhead_ms = cost.step_overhead_ms
     run.cost_model, run.predict_model = cost, None
@@ -144,12 +165,6 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         PlannerService(spec, background=cfg.background_planner, sync_flag="--hsp-sync-planner")
         if rank0
         else None
-    )
-    # The model's device: CUDA in training; CPU where there is none (``selftest --megatron``).
-    run.device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
     )
     # Megatron's sequence parallelism splits each rank's tokens over the TP group again.
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)

@@ -50,6 +50,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hsp.planner.groupspace import HeadSpace, kv_copies
+from megatron_hsp.planner.routes import RING_FUSED
 from megatron_hsp.runtime.backends import (
     AttentionBackend,
     TEAttentionBackend,
@@ -67,7 +68,7 @@ from megatron_hsp.runtime.packed import (
     group_packed_seq_params,
     positions_in_documents,
 )
-from megatron_hsp.runtime.ring import ring_attention
+from megatron_hsp.runtime.ring import host_ring_plans, ring_attention, ring_route
 from megatron_hsp.runtime.ulysses import (
     _qkv_seq_to_head,
     all_to_all_head_to_seq,
@@ -227,7 +228,7 @@ class HSPCoreAttention(MegatronModule):
                 cache["cu_host"] = [int(x) for x in cu.tolist()]
             _checked_cu_seqlens(p, total, d, cache["cu_host"])
             cache["checked"] = key_now
-            for derived in ("positions", "ring_index", "local_positions"):
+            for derived in ("positions", "ring_index", "local_positions", "ring_plans"):
                 cache.pop(derived, None)
             for derived in [k for k in cache if isinstance(k, tuple) and k[0] == "te_cp"]:
                 cache.pop(derived)
@@ -298,7 +299,13 @@ class HSPCoreAttention(MegatronModule):
                 raise NotImplementedError("HSP ring attention does not support attention dropout")
             doc = torch.searchsorted(cu.to(q.device, torch.int64), index, right=True)
             self.routes["ring" if te_route is None else "ring (TE declined)"] += 1
-            out = ring_attention(q, k, v, index, doc, ring_group, self.softmax_scale)
+            plans = None
+            if ring_route(q.device.type, q.dtype, q.size(-1)) == RING_FUSED:
+                # The fused ring's block calls: from the host bounds, once per micro-batch.
+                if "ring_plans" not in cache:
+                    cache["ring_plans"] = host_ring_plans(cu_host, u, group, ring_group, q.device)
+                plans = cache["ring_plans"]
+            out = ring_attention(q, k, v, index, doc, ring_group, self.softmax_scale, plans)
         else:
             max_seqlen = int(p.max_seqlen_q) if p.max_seqlen_q is not None else total
             out = self._attend(q, k, v, cu, max_seqlen, dropout_p, cu_host)

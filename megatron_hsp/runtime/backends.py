@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import re
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -23,8 +22,16 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_hsp.planner.routes import (
+    RING_FUSED,
+    TE_MIN_A2A_P2P_THD,
+    ring_routes,
+    te_carries_ring,
+    te_version_runs_a2a_p2p_thd,
+)
 from megatron_hsp.runtime.compat import torch_features, varlen_causal
 from megatron_hsp.runtime.layout import te_cp_arguments
+from megatron_hsp.runtime.ring import ring_route
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +299,7 @@ def _te_cp_inputs(
     if args is None:
         return None
     comm = str(args["cp_comm_type"])
-    if comm == "a2a+p2p" and not te_thd_a2a_p2p_supported():
+    if not te_carries_ring(u, te_thd_a2a_p2p_supported()):
         return None
     on_device: dict[int, torch.Tensor] = {}
     fwd: dict[str, object] = {}
@@ -312,10 +319,8 @@ def _te_cp_inputs(
 # tests/runtime/test_te_sources.py reads every keyword and format it passes in both releases'
 # sources.
 TE_SUPPORTED = ("2.14.0", "2.20.2")
-# The first Transformer Engine whose THD context parallelism accepts cp_comm_type "a2a+p2p":
-# through v2.18 ``attn_forward_func_with_cp`` asserts ``qkv_format != "thd"`` for it; 2.19
-# removed the assertion. Read from TE's own sources by tests/runtime/test_te_sources.py.
-TE_MIN_A2A_P2P_THD = (2, 19)
+# ``TE_MIN_A2A_P2P_THD`` (the first TE whose THD context parallelism runs "a2a+p2p") lives with
+# the route rule in ``planner/routes.py``; re-exported here.
 # TE batches a ring step's send and receive (one NCCL group call) only for a ring of 2 before
 # Blackwell, unless NVTE_BATCH_MHA_P2P_COMM=1; otherwise it issues them one after another.
 TE_BATCH_P2P_ENV = "NVTE_BATCH_MHA_P2P_COMM"
@@ -347,8 +352,7 @@ def te_thd_a2a_p2p_supported(version: str | None = None) -> bool:
         version = te_version()
         if version is None:
             return False
-    parts = [int(x) for x in re.findall(r"\d+", version)[:2]]
-    return tuple(parts + [0] * (2 - len(parts))) >= TE_MIN_A2A_P2P_THD
+    return te_version_runs_a2a_p2p_thd(version)
 
 
 def te_version() -> str | None:
@@ -371,6 +375,34 @@ def te_available() -> bool:
     return True
 
 
+def attention_routes_for_run(
+    splits: Mapping[int, tuple[int, int]],
+    backend: str,
+    device_type: str,
+    *,
+    dtype: torch.dtype,
+    head_dim: int,
+) -> dict[int, str]:
+    """``{group size: route}`` of the ring and hybrid groups of ``splits`` (``{size: (ulysses,
+    ring)}``) as this process's attention will run them: what the planner's cost model prices
+    (``load_cost_model(ring_routes=...)``, ``planner/routes.py``).
+
+    ``backend``: the layer spec's attention backend (``auto`` / ``te`` / ``torch``, resolved as
+    ``make_backend`` does). Off CUDA nothing is declared (empty map): there every route runs torch
+    math in fp32 (per-document SDPA, the tiled ring), so no route is a different kernel class and
+    the model's single coefficient stands. On CUDA a group TE does not carry runs HSP's own ring,
+    fused or tiled as ``ring.ring_route`` decides for the model's ``dtype`` and ``head_dim`` (the
+    rule ``ring_attention`` itself runs).
+    """
+    if device_type != "cuda":
+        return {}
+    if backend == "auto":
+        backend = "te" if te_available() else "torch"
+    version = te_version() if backend == "te" else None
+    fused = ring_route(device_type, dtype, head_dim) == RING_FUSED
+    return ring_routes(splits, te_version=version, fused_ring=fused)
+
+
 def make_backend(
     name: str, config: TransformerConfig, layer_number: int, dropout: float
 ) -> AttentionBackend:
@@ -385,10 +417,12 @@ def make_backend(
 
 
 __all__ = [
+    "TE_MIN_A2A_P2P_THD",
     "TE_SUPPORTED",
     "AttentionBackend",
     "TEAttentionBackend",
     "TorchAttentionBackend",
+    "attention_routes_for_run",
     "make_backend",
     "te_available",
     "te_p2p_hint",

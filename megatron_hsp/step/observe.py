@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 from megatron_hsp.planner.cost.costcore import CostModel
 from megatron_hsp.planner.cost.execution import price
+from megatron_hsp.planner.cost.refit import TERMS as REFIT_TERMS
 from megatron_hsp.planner.plan import Plan
 
 
@@ -246,8 +247,9 @@ def group_timings(plan: Plan, microbatch_s: list[list[float]]) -> list[tuple[int
     ]
 
 
-# ``StepRefitter.model_state``'s length: the four factors (planner/cost/refit.TERMS), the step cost.
-MODEL_STATE = 5
+# ``StepRefitter.model_state``'s length: the factors (planner/cost/refit.TERMS: four terms and
+# the ring routes' attention), then the step cost.
+MODEL_STATE = len(REFIT_TERMS) + 1
 
 
 def model_from_state(base: Any, state: list[float]) -> Any:

@@ -51,6 +51,9 @@ class PlannerSpec:
     max_seq: int
     memory_cap_gb: float | None = None
     settings: PlannerSettings = field(default_factory=PlannerSettings)
+    # {group size: attention route} of the ring and hybrid groups as the runtime runs them
+    # (``runtime.backends.attention_routes_for_run``); None: the cost model's own.
+    ring_routes: dict[int, str] | None = None
     # "module:function" returning a planner ``(lengths) -> Plan`` for this spec.
     factory: str = DEFAULT_PLANNER
     options: dict[str, Any] = field(default_factory=dict)
@@ -66,6 +69,7 @@ class PlannerSpec:
             gpus_per_node=self.gpus_per_node,
             max_seq_k=tokens_to_k(self.max_seq),
             memory_cap_gb=self.memory_cap_gb,
+            ring_routes=self.ring_routes,
         )
 
 

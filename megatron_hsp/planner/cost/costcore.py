@@ -14,7 +14,9 @@ is what lets the MILP stay linear:
                                    + b_{d,u,r}
     fits(lengths, d)     = sum_i s_i / d <= tokens_per_rank
 
-a1: attention (quadratic) ms per token^2 on one rank; a2: linear-layer ms per token;
+a1: attention (quadratic) ms per token^2 on one rank, times the factor of the group's attention
+route (``attn_coefficient``: Ulysses, fused ring or tiled ring, ``planner/routes.py``);
+a2: linear-layer ms per token;
 c_{d,u}: Ulysses all-to-all ms per token over u ranks of a group of d (0 for u = 1; depends on the
 network tier); p_{d,u}: one ring step's K/V p2p ms per token, hidden behind the attention block it
 overlaps; e_d: one ring step's overhead beyond its traffic, never hidden; b: fixed ms
@@ -37,6 +39,14 @@ import numpy as np
 
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import HeadSpace
+from megatron_hsp.planner.routes import RING_FUSED, RING_TILED, ROUTES, ULYSSES
+
+# Each attention route's coefficient as a factor on ``attn_ms_per_token2`` (planner/routes.py,
+# docs/costmodel.md "Per-route attention coefficients"). Ulysses and a fused ring are what the
+# single coefficient was fitted and derived for (1.0: every plan priced as before); the tiled
+# torch ring's factor is an estimate from reading its kernel against a fused one, not a GPU
+# measurement (the docs say where it comes from), until a GPU run or the online refit sets it.
+DEFAULT_ROUTE_FACTOR: Mapping[str, float] = {ULYSSES: 1.0, RING_FUSED: 1.0, RING_TILED: 15.0}
 
 # Optional {size: value} coefficients, each empty when a model has no figure for it.
 RING_AND_LATENCY_KEYS = (
@@ -82,6 +92,12 @@ class CostModel:
     # gradient reduction (ZeRO-0/1/2, Megatron's distributed optimizer). Derived from the
     # training setup (``first_principles``); the execution model (``execution.py``) prices by it.
     pass_barrier: bool = False
+    # Attention route factors ({route: factor on attn_ms_per_token2}, routes from
+    # ``planner/routes.ROUTES``); a route absent here takes ``DEFAULT_ROUTE_FACTOR``.
+    attn_route_factor: Mapping[str, float] = field(default_factory=dict)
+    # The route HSP's runtime takes for its ring or hybrid group of each size ({size: route}, 0:
+    # every size; ``routes.ring_routes`` builds it from the backend rule). Absent: ring-fused.
+    ring_route: Mapping[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tokens_per_rank <= 0:
@@ -160,6 +176,25 @@ class CostModel:
             )
         return u, r
 
+    # ------------------------------------------------------------------ routes
+    def route(self, d: int, split: tuple[int, int] | None = None) -> str:
+        """The attention route (``planner/routes.py``) a group of ``d`` run as ``split`` takes:
+        Ulysses without ring degree, else the ring route declared for ``d`` (fused by default)."""
+        _, r = self._resolve(d, split)
+        if r == 1:
+            return ULYSSES
+        return self.ring_route.get(d, self.ring_route.get(0, RING_FUSED))
+
+    def route_factor(self, route: str) -> float:
+        """The attention coefficient of ``route`` relative to ``attn_ms_per_token2``."""
+        if route not in ROUTES:
+            raise InputError(f"attention route {route!r}: use one of {ROUTES}")
+        return float(self.attn_route_factor.get(route, DEFAULT_ROUTE_FACTOR[route]))
+
+    def attn_coefficient(self, d: int, split: tuple[int, int] | None = None) -> float:
+        """ms per token^2 of attention on one rank for a group of ``d`` run as ``split``."""
+        return self.attn_ms_per_token2 * self.route_factor(self.route(d, split))
+
     # ------------------------------------------------------------------ time
     def seq_ms(
         self,
@@ -178,10 +213,12 @@ class CostModel:
         hides.
         ``ring`` is a sensitivity knob for baselines only: "overlap" (this rule, the default),
         "hidden" (ring traffic free) or "exposed" (none of it overlapped).
+        Attention is priced by the group's route (``route``, ``attn_coefficient``): a slow ring
+        kernel costs its own coefficient, and hides more of the ring's traffic behind it.
         """
         u, r = self._resolve(d, split)
         s = np.asarray(lengths, dtype=np.float64)
-        attn = self.attn_ms_per_token2 * s * s / d
+        attn = self.attn_coefficient(d, (u, r)) * s * s / d
         out = attn + self.linear_ms_per_token * s / d + self._a2a(d, u) * s
         if r > 1 and ring != "hidden":
             step = self._ring_step(d, u) * s
@@ -263,6 +300,16 @@ class CostModel:
                     for key in RING_AND_LATENCY_KEYS
                     if getattr(self, key)
                 },
+                **(
+                    {"attn_route_factor": {k: float(v) for k, v in self.attn_route_factor.items()}}
+                    if self.attn_route_factor
+                    else {}
+                ),
+                **(
+                    {"ring_route": {int(k): str(v) for k, v in self.ring_route.items()}}
+                    if self.ring_route
+                    else {}
+                ),
             },
             "source": self.source,
             "details": {k: float(v) for k, v in self.details.items()},

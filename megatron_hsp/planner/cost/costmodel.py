@@ -51,6 +51,7 @@ from megatron_hsp.planner.cost.presets_flexsp import (
     flexsp_params_b,
 )
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.routes import check_routes
 
 __all__ = [
     "FIRST_PRINCIPLES_PRESETS",
@@ -91,12 +92,15 @@ def load_cost_model(
     gpus_per_node: int = 8,
     max_seq_k: float = 192,
     memory_cap_gb: float | None = None,
+    ring_routes: Mapping[int, str] | None = None,
 ) -> CostModel:
     """The one way to get a ``CostModel``: preset name, YAML/JSON file, or a mapping.
 
     Every input is checked (``_check_spec_numbers`` on the spec, ``validate_cost_model`` on the
     result); any problem is an :class:`InputError` naming the field. See ``_load_unchecked`` for
-    the spec shapes.
+    the spec shapes. ``ring_routes``: ``{group size: route}`` of the ring and hybrid groups as
+    the runtime will run them (``runtime.backends.attention_routes_for_run``); it overrides the
+    spec's ``ring_route`` for the sizes it names, since the runtime knows what it runs.
     """
     if memory_cap_gb is not None:
         v = float(memory_cap_gb)
@@ -121,6 +125,9 @@ def load_cost_model(
             f"--cost-model {spec if isinstance(spec, str | Path) else 'spec'}: cannot be used: "
             f"{type(exc).__name__}: {exc}"
         ) from None
+    if ring_routes:
+        routes = check_routes(ring_routes, "ring_routes")
+        model = dataclasses.replace(model, ring_route={**model.ring_route, **routes})
     return validate_cost_model(model)
 
 
@@ -145,7 +152,8 @@ def _load_unchecked(
                        a2a_ms_per_token | a2a_bytes_per_token + a2a_gbs,
                        tokens_per_rank | model_states_gb + act_mib_per_token,
                        optional: heads [q, kv], ring_step_ms_per_token {size: ms, pure ring},
-                       a2a_fixed_ms {u: ms}, ring_step_fixed_ms {size: ms per step}}
+                       a2a_fixed_ms {u: ms}, ring_step_fixed_ms {size: ms per step},
+                       attn_route_factor {route: factor}, ring_route {size: route}}
 
         name: my-gpt                 # FlexSP-style fit, scaled with the cluster like the presets
         flexsp: {layers, hidden, a1, a2, b1, act_mib_per_token, params_b: {192: .., 384: ..}}

@@ -16,6 +16,7 @@ from typing import Any
 from megatron_hsp.planner.cost.costcore import RING_AND_LATENCY_KEYS, CostModel
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import HeadSpace
+from megatron_hsp.planner.routes import ROUTES, check_routes
 from megatron_hsp.planner.units import MAX_TOKENS
 
 _TOP_KEYS = {
@@ -132,6 +133,8 @@ def _from_coefficients(name: str, co: Mapping[str, Any], cap_gb: float | None) -
         "heads",
         "pass_barrier",
         "ring_step_ms_per_token",
+        "attn_route_factor",
+        "ring_route",
         *RING_AND_LATENCY_KEYS,
     }
     unknown = sorted(set(co) - allowed)
@@ -184,6 +187,8 @@ def _from_coefficients(name: str, co: Mapping[str, Any], cap_gb: float | None) -
         source="explicit coefficients",
         heads=_heads(co.get("heads")),
         pass_barrier=bool(co.get("pass_barrier", False)),
+        attn_route_factor=_route_factors(co.get("attn_route_factor", {})),
+        ring_route=_ring_route(co.get("ring_route", {})),
         **{
             key: {k: v for k, v in _size_map(co.get(key, {}), key).items() if k > 1}
             for key in RING_AND_LATENCY_KEYS
@@ -191,9 +196,36 @@ def _from_coefficients(name: str, co: Mapping[str, Any], cap_gb: float | None) -
     )
 
 
+def _route_factors(value: Any) -> dict[str, float]:
+    """``coefficients.attn_route_factor``: {route: factor on attn_ms_per_token2}."""
+    if not isinstance(value, Mapping):
+        raise InputError(
+            f"cost model spec: coefficients.attn_route_factor must be {{route: factor}} with "
+            f"routes from {ROUTES}, got {value!r}"
+        )
+    unknown = sorted(str(k) for k in value if k not in ROUTES)
+    if unknown:
+        raise InputError(
+            f"cost model spec: coefficients.attn_route_factor has unknown routes {unknown}; "
+            f"routes: {ROUTES}"
+        )
+    return {str(k): float(v) for k, v in value.items()}
+
+
+def _ring_route(value: Any) -> dict[int, str]:
+    """``coefficients.ring_route``: {group size: ring route}, 0 for every size."""
+    if not isinstance(value, Mapping):
+        raise InputError(
+            f"cost model spec: coefficients.ring_route must be {{size: route}}, got {value!r}"
+        )
+    return check_routes(value, "cost model spec: coefficients.ring_route")
+
+
 # ------------------------------------------------------------------ validation
 # Spec leaves that are text or flags rather than numbers; every other leaf must be a finite number.
 _TEXT_KEYS = {"name", "preset", "source"}
+# Sections whose leaves are text ({size: route name}); ``_ring_route`` checks them.
+_TEXT_SECTIONS = {"ring_route"}
 _BOOL_KEYS = {"gated", "tied_embeddings", "recompute", "pass_barrier"}
 # Numbers that may be zero (a free attention term, no fixed cost); the rest must be > 0.
 _MAY_BE_ZERO = {
@@ -231,6 +263,8 @@ def _check_spec_numbers(data: Mapping[str, Any], where: str = "") -> None:
         path = f"{where}.{key}" if where else str(key)
         base = where.split(".")[0] if where else str(key)
         if str(key) == "name" or (not where and str(key) in _TEXT_KEYS):
+            continue
+        if str(key) in _TEXT_SECTIONS and where:
             continue
         if isinstance(value, Mapping):
             _check_spec_numbers(value, path)
@@ -292,6 +326,12 @@ def validate_cost_model(model: CostModel) -> CostModel:
                 raise bad(f"{field_} key", d, "a group size (integer >= 1, or 0 for all sizes)")
             if not math.isfinite(float(v)) or float(v) < 0:
                 raise bad(f"{field_}[{d}]", v, "a finite number >= 0")
+    for route, v in model.attn_route_factor.items():
+        if route not in ROUTES:
+            raise bad("attn_route_factor key", route, f"one of {ROUTES}")
+        if not math.isfinite(float(v)) or float(v) <= 0:
+            raise bad(f"attn_route_factor[{route}]", v, "a finite number > 0")
+    check_routes(model.ring_route, f"cost model {name!r}: ring_route")
     if not model.a2a_ms_per_token and not isinstance(model.a2a_ms_per_token, Mapping):
         raise bad("a2a_ms_per_token", model.a2a_ms_per_token, "a {size: ms per token} mapping")
     if not 0 < int(model.tokens_per_rank) <= MAX_TOKENS:

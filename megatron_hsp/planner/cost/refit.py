@@ -5,14 +5,19 @@ day) is wrong on the cluster at hand by factors no one can know in advance (site
 change), and every plan is only as good as its model. During training every micro-batch is a free
 measurement; this module turns them into a corrected model, without a separate profiling run.
 
-What is refitted: four scale factors on the current model's own terms, not the raw coefficients,
-so a handful of records per update is enough and the model's shape (quadratic attention, split
-rules, ring overlap) is kept::
+What is refitted: scale factors on the current model's own terms (``TERMS``), not the raw
+coefficients, so a handful of records per update is enough and the model's shape (quadratic
+attention, split rules, ring overlap) is kept::
 
-    group_ms ~ th_attn * sum a1 s^2 / d + th_lin * sum a2 s / d
+    group_ms ~ th_route * sum a1 f_route s^2 / d + th_lin * sum a2 s / d
              + th_comm * (all-to-all + exposed ring p2p + ring overhead) + th_fixed * fixed_ms
 
-Each record's four features are the current model's terms for that group; the fit is a robust
+Attention has one factor per route (``planner/routes.py``: "attn" for Ulysses groups,
+``ROUTE_TERMS`` for the ring routes), and a record's attention sits in its own route's column
+only, so a slowdown that only ring groups have (a tiled ring kernel) raises that route's factor
+and leaves Ulysses groups' price alone (docs/costmodel.md, "Per-route attention coefficients").
+
+Each record's features are the current model's terms for that group; the fit is a robust
 (Huber, iteratively reweighted) non-negative least squares on *relative* error, then
 
 - bounded: each factor moves by at most ``max_step`` (relative) per update, so one bad batch of
@@ -60,8 +65,14 @@ import numpy as np
 
 from megatron_hsp.planner.cost.costcore import CostModel
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.routes import RING_FUSED, RING_TILED, ROUTES, ULYSSES
 
-TERMS = ("attn", "linear", "comm", "fixed")
+# "attn" is the Ulysses route's attention (and the base coefficient ``attn_ms_per_token2``);
+# each ring route's attention has its own factor, fitted from that route's records only.
+ROUTE_TERMS = {RING_FUSED: "attn_ring_fused", RING_TILED: "attn_ring_tiled"}
+TERMS = ("attn", "linear", "comm", "fixed", *ROUTE_TERMS.values())
+# Terms whose factor must stay positive (time grows with tokens): every attention and linear.
+TOKEN_TERMS = tuple(i for i, k in enumerate(TERMS) if k.startswith("attn") or k == "linear")
 # A term is fitted only where it is on average at least this share of a record's prediction.
 MIN_SHARE = 0.02
 HUBER_K = 1.345  # the usual 95%-efficiency constant, in units of the robust scale (MAD)
@@ -78,6 +89,9 @@ class GroupTiming:
     d: int
     measured_ms: float
     split: tuple[int, int] | None = None
+    # The attention route the group ran (``planner/routes.ROUTES``), where the runtime reported
+    # it; None: the route the model assigns the group (``CostModel.route``).
+    route: str | None = None
 
 
 @dataclass(frozen=True)
@@ -103,22 +117,41 @@ class RefitResult:
 
 
 def features(model: CostModel, g: GroupTiming) -> np.ndarray:
-    """The model's four terms for one group record, in ms: attention, linear, comm, fixed."""
+    """The model's terms (``TERMS``) for one group record, in ms: attention in the column of
+    the group's route (Ulysses: "attn"), linear, comm, fixed."""
     s = np.asarray(g.lengths, dtype=np.float64)
     d = int(g.d)
     u, r = model._resolve(d, g.split)
-    attn = float((model.attn_ms_per_token2 * s * s).sum()) / d
+    route = model.route(d, (u, r))
+    if g.route is not None and g.route not in ROUTES:
+        raise InputError(f"refit: group record route {g.route!r}; routes: {ROUTES}")
+    sq = float((s * s).sum()) / d
+    attn = model.attn_coefficient(d, (u, r)) * sq
     lin = float((model.linear_ms_per_token * s).sum()) / d
     total = float(model.seq_ms(s, d, (u, r)).sum())
     comm = max(0.0, total - attn - lin)
-    return np.array([attn, lin, comm, model.fixed_ms(d, (u, r))])
+    ran = g.route or route
+    out = np.zeros(len(TERMS))
+    out[1:4] = lin, comm, model.fixed_ms(d, (u, r))
+    term = "attn" if ran == ULYSSES else ROUTE_TERMS[ran]
+    out[TERMS.index(term)] = model.attn_ms_per_token2 * model.route_factor(ran) * sq
+    return out
 
 
 def scaled_model(
     base: CostModel, scales: Mapping[str, float], name: str | None = None
 ) -> CostModel:
-    """``base`` with its terms multiplied by ``scales`` (keys from ``TERMS``)."""
-    a, lin, c, f = (float(scales.get(k, 1.0)) for k in TERMS)
+    """``base`` with its terms multiplied by ``scales`` (keys from ``TERMS``).
+
+    "attn" scales ``attn_ms_per_token2`` (the Ulysses route's attention); a ring route's factor
+    (``ROUTE_TERMS``) scales that route's attention, and defaults to "attn"'s (all attention
+    alike). Stored as route factors relative to the scaled base coefficient."""
+    a, lin, c, f = (float(scales.get(k, 1.0)) for k in TERMS[:4])
+    factors = dict(base.attn_route_factor)
+    for route, term in ROUTE_TERMS.items():
+        k = float(scales.get(term, a))
+        if k != a and a > 0:  # a route moved apart from the base coefficient
+            factors[route] = base.route_factor(route) * k / a
 
     def times(m: Mapping[int, float], k: float) -> dict[int, float]:
         return {int(d): float(v) * k for d, v in m.items()}
@@ -126,6 +159,7 @@ def scaled_model(
     return dataclasses.replace(
         base,
         name=name or base.name,
+        attn_route_factor=factors,
         attn_ms_per_token2=base.attn_ms_per_token2 * a,
         linear_ms_per_token=base.linear_ms_per_token * lin,
         a2a_ms_per_token=times(base.a2a_ms_per_token, c),
@@ -216,7 +250,10 @@ def refit_cost_model(
     if not max_step > 0:
         raise InputError(f"refit: max_step must be > 0, got {max_step}")
     base = base or model
-    cur = {k: float((scales or {}).get(k, 1.0)) for k in TERMS}
+    given = dict(scales or {})
+    # A ring route without its own factor moves with the base coefficient ("attn").
+    cur = {k: float(given.get(k, given.get("attn", 1.0) if k in ROUTE_TERMS.values() else 1.0))
+           for k in TERMS}  # fmt: skip
     groups = list(groups)
     ws = [1.0] * len(groups) if weights is None else [float(v) for v in weights]
     if len(ws) != len(groups):
@@ -256,7 +293,7 @@ def refit_cost_model(
         # A token term (attention, linear) at factor 0 would make time stop growing with tokens
         # (non-monotone): that term keeps its current factor and the others are refitted
         # without it.
-        bad = [i for i in (0, 1) if i in free and not rel[i] > 0]
+        bad = [i for i in TOKEN_TERMS if i in free and not rel[i] > 0]
         if not bad and common > 0:
             break
         held += [TERMS[i] for i in bad]
@@ -264,7 +301,7 @@ def refit_cost_model(
         # Every token term the records see came out non-positive (or the common factor did):
         # the records say time does not grow with tokens at all, which no monotone model
         # explains; refuse the update.
-        if not bad or not free or not any(i in free for i in (0, 1)):
+        if not bad or not free or not any(i in free for i in TOKEN_TERMS):
             return refuse(
                 f"the fit gives non-positive {' and '.join(held) or 'common'} factors: time "
                 "would not grow with tokens (non-monotone); kept the current model",

@@ -6,8 +6,11 @@ then ``megatron.training.training.train_step`` (patched by ``install``) for a fe
 with the refit on (``--hsp-refit-out``) and once with ``--hsp-no-refit``.
 
 The cost model handed to ``--hsp-cost-model`` is the loop's own (a file, as a user's fit would
-be); it is far from this machine's speed under Megatron's CPU overheads, so the refit moves it
-from its first update. ``delay_s`` puts a sleep inside the
+be). In the run with the refit on, the micro-batch clock reads constructed times instead of the
+wall clock (``records_x``): every group takes ``records_x`` times what the starting model prices
+it at, the same on every member, so each update is decided by the refit alone (the wall clock on a
+shared CPU put the first update anywhere from a large move to none; a test comparing prices with a
+5% margin then failed under load). ``delay_s`` puts a sleep inside the
 model's forward on slot 0 in the *last* micro-batch of every step (a forward pre-hook, i.e.
 after the micro-batch started): the refit records must show it in that micro-batch's group of
 slot 0 and nowhere else (``tests/megatron/test_megatron_refit.py``).
@@ -31,8 +34,18 @@ SYNC = "--hsp-sync-planner"
 OPTIONS = LoopOptions(group_sizes=(1, 2), tokens_per_rank=100)
 
 
+# The constructed records of the run with the refit on: each group took this many times the
+# starting model's price (``_one_run``'s ``records_x``).
+RECORDS_X = 3.0
+
+
 def _one_run(
-    rank: int, world_size: int, argv: list[str], steps: int, extra_s: float = 0.0
+    rank: int,
+    world_size: int,
+    argv: list[str],
+    steps: int,
+    extra_s: float = 0.0,
+    records_x: float | None = None,
 ) -> dict[str, Any]:
     import megatron.training.training as training
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -50,6 +63,8 @@ def _one_run(
     offset = [0.0]
     MicrobatchClock._now = lambda self: real_now(self) + offset[0]  # type: ignore[method-assign]
     try:
+        if records_x is not None:
+            MicrobatchClock._now = _constructed_clock(records_x)  # type: ignore[method-assign]
         (module,) = _hsp_model(args)  # one chunk: no pipeline here
         model, optimizer, scheduler, config = _wrap(args, [module])
         run = hooks.active_run()
@@ -111,6 +126,27 @@ def _one_run(
         _close_hsp_run(hooks, patches)
 
 
+def _constructed_clock(records_x: float) -> Any:
+    """A ``MicrobatchClock._now`` whose marks are the sums of constructed micro-batch times:
+    micro-batch ``m`` of this rank's slot takes ``records_x`` times the starting model's price
+    of the slot's group in ``m`` (0 where the group has no documents). The mark being taken is
+    the ``len(marks)``-th: micro-batch starts, then the end of the last one."""
+    from megatron_hsp.megatron import hooks
+
+    def now(clock: MicrobatchClock) -> float:
+        run = hooks.active_run()
+        assert run is not None and run.current is not None and run.registry is not None
+        total = 0.0
+        for mb in run.current.plan.microbatches[: len(clock.marks)]:
+            g = mb.group_of(run.registry.slot)
+            if g.seq_ids:
+                split = (g.ulysses, g.ring) if g.ulysses else None
+                total += records_x * run.cost_model.group_ms(list(g.lengths), g.size, split) / 1e3
+        return total
+
+    return now
+
+
 def refit_worker(
     rank: int, world_size: int, prefix: str, workdir: str, steps: int, extra_s: float
 ) -> dict[str, Any]:
@@ -140,7 +176,7 @@ def refit_worker(
         cpu_megatron_training(),
         cpu_device_arch_version(),
     ):
-        on = _one_run(rank, world_size, [*base, "--hsp-refit-out", out], steps)
+        on = _one_run(rank, world_size, [*base, "--hsp-refit-out", out], steps, 0.0, RECORDS_X)
         other = os.path.join(workdir, "delayed.yaml")
         delayed = _one_run(rank, world_size, [*base, "--hsp-refit-out", other], 3, extra_s)
         off = _one_run(rank, world_size, [*base, "--hsp-no-refit"], 2)
