@@ -32,7 +32,13 @@ from megatron_hsp.megatron.refusals import HSPArgsError, arg_value, refuse_what_
 from megatron_hsp.planner import units
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import DEFAULT_MAX_COMMUNICATORS, HeadSpace
-from megatron_hsp.planner.search.settings import PlannerSettings
+from megatron_hsp.planner.run_spec import (
+    MEGATRON_FLAGS,
+    GroupSizeRequest,
+    ParallelDims,
+    check_time_budget,
+)
+from megatron_hsp.planner.search.settings import PlannerSettings, RunSpec
 
 
 @dataclass(frozen=True)
@@ -42,12 +48,10 @@ class HSPConfig:
     # preset name or file (--hsp-cost-model), else the first-principles spec mapping built from
     # Megatron's flags (model_cost.default_cost_model_spec); load_cost_model takes either.
     cost_model: str | Mapping[str, Any]
-    world_size: int  # sequence-parallel slots = data-parallel x context-parallel ranks
-    gpus_per_node: int  # slots per node (GPUs per node / tensor-parallel size)
+    # The run description: parallel dimensions, group-size request, overlong policy, longest
+    # document, planner settings (their sizes always set here: the ones the run plans with).
+    run: RunSpec
     memory_cap_gb: float | None
-    max_seq: int
-    planner: PlannerSettings  # solver, budget, allowed group sizes (always set here), seed
-    overlong: str
     global_batch_docs: int | None
     token_budget: int | None
     seed: int
@@ -57,6 +61,28 @@ class HSPConfig:
     refit: bool = True  # online refit of the cost model (--hsp-no-refit turns it off)
     refit_out: str | None = None  # where the refit model is written (--hsp-refit-out)
     notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def world_size(self) -> int:
+        """Sequence-parallel slots: data-parallel x context-parallel ranks of one stage."""
+        return self.run.dims.slots
+
+    @property
+    def gpus_per_node(self) -> int:
+        """Slots per node (GPUs per node / tensor-parallel size)."""
+        return self.run.dims.slots_per_node
+
+    @property
+    def planner(self) -> PlannerSettings:
+        return self.run.planner
+
+    @property
+    def overlong(self) -> str:
+        return self.run.overlong.value
+
+    @property
+    def max_seq(self) -> int:
+        return self.run.max_seq
 
     @property
     def group_sizes(self) -> tuple[int, ...]:
@@ -120,7 +146,7 @@ def _sizes_the_cost_model_prices(
     missing = [d for d in sizes if d not in priced]
     if not missing:
         return sizes, cost
-    if args.hsp_group_sizes is not None:
+    if not _size_request(args).is_auto:
         raise HSPArgsError(
             f"--hsp-group-sizes {','.join(map(str, sizes))}: cost model "
             f"{label!r} has no figures for group sizes {missing} (it prices "
@@ -174,7 +200,7 @@ def _communicator_budget(
     kept = sizes_within_communicator_budget(sizes, slots_per_node, cap, heads)
     if kept != sorted(sizes):
         need = communicators_per_rank(sizes, heads)
-        if args.hsp_group_sizes is not None:
+        if not _size_request(args).is_auto:
             raise HSPArgsError(
                 f"--hsp-group-sizes {','.join(map(str, sizes))} needs {need} communicators per "
                 f"rank, more than --hsp-max-communicators {cap}; ask for fewer sizes or raise "
@@ -215,12 +241,17 @@ def _gpus_per_node_from_env(env: Mapping[str, str]) -> int | None:
     return None
 
 
-def legal_group_sizes(world_size: int, slots_per_node: int) -> list[int]:
-    """Legal group sizes: ``groupspace.Cluster.legal_sizes`` (every size up to a node, then
-    whole nodes); the heads never exclude a size, a group runs Ulysses x ring."""
-    from megatron_hsp.planner.groupspace import Cluster
-
-    return Cluster(world_size, slots_per_node).legal_sizes()
+def _size_request(args: argparse.Namespace) -> GroupSizeRequest:
+    """``--hsp-group-sizes`` as parsed (``flags.parse_sizes``); a namespace built by hand may
+    hold None (auto), a tuple or the flag's text."""
+    value = getattr(args, "hsp_group_sizes", None)
+    if isinstance(value, GroupSizeRequest):
+        return value
+    text = value if value is None or isinstance(value, str) else ",".join(map(str, value))
+    try:
+        return GroupSizeRequest.parse(text, "--hsp-group-sizes")
+    except InputError as exc:
+        raise HSPArgsError(str(exc)) from None
 
 
 def validate_hsp_args(
@@ -253,7 +284,11 @@ def validate_hsp_args(
     refuse_what_hsp_cannot_run(args)
     pp = _pipeline_settings(args, early, notes)
     layout = _parallel_layout(args, env, pp)
-    sizes = _requested_group_sizes(args, layout)
+    request = _size_request(args)
+    try:
+        sizes = list(request.resolve(layout.cluster(), "--hsp-group-sizes"))
+    except InputError as exc:
+        raise HSPArgsError(str(exc)) from None
     heads, space = _head_space(args, layout.tp, sizes, notes)
     _settings_hsp_needs(args, notes)
     _check_planner_budgets(args)
@@ -271,7 +306,7 @@ def validate_hsp_args(
     if user_cap is not None:
         user_cap *= gpus_per_slot  # per GPU on the command line, per slot in the model
     sizes, cost = _sizes_the_cost_model_prices(
-        args, spec, sizes, layout.world, layout.slots_per_node, int(max_seq), user_cap, notes
+        args, spec, sizes, layout.slots, layout.slots_per_node, int(max_seq), user_cap, notes
     )
     sizes, memory_cap_gb = _communicator_budget(
         args, sizes, layout.slots_per_node, space, cost, notes, user_cap, gpus_per_slot
@@ -280,14 +315,18 @@ def validate_hsp_args(
     _note_ring_sizes(space, sizes, heads, layout.tp, notes)
     seed = args.hsp_seed if args.hsp_seed is not None else int(arg_value(args, "seed", 1234))
     planner = _planner_settings(args, sizes, cost, pp, seed, notes)
+    run = RunSpec(
+        dims=layout,
+        sizes=request,
+        overlong=args.hsp_overlong,
+        planner=planner,
+        max_seq=int(max_seq),
+        sizes_flag="--hsp-group-sizes",
+    )
     return HSPConfig(
         cost_model=spec,
-        world_size=layout.world,
-        gpus_per_node=layout.slots_per_node,
+        run=run,
         memory_cap_gb=memory_cap_gb,
-        max_seq=int(max_seq),
-        planner=planner,
-        overlong=args.hsp_overlong,
         global_batch_docs=None if args.hsp_token_budget else int(gbs),
         token_budget=args.hsp_token_budget,
         seed=seed,
@@ -330,56 +369,21 @@ def _pipeline_settings(args: argparse.Namespace, early: bool, notes: list[str]) 
     return pp
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """Where HSP's groups run: Megatron's tensor-parallel size and the sequence-parallel slots
-    (data-parallel ranks) it and the pipeline leave, in nodes of ``slots_per_node``."""
-
-    tp: int
-    world: int
-    slots_per_node: int
-
-
-def _parallel_layout(args: argparse.Namespace, env: Mapping[str, str], pp: int) -> _Layout:
-    """The sequence-parallel slots: world / (tp x pp), in whole nodes of (GPUs per node / tp)."""
+def _parallel_layout(args: argparse.Namespace, env: Mapping[str, str], pp: int) -> ParallelDims:
+    """The job's parallel dimensions from Megatron's flags (``run_spec.ParallelDims``: slots =
+    world / (tp x pp), in whole nodes of GPUs per node / tp); GPUs per node from
+    ``--hsp-gpus-per-node``, else the launcher's environment, else one node."""
     tp = arg_value(args, "tensor_model_parallel_size", 1)
     world = arg_value(args, "world_size", int(env.get("WORLD_SIZE", "1")))
-    if world % (tp * pp) != 0:
-        raise HSPArgsError(
-            f"world size {world} is not a multiple of --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp}"
-        )
-    sp_world = world // (tp * pp)
     gpn = args.hsp_gpus_per_node or _gpus_per_node_from_env(env) or world
-    if gpn < 1 or gpn % tp != 0:
-        raise HSPArgsError(
-            f"--hsp-gpus-per-node {gpn} must be a positive multiple of "
-            f"--tensor-model-parallel-size {tp} (tensor-parallel groups stay inside a node)"
-        )
-    slots_per_node = min(gpn // tp, sp_world)
-    if sp_world % slots_per_node != 0:
-        raise HSPArgsError(
-            f"{sp_world} sequence-parallel ranks do not fill whole nodes of {slots_per_node} "
-            f"(--hsp-gpus-per-node {gpn} / --tensor-model-parallel-size {tp}); launch a whole "
-            "number of nodes or fix --hsp-gpus-per-node"
-        )
-    return _Layout(tp=tp, world=sp_world, slots_per_node=slots_per_node)
-
-
-def _requested_group_sizes(args: argparse.Namespace, layout: _Layout) -> list[int]:
-    """``--hsp-group-sizes``, each checked against the legal sizes; ``auto``: all of them."""
-    legal = legal_group_sizes(layout.world, layout.slots_per_node)
-    requested = args.hsp_group_sizes
-    if requested is None:
-        return legal
-    bad = [d for d in requested if d not in legal]
-    if bad:
-        raise HSPArgsError(
-            f"--hsp-group-sizes {','.join(map(str, requested))}: {bad} are not legal group "
-            f"sizes on {layout.world} ranks in nodes of {layout.slots_per_node} (every size up "
-            f"to a node, then whole nodes); legal sizes: {','.join(map(str, legal))}"
-        )
-    return list(requested)
+    vpp = arg_value(args, "virtual_pipeline_model_parallel_size", 1) if pp > 1 else 1
+    ep = arg_value(args, "expert_model_parallel_size", 1)
+    try:
+        dims = ParallelDims(world, gpn, tp, pp, int(vpp or 1), int(ep or 1), MEGATRON_FLAGS)
+        dims.cluster()  # whole nodes
+    except InputError as exc:
+        raise HSPArgsError(str(exc)) from None
+    return dims
 
 
 def _head_space(
@@ -429,8 +433,10 @@ def _settings_hsp_needs(args: argparse.Namespace, notes: list[str]) -> None:
 
 def _check_planner_budgets(args: argparse.Namespace) -> None:
     """``--hsp-time-budget-s`` and ``--hsp-memory-cap-gb`` must be positive."""
-    if args.hsp_time_budget_s <= 0:
-        raise HSPArgsError(f"--hsp-time-budget-s must be > 0 (got {args.hsp_time_budget_s})")
+    try:
+        check_time_budget(args.hsp_time_budget_s, "--hsp-time-budget-s")
+    except InputError as exc:
+        raise HSPArgsError(str(exc)) from None
     if args.hsp_memory_cap_gb is not None and args.hsp_memory_cap_gb <= 0:
         raise HSPArgsError(f"--hsp-memory-cap-gb must be > 0 (got {args.hsp_memory_cap_gb})")
 

@@ -20,15 +20,16 @@ from megatron_hsp.megatron.refusals import exit_on_refusal
 from megatron_hsp.planner import units
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import DEFAULT_MAX_COMMUNICATORS
-from megatron_hsp.planner.search.settings import (
+from megatron_hsp.planner.run_spec import (
     DEFAULT_SOLVER,
     DEFAULT_TIME_BUDGET_S,
+    OVERLONG_POLICIES,
     SOLVERS,
+    GroupSizeRequest,
 )
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
-OVERLONG_POLICIES = ("error", "drop", "split")
 # No --hsp-cost-model: first principles from Megatron's own flags (megatron/model_cost.py).
 DEFAULT_COST_MODEL = None
 HARDWARE_CHOICES = ("auto", *HARDWARE_PRESETS)
@@ -43,19 +44,13 @@ def parse_tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def parse_sizes(text: str) -> tuple[int, ...] | None:
-    """``auto`` -> None (every legal size); ``1,2,4,8`` -> (1, 2, 4, 8)."""
-    if str(text).strip().lower() == "auto":
-        return None
+def parse_sizes(text: str) -> GroupSizeRequest:
+    """argparse ``type`` for ``--hsp-group-sizes``: the one grammar of allowed group sizes
+    (``auto``, ``pow2`` or ``1,2,4,8``), :class:`megatron_hsp.planner.run_spec.GroupSizeRequest`."""
     try:
-        sizes = tuple(sorted({int(s) for s in str(text).split(",") if s.strip()}))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of group sizes (e.g. 1,2,4,8) or 'auto'"
-        ) from None
-    if not sizes or sizes[0] < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: group sizes must be integers >= 1")
-    return sizes
+        return GroupSizeRequest.parse(text, "--hsp-group-sizes")
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -122,10 +117,10 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--hsp-group-sizes",
         type=parse_sizes,
-        default=None,
-        metavar="auto|1,2,4,...",
+        default=GroupSizeRequest(),
+        metavar="auto|pow2|1,2,4,...",
         help="Allowed group sizes; 'auto' (default) = every size the topology and the "
-        "attention heads allow.",
+        "cost model allow, 'pow2' = the powers of two among them.",
     )
     g.add_argument(
         "--hsp-max-communicators",

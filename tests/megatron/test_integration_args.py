@@ -241,7 +241,8 @@ def test_provider_is_idempotent():
 
 def test_parsers():
     assert parse_tokens("192k") == 192000 and parse_tokens("2m") == 2000000
-    assert parse_sizes("auto") is None and parse_sizes("4,1,2,2") == (1, 2, 4)
+    assert parse_sizes("auto").is_auto and parse_sizes("4,1,2,2").sizes == (1, 2, 4)
+    assert parse_sizes("pow2").rule == "pow2" and not parse_sizes("pow2").is_auto
 
 
 @pytest.mark.parametrize(

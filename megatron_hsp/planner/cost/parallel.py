@@ -64,6 +64,7 @@ from megatron_hsp.planner.cost.pipeline import (
 )
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import Cluster, HeadSpace
+from megatron_hsp.planner.run_spec import check_degrees, check_tp_in_node
 
 
 @dataclass(frozen=True)
@@ -219,19 +220,12 @@ class ParallelConfig:
         return (self.tp, self.pp, self.vpp, self.ep) == (1, 1, 1, 1)
 
     def plane(self, gpus: int) -> int:
-        """Sequence-parallel slots of one stage: ``gpus / (tp * pp)``."""
-        if gpus % (self.tp * self.pp):
-            raise InputError(f"--gpus {gpus} is not a multiple of --tp {self.tp} x --pp {self.pp}")
-        return gpus // (self.tp * self.pp)
+        """Sequence-parallel slots of one stage: ``gpus / (tp * pp)`` (``run_spec``'s rule)."""
+        return check_degrees(gpus, self.tp, self.pp)
 
     def plane_gpus_per_node(self, gpus_per_node: int) -> int:
-        if gpus_per_node % self.tp and self.tp < gpus_per_node:
-            raise InputError(f"--tp {self.tp} does not divide --gpus-per-node {gpus_per_node}")
-        if self.tp > gpus_per_node:
-            raise InputError(
-                f"--tp {self.tp} spans nodes of {gpus_per_node} GPUs; Megatron keeps TP in a node"
-            )
-        return gpus_per_node // self.tp
+        """Slots per node: ``gpus_per_node / tp`` (``run_spec``'s rule: TP inside a node)."""
+        return check_tp_in_node(gpus_per_node, self.tp)
 
 
 def model_parallel_cost_model(
