@@ -107,27 +107,18 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         hsp_data_from_args,
     )
     from megatron_hsp.runtime.backends import te_available
-    from megatron_hsp.runtime.groups import create_groups_from_megatron
     from megatron_hsp.step.documents import BlendedDocumentReader, DocumentIndex
-    from megatron_hsp.step.pipeline import build_step_pipeline
-    from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
+    from megatron_hsp.step.pipeline import build_training_step
     from megatron_hsp.step.sampler import SamplerConfig
 
     cfg = run.config
     data = run.data if run.data is not None else hsp_data_from_args(args)
-    # Lazy: a size's communicators are created the first time an agreed plan uses it.
-    run.registry = create_groups_from_megatron(
-        cfg.gpus_per_node, sizes=cfg.group_sizes, heads=_head_space(), lazy=True
+    rank = dist.get_rank()
+    training = build_training_step(
+        cfg.run, cfg.cost_model, rank=rank, memory_cap_gb=cfg.memory_cap_gb, heads=_head_space()
     )
-    spec = PlannerSpec(
-        cost_model=cfg.cost_model,
-        world_size=cfg.world_size,
-        gpus_per_node=cfg.gpus_per_node,
-        max_seq=cfg.max_seq,
-        memory_cap_gb=cfg.memory_cap_gb,
-        settings=cfg.planner,
-    )
-    cost = spec.load_cost_model()
+    run.registry = training.registry
+    cost = training.spec.load_cost_model()
     run.step_overhead_ms = cost.step_overhead_ms
     run.cost_model, run.predict_model = cost, None
     mmap = bool(getattr(args, "mmap_bin_files", True))
@@ -163,13 +154,9 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     # flags are those the checkpoint trained with (checked against --load's record).
     check_and_record_data(args, data_fingerprint(data, indices) + "/" + sampler.fingerprint)
     sampler.fast_forward(int(getattr(args, "iteration", 0) or 0))
-    rank = dist.get_rank()
     rank0 = rank == 0
-    planner = (
-        PlannerService(spec, background=cfg.background_planner, sync_flag="--hsp-sync-planner")
-        if rank0
-        else None
-    )
+    training.start_planner(background=cfg.background_planner, sync_flag="--hsp-sync-planner")
+    planner = training.planner
     # The model's device: CUDA in training; CPU where there is none (``selftest --megatron``).
     run.device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -189,11 +176,6 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         group = getattr(args, "microbatch_group_size_per_vp_stage", None)
         run.microbatch_multiple = int(group or args.pipeline_model_parallel_size)
     run.run_empty_groups = int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1
-
-    def pipeline(split_sampler: Any, split_planner: Any) -> StepPipeline:
-        return build_step_pipeline(
-            split_sampler, reader, run.registry, rank=rank, planner=split_planner
-        )
 
     run.clock, run.refitter = None, None
     if cfg.refit:
@@ -237,8 +219,10 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
             done = int(getattr(args, "consumed_valid_samples", 0) or 0) // int(eval_batch or 1)
             split_sampler.fast_forward(done)
         split_planner = None if planner is None else _SplitPlanner(planner, key)
-        run.evaluation[split] = _EvalIterator(run, split, pipeline(split_sampler, split_planner))
-    return pipeline(sampler, planner)
+        run.evaluation[split] = _EvalIterator(
+            run, split, training.pipeline(split_sampler, reader, split_planner)
+        )
+    return training.pipeline(sampler, reader)
 
 
 DATA_RECORD = "hsp_data.json"

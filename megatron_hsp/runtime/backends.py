@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_hsp.planner.run_spec import ATTENTION_BACKENDS, AttentionBackendName
 from megatron_hsp.runtime.compat import torch_features, varlen_causal
 from megatron_hsp.runtime.layout import te_cp_arguments
 
@@ -374,14 +375,18 @@ def te_available() -> bool:
 def make_backend(
     name: str, config: TransformerConfig, layer_number: int, dropout: float
 ) -> AttentionBackend:
-    """``auto`` -> TE where TE and CUDA are present, torch otherwise; or ``te`` / ``torch``."""
-    if name == "auto":
-        name = "te" if te_available() else "torch"
-    if name == "te":
+    """``auto`` -> TE where TE and CUDA are present, torch otherwise; or ``te`` / ``torch``
+    (the closed vocabulary ``run_spec.AttentionBackendName``)."""
+    try:
+        choice = AttentionBackendName(name)
+    except ValueError:
+        known = ", ".join(map(repr, ATTENTION_BACKENDS))
+        raise ValueError(f"unknown HSP attention backend {name!r}; use {known}") from None
+    if choice is AttentionBackendName.AUTO:
+        choice = AttentionBackendName.TE if te_available() else AttentionBackendName.TORCH
+    if choice is AttentionBackendName.TE:
         return TEAttentionBackend(config, layer_number, dropout)
-    if name == "torch":
-        return TorchAttentionBackend()
-    raise ValueError(f"unknown HSP attention backend {name!r}; use 'auto', 'te' or 'torch'")
+    return TorchAttentionBackend()
 
 
 __all__ = [

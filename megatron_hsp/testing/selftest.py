@@ -135,7 +135,12 @@ def build_cases(nproc: int) -> list[Case]:
     if nproc not in (4, 8):
         # The case table's layouts are written for 4 and 8 slots (16 indexed past its documents).
         raise InputError(f"--nproc {nproc}: the CPU selftest runs on 4 or 8 processes")
-    n = nproc
+    # Plain Ulysses layouts, then tensor parallelism and ring groups, then edge cases.
+    return _ulysses_cases(nproc) + _tp_and_ring_cases(nproc) + _edge_cases(nproc)
+
+
+def _ulysses_cases(n: int) -> list[Case]:
+    """Groups of one size and of mixed sizes, and layouts that change every micro-batch."""
     tail = list(_TAIL)
     ids = list(range(len(tail)))
     cases = [
@@ -183,6 +188,14 @@ def build_cases(nproc: int) -> list[Case]:
             data_seed=3,
         )
     )
+    return cases
+
+
+def _tp_and_ring_cases(n: int) -> list[Case]:
+    """Dynamic groups under tensor parallelism 2, and Ulysses x ring groups."""
+    tail = list(_TAIL)
+    ids = list(range(len(tail)))
+    cases: list[Case] = []
     s = n // 2  # slots with tensor parallel 2
     tp_layout_1 = (
         ((s // 2, [1, 2, 3]), (s // 2, [4, 5, 6])) if s >= 4 else ((s, [1, 2, 3, 4, 5, 6]),)
@@ -240,6 +253,14 @@ def build_cases(nproc: int) -> list[Case]:
                 data_seed=7,
             )
         )
+    return cases
+
+
+def _edge_cases(n: int) -> list[Case]:
+    """TE's padded layout, 1-token documents, a document at its group's memory limit, learned
+    absolute positions."""
+    tail = list(_TAIL)
+    cases: list[Case] = []
     # Transformer Engine's layout (each document of a ring group padded to 2 x d inside its own
     # segment) run by the torch backend: a pure ring of 3 and, on 8, Ulysses 2 x ring 3.
     te_groups: Layout = ((6, [0, 3, 9]), (2, [1, 13])) if n >= 8 else ((3, [0, 3, 9]), (1, [1, 13]))
