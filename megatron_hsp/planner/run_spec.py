@@ -56,10 +56,11 @@ class AttentionBackendName(StrEnum):
     TORCH = "torch"
 
 
-OVERLONG_POLICIES: tuple[str, ...] = tuple(OverlongPolicy)
-SOLVERS: tuple[str, ...] = tuple(Solver)
-MILP_SOLVERS: tuple[str, ...] = tuple(s for s in Solver if s.uses_milp)
-ATTENTION_BACKENDS: tuple[str, ...] = tuple(AttentionBackendName)
+# The vocabularies as plain strings (argparse ``choices``, messages).
+OVERLONG_POLICIES: tuple[str, ...] = tuple(p.value for p in OverlongPolicy)
+SOLVERS: tuple[str, ...] = tuple(s.value for s in Solver)
+MILP_SOLVERS: tuple[str, ...] = tuple(s.value for s in Solver if s.uses_milp)
+ATTENTION_BACKENDS: tuple[str, ...] = tuple(b.value for b in AttentionBackendName)
 DEFAULT_SOLVER = Solver.HIGHS
 
 
@@ -69,7 +70,8 @@ def parse_choice[E: StrEnum](kind: type[E], value: str | E, flag: str) -> E:
     try:
         return kind(value)
     except ValueError:
-        raise InputError(f"{flag} {value!r}: choose one of {', '.join(kind)}") from None
+        choices = ", ".join(m.value for m in kind)
+        raise InputError(f"{flag} {value!r}: choose one of {choices}") from None
 
 
 # Wall-clock budget per plan: the step it plans runs for seconds, and the plan of step t+1 is

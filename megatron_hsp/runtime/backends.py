@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_hsp.planner.run_spec import ATTENTION_BACKENDS, AttentionBackendName
 from megatron_hsp.runtime.compat import torch_features, varlen_causal
 from megatron_hsp.runtime.layout import te_cp_arguments
+from megatron_hsp.runtime.packed import MicroBatchState
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +224,7 @@ class TEAttentionBackend(torch.nn.Module):
         *,
         softmax_scale: float,
         cu_seqlens_host: Sequence[int] | None = None,
-        micro_batch: dict | None = None,
+        micro_batch: MicroBatchState | None = None,
     ) -> torch.Tensor | None:
         """TE's own context-parallel attention for a Ulysses x ring group, or None.
 
@@ -236,15 +237,15 @@ class TEAttentionBackend(torch.nn.Module):
         on a TE that asserts it away (``te_thd_a2a_p2p_supported``); the caller then runs
         HSP's own Ulysses x ring path, the route the planner prices.
 
-        ``micro_batch``: the micro-batch's shared dict (``HSPPackedSeqParams.hsp_micro_batch``).
+        ``micro_batch``: the micro-batch's shared state (``HSPPackedSeqParams.hsp_micro_batch``).
         TE's boundary tensors are built there once per micro-batch and group split -- on the
         host, pinned, copied ``non_blocking`` -- and reused by every layer: no host sync and no
         blocking copy inside a layer.
         """
         u = 1 if ulysses_group is None else ulysses_group.size()
         r = ring_group.size()
-        cache = {} if micro_batch is None else micro_batch
-        key = ("te_cp", u, r)
+        cache = {} if micro_batch is None else micro_batch.te_cp
+        key = (u, r)
         if key not in cache:
             host = cu_seqlens_host
             if host is None:  # a plain PackedSeqParams: one read-back, then cached
@@ -380,7 +381,8 @@ def make_backend(
     try:
         choice = AttentionBackendName(name)
     except ValueError:
-        known = ", ".join(map(repr, ATTENTION_BACKENDS))
+        *first, last = ATTENTION_BACKENDS
+        known = f"{', '.join(map(repr, first))} or {last!r}"
         raise ValueError(f"unknown HSP attention backend {name!r}; use {known}") from None
     if choice is AttentionBackendName.AUTO:
         choice = AttentionBackendName.TE if te_available() else AttentionBackendName.TORCH
