@@ -28,7 +28,12 @@ from megatron_hsp.megatron.model_cost import (
     default_cost_model_spec,
     spec_label,
 )
-from megatron_hsp.megatron.refusals import HSPArgsError, arg_value, refuse_what_hsp_cannot_run
+from megatron_hsp.megatron.refusals import (
+    HSPArgsError,
+    arg_value,
+    kv_heads,
+    refuse_what_hsp_cannot_run,
+)
 from megatron_hsp.planner import units
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import DEFAULT_MAX_COMMUNICATORS, HeadSpace
@@ -392,11 +397,7 @@ def _head_space(
     """(``--num-attention-heads``, the ``HeadSpace`` that splits each group into Ulysses x
     ring), or (None, None) where the flags give no heads; notes KV heads replicated in groups."""
     heads = arg_value(args, "num_attention_heads", None)
-    kv_heads = (
-        arg_value(args, "num_query_groups", heads)
-        if getattr(args, "group_query_attention", False)
-        else heads
-    )
+    kv = kv_heads(args)
     space = None
     if heads is not None:
         if heads % tp:
@@ -404,10 +405,10 @@ def _head_space(
                 f"--num-attention-heads {heads} is not divisible by "
                 f"--tensor-model-parallel-size {tp}"
             )
-        space = HeadSpace.from_model(heads, kv_heads, tp)
-    if kv_heads is not None and heads is not None and (kv_heads // tp) < max(sizes):
+        space = HeadSpace.from_model(heads, kv, tp)
+    if kv is not None and heads is not None and (kv // tp) < max(sizes):
         notes.append(
-            f"{kv_heads // tp} KV heads per tensor-parallel rank are fewer than the largest "
+            f"{kv // tp} KV heads per tensor-parallel rank are fewer than the largest "
             f"group ({max(sizes)}); KV heads are replicated inside such groups"
         )
     return heads, space

@@ -30,10 +30,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_hsp.megatron.config import HSPConfig
-from megatron_hsp.megatron.refusals import exit_on_refusal
+from megatron_hsp.megatron.refusals import exit_on_refusal, kv_heads
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.step.mbclock import MicrobatchClock
 from megatron_hsp.step.observe import (
@@ -45,27 +45,43 @@ from megatron_hsp.step.observe import (
 )
 from megatron_hsp.step.pipeline import PreparedStep, StepPipeline
 
+if TYPE_CHECKING:  # torch-side types, imported where they are built (``build_pipeline``)
+    import torch
+
+    from megatron_hsp.megatron.datasets import HSPData
+    from megatron_hsp.planner.cost.costmodel import CostModel
+    from megatron_hsp.runtime.groups import GroupRegistry
+    from megatron_hsp.runtime.schedule import ModelInputs
+
 
 @dataclass
 class HSPRun:
-    """Process-wide HSP state of one Megatron run (set by ``install``)."""
+    """Process-wide HSP state of one Megatron run.
+
+    Three parts, each filled in one place: what the flags say (``config``, ``data``: built by
+    ``installer.install`` from ``validate_hsp_args`` and the data flags); what the run sets up
+    once (process groups, device, cost model, the schedule's and dispatch's per-run settings,
+    the refit's clock and refitter, the evaluation iterators: ``build_pipeline``); and the
+    current step (``pipeline``, ``current``, ``inputs``, ``read``, ``step_started``, ...:
+    ``begin_step`` and the iterators).
+    """
 
     config: HSPConfig
     pipeline: StepPipeline | None = None
-    registry: Any = None
+    registry: GroupRegistry | None = None
     observer: StepObserver | None = None
     current: PreparedStep | None = None
-    inputs: list[Any] = field(default_factory=list)
+    inputs: list[ModelInputs | None] = field(default_factory=list)  # None: an idle micro-batch
     # Micro-batches each model chunk's iterator has read this step (chunk -> count): under
     # virtual pipeline stages every chunk reads the same inputs in order (``_ChunkInputs``).
     read: dict[int, int] = field(default_factory=dict)
     microbatch_multiple: int = 1  # interleaved pipeline: the schedule's count must divide by pp
     step_started: float = 0.0
     local_multiple: int = 1  # per-rank token count multiple (TP size under --sequence-parallel)
-    device: Any = None
+    device: torch.device | None = None
     step_overhead_ms: float = 0.0  # the cost model's per-step cost, added to each prediction
-    data: Any = None  # datasets.HSPData: which datasets feed which split (set by ``install``)
-    evaluation: dict[str, Any] = field(default_factory=dict)  # split -> _EvalIterator
+    data: HSPData | None = None  # which datasets feed which split (set by ``install``)
+    evaluation: dict[str, _EvalIterator] = field(default_factory=dict)  # by split
     te_layout: bool = False  # pad ring groups' documents for TE's context parallelism
     # Expert parallelism: MoE all-to-alls span plan groups, so a group without documents in a
     # micro-batch still runs the model, on padding (``schedule.step_inputs``).
@@ -77,8 +93,8 @@ class HSPRun:
     created_at_step_start: int = 0  # registry.created: a step that created groups paid for it
     # The starting cost model (every rank), and the refitter's model as the current step started,
     # rebuilt from rank 0's state in ``refit_step``'s gather: it prices the logged prediction.
-    cost_model: Any = None
-    predict_model: Any = None
+    cost_model: CostModel | None = None
+    predict_model: CostModel | None = None
 
 
 _RUN: HSPRun | None = None
@@ -438,12 +454,11 @@ def _head_space():
     from megatron_hsp.planner.groupspace import HeadSpace
 
     args = get_args()
-    kv = args.num_query_groups if getattr(args, "group_query_attention", False) else None
     tp = ps.get_tensor_model_parallel_world_size()
-    return HeadSpace.from_model(args.num_attention_heads, kv, tp)
+    return HeadSpace.from_model(args.num_attention_heads, kv_heads(args), tp)
 
 
-def _prepare(run: HSPRun, pipeline: StepPipeline) -> tuple[PreparedStep, list[Any]]:
+def _prepare(run: HSPRun, pipeline: StepPipeline) -> tuple[PreparedStep, list[ModelInputs | None]]:
     """The pipeline's next step (plan: waits only if the planner is late) and this rank's
     model inputs for it.
 
