@@ -35,9 +35,8 @@ from megatron_hsp.planner.plan import Plan
 from megatron_hsp.testing.manual_plan import Layout, manual_plan
 from megatron_hsp.testing.mutations import CATCH_MARGIN, by_name, margin
 from megatron_hsp.testing.reference import ModelShape
+from megatron_hsp.testing.tolerances import CPU
 
-LOSS_REL_TOL = 1e-6
-GRAD_REL_TOL = 1e-5
 GROUP_TIMEOUT = timedelta(seconds=120)
 # The cases each mutation runs: a group of all ranks, three sizes in one micro-batch (size-1
 # groups included), tensor parallel 2, pure ring and Ulysses x ring groups, and learned absolute
@@ -649,7 +648,7 @@ def _mutation_result(name: str, rows: list[dict[str, Any]]) -> MutationResult:
         )
     loss_rel = max(c["loss_rel_diff"] for r in rows for c in r["cases"])
     grad_rel = max(c["max_rel_grad_diff"] for r in rows for c in r["cases"])
-    m = margin(loss_rel, grad_rel, LOSS_REL_TOL, GRAD_REL_TOL)
+    m = margin(loss_rel, grad_rel, CPU.loss, CPU.grad)
     return MutationResult(
         name,
         mutation.breaks,
@@ -707,7 +706,7 @@ def run_selftest(
             loss_rel_diff=max(r["loss_rel_diff"] for r in rows),
             detail={k: rows[0][k] for k in ("worst_param", "forward_calls", "loss", "ref_loss")},
         )
-        res.ok = res.loss_rel_diff <= LOSS_REL_TOL and res.max_rel_grad_diff <= GRAD_REL_TOL
+        res.ok = res.loss_rel_diff <= CPU.loss and res.max_rel_grad_diff <= CPU.grad
         out_cases.append(res)
     out_mutations = [
         _mutation_result(m["name"], [r["mutations"][j] for r in per_rank])
