@@ -68,32 +68,10 @@ class HSPConfig:
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
-    def world_size(self) -> int:
-        """Sequence-parallel slots: data-parallel x context-parallel ranks of one stage."""
-        return self.run.dims.slots
-
-    @property
-    def gpus_per_node(self) -> int:
-        """Slots per node (GPUs per node / tensor-parallel size)."""
-        return self.run.dims.slots_per_node
-
-    @property
-    def planner(self) -> PlannerSettings:
-        return self.run.planner
-
-    @property
-    def overlong(self) -> str:
-        return self.run.overlong.value
-
-    @property
-    def max_seq(self) -> int:
-        return self.run.max_seq
-
-    @property
     def group_sizes(self) -> tuple[int, ...]:
         """The group sizes the run pre-creates and plans with."""
-        assert self.planner.sizes is not None
-        return self.planner.sizes
+        assert self.run.planner.sizes is not None
+        return self.run.planner.sizes
 
 
 def _launcher_flags(message: str) -> str:

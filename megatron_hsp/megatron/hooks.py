@@ -142,14 +142,14 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     reader = BlendedDocumentReader([indices[p] for p in data.prefixes])
     # Whole documents up to --seq-length (or --hsp-max-seq), learned positions and memory.
     max_length, why = document_length_limit(
-        args, cfg.max_seq, cost.max_trainable_length(list(cfg.group_sizes))
+        args, cfg.run.max_seq, cost.max_trainable_length(list(cfg.group_sizes))
     )
     base = SamplerConfig(
         seed=cfg.seed,
         max_length=max_length,
         global_batch_docs=cfg.global_batch_docs,
         token_budget=cfg.token_budget,
-        overlong=cfg.overlong,
+        overlong=cfg.run.overlong,
     )
     try:
         sampler = build_split_sampler(data, "train", indices, base)
@@ -158,7 +158,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     if dist.get_rank() == 0 and sampler is not None:
         over = sum(s.overlong_docs for s in sampler.samplers)
         total = sum(len(s.lengths) for s in sampler.samplers)
-        line = overlong_line("training", over, total, max_length, why, cfg.overlong)
+        line = overlong_line("training", over, total, max_length, why, cfg.run.overlong)
         print(f"[megatron-hsp] {line}", flush=True)
     if sampler is None:
         raise InputError(
@@ -592,7 +592,7 @@ def refit_step(run: HSPRun) -> None:
             flush=True,
         )
         return
-    per_slot: list[list[float]] = [[0.0] * n for _ in range(run.config.world_size)]
+    per_slot: list[list[float]] = [[0.0] * n for _ in range(run.config.run.dims.slots)]
     for r in table.tolist():
         slot = int(r[0])
         per_slot[slot] = [max(a, b) for a, b in zip(per_slot[slot], r[2:], strict=True)]
