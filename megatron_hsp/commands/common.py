@@ -92,7 +92,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         help="per-GPU memory cap (default: the cost model's, 30 for flexsp-*)",
     )
     parser.add_argument(
-        "--solver", choices=MILP_SOLVERS, default=DEFAULT_SOLVER, help="MILP backend"
+        "--solver", choices=MILP_SOLVERS, default=DEFAULT_SOLVER.value, help="MILP backend"
     )
     parser.add_argument(
         "--time-budget",

@@ -225,8 +225,8 @@ def _gpus_per_node_from_env(env: Mapping[str, str]) -> int | None:
 
 
 def _size_request(args: argparse.Namespace) -> GroupSizeRequest:
-    """``--hsp-group-sizes`` as parsed (``flags.parse_sizes``); a namespace built by hand may
-    hold None (auto), a tuple or the flag's text."""
+    """``--hsp-group-sizes`` as ``flags.parse_sizes`` leaves it (None: auto, "pow2", or a tuple
+    of sizes), or the flag's text in a namespace built by hand."""
     value = getattr(args, "hsp_group_sizes", None)
     if isinstance(value, GroupSizeRequest):
         return value

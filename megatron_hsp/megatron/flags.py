@@ -44,13 +44,20 @@ def parse_tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def parse_sizes(text: str) -> GroupSizeRequest:
-    """argparse ``type`` for ``--hsp-group-sizes``: the one grammar of allowed group sizes
-    (``auto``, ``pow2`` or ``1,2,4,8``), :class:`megatron_hsp.planner.run_spec.GroupSizeRequest`."""
+def parse_sizes(text: str) -> tuple[int, ...] | str | None:
+    """argparse ``type`` for ``--hsp-group-sizes``, in the one grammar of allowed group sizes
+    (:class:`megatron_hsp.planner.run_spec.GroupSizeRequest`): ``auto`` -> None, ``pow2`` ->
+    "pow2", ``1,2,4,8`` -> (1, 2, 4, 8).
+
+    Why plain values, not the request: Megatron saves its args in every checkpoint and loads
+    them back with ``torch.load(weights_only=True)``, which refuses classes it does not know."""
     try:
-        return GroupSizeRequest.parse(text, "--hsp-group-sizes")
+        request = GroupSizeRequest.parse(text, "--hsp-group-sizes")
     except InputError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if request.is_auto:
+        return None
+    return request.sizes if request.rule == "list" else request.rule
 
 
 def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -106,7 +113,9 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "positions, over --max-position-embeddings; the cost model is sized for it. Default "
         "--seq-length.",
     )
-    g.add_argument("--hsp-solver", choices=SOLVERS, default=DEFAULT_SOLVER, help="Planner backend.")
+    g.add_argument(
+        "--hsp-solver", choices=SOLVERS, default=DEFAULT_SOLVER.value, help="Planner backend."
+    )
     g.add_argument(
         "--hsp-time-budget-s",
         type=float,
@@ -117,7 +126,7 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--hsp-group-sizes",
         type=parse_sizes,
-        default=GroupSizeRequest(),
+        default=None,
         metavar="auto|pow2|1,2,4,...",
         help="Allowed group sizes; 'auto' (default) = every size the topology and the "
         "cost model allow, 'pow2' = the powers of two among them.",

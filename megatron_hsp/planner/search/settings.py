@@ -47,7 +47,9 @@ CHUNKINGS = ("time-lpt", "contiguous-tokens", "long-grouped", "long-sized")
 class SolverConfig:
     """How hard and with what to search. Defaults suit per-step planning during training."""
 
-    backend: str = DEFAULT_SOLVER  # MILP solver: "highs" (highspy) or "cbc" (COIN-OR CBC binary)
+    backend: str = (
+        DEFAULT_SOLVER.value
+    )  # MILP solver: "highs" (highspy) or "cbc" (COIN-OR CBC binary)
     time_budget_s: float = DEFAULT_TIME_BUDGET_S  # hard wall-clock budget for the whole solve
     sizes: tuple[int, ...] | None = None  # allowed group sizes; None: all that tile and are costed
     seed: int = 0  # MILP solver random seed
