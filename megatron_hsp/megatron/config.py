@@ -67,6 +67,14 @@ class HSPConfig:
     refit_out: str | None = None  # where the refit model is written (--hsp-refit-out)
     notes: tuple[str, ...] = field(default=(), compare=False)
 
+    # Read-only views of the run description, for readers written before it (``run`` is the
+    # one place these values live).
+    world_size = property(lambda self: self.run.dims.slots, doc="sequence-parallel slots")
+    gpus_per_node = property(lambda self: self.run.dims.slots_per_node, doc="slots per node")
+    planner = property(lambda self: self.run.planner, doc="the planner's settings")
+    overlong = property(lambda self: self.run.overlong.value, doc="the overlong policy")
+    max_seq = property(lambda self: self.run.max_seq, doc="the longest document trained whole")
+
     @property
     def group_sizes(self) -> tuple[int, ...]:
         """The group sizes the run pre-creates and plans with."""
