@@ -21,7 +21,9 @@ PKG = Path(__file__).resolve().parents[1] / "megatron_hsp"
 
 # Lowest first. A folder may import its own modules and anything on a lower floor.
 FLOORS = (
-    "megatron_hsp.planner",  # core types: errors, units, paths, topology, groupspace, plan, lengths
+    # core types: errors, units, paths, topology, groupspace, run_spec (the run description's
+    # rules, which every floor above reads), plan, lengths
+    "megatron_hsp.planner",
     "megatron_hsp.planner.cost",  # the cost model family
     "megatron_hsp.planner.search",  # solver, chunking, greedy, improve, MILP, bounds, settings
     "megatron_hsp.runtime",  # torch.distributed execution of a plan

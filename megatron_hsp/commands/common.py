@@ -21,18 +21,22 @@ from megatron_hsp.planner.cost.parallel import (
 from megatron_hsp.planner.cost.pipeline import PipelineSpec
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.lengths import (
-    OVERLONG_POLICIES,
     SAMPLING_MODES,
     BatchSampler,
     parse_max_seq,
     read_lengths,
 )
-from megatron_hsp.planner.search.settings import (
+from megatron_hsp.planner.run_spec import (
     DEFAULT_SOLVER,
     DEFAULT_TIME_BUDGET_S,
     MILP_SOLVERS,
-    PlannerSettings,
+    OVERLONG_POLICIES,
+    PLAN_FLAGS,
+    GroupSizeRequest,
+    ParallelDims,
+    check_time_budget,
 )
+from megatron_hsp.planner.search.settings import PlannerSettings, RunSpec
 from megatron_hsp.planner.topology import Cluster
 from megatron_hsp.planner.units import check_range
 
@@ -52,7 +56,7 @@ HARNESS_DEFAULTS: dict[str, object] = {
     "max_seq": "192k",
     "global_batch": 512,
     "seed": 0,
-    "solver": DEFAULT_SOLVER,
+    "solver": DEFAULT_SOLVER.value,
     "time_budget": DEFAULT_TIME_BUDGET_S,
     "sampling": "sequential",
 }
@@ -161,8 +165,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, harness: bool = True) 
     group.add_argument(
         "--sizes",
         default=None,
-        help="allowed group sizes, comma-separated (e.g. 1,2,4,8,16,32,64) or 'pow2'; "
-        "default: every size the cluster and cost model allow",
+        help="allowed group sizes, comma-separated (e.g. 1,2,4,8,16,32,64), 'pow2' (the powers "
+        "of two among the legal sizes) or 'auto' (default: every size the cluster and cost "
+        "model allow)",
     )
     group.add_argument(
         "--overlong",
@@ -207,48 +212,31 @@ class Setup:
     cluster: Cluster
     cost: CostModel
     sampler: BatchSampler
-    sizes: tuple[int, ...] | None
-    max_seq: int
+    run: RunSpec  # the run description, built once from the flags (``build_setup``)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     pipeline: PipelineSpec | None = None  # None: no pipeline (pp 1)
-    # A Megatron job (megatron_args.megatron_setup): the training run's planner settings and
-    # what the report says about the job; None under --flexsp-harness.
-    planner: PlannerSettings | None = None
+    # A Megatron job (megatron_args.megatron_setup): what the report says about the job; None
+    # under --flexsp-harness.
     job: object | None = None
 
-    def settings(self, args: argparse.Namespace) -> PlannerSettings:
-        """hsp's settings from the flags, with this setup's sizes and pipeline."""
-        if self.planner is not None:
-            return self.planner
-        par = self.parallel
-        return PlannerSettings(
-            args.solver, args.time_budget, self.sizes, args.seed, pp=par.pp, vpp=par.vpp
-        )
+    @property
+    def sizes(self) -> tuple[int, ...] | None:
+        """``--sizes`` on this cluster; None (``auto``): every size it and the cost model allow."""
+        return self.run.planner.sizes
 
+    @property
+    def max_seq(self) -> int:
+        return self.run.max_seq
 
-def parse_sizes(text: str | None, cluster: Cluster) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    if text.strip() == "pow2":
-        return tuple(cluster.power_of_two_sizes())
-    try:
-        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        raise InputError(f"--sizes {text!r}: give comma-separated integers or 'pow2'") from None
-    bad = [d for d in sizes if not cluster.size_fits(d)]
-    if not sizes or bad:
-        raise InputError(
-            f"--sizes {text!r}: {bad or 'no sizes'} cannot tile {cluster.world_size} GPUs in "
-            f"nodes of {cluster.gpus_per_node}; legal sizes: {cluster.legal_sizes()}"
-        )
-    return sizes
+    def settings(self, args: argparse.Namespace | None = None) -> PlannerSettings:
+        """hsp's settings: the run description's (``args`` is kept for callers that pass it)."""
+        return self.run.planner
 
 
 #: Largest cluster ``plan``/``bench`` accept. Planning time grows with the number of legal group
 #: sizes (every multiple of the node size): 16384 GPUs plan in about 7 s with a 1 s budget on a
 #: laptop core, 131072 take over a minute, so larger clusters are refused rather than left to run.
 MAX_GPUS = 16384
-MAX_TIME_BUDGET_S = 3600.0
 
 
 def check_numeric_flags(args: argparse.Namespace) -> None:
@@ -259,7 +247,7 @@ def check_numeric_flags(args: argparse.Namespace) -> None:
     check_range(args.gpus_per_node, "--gpus-per-node", low=1, high=MAX_GPUS_PER_NODE)
     check_range(args.global_batch, "--global-batch", low=1, high=10**7)
     check_range(args.seed, "--seed", low=0)
-    check_range(args.time_budget, "--time-budget", low=0, low_open=True, high=MAX_TIME_BUDGET_S)
+    check_time_budget(args.time_budget, "--time-budget")
     if args.memory_cap_gb is not None:
         check_range(args.memory_cap_gb, "--memory-cap-gb", low=0, low_open=True, high=1e6)
     for flag in ("tp", "pp", "vpp", "ep"):
@@ -276,13 +264,22 @@ def check_numeric_flags_of_command(args: argparse.Namespace) -> None:
             check_range(getattr(args, flag), "--" + flag.replace("_", "-"), low=low, high=10**7)
 
 
+def parallel_dims(args: argparse.Namespace) -> ParallelDims:
+    """``plan``/``bench``'s parallel dimensions: ``--gpus`` in nodes of ``--gpus-per-node``,
+    ``--tp``/``--pp``/``--vpp``/``--ep`` (absent flags: 1)."""
+    degrees = (int(getattr(args, k, 1) or 1) for k in ("tp", "pp", "vpp", "ep"))
+    return ParallelDims(args.gpus, args.gpus_per_node, *degrees, flags=PLAN_FLAGS)
+
+
 def build_setup(args: argparse.Namespace) -> Setup:
     check_numeric_flags(args)
     if args.overlong is None:  # resolved here so that the JSON config shows what ran
         args.overlong = "drop" if args.sampling == "sequential" else "error"
     Cluster(args.gpus, args.gpus_per_node)  # the whole machine's shape, checked first
+    request = GroupSizeRequest.parse(args.sizes, "--sizes")
     max_seq = parse_max_seq(args.max_seq)
-    parallel = ParallelConfig(*(getattr(args, k, 1) for k in ("tp", "pp", "vpp", "ep")))
+    dims = parallel_dims(args)
+    parallel = ParallelConfig(dims.tp, dims.pp, dims.vpp, dims.ep)
     # With TP/PP/EP (or a MoE preset) the planner's cluster is one stage's data x context plane.
     cost, cluster = load_any_cost_model(
         args.cost_model,
@@ -293,7 +290,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
         memory_cap_gb=args.memory_cap_gb,
     )
     pipeline = pipeline_spec_for(cost, parallel.pp, parallel.vpp) if parallel.pp > 1 else None
-    sizes = parse_sizes(args.sizes, cluster)
+    sizes = request.restriction(cluster, "--sizes")
     costed = set(cost.sizes)  # one set: ``cost.sizes`` rebuilds a sorted list per access
     usable = [d for d in (sizes or sorted(costed)) if cluster.size_fits(d) and d in costed]
     if not usable:
@@ -309,7 +306,11 @@ def build_setup(args: argparse.Namespace) -> Setup:
     )
     if sampler.harness_note():  # on stderr: counted in the JSON too, never silent
         print(sampler.harness_note(), file=sys.stderr)
-    return Setup(cluster, cost, sampler, sizes, max_seq, parallel, pipeline)
+    settings = PlannerSettings(
+        args.solver, args.time_budget, sizes, args.seed, pp=parallel.pp, vpp=parallel.vpp
+    )
+    run = RunSpec(dims, request, args.overlong, settings, max_seq, sizes_flag="--sizes")
+    return Setup(cluster, cost, sampler, run, parallel, pipeline)
 
 
 def config_dict(args: argparse.Namespace) -> dict:

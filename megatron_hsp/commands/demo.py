@@ -26,7 +26,8 @@ from megatron_hsp.commands.demo_config import (
     DEMO_TIME_BUDGET_S,
     DemoConfig,
 )
-from megatron_hsp.planner.search.settings import SOLVERS, PlannerSettings
+from megatron_hsp.planner.run_spec import DEFAULT_SOLVER, SOLVERS
+from megatron_hsp.planner.search.settings import PlannerSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="batches re-run with static groups for the side-by-side (default 3; 0: skip)",
     )
-    parser.add_argument("--solver", choices=SOLVERS, default="highs")
+    parser.add_argument("--solver", choices=SOLVERS, default=DEFAULT_SOLVER.value)
     parser.add_argument(
         "--cost-model",
         default=None,

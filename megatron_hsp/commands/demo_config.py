@@ -7,10 +7,19 @@ module that imports them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_hsp.planner.search.settings import PlannerSettings
+from megatron_hsp.planner.cost.costmodel import CostModel
+from megatron_hsp.planner.run_spec import (
+    DimFlags,
+    GroupSizeRequest,
+    OverlongPolicy,
+    ParallelDims,
+    allowed_sizes,
+)
+from megatron_hsp.planner.search.settings import PlannerSettings, RunSpec
 
 # A cost model for the demo's tiny GPT on CPU ranks. The memory cap (tokens_per_rank) is what
 # makes plans heterogeneous: a document over 1024 tokens needs a group of 2, over 2048 a group of
@@ -33,6 +42,8 @@ DEMO_TIME_BUDGET_S = 0.5
 DEMO_MAX_TOKEN_BUDGET = 262_144  # tokens per step on CPU ranks
 DEMO_MAX_GLOBAL_BATCH = 4096  # documents per step
 DEMO_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2)
+# The demo's ranks are one node of --nproc CPU ranks (or torchrun's WORLD_SIZE).
+DEMO_FLAGS = DimFlags(world="--nproc", gpus_per_node="--nproc")
 
 
 @dataclass
@@ -57,4 +68,19 @@ class DemoConfig:
     # refit model is written to ``refit_out`` for the next run's --cost-model.
     refit: bool = True
     refit_out: str | None = None
+    # Documents longer than the largest group trains are split: the corpus has a few.
+    overlong: OverlongPolicy = OverlongPolicy.SPLIT
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def run_spec(self, cost: CostModel) -> RunSpec:
+        """The demo's run description: ``nproc`` ranks in one node, no model parallelism, every
+        legal size ``cost`` prices, documents as long as the largest of them trains whole.
+
+        Only priced sizes: every size up to a node is legal (3 of 4 included), which a
+        pure-Ulysses model of 4 heads cannot run and the planner cannot cost."""
+        dims = ParallelDims(self.nproc, self.nproc, flags=DEMO_FLAGS)
+        request = GroupSizeRequest()
+        sizes = allowed_sizes(request, dims.cluster(), cost.sizes, "--cost-model")
+        planner = dataclasses.replace(self.planner, sizes=sizes, seed=self.seed)
+        max_seq = cost.max_trainable_length(list(sizes))
+        return RunSpec(dims, request, self.overlong, planner, max_seq, sizes_flag="--cost-model")

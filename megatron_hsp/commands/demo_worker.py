@@ -10,7 +10,6 @@ Slurm launch).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
@@ -44,34 +43,21 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     import torch.distributed as dist
 
     from megatron_hsp.planner.cost.costmodel import load_cost_model
-    from megatron_hsp.runtime.groups import create_groups
     from megatron_hsp.runtime.schedule import run_step
     from megatron_hsp.step.corpus import DEMO_VOCAB_SIZE
     from megatron_hsp.step.documents import DocumentIndex, DocumentReader
-    from megatron_hsp.step.observe import StepRecord, StepRefitter, layout_summary
-    from megatron_hsp.step.pipeline import build_step_pipeline
-    from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
+    from megatron_hsp.step.observe import StepRecord, StepRefitter
+    from megatron_hsp.step.pipeline import build_training_step
     from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
     from megatron_hsp.testing.dist import tiny_gpt_model
 
     device = torch.device("cpu")
-    gpus_per_node = world_size
-    cost = load_cost_model(cfg.cost_model, world_size=world_size, gpus_per_node=gpus_per_node)
-    # Only the sizes the cost model prices: the registry offers every size up to a node (3 of 4
-    # included), which a pure-Ulysses model of 4 heads cannot run and the planner cannot cost.
-    registry = create_groups(
-        gpus_per_node, sizes=[d for d in cost.sizes if d <= world_size], lazy=True
-    )
-    sizes = registry.sizes
-    max_len = cost.max_trainable_length(list(sizes))
+    assert world_size == cfg.nproc, f"{world_size} ranks for a demo of {cfg.nproc}"
+    cost = load_cost_model(cfg.cost_model, world_size=world_size, gpus_per_node=world_size)
+    run = cfg.run_spec(cost)
+    training = build_training_step(run, cfg.cost_model, rank=rank)
+    registry, sizes, max_len = training.registry, run.planner.sizes or (), run.max_seq
     index = DocumentIndex(cfg.corpus_prefix)
-    spec = PlannerSpec(
-        cost_model=cfg.cost_model,
-        world_size=world_size,
-        gpus_per_node=gpus_per_node,
-        max_seq=max_len,
-        settings=dataclasses.replace(cfg.planner, sizes=tuple(sizes), seed=cfg.seed),
-    )
     sampler = GlobalBatchSampler(
         index.lengths,
         SamplerConfig(
@@ -79,16 +65,11 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
             max_length=max_len,
             global_batch_docs=cfg.global_batch,
             token_budget=cfg.token_budget,
-            overlong="split",
+            overlong=run.overlong,
         ),
     )
-    pipeline = build_step_pipeline(
-        sampler,
-        DocumentReader(index),
-        registry,
-        rank=rank,
-        planner=PlannerService(spec) if rank == 0 else None,
-    )
+    training.start_planner()
+    pipeline = training.pipeline(sampler, DocumentReader(index))
     pipeline.prime()  # step 0 is planned while the model is built
     model = tiny_gpt_model(
         **DEMO_MODEL,
@@ -155,36 +136,9 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
                     step_overhead_ms=overhead_ms.get(prepared.step, cost.step_overhead_ms),
                     model=current,
                 )
-                steps.append(
-                    {
-                        "step": prepared.step,
-                        "loss": result.loss,
-                        "group_sizes": rec.group_sizes,
-                        "microbatches": rec.microbatches,
-                        "step_s": step_s,
-                        "predicted_s": rec.predicted_ms / 1e3,
-                        "predicted_ms": rec.predicted_ms,
-                        "planned_ms": rec.planned_ms,
-                        "solve_ms": rec.solve_ms,
-                        "planner_wait_ms": rec.planner_wait_ms,
-                        "imbalance": rec.imbalance,
-                        "sequences": rec.num_sequences,
-                        "tokens": rec.tokens,
-                        "status": rec.status,
-                        # Groups, documents and lengths: what a replay of the refit re-prices.
-                        "plan": prepared.plan.to_dict(),
-                    }
-                )
+                steps.append(_step_row(prepared, rec, result.loss, step_s))
                 _progress(
-                    i + 1,
-                    cfg.steps,
-                    f"loss {result.loss:.4f}  {rec.num_sequences} docs {rec.tokens} tok  "
-                    f"{layout_summary(prepared.plan)}  {step_s * 1e3:.0f} ms "
-                    f"(pred {rec.predicted_ms:.0f})  solve {rec.solve_ms:.0f} ms"
-                    + (
-                        f"  waited {rec.planner_wait_ms:.0f} ms" if rec.planner_wait_ms >= 1 else ""
-                    ),
-                    cfg.quiet,
+                    i + 1, cfg.steps, _step_line(prepared, rec, result.loss, step_s), cfg.quiet
                 )
         sampler_report = pipeline.report()  # trained batches, not the prefetched one
     finally:
@@ -194,7 +148,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     dist.broadcast_object_list(final_spec, src=0)
     priced = cost
     if final_spec[0] is not None:
-        priced = load_cost_model(final_spec[0], world_size=world_size, gpus_per_node=gpus_per_node)
+        priced = load_cost_model(final_spec[0], world_size=world_size, gpus_per_node=world_size)
 
     comparison = _side_by_side(model, kept, index, registry, priced, sizes, device)
     model.zero_grad(set_to_none=True)
@@ -217,6 +171,40 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
             "model": {**DEMO_MODEL, "vocab_size": DEMO_VOCAB_SIZE},
         },
     }
+
+
+def _step_row(prepared: Any, rec: Any, loss: float, step_s: float) -> dict[str, Any]:
+    """One trained step in the demo's JSON (``rec``: its ``observe.StepRecord``)."""
+    return {
+        "step": prepared.step,
+        "loss": loss,
+        "group_sizes": rec.group_sizes,
+        "microbatches": rec.microbatches,
+        "step_s": step_s,
+        "predicted_s": rec.predicted_ms / 1e3,
+        "predicted_ms": rec.predicted_ms,
+        "planned_ms": rec.planned_ms,
+        "solve_ms": rec.solve_ms,
+        "planner_wait_ms": rec.planner_wait_ms,
+        "imbalance": rec.imbalance,
+        "sequences": rec.num_sequences,
+        "tokens": rec.tokens,
+        "status": rec.status,
+        # Groups, documents and lengths: what a replay of the refit re-prices.
+        "plan": prepared.plan.to_dict(),
+    }
+
+
+def _step_line(prepared: Any, rec: Any, loss: float, step_s: float) -> str:
+    """One trained step on the progress line."""
+    from megatron_hsp.step.observe import layout_summary
+
+    waited = f"  waited {rec.planner_wait_ms:.0f} ms" if rec.planner_wait_ms >= 1 else ""
+    return (
+        f"loss {loss:.4f}  {rec.num_sequences} docs {rec.tokens} tok  "
+        f"{layout_summary(prepared.plan)}  {step_s * 1e3:.0f} ms "
+        f"(pred {rec.predicted_ms:.0f})  solve {rec.solve_ms:.0f} ms" + waited
+    )
 
 
 def _side_by_side(

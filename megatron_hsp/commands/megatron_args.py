@@ -505,11 +505,9 @@ def megatron_setup(args: argparse.Namespace) -> Any:
         cluster,
         cost,
         TrainingBatches(sampler, line),  # type: ignore[arg-type]
-        cfg.group_sizes,
-        cfg.max_seq,
+        cfg.run,
         parallel,
         pipeline,
-        planner=settings,
         job=job,
     )
 

@@ -28,11 +28,22 @@ from megatron_hsp.megatron.model_cost import (
     default_cost_model_spec,
     spec_label,
 )
-from megatron_hsp.megatron.refusals import HSPArgsError, arg_value, refuse_what_hsp_cannot_run
+from megatron_hsp.megatron.refusals import (
+    HSPArgsError,
+    arg_value,
+    kv_heads,
+    refuse_what_hsp_cannot_run,
+)
 from megatron_hsp.planner import units
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import DEFAULT_MAX_COMMUNICATORS, HeadSpace
-from megatron_hsp.planner.search.settings import PlannerSettings
+from megatron_hsp.planner.run_spec import (
+    MEGATRON_FLAGS,
+    GroupSizeRequest,
+    ParallelDims,
+    check_time_budget,
+)
+from megatron_hsp.planner.search.settings import PlannerSettings, RunSpec
 
 
 @dataclass(frozen=True)
@@ -42,12 +53,10 @@ class HSPConfig:
     # preset name or file (--hsp-cost-model), else the first-principles spec mapping built from
     # Megatron's flags (model_cost.default_cost_model_spec); load_cost_model takes either.
     cost_model: str | Mapping[str, Any]
-    world_size: int  # sequence-parallel slots = data-parallel x context-parallel ranks
-    gpus_per_node: int  # slots per node (GPUs per node / tensor-parallel size)
+    # The run description: parallel dimensions, group-size request, overlong policy, longest
+    # document, planner settings (their sizes always set here: the ones the run plans with).
+    run: RunSpec
     memory_cap_gb: float | None
-    max_seq: int
-    planner: PlannerSettings  # solver, budget, allowed group sizes (always set here), seed
-    overlong: str
     global_batch_docs: int | None
     token_budget: int | None
     seed: int
@@ -58,25 +67,26 @@ class HSPConfig:
     refit_out: str | None = None  # where the refit model is written (--hsp-refit-out)
     notes: tuple[str, ...] = field(default=(), compare=False)
 
+    # Read-only views of the run description, for readers written before it (``run`` is the
+    # one place these values live).
+    world_size = property(lambda self: self.run.dims.slots, doc="sequence-parallel slots")
+    gpus_per_node = property(lambda self: self.run.dims.slots_per_node, doc="slots per node")
+    planner = property(lambda self: self.run.planner, doc="the planner's settings")
+    overlong = property(lambda self: self.run.overlong.value, doc="the overlong policy")
+    max_seq = property(lambda self: self.run.max_seq, doc="the longest document trained whole")
+
     @property
     def group_sizes(self) -> tuple[int, ...]:
         """The group sizes the run pre-creates and plans with."""
-        assert self.planner.sizes is not None
-        return self.planner.sizes
+        assert self.run.planner.sizes is not None
+        return self.run.planner.sizes
 
     def planner_spec(self) -> Any:
         """The ``step.planner_service.PlannerSpec`` of this run: what the planner process and
         ``plan``/``bench`` (``commands/megatron_args.py``) build the cost model from."""
-        from megatron_hsp.step.planner_service import PlannerSpec
+        from megatron_hsp.step.pipeline import planner_spec
 
-        return PlannerSpec(
-            cost_model=self.cost_model,
-            world_size=self.world_size,
-            gpus_per_node=self.gpus_per_node,
-            max_seq=self.max_seq,
-            memory_cap_gb=self.memory_cap_gb,
-            settings=self.planner,
-        )
+        return planner_spec(self.run, self.cost_model, self.memory_cap_gb)
 
 
 def _launcher_flags(message: str) -> str:
@@ -134,7 +144,7 @@ def _sizes_the_cost_model_prices(
     missing = [d for d in sizes if d not in priced]
     if not missing:
         return sizes, cost
-    if args.hsp_group_sizes is not None:
+    if not _size_request(args).is_auto:
         raise HSPArgsError(
             f"--hsp-group-sizes {','.join(map(str, sizes))}: cost model "
             f"{label!r} has no figures for group sizes {missing} (it prices "
@@ -188,7 +198,7 @@ def _communicator_budget(
     kept = sizes_within_communicator_budget(sizes, slots_per_node, cap, heads)
     if kept != sorted(sizes):
         need = communicators_per_rank(sizes, heads)
-        if args.hsp_group_sizes is not None:
+        if not _size_request(args).is_auto:
             raise HSPArgsError(
                 f"--hsp-group-sizes {','.join(map(str, sizes))} needs {need} communicators per "
                 f"rank, more than --hsp-max-communicators {cap}; ask for fewer sizes or raise "
@@ -229,12 +239,17 @@ def _gpus_per_node_from_env(env: Mapping[str, str]) -> int | None:
     return None
 
 
-def legal_group_sizes(world_size: int, slots_per_node: int) -> list[int]:
-    """Legal group sizes: ``groupspace.Cluster.legal_sizes`` (every size up to a node, then
-    whole nodes); the heads never exclude a size, a group runs Ulysses x ring."""
-    from megatron_hsp.planner.groupspace import Cluster
-
-    return Cluster(world_size, slots_per_node).legal_sizes()
+def _size_request(args: argparse.Namespace) -> GroupSizeRequest:
+    """``--hsp-group-sizes`` as ``flags.parse_sizes`` leaves it (None: auto, "pow2", or a tuple
+    of sizes), or the flag's text in a namespace built by hand."""
+    value = getattr(args, "hsp_group_sizes", None)
+    if isinstance(value, GroupSizeRequest):
+        return value
+    text = value if value is None or isinstance(value, str) else ",".join(map(str, value))
+    try:
+        return GroupSizeRequest.parse(text, "--hsp-group-sizes")
+    except InputError as exc:
+        raise HSPArgsError(str(exc)) from None
 
 
 def validate_hsp_args(
@@ -267,7 +282,11 @@ def validate_hsp_args(
     refuse_what_hsp_cannot_run(args)
     pp = _pipeline_settings(args, early, notes)
     layout = _parallel_layout(args, env, pp)
-    sizes = _requested_group_sizes(args, layout)
+    request = _size_request(args)
+    try:
+        sizes = list(request.resolve(layout.cluster(), "--hsp-group-sizes"))
+    except InputError as exc:
+        raise HSPArgsError(str(exc)) from None
     heads, space = _head_space(args, layout.tp, sizes, notes)
     _settings_hsp_needs(args, notes)
     _check_planner_budgets(args)
@@ -285,7 +304,7 @@ def validate_hsp_args(
     if user_cap is not None:
         user_cap *= gpus_per_slot  # per GPU on the command line, per slot in the model
     sizes, cost = _sizes_the_cost_model_prices(
-        args, spec, sizes, layout.world, layout.slots_per_node, int(max_seq), user_cap, notes
+        args, spec, sizes, layout.slots, layout.slots_per_node, int(max_seq), user_cap, notes
     )
     sizes, memory_cap_gb = _communicator_budget(
         args, sizes, layout.slots_per_node, space, cost, notes, user_cap, gpus_per_slot
@@ -294,14 +313,18 @@ def validate_hsp_args(
     _note_ring_sizes(space, sizes, heads, layout.tp, notes)
     seed = args.hsp_seed if args.hsp_seed is not None else int(arg_value(args, "seed", 1234))
     planner = _planner_settings(args, sizes, cost, pp, seed, notes)
+    run = RunSpec(
+        dims=layout,
+        sizes=request,
+        overlong=args.hsp_overlong,
+        planner=planner,
+        max_seq=int(max_seq),
+        sizes_flag="--hsp-group-sizes",
+    )
     return HSPConfig(
         cost_model=spec,
-        world_size=layout.world,
-        gpus_per_node=layout.slots_per_node,
+        run=run,
         memory_cap_gb=memory_cap_gb,
-        max_seq=int(max_seq),
-        planner=planner,
-        overlong=args.hsp_overlong,
         global_batch_docs=None if args.hsp_token_budget else int(gbs),
         token_budget=args.hsp_token_budget,
         seed=seed,
@@ -344,56 +367,21 @@ def _pipeline_settings(args: argparse.Namespace, early: bool, notes: list[str]) 
     return pp
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """Where HSP's groups run: Megatron's tensor-parallel size and the sequence-parallel slots
-    (data-parallel ranks) it and the pipeline leave, in nodes of ``slots_per_node``."""
-
-    tp: int
-    world: int
-    slots_per_node: int
-
-
-def _parallel_layout(args: argparse.Namespace, env: Mapping[str, str], pp: int) -> _Layout:
-    """The sequence-parallel slots: world / (tp x pp), in whole nodes of (GPUs per node / tp)."""
+def _parallel_layout(args: argparse.Namespace, env: Mapping[str, str], pp: int) -> ParallelDims:
+    """The job's parallel dimensions from Megatron's flags (``run_spec.ParallelDims``: slots =
+    world / (tp x pp), in whole nodes of GPUs per node / tp); GPUs per node from
+    ``--hsp-gpus-per-node``, else the launcher's environment, else one node."""
     tp = arg_value(args, "tensor_model_parallel_size", 1)
     world = arg_value(args, "world_size", int(env.get("WORLD_SIZE", "1")))
-    if world % (tp * pp) != 0:
-        raise HSPArgsError(
-            f"world size {world} is not a multiple of --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp}"
-        )
-    sp_world = world // (tp * pp)
     gpn = args.hsp_gpus_per_node or _gpus_per_node_from_env(env) or world
-    if gpn < 1 or gpn % tp != 0:
-        raise HSPArgsError(
-            f"--hsp-gpus-per-node {gpn} must be a positive multiple of "
-            f"--tensor-model-parallel-size {tp} (tensor-parallel groups stay inside a node)"
-        )
-    slots_per_node = min(gpn // tp, sp_world)
-    if sp_world % slots_per_node != 0:
-        raise HSPArgsError(
-            f"{sp_world} sequence-parallel ranks do not fill whole nodes of {slots_per_node} "
-            f"(--hsp-gpus-per-node {gpn} / --tensor-model-parallel-size {tp}); launch a whole "
-            "number of nodes or fix --hsp-gpus-per-node"
-        )
-    return _Layout(tp=tp, world=sp_world, slots_per_node=slots_per_node)
-
-
-def _requested_group_sizes(args: argparse.Namespace, layout: _Layout) -> list[int]:
-    """``--hsp-group-sizes``, each checked against the legal sizes; ``auto``: all of them."""
-    legal = legal_group_sizes(layout.world, layout.slots_per_node)
-    requested = args.hsp_group_sizes
-    if requested is None:
-        return legal
-    bad = [d for d in requested if d not in legal]
-    if bad:
-        raise HSPArgsError(
-            f"--hsp-group-sizes {','.join(map(str, requested))}: {bad} are not legal group "
-            f"sizes on {layout.world} ranks in nodes of {layout.slots_per_node} (every size up "
-            f"to a node, then whole nodes); legal sizes: {','.join(map(str, legal))}"
-        )
-    return list(requested)
+    vpp = arg_value(args, "virtual_pipeline_model_parallel_size", 1) if pp > 1 else 1
+    ep = arg_value(args, "expert_model_parallel_size", 1)
+    try:
+        dims = ParallelDims(world, gpn, tp, pp, int(vpp or 1), int(ep or 1), MEGATRON_FLAGS)
+        dims.cluster()  # whole nodes
+    except InputError as exc:
+        raise HSPArgsError(str(exc)) from None
+    return dims
 
 
 def _head_space(
@@ -402,11 +390,7 @@ def _head_space(
     """(``--num-attention-heads``, the ``HeadSpace`` that splits each group into Ulysses x
     ring), or (None, None) where the flags give no heads; notes KV heads replicated in groups."""
     heads = arg_value(args, "num_attention_heads", None)
-    kv_heads = (
-        arg_value(args, "num_query_groups", heads)
-        if getattr(args, "group_query_attention", False)
-        else heads
-    )
+    kv = kv_heads(args)
     space = None
     if heads is not None:
         if heads % tp:
@@ -414,10 +398,10 @@ def _head_space(
                 f"--num-attention-heads {heads} is not divisible by "
                 f"--tensor-model-parallel-size {tp}"
             )
-        space = HeadSpace.from_model(heads, kv_heads, tp)
-    if kv_heads is not None and heads is not None and (kv_heads // tp) < max(sizes):
+        space = HeadSpace.from_model(heads, kv, tp)
+    if kv is not None and heads is not None and (kv // tp) < max(sizes):
         notes.append(
-            f"{kv_heads // tp} KV heads per tensor-parallel rank are fewer than the largest "
+            f"{kv // tp} KV heads per tensor-parallel rank are fewer than the largest "
             f"group ({max(sizes)}); KV heads are replicated inside such groups"
         )
     return heads, space
@@ -443,8 +427,10 @@ def _settings_hsp_needs(args: argparse.Namespace, notes: list[str]) -> None:
 
 def _check_planner_budgets(args: argparse.Namespace) -> None:
     """``--hsp-time-budget-s`` and ``--hsp-memory-cap-gb`` must be positive."""
-    if args.hsp_time_budget_s <= 0:
-        raise HSPArgsError(f"--hsp-time-budget-s must be > 0 (got {args.hsp_time_budget_s})")
+    try:
+        check_time_budget(args.hsp_time_budget_s, "--hsp-time-budget-s")
+    except InputError as exc:
+        raise HSPArgsError(str(exc)) from None
     if args.hsp_memory_cap_gb is not None and args.hsp_memory_cap_gb <= 0:
         raise HSPArgsError(f"--hsp-memory-cap-gb must be > 0 (got {args.hsp_memory_cap_gb})")
 

@@ -20,15 +20,16 @@ from megatron_hsp.megatron.refusals import exit_on_refusal
 from megatron_hsp.planner import units
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import DEFAULT_MAX_COMMUNICATORS
-from megatron_hsp.planner.search.settings import (
+from megatron_hsp.planner.run_spec import (
     DEFAULT_SOLVER,
     DEFAULT_TIME_BUDGET_S,
+    OVERLONG_POLICIES,
     SOLVERS,
+    GroupSizeRequest,
 )
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
-OVERLONG_POLICIES = ("error", "drop", "split")
 # No --hsp-cost-model: first principles from Megatron's own flags (megatron/model_cost.py).
 DEFAULT_COST_MODEL = None
 HARDWARE_CHOICES = ("auto", *HARDWARE_PRESETS)
@@ -43,19 +44,20 @@ def parse_tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def parse_sizes(text: str) -> tuple[int, ...] | None:
-    """``auto`` -> None (every legal size); ``1,2,4,8`` -> (1, 2, 4, 8)."""
-    if str(text).strip().lower() == "auto":
-        return None
+def parse_sizes(text: str) -> tuple[int, ...] | str | None:
+    """argparse ``type`` for ``--hsp-group-sizes``, in the one grammar of allowed group sizes
+    (:class:`megatron_hsp.planner.run_spec.GroupSizeRequest`): ``auto`` -> None, ``pow2`` ->
+    "pow2", ``1,2,4,8`` -> (1, 2, 4, 8).
+
+    Why plain values, not the request: Megatron saves its args in every checkpoint and loads
+    them back with ``torch.load(weights_only=True)``, which refuses classes it does not know."""
     try:
-        sizes = tuple(sorted({int(s) for s in str(text).split(",") if s.strip()}))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of group sizes (e.g. 1,2,4,8) or 'auto'"
-        ) from None
-    if not sizes or sizes[0] < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: group sizes must be integers >= 1")
-    return sizes
+        request = GroupSizeRequest.parse(text, "--hsp-group-sizes")
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if request.is_auto:
+        return None
+    return request.sizes if request.rule == "list" else request.rule
 
 
 def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -111,7 +113,9 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "positions, over --max-position-embeddings; the cost model is sized for it. Default "
         "--seq-length.",
     )
-    g.add_argument("--hsp-solver", choices=SOLVERS, default=DEFAULT_SOLVER, help="Planner backend.")
+    g.add_argument(
+        "--hsp-solver", choices=SOLVERS, default=DEFAULT_SOLVER.value, help="Planner backend."
+    )
     g.add_argument(
         "--hsp-time-budget-s",
         type=float,
@@ -124,9 +128,9 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--hsp-group-sizes",
         type=parse_sizes,
         default=None,
-        metavar="auto|1,2,4,...",
+        metavar="auto|pow2|1,2,4,...",
         help="Allowed group sizes; 'auto' (default) = every size the topology and the "
-        "attention heads allow.",
+        "cost model allow, 'pow2' = the powers of two among them.",
     )
     g.add_argument(
         "--hsp-max-communicators",

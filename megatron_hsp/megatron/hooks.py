@@ -30,10 +30,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_hsp.megatron.config import HSPConfig
-from megatron_hsp.megatron.refusals import exit_on_refusal
+from megatron_hsp.megatron.refusals import exit_on_refusal, kv_heads
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.step.mbclock import MicrobatchClock
 from megatron_hsp.step.observe import (
@@ -45,27 +45,43 @@ from megatron_hsp.step.observe import (
 )
 from megatron_hsp.step.pipeline import PreparedStep, StepPipeline
 
+if TYPE_CHECKING:  # torch-side types, imported where they are built (``build_pipeline``)
+    import torch
+
+    from megatron_hsp.megatron.datasets import HSPData
+    from megatron_hsp.planner.cost.costmodel import CostModel
+    from megatron_hsp.runtime.groups import GroupRegistry
+    from megatron_hsp.runtime.schedule import ModelInputs
+
 
 @dataclass
 class HSPRun:
-    """Process-wide HSP state of one Megatron run (set by ``install``)."""
+    """Process-wide HSP state of one Megatron run.
+
+    Three parts, each filled in one place: what the flags say (``config``, ``data``: built by
+    ``installer.install`` from ``validate_hsp_args`` and the data flags); what the run sets up
+    once (process groups, device, cost model, the schedule's and dispatch's per-run settings,
+    the refit's clock and refitter, the evaluation iterators: ``build_pipeline``); and the
+    current step (``pipeline``, ``current``, ``inputs``, ``read``, ``step_started``, ...:
+    ``begin_step`` and the iterators).
+    """
 
     config: HSPConfig
     pipeline: StepPipeline | None = None
-    registry: Any = None
+    registry: GroupRegistry | None = None
     observer: StepObserver | None = None
     current: PreparedStep | None = None
-    inputs: list[Any] = field(default_factory=list)
+    inputs: list[ModelInputs | None] = field(default_factory=list)  # None: an idle micro-batch
     # Micro-batches each model chunk's iterator has read this step (chunk -> count): under
     # virtual pipeline stages every chunk reads the same inputs in order (``_ChunkInputs``).
     read: dict[int, int] = field(default_factory=dict)
     microbatch_multiple: int = 1  # interleaved pipeline: the schedule's count must divide by pp
     step_started: float = 0.0
     local_multiple: int = 1  # per-rank token count multiple (TP size under --sequence-parallel)
-    device: Any = None
+    device: torch.device | None = None
     step_overhead_ms: float = 0.0  # the cost model's per-step cost, added to each prediction
-    data: Any = None  # datasets.HSPData: which datasets feed which split (set by ``install``)
-    evaluation: dict[str, Any] = field(default_factory=dict)  # split -> _EvalIterator
+    data: HSPData | None = None  # which datasets feed which split (set by ``install``)
+    evaluation: dict[str, _EvalIterator] = field(default_factory=dict)  # by split
     te_layout: bool = False  # pad ring groups' documents for TE's context parallelism
     # Expert parallelism: MoE all-to-alls span plan groups, so a group without documents in a
     # micro-batch still runs the model, on padding (``schedule.step_inputs``).
@@ -77,8 +93,8 @@ class HSPRun:
     created_at_step_start: int = 0  # registry.created: a step that created groups paid for it
     # The starting cost model (every rank), and the refitter's model as the current step started,
     # rebuilt from rank 0's state in ``refit_step``'s gather: it prices the logged prediction.
-    cost_model: Any = None
-    predict_model: Any = None
+    cost_model: CostModel | None = None
+    predict_model: CostModel | None = None
 
 
 _RUN: HSPRun | None = None
@@ -108,40 +124,41 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         train_sampler,
     )
     from megatron_hsp.runtime.backends import attention_routes_for_run, te_available
-    from megatron_hsp.runtime.groups import create_groups_from_megatron
     from megatron_hsp.step.documents import BlendedDocumentReader, DocumentIndex
-    from megatron_hsp.step.pipeline import build_step_pipeline
-    from megatron_hsp.step.planner_service import PlannerService
+    from megatron_hsp.step.pipeline import build_training_step
 
     cfg = run.config
     data = run.data if run.data is not None else hsp_data_from_args(args)
-    # Lazy: a size's communicators are created the first time an agreed plan uses it.
-    heads = _head_space()
-    run.registry = create_groups_from_megatron(
-        cfg.gpus_per_node, sizes=cfg.group_sizes, heads=heads, lazy=True
-    )
+    rank = dist.get_rank()
     # The model's device: CUDA in training; CPU where there is none (``selftest --megatron``).
     run.device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
+    heads = _head_space()
     # The route each ring or hybrid group's attention will take (the layer spec's "auto"
     # backend): the planner prices each route by its own coefficient (planner/routes.py).
     splits = {} if heads is None else {d: heads.split(d) for d in cfg.group_sizes}
-    spec = replace(
-        cfg.planner_spec(),
-        ring_routes=attention_routes_for_run(
-            splits,
-            "auto",
-            run.device.type,
-            dtype=getattr(args, "params_dtype", None) or torch.float32,
-            head_dim=int(
-                getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads
-            ),
+    routes = attention_routes_for_run(
+        splits,
+        "auto",
+        run.device.type,
+        dtype=getattr(args, "params_dtype", None) or torch.float32,
+        head_dim=int(
+            getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads
         ),
     )
-    cost = spec.load_cost_model()
+    training = build_training_step(
+        cfg.run,
+        cfg.cost_model,
+        rank=rank,
+        memory_cap_gb=cfg.memory_cap_gb,
+        heads=heads,
+        ring_routes=routes,
+    )
+    run.registry = training.registry
+    cost = training.spec.load_cost_model()
     run.step_overhead_ms = cost.step_overhead_ms
     run.cost_model, run.predict_model = cost, None
     mmap = bool(getattr(args, "mmap_bin_files", True))
@@ -149,23 +166,19 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     reader = BlendedDocumentReader([indices[p] for p in data.prefixes])
     # Whole documents up to --seq-length (or --hsp-max-seq), learned positions and memory.
     max_length, why = document_length_limit(
-        args, cfg.max_seq, cost.max_trainable_length(list(cfg.group_sizes))
+        args, cfg.run.max_seq, cost.max_trainable_length(list(cfg.group_sizes))
     )
     sampler, line = train_sampler(data, indices, cfg, max_length, why)
-    if dist.get_rank() == 0:
+    if rank == 0:
         print(f"[megatron-hsp] {line}", flush=True)
     # Resume: Megatron restored args.iteration from the checkpoint; replaying that many batches
     # reads only lengths and lands on exactly the next unseen batch, if the data and sampling
     # flags are those the checkpoint trained with (checked against --load's record).
     check_and_record_data(args, data_fingerprint(data, indices) + "/" + sampler.fingerprint)
     sampler.fast_forward(int(getattr(args, "iteration", 0) or 0))
-    rank = dist.get_rank()
     rank0 = rank == 0
-    planner = (
-        PlannerService(spec, background=cfg.background_planner, sync_flag="--hsp-sync-planner")
-        if rank0
-        else None
-    )
+    training.start_planner(background=cfg.background_planner, sync_flag="--hsp-sync-planner")
+    planner = training.planner
     # Megatron's sequence parallelism splits each rank's tokens over the TP group again.
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     run.local_multiple = tp if getattr(args, "sequence_parallel", False) else 1
@@ -179,11 +192,6 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         group = getattr(args, "microbatch_group_size_per_vp_stage", None)
         run.microbatch_multiple = int(group or args.pipeline_model_parallel_size)
     run.run_empty_groups = int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1
-
-    def pipeline(split_sampler: Any, split_planner: Any) -> StepPipeline:
-        return build_step_pipeline(
-            split_sampler, reader, run.registry, rank=rank, planner=split_planner
-        )
 
     run.clock, run.refitter = None, None
     if cfg.refit:
@@ -227,8 +235,10 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
             done = int(getattr(args, "consumed_valid_samples", 0) or 0) // int(eval_batch or 1)
             split_sampler.fast_forward(done)
         split_planner = None if planner is None else _SplitPlanner(planner, key)
-        run.evaluation[split] = _EvalIterator(run, split, pipeline(split_sampler, split_planner))
-    return pipeline(sampler, planner)
+        run.evaluation[split] = _EvalIterator(
+            run, split, training.pipeline(split_sampler, reader, split_planner)
+        )
+    return training.pipeline(sampler, reader)
 
 
 DATA_RECORD = "hsp_data.json"
@@ -444,12 +454,11 @@ def _head_space():
     from megatron_hsp.planner.groupspace import HeadSpace
 
     args = get_args()
-    kv = args.num_query_groups if getattr(args, "group_query_attention", False) else None
     tp = ps.get_tensor_model_parallel_world_size()
-    return HeadSpace.from_model(args.num_attention_heads, kv, tp)
+    return HeadSpace.from_model(args.num_attention_heads, kv_heads(args), tp)
 
 
-def _prepare(run: HSPRun, pipeline: StepPipeline) -> tuple[PreparedStep, list[Any]]:
+def _prepare(run: HSPRun, pipeline: StepPipeline) -> tuple[PreparedStep, list[ModelInputs | None]]:
     """The pipeline's next step (plan: waits only if the planner is late) and this rank's
     model inputs for it.
 
@@ -583,7 +592,7 @@ def refit_step(run: HSPRun) -> None:
             flush=True,
         )
         return
-    per_slot: list[list[float]] = [[0.0] * n for _ in range(run.config.world_size)]
+    per_slot: list[list[float]] = [[0.0] * n for _ in range(run.config.run.dims.slots)]
     for r in table.tolist():
         slot = int(r[0])
         per_slot[slot] = [max(a, b) for a, b in zip(per_slot[slot], r[2:], strict=True)]

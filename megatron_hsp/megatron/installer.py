@@ -63,10 +63,10 @@ def install(
             _print0(note)
         _print0(f"data: {data.describe()}")
         _print0(
-            f"HSP on: {config.world_size} sequence-parallel ranks in nodes of "
-            f"{config.gpus_per_node}, group sizes {list(config.group_sizes)}, cost model "
-            f"{spec_label(config.cost_model)}, solver {config.planner.solver} "
-            f"({config.planner.time_budget_s:g} s), overlong={config.overlong}"
+            f"HSP on: {config.run.dims.slots} sequence-parallel ranks in nodes of "
+            f"{config.run.dims.slots_per_node}, group sizes {list(config.group_sizes)}, cost model "
+            f"{spec_label(config.cost_model)}, solver {config.run.planner.solver} "
+            f"({config.run.planner.time_budget_s:g} s), overlong={config.run.overlong}"
         )
         from megatron_hsp.runtime.compat import untested_versions
 

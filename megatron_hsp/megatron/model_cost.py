@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_hsp.megatron.refusals import kv_heads
 from megatron_hsp.planner.cost.first_principles import H100_SXM
 
 # Per GPU: the datasheet's dense bf16 peak and HBM; links as NCCL achieves them. Everything
@@ -234,7 +235,7 @@ def default_cost_model_spec(
             flag = "--" + attr.replace("_", "-")
             raise ValueError(f"the default cost model needs {flag} (or give --hsp-cost-model)")
     heads = int(args.num_attention_heads)
-    kv = int(args.num_query_groups) if getattr(args, "group_query_attention", False) else heads
+    kv = int(kv_heads(args) or heads)
     layers = int(args.num_layers)
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern:

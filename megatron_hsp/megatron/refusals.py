@@ -29,6 +29,16 @@ def arg_value(args: argparse.Namespace, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def kv_heads(args: argparse.Namespace) -> int | None:
+    """Megatron's KV heads, read in this one place: ``--num-query-groups`` under
+    ``--group-query-attention``, else every attention head is its own (None where the flags
+    give no heads)."""
+    heads = arg_value(args, "num_attention_heads", None)
+    if getattr(args, "group_query_attention", False):
+        return arg_value(args, "num_query_groups", heads)
+    return heads
+
+
 # Flags whose model is not a dense GPT layer spec with megatron-core SelfAttention, which is what
 # ``with_hsp_attention`` rewrites (and what the exactness checks cover). Dense options carried
 # through unchanged: --qk-layernorm, --qk-l2-norm, --normalization, --use-te-activation-func,

@@ -33,12 +33,12 @@ from pathlib import Path
 import numpy as np
 
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.run_spec import OverlongPolicy, parse_choice
 from megatron_hsp.planner.units import MAX_TOKENS, parse_tokens
 
 DEFAULT_LENGTHS = "wikipedia_lengths_100k.txt.gz"
 FLEXSP_PAD_MULTIPLE = 128  # 2 * world_size with FlexSP's hard-wired world_size = 64
 SAMPLING_MODES = ("sequential", "random")
-OVERLONG_POLICIES = ("error", "drop", "split")
 _IDX_HEADER = b"MMIDIDX\x00\x00"
 
 
@@ -206,10 +206,8 @@ class BatchSampler:
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLING_MODES:
             raise InputError(f"--sampling {self.sampling!r}: choose one of {list(SAMPLING_MODES)}")
-        if self.overlong not in OVERLONG_POLICIES:
-            raise InputError(
-                f"--overlong {self.overlong!r}: choose one of {list(OVERLONG_POLICIES)}"
-            )
+        # A plain string: the policy is written into JSON configs as given.
+        self.overlong = parse_choice(OverlongPolicy, self.overlong, "--overlong").value
         if self.global_batch < 1:
             raise InputError(f"--global-batch must be >= 1, got {self.global_batch}")
         raw = np.asarray(self.lengths, dtype=np.int64)

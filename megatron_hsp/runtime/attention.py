@@ -62,6 +62,7 @@ from megatron_hsp.runtime.backends import (
 from megatron_hsp.runtime.layout import rank_tokens, ring_position_tokens
 from megatron_hsp.runtime.packed import (
     HSPPackedSeqParams,
+    MicroBatchState,
     _checked_cu_seqlens,
     _micro_batch_cache,
     apply_rope_packed,
@@ -219,23 +220,16 @@ class HSPCoreAttention(MegatronModule):
         cu = p.cu_seqlens_q
         cache = _micro_batch_cache(p)
         key_now = (cu, total)  # keyed by the tensor object: a re-used params object re-checks
-        if (
-            cache.get("checked") is None
-            or cache["checked"][0] is not cu
-            or (cache["checked"][1] != total)
-        ):
-            if "cu_host" not in cache:  # plain PackedSeqParams: read the bounds back once
-                cache["cu_host"] = [int(x) for x in cu.tolist()]
-            _checked_cu_seqlens(p, total, d, cache["cu_host"])
-            cache["checked"] = key_now
-            for derived in ("positions", "ring_index", "local_positions", "ring_plans"):
-                cache.pop(derived, None)
-            for derived in [k for k in cache if isinstance(k, tuple) and k[0] == "te_cp"]:
-                cache.pop(derived)
-        cu_host = cache["cu_host"]
+        if cache.checked is None or cache.checked[0] is not cu or cache.checked[1] != total:
+            if cache.cu_host is None:  # plain PackedSeqParams: read the bounds back once
+                cache.cu_host = [int(x) for x in cu.tolist()]
+            _checked_cu_seqlens(p, total, d, cache.cu_host)
+            cache.checked = key_now
+            cache.forget_derived()
+        cu_host = cache.cu_host
 
         nq, nkv = query.size(1), key.size(1)
-        ulysses_group, ring_group = cache.get("hybrid", (group, None))
+        ulysses_group, ring_group = cache.hybrid or (group, None)
         u = 1 if ulysses_group is None else ulysses_group.size()
         r = 1 if ring_group is None else ring_group.size()
         if u * r != d:
@@ -254,7 +248,7 @@ class HSPCoreAttention(MegatronModule):
             key = key.repeat_interleave(copies, dim=1)
             value = value.repeat_interleave(copies, dim=1)
 
-        layout_ring = cache.get("layout_ring")
+        layout_ring = cache.layout_ring
         if layout_ring is not None and layout_ring != r:
             raise ValueError(
                 f"the micro-batch was dispatched in the ring-{layout_ring} token layout but its "
@@ -272,19 +266,19 @@ class HSPCoreAttention(MegatronModule):
         # runtime/layout.py, the function dispatch used), for its h/u heads.
         index = None
         if r > 1:
-            if "ring_index" not in cache:
+            if cache.ring_index is None:
                 j = dist.get_rank(group) // u
                 held = ring_position_tokens(np.asarray(cu_host, dtype=np.int64), u, r, j)
-                cache["ring_index"] = torch.from_numpy(held).to(q.device)
-            index = cache["ring_index"]
+                cache.ring_index = torch.from_numpy(held).to(q.device)
+            index = cache.ring_index
 
         if isinstance(p, HSPPackedSeqParams) and (
             p.rotary_q_freqs is not None or p.rotary_k_freqs is not None
         ):
-            first = "positions" not in cache  # range-check the table once per micro-batch
-            if first:
-                cache["positions"] = positions_in_documents(cu, total)
-            pos = cache["positions"] if index is None else cache["positions"][index]
+            first = cache.positions is None  # range-check the table once per micro-batch
+            if cache.positions is None:
+                cache.positions = positions_in_documents(cu, total)
+            pos = cache.positions if index is None else cache.positions[index]
             if p.rotary_q_freqs is not None:
                 q = apply_rope_packed(
                     q, p.rotary_q_freqs, pos, self.config, p.rotary_mscale, check_range=first
@@ -302,9 +296,9 @@ class HSPCoreAttention(MegatronModule):
             plans = None
             if ring_route(q.device.type, q.dtype, q.size(-1)) == RING_FUSED:
                 # The fused ring's block calls: from the host bounds, once per micro-batch.
-                if "ring_plans" not in cache:
-                    cache["ring_plans"] = host_ring_plans(cu_host, u, group, ring_group, q.device)
-                plans = cache["ring_plans"]
+                if cache.ring_plans is None:
+                    cache.ring_plans = host_ring_plans(cu_host, u, group, ring_group, q.device)
+                plans = cache.ring_plans
             out = ring_attention(q, k, v, index, doc, ring_group, self.softmax_scale, plans)
         else:
             max_seqlen = int(p.max_seqlen_q) if p.max_seqlen_q is not None else total
@@ -312,10 +306,13 @@ class HSPCoreAttention(MegatronModule):
         out = all_to_all_head_to_seq(out, ulysses_group)
         return out.reshape(local, nq * self.head_dim)
 
-    def _te_context_parallel(self, te_route, query, key, value, p, cache, total):
+    def _te_context_parallel(
+        self, te_route, query, key, value, p, cache: MicroBatchState, total: int
+    ):
         """The backend's own context-parallel route (TE) on this rank's local shard, or None."""
         group = p.cp_group
-        ulysses_group, ring_group = cache["hybrid"]
+        assert cache.hybrid is not None  # the route runs ring degrees > 1 only
+        ulysses_group, ring_group = cache.hybrid
         u = 1 if ulysses_group is None else ulysses_group.size()
         cu = p.cu_seqlens_q
         if isinstance(p, HSPPackedSeqParams) and (
@@ -323,15 +320,15 @@ class HSPCoreAttention(MegatronModule):
         ):
             # RoPE is per token and head, so it can run on the local shard before TE's a2a.
             # The positions are built, and their range checked, once per micro-batch.
-            first = "local_positions" not in cache
-            if first:
-                if "positions" not in cache:
-                    cache["positions"] = positions_in_documents(cu, total)
-                host = np.asarray(cache["cu_host"], dtype=np.int64)
+            first = cache.local_positions is None
+            if cache.local_positions is None:
+                if cache.positions is None:
+                    cache.positions = positions_in_documents(cu, total)
+                host = np.asarray(cache.cu_host, dtype=np.int64)
                 held = rank_tokens(host, u, ring_group.size(), group.rank())
                 index = torch.from_numpy(held).to(query.device, non_blocking=True)
-                cache["local_positions"] = cache["positions"][index]
-            pos = cache["local_positions"]
+                cache.local_positions = cache.positions[index]
+            pos = cache.local_positions
             if p.rotary_q_freqs is not None:
                 query = apply_rope_packed(
                     query, p.rotary_q_freqs, pos, self.config, p.rotary_mscale, check_range=first
@@ -349,7 +346,7 @@ class HSPCoreAttention(MegatronModule):
             ulysses_group,
             ring_group,
             softmax_scale=self.softmax_scale,
-            cu_seqlens_host=cache.get("cu_host"),
+            cu_seqlens_host=cache.cu_host,
             micro_batch=cache,
         )
 

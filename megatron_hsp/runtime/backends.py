@@ -29,8 +29,10 @@ from megatron_hsp.planner.routes import (
     te_carries_ring,
     te_version_runs_a2a_p2p_thd,
 )
+from megatron_hsp.planner.run_spec import ATTENTION_BACKENDS, AttentionBackendName
 from megatron_hsp.runtime.compat import torch_features, varlen_causal
 from megatron_hsp.runtime.layout import te_cp_arguments
+from megatron_hsp.runtime.packed import MicroBatchState
 from megatron_hsp.runtime.ring import ring_route
 
 log = logging.getLogger(__name__)
@@ -229,7 +231,7 @@ class TEAttentionBackend(torch.nn.Module):
         *,
         softmax_scale: float,
         cu_seqlens_host: Sequence[int] | None = None,
-        micro_batch: dict | None = None,
+        micro_batch: MicroBatchState | None = None,
     ) -> torch.Tensor | None:
         """TE's own context-parallel attention for a Ulysses x ring group, or None.
 
@@ -242,15 +244,15 @@ class TEAttentionBackend(torch.nn.Module):
         on a TE that asserts it away (``te_thd_a2a_p2p_supported``); the caller then runs
         HSP's own Ulysses x ring path, the route the planner prices.
 
-        ``micro_batch``: the micro-batch's shared dict (``HSPPackedSeqParams.hsp_micro_batch``).
+        ``micro_batch``: the micro-batch's shared state (``HSPPackedSeqParams.hsp_micro_batch``).
         TE's boundary tensors are built there once per micro-batch and group split -- on the
         host, pinned, copied ``non_blocking`` -- and reused by every layer: no host sync and no
         blocking copy inside a layer.
         """
         u = 1 if ulysses_group is None else ulysses_group.size()
         r = ring_group.size()
-        cache = {} if micro_batch is None else micro_batch
-        key = ("te_cp", u, r)
+        cache = {} if micro_batch is None else micro_batch.te_cp
+        key = (u, r)
         if key not in cache:
             host = cu_seqlens_host
             if host is None:  # a plain PackedSeqParams: one read-back, then cached
@@ -406,14 +408,19 @@ def attention_routes_for_run(
 def make_backend(
     name: str, config: TransformerConfig, layer_number: int, dropout: float
 ) -> AttentionBackend:
-    """``auto`` -> TE where TE and CUDA are present, torch otherwise; or ``te`` / ``torch``."""
-    if name == "auto":
-        name = "te" if te_available() else "torch"
-    if name == "te":
+    """``auto`` -> TE where TE and CUDA are present, torch otherwise; or ``te`` / ``torch``
+    (the closed vocabulary ``run_spec.AttentionBackendName``)."""
+    try:
+        choice = AttentionBackendName(name)
+    except ValueError:
+        *first, last = ATTENTION_BACKENDS
+        known = f"{', '.join(map(repr, first))} or {last!r}"
+        raise ValueError(f"unknown HSP attention backend {name!r}; use {known}") from None
+    if choice is AttentionBackendName.AUTO:
+        choice = AttentionBackendName.TE if te_available() else AttentionBackendName.TORCH
+    if choice is AttentionBackendName.TE:
         return TEAttentionBackend(config, layer_number, dropout)
-    if name == "torch":
-        return TorchAttentionBackend()
-    raise ValueError(f"unknown HSP attention backend {name!r}; use 'auto', 'te' or 'torch'")
+    return TorchAttentionBackend()
 
 
 __all__ = [

@@ -40,9 +40,14 @@ import torch.distributed as dist
 
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import Cluster, HeadSpace, group_families
+from megatron_hsp.planner.run_spec import DimFlags, check_degrees
 from megatron_hsp.runtime.compat import can_split_groups
 
 log = logging.getLogger(__name__)
+
+
+# How the layout's errors name the degrees (it is built from the process group, not from flags).
+RANK_FLAGS = DimFlags(world="world size", tp="tensor-parallel", pp="pipeline-parallel")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,17 +59,20 @@ class RankLayout:
     pipeline_parallel: int = 1
 
     def __post_init__(self) -> None:
-        per_stage = self.tensor_parallel * self.pipeline_parallel
-        if self.tensor_parallel < 1 or self.pipeline_parallel < 1 or self.world_size % per_stage:
+        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
             raise InputError(
-                f"world size {self.world_size} is not a multiple of tensor-parallel "
-                f"{self.tensor_parallel} x pipeline-parallel {self.pipeline_parallel}"
+                f"tensor-parallel {self.tensor_parallel} and pipeline-parallel "
+                f"{self.pipeline_parallel} must be >= 1"
             )
+        check_degrees(self.world_size, self.tensor_parallel, self.pipeline_parallel, RANK_FLAGS)
 
     @property
     def num_slots(self) -> int:
-        """Sequence-parallel slots (data-parallel x context-parallel size)."""
-        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
+        """Sequence-parallel slots (data-parallel x context-parallel size): ``run_spec``'s
+        ``world / (tp * pp)``."""
+        return check_degrees(
+            self.world_size, self.tensor_parallel, self.pipeline_parallel, RANK_FLAGS
+        )
 
     def global_rank(self, slot: int, tp_rank: int = 0, pp_rank: int = 0) -> int:
         tp = self.tensor_parallel

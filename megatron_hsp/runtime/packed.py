@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,21 +21,50 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 @dataclasses.dataclass
+class MicroBatchState:
+    """What every layer of one micro-batch shares (``HSPPackedSeqParams.hsp_micro_batch``).
+
+    Filled on the host when the micro-batch is built (``schedule.packed_seq_params``): the
+    buffer's segment boundaries as Python ints, the ring degree dispatch laid the tokens out
+    for, the (Ulysses, ring) sub-groups. Completed once, by the first layer, with what it
+    derives from them, so that no later layer reads a tensor back to the host
+    (``tests/runtime/test_host_syncs.py``).
+    """
+
+    cu_host: list[int] | None = None  # segment boundaries of the group's buffer
+    layout_ring: int | None = None  # the ring degree of dispatch's token layout
+    # The group's (Ulysses sub-group, ring sub-group) when its ring degree > 1; None: pure
+    # Ulysses over ``cp_group``.
+    hybrid: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] | None = None
+    # Derived by the first layer; ``checked`` is the (boundaries tensor, total tokens) they were
+    # derived for: a re-used params object with other boundaries re-checks and re-derives.
+    checked: tuple[torch.Tensor, int] | None = None
+    positions: torch.Tensor | None = None  # every token's position inside its document
+    ring_index: torch.Tensor | None = None  # the buffer tokens this ring position holds
+    local_positions: torch.Tensor | None = None  # positions of this rank's local shard
+    # The fused ring's block calls (``ring.host_ring_plans``), built from ``cu_host`` once.
+    ring_plans: Any = None
+    # TE's context-parallel inputs per (Ulysses, ring) split (``backends.TEAttentionBackend``).
+    te_cp: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+
+    def forget_derived(self) -> None:
+        """Drop what the first layer derived (the boundaries changed)."""
+        self.positions = self.ring_index = self.local_positions = self.ring_plans = None
+        self.te_cp.clear()
+
+
+@dataclasses.dataclass
 class HSPPackedSeqParams(PackedSeqParams):
     """megatron-core's ``PackedSeqParams`` with HSP's per-micro-batch state as declared fields
     (the way megatron-core declares ``cp_scatter_cache``), never attributes attached at run time.
 
-    ``hsp_micro_batch``: what every layer of one micro-batch shares, filled on the host when the
-    micro-batch is built (``schedule.packed_seq_params``: ``cu_host`` the buffer's segment
-    boundaries as Python ints, ``layout_ring`` the ring degree dispatch laid the tokens out for,
-    ``hybrid`` the (Ulysses, ring) sub-groups) and completed once, by the first layer, with the
-    per-token positions and ring indices; so no layer after the first reads a tensor back to the
-    host (``tests/runtime/test_host_syncs.py``). The same dict object is shared by the per-layer
-    copies ``wrap`` makes. ``rotary_*``: megatron's rotary table, so RoPE runs inside the HSP core
-    attention (built per layer call by ``HSPSelfAttention``).
+    ``hsp_micro_batch``: what every layer of one micro-batch shares (``MicroBatchState``); the
+    same object is shared by the per-layer copies ``wrap`` makes. ``rotary_*``: megatron's
+    rotary table, so RoPE runs inside the HSP core attention (built per layer call by
+    ``HSPSelfAttention``).
     """
 
-    hsp_micro_batch: dict = dataclasses.field(default_factory=dict)
+    hsp_micro_batch: MicroBatchState = dataclasses.field(default_factory=MicroBatchState)
     rotary_q_freqs: torch.Tensor | None = None
     rotary_k_freqs: torch.Tensor | None = None
     rotary_mscale: float = 1.0
@@ -86,11 +116,9 @@ def group_packed_seq_params(
     if max_seqlen is None:
         max_seqlen = max((b - a for a, b in itertools.pairwise(host)), default=0)
     cu = cu_seqlens.to(torch.int32)
-    state: dict = {"cu_host": host}
-    if layout_ring is not None:
-        state["layout_ring"] = layout_ring
+    state = MicroBatchState(cu_host=host, layout_ring=layout_ring)
     if hybrid is not None and hybrid[1] is not None and hybrid[1].size() > 1:
-        state["hybrid"] = hybrid
+        state.hybrid = hybrid
     return HSPPackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
@@ -105,13 +133,13 @@ def group_packed_seq_params(
     )
 
 
-def _micro_batch_cache(p: PackedSeqParams) -> dict:
+def _micro_batch_cache(p: PackedSeqParams) -> MicroBatchState:
     """The micro-batch's shared state (``HSPPackedSeqParams.hsp_micro_batch``).
 
-    A plain megatron ``PackedSeqParams`` (built by other code) gets a fresh dict: correct, but
+    A plain megatron ``PackedSeqParams`` (built by other code) gets a fresh one: correct, but
     then each layer re-derives what an ``HSPPackedSeqParams`` from the schedule carries.
     """
-    return p.hsp_micro_batch if isinstance(p, HSPPackedSeqParams) else {}
+    return p.hsp_micro_batch if isinstance(p, HSPPackedSeqParams) else MicroBatchState()
 
 
 def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

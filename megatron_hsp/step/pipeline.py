@@ -11,24 +11,29 @@ When the plan is agreed it is checked once: its Ulysses x ring splits are record
 splits against the registry's sub-groups) is agreed across ranks, so a bad plan stops every rank
 with one message. Each rank then reads only the documents its own groups train.
 
-``build_step_pipeline`` is the one place a pipeline is assembled; the Megatron ``pretrain()``
-hooks (``megatron/hooks.py``) and the demo's own loop (``commands/demo_worker.py``) both call it.
+``build_training_step`` is the one place a run's training step is set up from its run
+description (process groups, planner spec, rank 0's planner) and ``build_step_pipeline`` the one
+place a pipeline is assembled; the Megatron ``pretrain()`` hooks (``megatron/hooks.py``) and the
+demo's own loop (``commands/demo_worker.py``) both call them.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from megatron_hsp.planner.errors import PlanError
 from megatron_hsp.planner.plan import Plan
+from megatron_hsp.planner.search.settings import RunSpec
 from megatron_hsp.step.documents import DocumentReader
-from megatron_hsp.step.planner_service import PlannerService
+from megatron_hsp.step.planner_service import PlannerService, PlannerSpec
 from megatron_hsp.step.sampler import DocumentBatch, GlobalBatchSampler
 
 if TYPE_CHECKING:  # the runtime layer imports torch; the pipeline reaches it only at run time
+    from megatron_hsp.planner.groupspace import HeadSpace
     from megatron_hsp.runtime.dispatch import GlobalBatch
     from megatron_hsp.runtime.groups import GroupRegistry
 
@@ -185,4 +190,78 @@ def build_step_pipeline(
         is_planning_rank=planning,
         agree=partial(agree_on_plan, mode="broadcast"),
         registry=registry,
+    )
+
+
+_RUN_PLANNER: Any = object()  # ``TrainingStep.pipeline``'s default: the run's own planner
+
+
+@dataclass
+class TrainingStep:
+    """What every step pipeline of one run shares: the process groups over the run's group
+    sizes, the planner's spec, and (global rank 0, once started) the planner process."""
+
+    registry: GroupRegistry
+    spec: PlannerSpec
+    rank: int
+    planner: PlannerService | None = None
+
+    def start_planner(self, *, background: bool = True, sync_flag: str | None = None) -> None:
+        """Start the planner on global rank 0 (the others receive its plans); late, so that
+        the checks before it (data, samplers) stop a run before any process is started."""
+        if self.rank == 0 and self.planner is None:
+            self.planner = PlannerService(self.spec, background=background, sync_flag=sync_flag)
+
+    def pipeline(
+        self, sampler: GlobalBatchSampler, reader: DocumentReader, planner: Any = _RUN_PLANNER
+    ) -> StepPipeline:
+        """A pipeline over ``sampler``, planned by ``planner`` (default: the run's; an
+        evaluation split passes its own view of it, None off rank 0)."""
+        chosen = self.planner if planner is _RUN_PLANNER else planner
+        return build_step_pipeline(sampler, reader, self.registry, rank=self.rank, planner=chosen)
+
+
+def build_training_step(
+    run: RunSpec,
+    cost_model: str | Mapping[str, Any],
+    *,
+    rank: int,
+    memory_cap_gb: float | None = None,
+    heads: HeadSpace | None = None,
+    ring_routes: Mapping[int, str] | None = None,
+) -> TrainingStep:
+    """Collective: set up one run's training step from its run description.
+
+    Creates the process groups for the sizes the run plans with (lazily: a size's communicators
+    are created the first time an agreed plan uses it; ``heads`` adds each block's Ulysses/ring
+    sub-groups) over Megatron's data x context-parallel ranks, and the planner's spec for the
+    slots, the longest document and ``cost_model`` (``planner_spec``; ``ring_routes``: the
+    attention route each ring or hybrid group size takes, which the planner prices). Every
+    rank calls it alike.
+    """
+    from megatron_hsp.runtime.groups import create_groups_from_megatron
+
+    registry = create_groups_from_megatron(
+        run.dims.slots_per_node, sizes=run.planner.sizes, heads=heads, lazy=True
+    )
+    spec = planner_spec(run, cost_model, memory_cap_gb, ring_routes)
+    return TrainingStep(registry, spec, rank)
+
+
+def planner_spec(
+    run: RunSpec,
+    cost_model: str | Mapping[str, Any],
+    memory_cap_gb: float | None = None,
+    ring_routes: Mapping[int, str] | None = None,
+) -> PlannerSpec:
+    """What the planner (its process in training, ``plan``/``bench`` offline) builds the cost
+    model and plans from: the one place a run description becomes a ``PlannerSpec``."""
+    return PlannerSpec(
+        cost_model=cost_model,
+        world_size=run.dims.slots,
+        gpus_per_node=run.dims.slots_per_node,
+        max_seq=run.max_seq,
+        memory_cap_gb=memory_cap_gb,
+        settings=run.planner,
+        ring_routes=dict(ring_routes) if ring_routes else None,
     )

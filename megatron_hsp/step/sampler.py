@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 
 from megatron_hsp.planner.errors import InputError
-
-OVERLONG_POLICIES = ("error", "drop", "split")
+from megatron_hsp.planner.run_spec import OverlongPolicy, parse_choice
 
 
 # -------------------------------------------------------------------------------------- sampler
@@ -93,10 +92,9 @@ class SamplerConfig:
             raise InputError(f"--global-batch-size must be >= 1 (got {self.global_batch_docs})")
         if self.token_budget is not None and self.token_budget < 1:
             raise InputError(f"--hsp-token-budget must be >= 1 (got {self.token_budget})")
-        if self.overlong not in OVERLONG_POLICIES:
-            raise InputError(
-                f"--hsp-overlong {self.overlong!r}: choose one of {', '.join(OVERLONG_POLICIES)}"
-            )
+        # Stored as the plain string: the sampler's fingerprint (resume check) hashes its repr.
+        policy = parse_choice(OverlongPolicy, self.overlong, "--hsp-overlong").value
+        object.__setattr__(self, "overlong", policy)
         if self.max_length < self.min_length:
             raise InputError(f"longest trainable length {self.max_length} is below 2 tokens")
 

@@ -30,7 +30,7 @@ launched process:
 * **report**: TE's version, the attention route each case took (``HSPCoreAttention.routes``),
   and per case a one-line summary with the measured tokens/s of each group kind;
 * **verdict**: per case and dtype the worst over ranks of the loss and per-parameter gradient
-  differences against stated tolerances (``TOLERANCES``); one screen, or ``--json``.
+  differences against stated tolerances (``tolerances.TOLERANCES``); one screen, or ``--json``.
 
 What it proves and what not: fp32 on the GPU is held to tolerances close to the CPU selftest's
 (reduction order on the GPU differs, nothing else should), so a wrong layout, merge or reduction
@@ -54,15 +54,10 @@ from megatron_hsp.runtime.backends import te_version
 from megatron_hsp.testing.mutations import by_name
 from megatron_hsp.testing.reference import ModelShape
 from megatron_hsp.testing.selftest import Case, build_cases
+from megatron_hsp.testing.tolerances import gpu_tolerance
 
-# (loss relative difference, per-parameter gradient relative difference) allowed per dtype.
-# fp32: the CPU selftest's 1e-6 / 1e-5, widened 10x for GPU reduction order; bf16: its 8-bit
-# mantissa (relative precision 2^-8 = 0.4%) accumulated over two layers and a loss over a few
-# hundred tokens.
-TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (2e-2, 5e-2)}
-DTYPES = tuple(TOLERANCES)
-# fp32 where TF32 could not be turned off (10-bit mantissa, 2^-11 relative per product).
-TF32_TOLERANCES = (2e-3, 1e-2)
+# The dtypes the kit runs; their tolerances: ``tolerances.gpu_tolerance``.
+DTYPES = ("fp32", "bf16")
 TF32_OVERRIDE = "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"
 
 
@@ -187,7 +182,7 @@ def fp32_without_tf32() -> dict[str, Any]:
     NGC images) is read by torch when cuBLAS math mode is first asked for, and forces TF32
     whatever ``allow_tf32`` says. The kit's processes are its own, so the variable is removed
     from them (training runs keep theirs). ``matmul_tf32``/``cudnn_tf32`` read the flags back;
-    ``forced`` is true when TF32 still reads as on (then fp32 rows use ``TF32_TOLERANCES``).
+    ``forced`` is true when TF32 still reads as on (then fp32 rows use the ``gpu-tf32`` tolerance).
     """
     import torch
 
@@ -384,7 +379,8 @@ def _verdict(
     for i, row in enumerate(per_rank[0]):
         rows = [r[i] for r in per_rank]
         tf32_forced = row["dtype"] == "fp32" and bool(tf32.get("forced"))
-        loss_tol, grad_tol = TF32_TOLERANCES if tf32_forced else TOLERANCES[row["dtype"]]
+        tol = gpu_tolerance(row["dtype"], tf32_forced)
+        loss_tol, grad_tol = tol.loss, tol.grad
         loss_rel = max(r["loss_rel_diff"] for r in rows)
         grad_rel = max(r["max_rel_grad_diff"] for r in rows)
         routes: dict[str, int] = {}
@@ -495,7 +491,7 @@ def main(dtypes: str | None, device: str | None, as_json: bool, plant: str | Non
         raise InputError(f"--device {dev}: choose cuda or cpu")
     default = ("fp32", "bf16") if dev == "cuda" else ("fp32",)
     chosen = tuple(dtypes.split(",")) if dtypes else default
-    unknown = [d for d in chosen if d not in TOLERANCES]
+    unknown = [d for d in chosen if d not in DTYPES]
     if unknown:
         raise InputError(f"--dtype {','.join(unknown)}: choose from {', '.join(DTYPES)}")
     if plant is not None:

@@ -11,8 +11,9 @@ identical on all ranks (no rank raises alone, no collective is skipped), so one 
 runs them all one after another.
 
 Caught rule (``CATCH_MARGIN``): a mutation is caught when, over the mutation cases, the worst loss
-relative difference divided by ``LOSS_REL_TOL`` or the worst gradient relative difference divided
-by ``GRAD_REL_TOL`` is at least 100, i.e. it misses the tolerance by two orders of magnitude, or
+relative difference divided by the loss tolerance (``tolerances.CPU``) or the worst gradient
+relative difference divided by the gradient one is at least 100, i.e. it misses the tolerance by
+two orders of magnitude, or
 when the step itself refuses it with an error on every rank (e.g. the token accounting check).
 """
 

@@ -35,9 +35,8 @@ from megatron_hsp.planner.plan import Plan
 from megatron_hsp.testing.manual_plan import Layout, manual_plan
 from megatron_hsp.testing.mutations import CATCH_MARGIN, by_name, margin
 from megatron_hsp.testing.reference import ModelShape
+from megatron_hsp.testing.tolerances import CPU
 
-LOSS_REL_TOL = 1e-6
-GRAD_REL_TOL = 1e-5
 GROUP_TIMEOUT = timedelta(seconds=120)
 # The cases each mutation runs: a group of all ranks, three sizes in one micro-batch (size-1
 # groups included), tensor parallel 2, pure ring and Ulysses x ring groups, and learned absolute
@@ -135,7 +134,12 @@ def build_cases(nproc: int) -> list[Case]:
     if nproc not in (4, 8):
         # The case table's layouts are written for 4 and 8 slots (16 indexed past its documents).
         raise InputError(f"--nproc {nproc}: the CPU selftest runs on 4 or 8 processes")
-    n = nproc
+    # Plain Ulysses layouts, then tensor parallelism and ring groups, then edge cases.
+    return _ulysses_cases(nproc) + _tp_and_ring_cases(nproc) + _edge_cases(nproc)
+
+
+def _ulysses_cases(n: int) -> list[Case]:
+    """Groups of one size and of mixed sizes, and layouts that change every micro-batch."""
     tail = list(_TAIL)
     ids = list(range(len(tail)))
     cases = [
@@ -183,6 +187,14 @@ def build_cases(nproc: int) -> list[Case]:
             data_seed=3,
         )
     )
+    return cases
+
+
+def _tp_and_ring_cases(n: int) -> list[Case]:
+    """Dynamic groups under tensor parallelism 2, and Ulysses x ring groups."""
+    tail = list(_TAIL)
+    ids = list(range(len(tail)))
+    cases: list[Case] = []
     s = n // 2  # slots with tensor parallel 2
     tp_layout_1 = (
         ((s // 2, [1, 2, 3]), (s // 2, [4, 5, 6])) if s >= 4 else ((s, [1, 2, 3, 4, 5, 6]),)
@@ -240,6 +252,14 @@ def build_cases(nproc: int) -> list[Case]:
                 data_seed=7,
             )
         )
+    return cases
+
+
+def _edge_cases(n: int) -> list[Case]:
+    """TE's padded layout, 1-token documents, a document at its group's memory limit, learned
+    absolute positions."""
+    tail = list(_TAIL)
+    cases: list[Case] = []
     # Transformer Engine's layout (each document of a ring group padded to 2 x d inside its own
     # segment) run by the torch backend: a pure ring of 3 and, on 8, Ulysses 2 x ring 3.
     te_groups: Layout = ((6, [0, 3, 9]), (2, [1, 13])) if n >= 8 else ((3, [0, 3, 9]), (1, [1, 13]))
@@ -628,7 +648,7 @@ def _mutation_result(name: str, rows: list[dict[str, Any]]) -> MutationResult:
         )
     loss_rel = max(c["loss_rel_diff"] for r in rows for c in r["cases"])
     grad_rel = max(c["max_rel_grad_diff"] for r in rows for c in r["cases"])
-    m = margin(loss_rel, grad_rel, LOSS_REL_TOL, GRAD_REL_TOL)
+    m = margin(loss_rel, grad_rel, CPU.loss, CPU.grad)
     return MutationResult(
         name,
         mutation.breaks,
@@ -686,7 +706,7 @@ def run_selftest(
             loss_rel_diff=max(r["loss_rel_diff"] for r in rows),
             detail={k: rows[0][k] for k in ("worst_param", "forward_calls", "loss", "ref_loss")},
         )
-        res.ok = res.loss_rel_diff <= LOSS_REL_TOL and res.max_rel_grad_diff <= GRAD_REL_TOL
+        res.ok = res.loss_rel_diff <= CPU.loss and res.max_rel_grad_diff <= CPU.grad
         out_cases.append(res)
     out_mutations = [
         _mutation_result(m["name"], [r["mutations"][j] for r in per_rank])

@@ -89,8 +89,8 @@ def test_megatron_hsp_cost_model_accepts_the_profile(profiled):
     assert cfg.cost_model == profiled
     cost = load_cost_model(
         cfg.cost_model,
-        world_size=cfg.world_size,
-        gpus_per_node=cfg.gpus_per_node,
+        world_size=cfg.run.dims.slots,
+        gpus_per_node=cfg.run.dims.slots_per_node,
         memory_cap_gb=cfg.memory_cap_gb,
     )
     assert cost.name == "profiled" and cost.sizes == [1, 2]

@@ -66,9 +66,13 @@ def test_full_config_and_forced_per_token_loss():
         ]
     )
     cfg = validate_hsp_args(args, env={})
-    assert cfg.world_size == 8 and cfg.gpus_per_node == 4
+    assert cfg.run.dims.slots == 8 and cfg.run.dims.slots_per_node == 4
     assert cfg.group_sizes == (1, 2, 3, 4, 8)  # every size up to a node of 4, then nodes
-    assert cfg.max_seq == 192_000 and cfg.planner.solver == "cbc" and cfg.overlong == "split"
+    assert (
+        cfg.run.max_seq == 192_000
+        and cfg.run.planner.solver == "cbc"
+        and cfg.run.overlong == "split"
+    )
     assert cfg.global_batch_docs == 64 and cfg.token_budget is None
     assert cfg.seed == 1234
     assert args.calculate_per_token_loss is True
@@ -78,15 +82,19 @@ def test_full_config_and_forced_per_token_loss():
 
 def test_gpus_per_node_from_torchrun_and_slurm_env():
     cfg = validate_hsp_args(parse([*BASE, "--hsp"]), env={"LOCAL_WORLD_SIZE": "2"})
-    assert cfg.gpus_per_node == 2 and cfg.group_sizes == (1, 2, 4, 6, 8)  # whole nodes
+    assert cfg.run.dims.slots_per_node == 2 and cfg.group_sizes == (1, 2, 4, 6, 8)  # whole nodes
     cfg = validate_hsp_args(parse([*BASE, "--hsp"]), env={"SLURM_NTASKS_PER_NODE": "4(x2)"})
-    assert cfg.gpus_per_node == 4
+    assert cfg.run.dims.slots_per_node == 4
 
 
 def test_tensor_parallel_makes_slots():
     args = parse([*BASE, "--hsp", "--tensor-model-parallel-size", "2", "--hsp-gpus-per-node", "8"])
     cfg = validate_hsp_args(args, env={})
-    assert cfg.world_size == 4 and cfg.gpus_per_node == 4 and cfg.group_sizes == (1, 2, 3, 4)
+    assert (
+        cfg.run.dims.slots == 4
+        and cfg.run.dims.slots_per_node == 4
+        and cfg.group_sizes == (1, 2, 3, 4)
+    )
 
 
 def test_pipeline_parallel_accepted_with_megatrons_shape_handshake():
@@ -98,7 +106,7 @@ def test_pipeline_parallel_accepted_with_megatrons_shape_handshake():
     )
     args.moe_token_dispatcher_type = "allgather"  # Megatron's default
     cfg = validate_hsp_args(args, env={"WORLD_SIZE": "8"})
-    assert cfg.world_size == 4 and cfg.group_sizes == (1, 2, 3, 4)
+    assert cfg.run.dims.slots == 4 and cfg.group_sizes == (1, 2, 3, 4)
     assert args.variable_seq_lengths is True and args.moe_token_dispatcher_type == "alltoall"
     assert any("variable_seq_lengths" in n for n in cfg.notes)
     plain = parse([*BASE, "--hsp"])
@@ -119,7 +127,7 @@ def test_the_planner_prices_the_pipeline_only_with_a_stage_cost_model(
         [*BASE, "--hsp", "--hsp-cost-model", str(path), "--pipeline-model-parallel-size", "2"]
     )
     cfg = validate_hsp_args(args, env={"WORLD_SIZE": "8"})
-    assert (cfg.planner.pp, cfg.planner.vpp) == (planned_pp, 1)
+    assert (cfg.run.planner.pp, cfg.run.planner.vpp) == (planned_pp, 1)
     assert any("not a stage model" in n for n in cfg.notes) is (planned_pp == 1)
 
 
@@ -239,9 +247,29 @@ def test_provider_is_idempotent():
     assert parser.parse_args(["--hsp"]).hsp
 
 
+@pytest.mark.parametrize("sizes", ["auto", "pow2", "1,2,4"])
+def test_hsp_flags_stay_values_a_checkpoint_loads_back(sizes):
+    """Megatron saves its args in every checkpoint and loads them back with
+    ``torch.load(weights_only=True)``, which refuses classes it does not know: every ``--hsp*``
+    value, after validation too, is a plain value (a run with one failed to resume). Checked
+    with an unpickler that, like ``weights_only``, refuses every class."""
+    import io
+    import pickle
+
+    class PlainValuesOnly(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            raise pickle.UnpicklingError(f"{module}.{name} is not a plain value")
+
+    args = parse(["--hsp", *BASE, "--hsp-group-sizes", sizes], world_size=8)
+    validate_hsp_args(args, env={})
+    hsp = {k: v for k, v in vars(args).items() if k.startswith("hsp")}
+    assert PlainValuesOnly(io.BytesIO(pickle.dumps(hsp))).load() == hsp
+
+
 def test_parsers():
     assert parse_tokens("192k") == 192000 and parse_tokens("2m") == 2000000
     assert parse_sizes("auto") is None and parse_sizes("4,1,2,2") == (1, 2, 4)
+    assert parse_sizes("pow2") == "pow2"
 
 
 @pytest.mark.parametrize(

@@ -42,9 +42,9 @@ def config(argv: list[str], world_size: int = 8, gpu_names: list[str] | None = N
 def priced(cfg):
     return load_cost_model(
         cfg.cost_model,
-        world_size=cfg.world_size,
-        gpus_per_node=cfg.gpus_per_node,
-        max_seq_k=cfg.max_seq / 1000,
+        world_size=cfg.run.dims.slots,
+        gpus_per_node=cfg.run.dims.slots_per_node,
+        max_seq_k=cfg.run.max_seq / 1000,
         memory_cap_gb=cfg.memory_cap_gb,
     )
 
@@ -93,9 +93,9 @@ def test_the_spec_reaches_the_planner_process_unchanged():
         priced(cfg),
         load_cost_model(
             again,
-            world_size=cfg.world_size,
-            gpus_per_node=cfg.gpus_per_node,
-            max_seq_k=cfg.max_seq / 1000,
+            world_size=cfg.run.dims.slots,
+            gpus_per_node=cfg.run.dims.slots_per_node,
+            max_seq_k=cfg.run.max_seq / 1000,
             memory_cap_gb=cfg.memory_cap_gb,
         ),
     )

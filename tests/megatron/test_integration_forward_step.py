@@ -35,7 +35,8 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
     from megatron_hsp.commands.demo_config import DEMO_COST_MODEL, DEMO_MODEL
     from megatron_hsp.megatron import hooks
     from megatron_hsp.megatron.config import HSPConfig
-    from megatron_hsp.planner.search.settings import PlannerSettings
+    from megatron_hsp.planner.run_spec import GroupSizeRequest, OverlongPolicy, ParallelDims
+    from megatron_hsp.planner.search.settings import PlannerSettings, RunSpec
     from megatron_hsp.runtime.agreement import agree_on_plan
     from megatron_hsp.runtime.groups import create_groups
     from megatron_hsp.runtime.schedule import run_step
@@ -65,12 +66,14 @@ def _worker(rank: int, world: int, prefix: str) -> dict:
         planner = PlannerService(spec, background=False)
     config = HSPConfig(
         cost_model="demo",
-        world_size=world,
-        gpus_per_node=world,
+        run=RunSpec(
+            dims=ParallelDims(world, world),
+            sizes=GroupSizeRequest(),
+            overlong=OverlongPolicy.SPLIT,
+            planner=PlannerSettings(time_budget_s=0.3, sizes=(1, 2)),
+            max_seq=1024,
+        ),
         memory_cap_gb=None,
-        max_seq=1024,
-        planner=PlannerSettings(time_budget_s=0.3, sizes=(1, 2)),
-        overlong="split",
         global_batch_docs=None,
         token_budget=3000,
         seed=1,

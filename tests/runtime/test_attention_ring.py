@@ -178,7 +178,7 @@ def _worker(rank: int, world: int) -> dict:
     params = group_packed_seq_params(
         torch.tensor(cu, dtype=torch.int32), reg.group(4, 0), reg.hybrid(4, 0)
     )
-    params.hsp_micro_batch["layout_ring"] = 1  # what schedule.packed_seq_params records for ring 1
+    params.hsp_micro_batch.layout_ring = 1  # what schedule.packed_seq_params records for ring 1
     _, attn = _make_core_attention(3, 1)
     q, k, v, _ = case_tensors(1, cu[-1], 3, 1)
     try:

@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-from megatron_hsp.testing.acceptance import TOLERANCES, acceptance_cases
+from megatron_hsp.testing.acceptance import acceptance_cases
 from megatron_hsp.testing.fake_cuda import cuda_reported_visible_env
+from megatron_hsp.testing.tolerances import TOLERANCES
 from tests.helpers import ROOT as ROOT_PATH
 
 ROOT = str(ROOT_PATH)
@@ -57,7 +58,7 @@ def test_kit_accepts_a_correct_install_where_cuda_is_visible_and_catches_a_plant
     names = {c["name"] for c in doc["cases"]}
     assert {"one-group-of-all", "tp2-group-of-all", "all-groups-size-1"} <= names
     assert {"head-dim-128", "long-document-ring", "lazy-groups-after-initialize"} <= names
-    assert all(c["tolerances"]["grad_rel"] == TOLERANCES["fp32"][1] for c in doc["cases"])
+    assert all(c["tolerances"]["grad_rel"] == TOLERANCES["gpu-fp32"].grad for c in doc["cases"])
     by_name = {c["name"]: c for c in doc["cases"]}
     assert set(by_name["long-document-ring"]["routes"]) == {"ring"}  # 5 heads: a pure ring
     assert all(c["backend"] == "torch" and c["tokens_per_s"] for c in doc["cases"])

@@ -19,12 +19,9 @@ import pytest
 from megatron_hsp.testing.megatron_loop import (
     DEFAULT_OPTIONS,
     GRAD_PLANT_SCALE,
-    GRAD_RTOL,
-    LOSS_RTOL,
     NOT_UPDATED_PARAM,
     PLANT_RUNS,
     PLANTS,
-    WEIGHT_RTOL,
     MegatronDocuments,
     check,
     margin,
@@ -33,6 +30,7 @@ from megatron_hsp.testing.megatron_loop import (
     run_megatron_plants,
     write_corpus,
 )
+from megatron_hsp.testing.tolerances import CPU
 
 STEP_KEYS = {
     "step",
@@ -86,7 +84,7 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
         ratios = margins(e)
         assert max(v for k, v in ratios.items() if k != "blend share bound") < 0.5, ratios
         assert ratios.get("blend share bound", 0.0) <= 1.0
-        assert e["max_rel_weight_diff_after"] <= WEIGHT_RTOL
+        assert e["max_rel_weight_diff_after"] <= CPU.weight
         assert len(e["steps"]) == 3
         for s in e["steps"]:
             assert set(s) >= STEP_KEYS
@@ -95,8 +93,8 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
             assert s["consumed_samples_hsp"] == s["consumed_samples_megatron"]
             assert s["consumed_samples_ref"] == s["consumed_samples_megatron"]
             assert s["documents_hsp"] == s["samples_megatron"] == 8
-            assert abs(s["loss_hsp"] - s["loss_ref"]) <= LOSS_RTOL * abs(s["loss_ref"])
-            assert s["max_rel_grad_diff"] <= GRAD_RTOL
+            assert abs(s["loss_hsp"] - s["loss_ref"]) <= CPU.loss * abs(s["loss_ref"])
+            assert s["max_rel_grad_diff"] <= CPU.grad
             assert s["grad_norm_ref"] > 0
         # The plans really differ from Megatron's own count (8 / dp micro-batches per rank), so
         # the LR increment being right is not a coincidence of equal counts.
@@ -137,7 +135,7 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
         ("test", 2),
     ]
     for ev in e18["evaluations"]:
-        assert abs(ev["loss_hsp"] - ev["loss_ref"]) <= LOSS_RTOL * abs(ev["loss_ref"])
+        assert abs(ev["loss_hsp"] - ev["loss_ref"]) <= CPU.loss * abs(ev["loss_ref"])
         assert ev["consumed_valid_samples_hsp"] == ev["consumed_valid_samples_megatron"]
     assert e18["pieces_as_uninterrupted"] == dict.fromkeys(
         ("train", "train_next", "valid", "test"), True
@@ -271,10 +269,10 @@ def test_a_0_01_percent_error_in_the_smallest_gradient_is_caught():
     assert entry["planted_param"] == s["smallest_grad_param"] == s["worst_grad_param"]
     assert s["smallest_grad_ratio"] < 1e-2
     # ...so a single ratio over all gradients (the check before issue 16) misses it,
-    assert s["pooled_rel_grad_diff"] <= GRAD_RTOL
+    assert s["pooled_rel_grad_diff"] <= CPU.grad
     # while the per-parameter check sees the 1e-4 error at ~10x its tolerance.
     assert s["max_rel_grad_diff"] == pytest.approx(GRAD_PLANT_SCALE - 1, rel=0.05)
-    assert s["max_rel_grad_diff"] >= 5 * GRAD_RTOL
+    assert s["max_rel_grad_diff"] >= 5 * CPU.grad
     assert [f for f in entry["failures"] if "grad rel diff" in f]
 
 
@@ -292,9 +290,9 @@ def test_a_one_token_reader_shift_in_hsp_is_caught():
 def test_a_parameter_left_out_of_the_optimizer_is_caught_by_the_weights():
     entry = _planted("one-parameter-not-updated")
     assert entry["worst_weight_param"] == NOT_UPDATED_PARAM
-    assert entry["max_rel_weight_diff_after"] >= 100 * WEIGHT_RTOL
+    assert entry["max_rel_weight_diff_after"] >= 100 * CPU.weight
     assert [f for f in entry["failures"] if "weights after" in f]
-    assert all(s["max_rel_grad_diff"] <= GRAD_RTOL for s in entry["steps"])
+    assert all(s["max_rel_grad_diff"] <= CPU.grad for s in entry["steps"])
 
 
 @pytest.mark.slow
@@ -320,7 +318,7 @@ def test_a_resume_that_restarts_the_samplers_is_caught():
     assert entry["resume"]["iteration"] == [2, 2]
     assert entry["resume"]["consumed_train_samples"] == [16, 16]
     # The stock side follows the HSP side's documents, so only the batch check sees it.
-    assert all(s["max_rel_grad_diff"] <= GRAD_RTOL for s in entry["steps"])
+    assert all(s["max_rel_grad_diff"] <= CPU.grad for s in entry["steps"])
 
 
 @pytest.mark.slow
@@ -331,8 +329,8 @@ def test_a_resume_that_restores_the_optimizer_wrongly_is_caught_by_the_weights()
     loss and gradients are right, the weights after the resumed step are not."""
     entry = _planted("resume-shares-the-adam-step")
     assert entry["resume"]["weights_restored"] == [True, True]
-    assert all(s["max_rel_grad_diff"] <= GRAD_RTOL for s in entry["steps"])
-    assert entry["max_rel_weight_diff_after"] >= 100 * WEIGHT_RTOL
+    assert all(s["max_rel_grad_diff"] <= CPU.grad for s in entry["steps"])
+    assert entry["max_rel_weight_diff_after"] >= 100 * CPU.weight
     assert [f for f in entry["failures"] if "weights after" in f]
 
 
@@ -341,7 +339,7 @@ def test_a_resume_that_restores_the_optimizer_wrongly_is_caught_by_the_weights()
 def test_expert_grads_not_reduced_over_expert_data_parallel_ranks_are_caught():
     entry = _planted("expert-grads-not-reduced")
     assert "experts" in entry["steps"][0]["worst_grad_param"]
-    assert entry["steps"][0]["max_rel_grad_diff"] > 100 * GRAD_RTOL
+    assert entry["steps"][0]["max_rel_grad_diff"] > 100 * CPU.grad
 
 
 @pytest.mark.slow
@@ -353,8 +351,8 @@ def test_a_stage_boundary_that_rolls_the_tokens_is_caught():
     entry = _planted("stage-boundary-tokens-rolled")
     assert entry["pipeline"]["pp"] == 2
     (step,) = entry["steps"]
-    assert abs(step["loss_hsp"] - step["loss_ref"]) > LOSS_RTOL * abs(step["loss_ref"])
-    assert step["max_rel_grad_diff"] > GRAD_RTOL
+    assert abs(step["loss_hsp"] - step["loss_ref"]) > CPU.loss * abs(step["loss_ref"])
+    assert step["max_rel_grad_diff"] > CPU.grad
 
 
 @pytest.mark.slow
@@ -364,7 +362,7 @@ def test_document_expert_counts_not_reduced_over_the_group_are_caught():
     only the router weights' gradients carry it."""
     entry = _planted("document-expert-counts-not-reduced")
     assert "router" in entry["steps"][0]["worst_grad_param"]
-    assert entry["steps"][0]["max_rel_grad_diff"] > 100 * GRAD_RTOL
+    assert entry["steps"][0]["max_rel_grad_diff"] > 100 * CPU.grad
 
 
 def test_every_plant_runs_on_an_option_set_that_exists():
@@ -514,7 +512,7 @@ def test_margin_reports_the_worst_check_evaluation_and_batch_identity_included()
         **{"samples_megatron": 8, "max_rel_grad_diff": 1.96e-6},
     }
     evaluation = {
-        "loss_hsp": 4.0 * (1 + 340 * LOSS_RTOL),
+        "loss_hsp": 4.0 * (1 + 340 * CPU.loss),
         "loss_ref": 4.0,
         **dict.fromkeys(("consumed_valid_samples_hsp", "consumed_valid_samples_ref"), 8),
         "consumed_valid_samples_megatron": 8,
@@ -563,4 +561,4 @@ def test_check_flags_each_quantity():
         assert len(check([{**good, key: value}], 1e-5)) == 1, key
     # Both runs agreeing with each other but not with Megatron's own scheduler is a failure.
     assert len(check([{**good, "lr_megatron": 2e-3}], 1e-5)) == 2
-    assert len(check([good], 2 * WEIGHT_RTOL)) == 1
+    assert len(check([good], 2 * CPU.weight)) == 1

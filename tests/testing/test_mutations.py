@@ -78,16 +78,17 @@ def test_rope_shift_stays_inside_the_table():
 
 
 def test_caught_rule_reports_survivors():
-    from megatron_hsp.testing.selftest import GRAD_REL_TOL, LOSS_REL_TOL, _mutation_result
+    from megatron_hsp.testing.selftest import _mutation_result
+    from megatron_hsp.testing.tolerances import CPU
 
     def row(loss_rel, grad_rel, error=None):
         cases = [{"loss_rel_diff": loss_rel, "max_rel_grad_diff": grad_rel}]
         return {"cases": [] if error else cases, "error": error, "seconds": 1.0}
 
     name = MUTATIONS[0].name
-    loud = _mutation_result(name, [row(0.0, GRAD_REL_TOL * CATCH_MARGIN)] * 4)
+    loud = _mutation_result(name, [row(0.0, CPU.grad * CATCH_MARGIN)] * 4)
     assert loud.caught and loud.margin == pytest.approx(CATCH_MARGIN)
-    quiet = _mutation_result(name, [row(LOSS_REL_TOL * 50, GRAD_REL_TOL * 99)] * 4)
+    quiet = _mutation_result(name, [row(CPU.loss * 50, CPU.grad * 99)] * 4)
     assert not quiet.caught  # misses the tolerance, but not by the required margin
     refused = _mutation_result(name, [row(0, 0, "RuntimeError: token accounting")] * 4)
     assert refused.caught and refused.loss_rel_diff is None

@@ -11,7 +11,8 @@ import json
 import pytest
 
 from megatron_hsp import cli
-from megatron_hsp.testing.selftest import GRAD_REL_TOL, LOSS_REL_TOL, build_cases
+from megatron_hsp.testing.selftest import build_cases
+from megatron_hsp.testing.tolerances import CPU
 
 CASE_KEYS = {
     "name",
@@ -63,8 +64,8 @@ def test_selftest_matches_single_device(nproc):
     by_name = {c.name: c for c in result["_results"]}
     assert set(by_name) == {c.name for c in build_cases(nproc)}
     for c in result["_results"]:
-        assert c.loss_rel_diff <= LOSS_REL_TOL, (c.name, c.loss_rel_diff)
-        assert c.max_rel_grad_diff <= GRAD_REL_TOL, (c.name, c.detail)
+        assert c.loss_rel_diff <= CPU.loss, (c.name, c.loss_rel_diff)
+        assert c.max_rel_grad_diff <= CPU.grad, (c.name, c.detail)
     assert result["ok"] is True
     assert "mutations" not in result  # only with --mutations
     doc = json.loads(json.dumps({"ok": result["ok"], "cases": result["cases"]}))
@@ -105,17 +106,17 @@ def test_selftest_mutations_are_all_caught(capsys, nproc):
     for name, m in rows.items():
         assert set(m) == {"name", "caught", "loss_rel_diff", "max_rel_grad_diff"}
         assert m["caught"] is True, m
-        worst = max(m["loss_rel_diff"] / LOSS_REL_TOL, m["max_rel_grad_diff"] / GRAD_REL_TOL)
+        worst = max(m["loss_rel_diff"] / CPU.loss, m["max_rel_grad_diff"] / CPU.grad)
         assert worst >= CATCH_MARGIN, (name, worst)
         print(f"nproc={nproc} {name}: caught at {worst:.3g} x tolerance")
     # the one-rank normalisation error shows in the loss itself, not only in the gradients
     norm = rows["one-rank-loss-normalisation"]
-    assert norm["loss_rel_diff"] / LOSS_REL_TOL >= CATCH_MARGIN, norm
+    assert norm["loss_rel_diff"] / CPU.loss >= CATCH_MARGIN, norm
     # the clean cases pass in the same run (mutations were undone between runs)
     assert all(set(c) == CASE_KEYS and c["nproc"] == nproc for c in doc["cases"])
     assert {c["name"] for c in doc["cases"]} == {c.name for c in build_cases(nproc)}
     for c in doc["cases"]:
-        assert c["max_rel_grad_diff"] <= GRAD_REL_TOL, c
+        assert c["max_rel_grad_diff"] <= CPU.grad, c
     mutated = {
         layout["ulysses"] > 1 and layout["ring"] > 1
         for c in doc["cases"]

@@ -64,6 +64,7 @@ from megatron_hsp.planner.cost.pipeline import (
 )
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import Cluster, HeadSpace
+from megatron_hsp.planner.run_spec import check_degrees, check_tp_in_node
 
 
 @dataclass(frozen=True)
@@ -219,19 +220,70 @@ class ParallelConfig:
         return (self.tp, self.pp, self.vpp, self.ep) == (1, 1, 1, 1)
 
     def plane(self, gpus: int) -> int:
-        """Sequence-parallel slots of one stage: ``gpus / (tp * pp)``."""
-        if gpus % (self.tp * self.pp):
-            raise InputError(f"--gpus {gpus} is not a multiple of --tp {self.tp} x --pp {self.pp}")
-        return gpus // (self.tp * self.pp)
+        """Sequence-parallel slots of one stage: ``gpus / (tp * pp)`` (``run_spec``'s rule)."""
+        return check_degrees(gpus, self.tp, self.pp)
 
     def plane_gpus_per_node(self, gpus_per_node: int) -> int:
-        if gpus_per_node % self.tp and self.tp < gpus_per_node:
-            raise InputError(f"--tp {self.tp} does not divide --gpus-per-node {gpus_per_node}")
-        if self.tp > gpus_per_node:
-            raise InputError(
-                f"--tp {self.tp} spans nodes of {gpus_per_node} GPUs; Megatron keeps TP in a node"
-            )
-        return gpus_per_node // self.tp
+        """Slots per node: ``gpus_per_node / tp`` (``run_spec``'s rule: TP inside a node)."""
+        return check_tp_in_node(gpus_per_node, self.tp)
+
+
+def _tp_and_expert_comm(
+    a2: float,
+    shape: TransformerShape,
+    hardware: HardwareConfig,
+    training: TrainingConfig,
+    parallel: ParallelConfig,
+    gp: int,
+) -> tuple[float, float, float]:
+    """(linear term with TP's and MoE dispatch's exposed traffic added, TP's and MoE's fixed
+    latency per micro-batch) of one stage whose node holds ``gp`` slots (module docstring)."""
+    tp, ep = parallel.tp, parallel.ep
+    passes = 3 if training.recompute else 2
+    e = training.activation_bytes
+    _, moe_l = shape.stage_layers(parallel.pp)
+    n_layers = sum(shape.stage_layers(parallel.pp))
+    lat_intra, lat_inter = hardware.latency_us * 1e-3, hardware.inter_node_latency_us * 1e-3
+    # TP (sequence parallel): 2 all-gathers + 2 reduce-scatters per layer and pass, in the node.
+    tp_fixed = 0.0
+    if tp > 1:
+        tp_bytes = 4 * passes * n_layers * (tp - 1) / tp * shape.hidden * e
+        a2 += tp_bytes / (hardware.nvlink_gbs * 1e9) * 1e3
+        tp_fixed = 4 * passes * n_layers * lat_intra
+    # MoE dispatch: 2 all-to-alls per MoE layer and pass over ep slots (per GPU: 1/tp of them).
+    ep_fixed = 0.0
+    if shape.moe is not None and ep > 1 and moe_l:
+        per_peer = shape.moe.top_k * shape.hidden * e / tp / ep
+        intra = min(ep, gp) - 1
+        inter = ep - min(ep, gp)
+        a2 += 2 * passes * moe_l * collective_ms(intra, inter, per_peer, hardware)
+        ep_fixed = 2 * passes * moe_l * (lat_inter if inter else lat_intra)
+    return a2, tp_fixed, ep_fixed
+
+
+def _zero3_ms(
+    base_params: float,
+    expert_params: float,
+    hardware: HardwareConfig,
+    training: TrainingConfig,
+    parallel: ParallelConfig,
+    cluster: Cluster,
+) -> float:
+    """ZeRO-3's exposed weight gathers and gradient reduce-scatters per micro-batch over the
+    plane's slots (0 below ZeRO-3 or on one slot)."""
+    plane = cluster.world_size
+    if training.zero_stage != 3 or plane <= 1:
+        return 0.0
+    tp, ep = parallel.tp, parallel.ep
+    ring = (plane - 1) / plane
+    per_gpu = (base_params / tp + expert_params / (ep * tp)) * ring
+    bw = hardware.bandwidth_gbs(cluster.crosses_node(plane)) * 1e9
+    return (
+        (2 * per_gpu * training.bytes_per_param + per_gpu * training.bytes_per_grad)
+        / bw
+        * 1e3
+        * training.zero3_exposed_fraction
+    )
 
 
 def model_parallel_cost_model(
@@ -267,7 +319,6 @@ def model_parallel_cost_model(
     spec = PipelineSpec(pp, parallel.vpp)
     cap_gb = hardware.hbm_gb * 0.9 if memory_cap_gb is None else float(memory_cap_gb)
     recompute = 4.0 / 3.0 if training.recompute else 1.0
-    passes = 3 if training.recompute else 2
     e = training.activation_bytes
     lin_flops = hardware.peak_tflops * 1e12 * hardware.achievable_fraction * tp
     # The same attention rule as first_principles_cost_model, over the stage's layers; TP's
@@ -276,35 +327,11 @@ def model_parallel_cost_model(
     a2 = shape.linear_flops_per_token(pp) * recompute / lin_flops * 1e3
     dense_l, moe_l = shape.stage_layers(pp)
     n_layers = dense_l + moe_l
-    lat_intra, lat_inter = hardware.latency_us * 1e-3, hardware.inter_node_latency_us * 1e-3
-    # TP (sequence parallel): 2 all-gathers + 2 reduce-scatters per layer and pass, in the node.
-    tp_fixed = 0.0
-    if tp > 1:
-        tp_bytes = 4 * passes * n_layers * (tp - 1) / tp * shape.hidden * e
-        a2 += tp_bytes / (hardware.nvlink_gbs * 1e9) * 1e3
-        tp_fixed = 4 * passes * n_layers * lat_intra
-    # MoE dispatch: 2 all-to-alls per MoE layer and pass over ep slots (per GPU: 1/tp of them).
-    ep_fixed = 0.0
-    if shape.moe is not None and ep > 1 and moe_l:
-        per_peer = shape.moe.top_k * shape.hidden * e / tp / ep
-        intra = min(ep, gp) - 1
-        inter = ep - min(ep, gp)
-        a2 += 2 * passes * moe_l * collective_ms(intra, inter, per_peer, hardware)
-        ep_fixed = 2 * passes * moe_l * (lat_inter if inter else lat_intra)
-
+    lat_inter = hardware.inter_node_latency_us * 1e-3
+    a2, tp_fixed, ep_fixed = _tp_and_expert_comm(a2, shape, hardware, training, parallel, gp)
     heads = HeadSpace.from_model(shape.heads, shape.kv_heads, tp)
     base_params, expert_params = shape.params(pp)
-    zero3_ms = 0.0
-    if training.zero_stage == 3 and plane > 1:
-        ring = (plane - 1) / plane
-        per_gpu = (base_params / tp + expert_params / (ep * tp)) * ring
-        bw = hardware.bandwidth_gbs(cluster.crosses_node(plane)) * 1e9
-        zero3_ms = (
-            (2 * per_gpu * training.bytes_per_param + per_gpu * training.bytes_per_grad)
-            / bw
-            * 1e3
-            * training.zero3_exposed_fraction
-        )
+    zero3_ms = _zero3_ms(base_params, expert_params, hardware, training, parallel, cluster)
     # The calibrated terms of first_principles_cost_model, per stage and per GPU of a slot (its
     # heads / tp): attention kernel calls, host overhead per call, the ring hop's send/recv
     # bandwidth and latency, the ring's non-bandwidth overhead per output element.

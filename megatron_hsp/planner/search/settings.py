@@ -21,18 +21,20 @@ import math
 from dataclasses import dataclass
 
 from megatron_hsp.planner.cost.pipeline import PipelineSpec
-from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.groupspace import Cluster
+from megatron_hsp.planner.run_spec import (
+    DEFAULT_SOLVER,
+    DEFAULT_TIME_BUDGET_S,
+    MILP_SOLVERS,
+    GroupSizeRequest,
+    OverlongPolicy,
+    ParallelDims,
+    Solver,
+    allowed_sizes,
+    check_time_budget,
+    parse_choice,
+)
 
-# "greedy" is the solver's MILP-free mode (fast, plan status "heuristic"); the others name the
-# MILP backend.
-SOLVERS = ("highs", "cbc", "greedy")
-MILP_SOLVERS = ("highs", "cbc")
-DEFAULT_SOLVER = "highs"
-# Wall-clock safety cap per plan. Counts limit the search (``SolverConfig``); at 64 GPUs they take
-# 0.1-0.8 s of CPU, so a 1 s cap cut plans on a loaded machine and the plan depended on the load
-# (issue 30). 5 s leaves room for a machine several times slower; the step it plans runs for
-# seconds, and the plan of step t+1 is solved while step t trains (``step/planner_service.py``).
-DEFAULT_TIME_BUDGET_S = 5.0
 # The fallback planner's budget when a background plan is late (greedy only, so it answers in
 # about this long whatever made the full search slow).
 FALLBACK_TIME_BUDGET_S = 0.2
@@ -62,7 +64,7 @@ def scaled_count(count: int, sequences: int) -> int:
 class SolverConfig:
     """How hard and with what to search. Defaults suit per-step planning during training."""
 
-    backend: str = DEFAULT_SOLVER  # MILP solver: "highs" (highspy) or "cbc" (COIN-OR CBC binary)
+    backend: str = DEFAULT_SOLVER.value  # MILP solver: "highs" (highspy) or "cbc" (COIN-OR CBC)
     # Wall-clock safety cap for the whole solve: the counts below limit the search; a plan the
     # cap cut says so (``plan.extra["cut_by_cap"]``, ``planner/search/budget.py``).
     time_budget_s: float = DEFAULT_TIME_BUDGET_S
@@ -94,7 +96,7 @@ class PlannerSettings:
     """How the planner searches: solver, wall-clock budget, allowed group sizes, seed, and the
     pipeline schedule it prices (pp 1: none)."""
 
-    solver: str = DEFAULT_SOLVER
+    solver: Solver = DEFAULT_SOLVER
     time_budget_s: float = DEFAULT_TIME_BUDGET_S
     sizes: tuple[int, ...] | None = None  # None: every size the cluster and cost model allow
     seed: int = 0
@@ -102,10 +104,8 @@ class PlannerSettings:
     vpp: int = 1  # virtual stages per device: > 1 is Megatron's interleaved schedule
 
     def __post_init__(self) -> None:
-        if self.solver not in SOLVERS:
-            raise InputError(f"solver {self.solver!r}: choose one of {', '.join(SOLVERS)}")
-        if not self.time_budget_s > 0:
-            raise InputError(f"the planner's time budget must be > 0 s (got {self.time_budget_s})")
+        object.__setattr__(self, "solver", parse_choice(Solver, self.solver, "solver"))
+        check_time_budget(self.time_budget_s, "the planner's time budget")
         if self.sizes is not None:
             object.__setattr__(self, "sizes", tuple(int(d) for d in self.sizes))
         PipelineSpec(self.pp, self.vpp)  # refuses vpp without pp, non-positive degrees
@@ -114,15 +114,52 @@ class PlannerSettings:
         """The solver's own configuration for these settings (the one place they map)."""
         return SolverConfig(
             pipeline=PipelineSpec(self.pp, self.vpp) if self.pp > 1 else None,
-            backend=DEFAULT_SOLVER if self.solver == "greedy" else self.solver,
+            backend=(self.solver if self.solver.uses_milp else DEFAULT_SOLVER).value,
             time_budget_s=self.time_budget_s,
             sizes=self.sizes,
             seed=self.seed,
-            use_milp=self.solver != "greedy",
+            use_milp=self.solver.uses_milp,
         )
 
     def fallback(self) -> PlannerSettings:
         """The safe fallback when a plan is late: greedy only, a short budget."""
         return dataclasses.replace(
-            self, solver="greedy", time_budget_s=min(FALLBACK_TIME_BUDGET_S, self.time_budget_s)
+            self,
+            solver=Solver.GREEDY,
+            time_budget_s=min(FALLBACK_TIME_BUDGET_S, self.time_budget_s),
         )
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run, as every entry point describes it: the parallel dimensions, the group sizes the
+    user allows, the overlong policy, the longest document trained whole and the planner's
+    settings. Megatron's flags (``megatron/config.validate_hsp_args``), ``plan``/``bench``
+    (``commands/common.build_setup``) and ``demo`` (``DemoConfig.run_spec``) each build it
+    once from their own flags; what runs below reads it.
+
+    ``planner.sizes`` are the sizes the run plans with: the request on the slots, narrowed to
+    those the cost model prices (and, under Megatron, to the communicator budget); None where
+    the planner takes every size the cluster and the cost model allow (``plan``'s default).
+    ``sizes_flag`` names the flag ``sizes`` came from, for errors.
+    """
+
+    dims: ParallelDims
+    sizes: GroupSizeRequest
+    overlong: OverlongPolicy
+    planner: PlannerSettings
+    max_seq: int
+    sizes_flag: str = dataclasses.field(default="--sizes", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "overlong", parse_choice(OverlongPolicy, self.overlong, "overlong")
+        )
+
+    def cluster(self) -> Cluster:
+        """The slots HSP plans, in whole nodes (``ParallelDims.cluster``)."""
+        return self.dims.cluster()
+
+    def allowed_sizes(self, costed: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+        """The sizes the run may plan with under a cost model pricing ``costed``."""
+        return allowed_sizes(self.sizes, self.cluster(), costed, self.sizes_flag)

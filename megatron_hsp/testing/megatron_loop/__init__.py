@@ -85,9 +85,6 @@ the same machinery. This package keeps the names its users import.
 from __future__ import annotations
 
 from megatron_hsp.testing.megatron_loop.checks import (
-    GRAD_RTOL,
-    LOSS_RTOL,
-    WEIGHT_RTOL,
     check,
     check_data,
     format_margin,
@@ -144,10 +141,8 @@ __all__ = [
     "EVAL_SPLIT",
     "GLOBAL_BATCH",
     "GRAD_PLANT_SCALE",
-    "GRAD_RTOL",
     "HEAD_DIM",
     "KV_GROUPS",
-    "LOSS_RTOL",
     "MODEL_FLAGS",
     "MOE_TOPK",
     "NOT_UPDATED_PARAM",
@@ -159,7 +154,6 @@ __all__ = [
     "RESUME_AFTER",
     "SP_SPEC",
     "STEPS",
-    "WEIGHT_RTOL",
     "LoopOptions",
     "MegatronDocuments",
     "check",

@@ -25,6 +25,7 @@ from megatron_hsp.testing.sampler_oracle import (
     coverage_failures,
     deficit_failures,
 )
+from megatron_hsp.testing.tolerances import CPU
 
 
 def megatron_schedule(args: Any, steps: int) -> list[dict[str, Any]]:
@@ -232,8 +233,8 @@ def check_data(entry: dict[str, Any]) -> list[str]:
     for e in entry.get("evaluations", []):
         rel = abs(e["loss_hsp"] - e["loss_ref"]) / max(abs(e["loss_ref"]), 1e-30)
         where = f"{e['split']} evaluation after step {e['after_step']}"
-        if not rel <= LOSS_RTOL:
-            bad.append(f"{where}: loss rel diff {rel:.2e} > {LOSS_RTOL:g}")
+        if not rel <= CPU.loss:
+            bad.append(f"{where}: loss rel diff {rel:.2e} > {CPU.loss:g}")
         for side in ("hsp", "ref"):
             if e[f"consumed_valid_samples_{side}"] != e["consumed_valid_samples_megatron"]:
                 bad.append(
@@ -270,15 +271,6 @@ def check_data(entry: dict[str, Any]) -> list[str]:
     return bad
 
 
-LOSS_RTOL = 1e-6
-# Per parameter: max |g - g_ref| / max |g_ref| of that parameter. fp32 noise measured <= 1e-6
-# (docs/exactness.md); 1e-5 keeps clean runs well inside and a 1e-4 error 10x outside.
-GRAD_RTOL = 1e-5
-# Per parameter: max |w - w_ref| / max |w_ref - w_init| (the error relative to that parameter's
-# own update over the steps).
-WEIGHT_RTOL = 1e-3
-
-
 def check(steps: list[dict[str, Any]], weight_rel: float | None = None) -> list[str]:
     """Failures of one option set against the tolerances (empty list: ok).
 
@@ -304,18 +296,18 @@ def check(steps: list[dict[str, Any]], weight_rel: float | None = None) -> list[
                 f"{s['samples_megatron']} samples"
             )
         rel = abs(s["loss_hsp"] - s["loss_ref"]) / max(abs(s["loss_ref"]), 1e-30)
-        if not rel <= LOSS_RTOL:
-            bad.append(f"step {i}: loss rel diff {rel:.2e} > {LOSS_RTOL:g}")
-        if not s["max_rel_grad_diff"] <= GRAD_RTOL:
+        if not rel <= CPU.loss:
+            bad.append(f"step {i}: loss rel diff {rel:.2e} > {CPU.loss:g}")
+        if not s["max_rel_grad_diff"] <= CPU.grad:
             bad.append(
-                f"step {i}: grad rel diff {s['max_rel_grad_diff']:.2e} > {GRAD_RTOL:g} "
+                f"step {i}: grad rel diff {s['max_rel_grad_diff']:.2e} > {CPU.grad:g} "
                 f"({s.get('worst_grad_param')})"
             )
         gn_h, gn_r = s["grad_norm_hsp"], s["grad_norm_ref"]
-        if gn_h is None or gn_r is None or not abs(gn_h - gn_r) <= GRAD_RTOL * abs(gn_r):
+        if gn_h is None or gn_r is None or not abs(gn_h - gn_r) <= CPU.grad * abs(gn_r):
             bad.append(f"step {i}: grad norm {gn_h} vs {gn_r}")
-    if weight_rel is not None and not weight_rel <= WEIGHT_RTOL:
-        bad.append(f"weights after the steps: rel diff {weight_rel:.2e} > {WEIGHT_RTOL:g}")
+    if weight_rel is not None and not weight_rel <= CPU.weight:
+        bad.append(f"weights after the steps: rel diff {weight_rel:.2e} > {CPU.weight:g}")
     return bad
 
 
@@ -332,7 +324,7 @@ def margins(entry: dict[str, Any]) -> dict[str, float]:
     rule, what a resume restored) count 0 when they hold and ``inf`` when they do not."""
     out: dict[str, float] = {"weights after the steps": 0.0}
     if entry.get("max_rel_weight_diff_after") is not None:
-        out["weights after the steps"] = entry["max_rel_weight_diff_after"] / WEIGHT_RTOL
+        out["weights after the steps"] = entry["max_rel_weight_diff_after"] / CPU.weight
 
     def worst(name: str, value: float) -> None:
         out[name] = max(out.get(name, 0.0), value)
@@ -341,9 +333,9 @@ def margins(entry: dict[str, Any]) -> dict[str, float]:
         worst(name, 0.0 if holds else math.inf)
 
     for s in entry["steps"]:
-        worst("loss", _rel(s["loss_hsp"], s["loss_ref"]) / LOSS_RTOL)
-        worst("per-parameter gradients", s["max_rel_grad_diff"] / GRAD_RTOL)
-        worst("grad norm", _rel(s.get("grad_norm_hsp"), s.get("grad_norm_ref")) / GRAD_RTOL)
+        worst("loss", _rel(s["loss_hsp"], s["loss_ref"]) / CPU.loss)
+        worst("per-parameter gradients", s["max_rel_grad_diff"] / CPU.grad)
+        worst("grad norm", _rel(s.get("grad_norm_hsp"), s.get("grad_norm_ref")) / CPU.grad)
         exact("lr", s["lr_hsp"] == s["lr_ref"] == s["lr_megatron"])
         exact(
             "consumed samples",
@@ -353,7 +345,7 @@ def margins(entry: dict[str, Any]) -> dict[str, float]:
         )
         exact("documents per step", s["documents_hsp"] == s["samples_megatron"])
     for e in entry.get("evaluations", []):
-        worst("evaluation loss", _rel(e["loss_hsp"], e["loss_ref"]) / LOSS_RTOL)
+        worst("evaluation loss", _rel(e["loss_hsp"], e["loss_ref"]) / CPU.loss)
         megatron = e["consumed_valid_samples_megatron"]
         exact(
             "consumed validation samples",
