@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from megatron_hsp.commands import plan as plan_command
-from megatron_hsp.commands.common import build_setup
+from megatron_hsp.commands.common import apply_harness_defaults, build_setup
 from megatron_hsp.commands.demo_config import DEMO_COST_MODEL, DemoConfig
 from megatron_hsp.megatron.config import validate_hsp_args
 from megatron_hsp.megatron.refusals import HSPArgsError
@@ -57,7 +57,9 @@ def _megatron(argv: list[str], world: int, gpus_per_node: int):
 def _plan(argv: list[str]):
     parser = argparse.ArgumentParser()
     plan_command.add_arguments(parser)
-    return build_setup(parser.parse_args([*argv, "--global-batch", "16"]))
+    args = parser.parse_args(["--flexsp-harness", *argv, "--global-batch", "16"])
+    apply_harness_defaults(args)  # what ``plan``'s main does before ``build_setup``
+    return build_setup(args)
 
 
 # (GPUs, GPUs per node, tp, pp, the size request, the allowed sizes written out)
