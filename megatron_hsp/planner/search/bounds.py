@@ -67,18 +67,15 @@ def instance_lower_bound(inst: Instance, deadline: float | Cap | None = None) ->
     ``_star_in_size`` call (a bisection of 80 steps, microseconds to milliseconds: the margin
     docs/solver.md states) plus the linear facts.
     """
+    if inst.multi_pass:
+        return _multi_pass_bound(inst, deadline)
     n = inst.world_size
     b = inst.min_fixed
     m_min = max(1, math.ceil(sum(inst.lengths) / (n * inst.cap)))
     work = sum(inst.work_min) / n + m_min * b
     best = inst.best
     critical = max(best) + (m_min - 1) * b
-    half_biggest = inst.cap * max(inst.sizes) / 2
-    exclusive_ids = [
-        i
-        for i, ln in enumerate(inst.lengths)
-        if 2 * inst.sizes[inst.dmin[i]] > n and ln > half_biggest
-    ]
+    exclusive_ids = _exclusive(inst)
     exclusive = sum(best[i] for i in exclusive_ids) + max(0, m_min - len(exclusive_ids)) * b
     crit_mem = 0.0
     for i in _most_critical(inst, best, 3):
@@ -88,6 +85,83 @@ def instance_lower_bound(inst: Instance, deadline: float | Cap | None = None) ->
         crit_mem = max(crit_mem, star_bound)
     mem_pack = _memory_packing_bound(inst, m_min, deadline)
     return max(work, critical, exclusive, crit_mem, mem_pack)
+
+
+def _exclusive(inst: Instance) -> list[int]:
+    """Fact 3's sequences: each needs more than half the ranks and any two overflow the largest
+    group's memory, so no two share a pass, and (with one group over half the ranks per layout)
+    any two in one segment run one after the other in the same group."""
+    half_biggest = inst.cap * max(inst.sizes) / 2
+    n = inst.world_size
+    return [
+        i
+        for i, ln in enumerate(inst.lengths)
+        if 2 * inst.sizes[inst.dmin[i]] > n and ln > half_biggest
+    ]
+
+
+def _multi_pass_bound(inst: Instance, deadline: float | Cap | None = None) -> float:
+    """Facts 1-5 where a group runs several passes between barriers (``Instance.multi_pass``).
+
+    The per-micro-batch reasoning above charges every micro-batch a fixed cost for the whole
+    cluster and lets memory force micro-batches that all ranks wait through. Here a segment
+    (passes of one layout) lasts as long as its busiest group, so memory forces *passes of
+    groups*, which the other groups overlap. What stays true, per segment ``S >= max_g dur_g >=
+    sum_g d_g dur_g / N`` (``dur_g``: the sum of group ``g``'s passes, each its sequences' time
+    plus ``b_d``), hence over the step
+
+        S >= (sum_i d_i T_i(d_i) + F) / N,   F = sum over passes of d b_d >= b R,
+
+    ``R`` the rank-passes (sum of the passes' group sizes): a pass of ``d`` holds at most
+    ``d cap`` tokens, so ``R >= R_min = ceil(tokens / cap)``.
+
+    1. Work: ``S >= (W_min + b R_min) / N``.
+    2. Critical path: the group holding sequence ``s`` in a group of ``d`` runs at least
+       ``T(s, d) + b_d``, and the step's area then holds ``s`` at ``d T(s, d)`` plus that pass's
+       fixed ``d b_d``: ``S >= min_d max(T(s, d) + b_d, (W_min - w_s + d T(s, d) +
+       max(b R_min, d b_d)) / N)`` (the per-micro-batch fact 4's idle other ranks do not exist:
+       they run further passes beside it).
+    3. Exclusive sequences (``_exclusive``) run one after the other: ``S >= sum best``.
+    5. Memory granularity: a dual feasible function ``f`` gives ``sum_i slot_i(d_i) <= R`` as in
+       ``_memory_packing_bound``, so for ``mu`` in ``[0, b / N]``, ``b R / N >= (b / N - mu)
+       R_min + mu sum_i slot_i``: ``S >= (b / N - mu) R_min + sum_i min_d (d T_i(d) / N +
+       mu slot_i(d))``.
+    Sound whether or not the runtime really barriers between passes (a plan with more barriers
+    costs more), so used wherever ``CostModel.pass_barrier`` is false.
+    """
+    n, b, cap = inst.world_size, inst.min_fixed, inst.cap
+    r_min = math.ceil(sum(inst.lengths) / cap)
+    w_min = float(sum(inst.work_min))
+    work = (w_min + b * r_min) / n
+    best = inst.best
+    exclusive = sum(best[i] for i in _exclusive(inst))
+    critical = 0.0
+    for i in _most_critical(inst, best, 3):
+        star = math.inf
+        for j in range(inst.dmin[i], len(inst.sizes)):
+            d, t, bd = inst.sizes[j], inst.times[i][j], inst.fixed[j]
+            area = w_min - inst.work_min[i] + d * t + max(b * r_min, d * bd)
+            star = min(star, max(t + bd, area / n))
+        critical = max(critical, star)
+    mem_pack = 0.0
+    cells = len(inst.lengths) * len(inst.sizes)
+    if cells <= MEMORY_PACKING_MAX_CELLS and not _past(deadline):
+        times = inst.times_np
+        lengths = np.asarray(inst.lengths, dtype=np.float64)
+        sizes = np.asarray(inst.sizes, dtype=np.float64)
+        cols = np.arange(len(inst.sizes))
+        fits = cols[None, :] >= np.asarray(inst.dmin)[:, None]
+        per_work = sizes[None, :] * times / n
+        mus = (b / n) * np.concatenate([[0.0], np.geomspace(1e-3, 1.0, 48)])
+        x = np.minimum(1.0, lengths[:, None] / (sizes[None, :] * cap))
+        for k in (1, 2, 3):
+            slot = sizes[None, :] * _dff(k, x)
+            for mu in mus:
+                if _past(deadline):
+                    break
+                per_seq = np.where(fits, per_work + mu * slot, np.inf).min(axis=1).sum()
+                mem_pack = max(mem_pack, float((b / n - mu) * r_min + per_seq))
+    return max(work, max(best), exclusive, critical, mem_pack)
 
 
 def _dff(k: int, x: np.ndarray) -> np.ndarray:
@@ -442,7 +516,12 @@ def _config_lp(inst: Instance, cost: CostModel, rel_width: float, crit_share: fl
     price = HighsModel()
     price.h.setOptionValue("mip_rel_gap", 1e-6)
     mvar = price.var(0.0, math.inf)
-    gvar = {j: price.var(0.0, float(n_ranks // d), True) for j, d in enumerate(sizes)}
+    # Per micro-batch, ``g[d]`` counts groups; where groups run several passes between barriers
+    # (``inst.multi_pass``) a pattern is a segment and ``g[d]`` counts its passes of groups of
+    # ``d`` (each pays ``b_d`` and holds ``capacity(d)`` tokens), not bounded by the ranks.
+    most_passes = len(inst.lengths)
+    gvar = {j: price.var(0.0, float(most_passes if inst.multi_pass else n_ranks // d), True)
+            for j, d in enumerate(sizes)}  # fmt: skip
     avar: dict[tuple[int, int], int] = {}
     zvar: dict[tuple[int, int], int] = {}
     # Only classes whose best time is at least ``crit_share`` of the longest keep integer counts
@@ -452,13 +531,15 @@ def _config_lp(inst: Instance, cost: CostModel, rel_width: float, crit_share: fl
     critical = [best_k[k] >= crit_share * max(best_k) for k in range(nk)]
     for k in range(nk):
         for j in fits[k]:
-            most = min(count[k], (n_ranks // sizes[j]) * (cost.capacity(sizes[j]) // rep[k]))
+            per_mb = (n_ranks // sizes[j]) * (cost.capacity(sizes[j]) // rep[k])
+            most = count[k] if inst.multi_pass else min(count[k], per_mb)
             if most <= 0:
                 continue
             avar[k, j] = price.var(0.0, float(most), critical[k])
             if critical[k]:
                 zvar[k, j] = price.var(0.0, 1.0, True)
-    price.row(-math.inf, float(n_ranks), [(gvar[j], float(d)) for j, d in enumerate(sizes)])
+    if not inst.multi_pass:
+        price.row(-math.inf, float(n_ranks), [(gvar[j], float(d)) for j, d in enumerate(sizes)])
     for j, d in enumerate(sizes):
         terms = [(avar[k, jj], float(rep[k])) for (k, jj) in avar if jj == j]
         if terms:
@@ -501,7 +582,11 @@ def instance_lp_bound(
         sum_{k,d} a[k, d] d T(l_k, d) + sum_d d b_d g[d] <= N M       work
         M >= T(l_k, d) + b_d   wherever a[k, d] >= 1       critical path
 
-    Every micro-batch of every valid plan is such a pattern, so the step time is at least
+    Every micro-batch of every valid plan is such a pattern. Where groups run several passes
+    between barriers (``inst.multi_pass``) a pattern is a segment instead: ``g[d]`` counts its
+    passes in groups of ``d``, without the ranks row (a segment's groups fit the ranks, their
+    passes need not), and the work row holds because the segment's area ``N M`` is at least
+    every group's ``d`` times its passes' sum. Either way the step time is at least
 
         min sum_p M_p lambda_p  s.t.  sum_p a_pk lambda_p >= n_k  (each class covered)
                                       sum_p (N M_p - F_p) lambda_p >= W   (true minimum work)
