@@ -821,9 +821,10 @@ def placement_lp_bound(
     # Two phases: the free ranks' work uncapped until the LP converges, then capped by what
     # their tokens carry (module docstring), from those columns; each phase's bound is valid,
     # and the first converges as fast as without the cap (sft-long-mix's capped pricing alone
-    # did not converge on one batch in minutes).
+    # did not converge on one batch in minutes). Not where groups run several passes: there a
+    # pattern's free ranks also hold the tokens further passes take, which the cap leaves out.
     bound, z_rmp, converged = _generate(master, price, lim)
-    if converged and time.perf_counter() < lim.t_end:
+    if converged and p.passes == 1 and time.perf_counter() < lim.t_end:
         price.cap_free_work()
         master.cap_free_work()
         again = _generate(master, price, lim)
