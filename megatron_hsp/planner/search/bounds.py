@@ -123,9 +123,8 @@ def _multi_pass_bound(inst: Instance, deadline: float | Cap | None = None) -> fl
        they run further passes beside it).
     3. Exclusive sequences (``_exclusive``) run one after the other: ``S >= sum best``.
     5. Memory granularity: a dual feasible function ``f`` gives ``sum_i slot_i(d_i) <= R`` as in
-       ``_memory_packing_bound``, so for ``mu`` in ``[0, b / N]``, ``b R / N >= (b / N - mu)
-       R_min + mu sum_i slot_i``: ``S >= (b / N - mu) R_min + sum_i min_d (d T_i(d) / N +
-       mu slot_i(d))``.
+       ``_memory_packing_bound``, so for any ``mu >= 0``, ``S >= (b / N - mu) R + sum_i min_d
+       (d T_i(d) / N + mu slot_i(d))``, minimised over ``R >= R_min``.
     Sound whether or not the runtime really barriers between passes (a plan with more barriers
     costs more), so used wherever ``CostModel.pass_barrier`` is false.
     """
@@ -143,24 +142,7 @@ def _multi_pass_bound(inst: Instance, deadline: float | Cap | None = None) -> fl
             area = w_min - inst.work_min[i] + d * t + max(b * r_min, d * bd)
             star = min(star, max(t + bd, area / n))
         critical = max(critical, star)
-    mem_pack = 0.0
-    cells = len(inst.lengths) * len(inst.sizes)
-    if cells <= MEMORY_PACKING_MAX_CELLS and not _past(deadline):
-        times = inst.times_np
-        lengths = np.asarray(inst.lengths, dtype=np.float64)
-        sizes = np.asarray(inst.sizes, dtype=np.float64)
-        cols = np.arange(len(inst.sizes))
-        fits = cols[None, :] >= np.asarray(inst.dmin)[:, None]
-        per_work = sizes[None, :] * times / n
-        mus = (b / n) * np.concatenate([[0.0], np.geomspace(1e-3, 1.0, 48)])
-        x = np.minimum(1.0, lengths[:, None] / (sizes[None, :] * cap))
-        for k in (1, 2, 3):
-            slot = sizes[None, :] * _dff(k, x)
-            for mu in mus:
-                if _past(deadline):
-                    break
-                per_seq = np.where(fits, per_work + mu * slot, np.inf).min(axis=1).sum()
-                mem_pack = max(mem_pack, float((b / n - mu) * r_min + per_seq))
+    mem_pack = _memory_packing_bound(inst, r_min, deadline)
     return max(work, max(best), exclusive, critical, mem_pack)
 
 
@@ -191,10 +173,16 @@ def _memory_packing_bound(inst: Instance, m_min: int, deadline: float | Cap | No
 
     Maximised over ``f`` in ``u^(1..3)`` and a grid of ``mu``. Valid for any grid (each ``mu``
     gives a bound); None of it depends on the plan. Returns 0 when skipped (too large, deadline).
+
+    Where groups run several passes between barriers (``inst.multi_pass``), ``m_min`` is the
+    rank-passes ``R_min`` instead and each costs ``b / N`` (``_multi_pass_bound``): the same
+    form with ``m N`` read as ``R``, minimised over real ``R >= R_min`` (``_envelope_min``).
     """
     n = inst.world_size
     if len(inst.lengths) * len(inst.sizes) > MEMORY_PACKING_MAX_CELLS or _past(deadline):
         return 0.0
+    if inst.multi_pass:
+        return _pass_packing_bound(inst, m_min, deadline)
     times = inst.times_np
     lengths = np.asarray(inst.lengths, dtype=np.float64)
     sizes = np.asarray(inst.sizes, dtype=np.float64)
@@ -217,6 +205,48 @@ def _memory_packing_bound(inst: Instance, m_min: int, deadline: float | Cap | No
             lagr = np.maximum(lagr, ms * (b - mu * n) + per_seq)
         best = max(best, float(lagr.min()))
     return best
+
+
+def _pass_packing_bound(inst: Instance, r_min: int, deadline: float | Cap | None) -> float:
+    """Fact 5 per rank-pass: ``S >= min_{R >= R_min} max_mu [(b / N - mu) R + sum_i min_d
+    (d T_i(d) / N + mu slot_i(d))]`` (``_memory_packing_bound``; ``R`` the plan's rank-passes)."""
+    n, b = inst.world_size, inst.min_fixed
+    lengths = np.asarray(inst.lengths, dtype=np.float64)
+    sizes = np.asarray(inst.sizes, dtype=np.float64)
+    cols = np.arange(len(inst.sizes))
+    fits = cols[None, :] >= np.asarray(inst.dmin)[:, None]
+    work = sizes[None, :] * inst.times_np / n
+    unit = max(b, float(np.sum(inst.work_min)) / max(1, r_min)) / n
+    # mu = 0 is the only line that keeps its slope non-negative where b = 0.
+    mus = np.concatenate([[0.0], unit * np.geomspace(1e-3, 1e2, 48)]) if b > 0 else np.zeros(1)
+    x = np.minimum(1.0, lengths[:, None] / (sizes[None, :] * inst.cap))
+    best = 0.0
+    for k in (1, 2, 3):
+        slot = sizes[None, :] * _dff(k, x)
+        icepts = []
+        for mu in mus:
+            if _past(deadline):
+                return best
+            icepts.append(float(np.where(fits, work + mu * slot, np.inf).min(axis=1).sum()))
+        best = max(best, _envelope_min(b / n - mus, np.asarray(icepts), float(r_min)))
+    return best
+
+
+def _envelope_min(slopes: np.ndarray, icepts: np.ndarray, lo: float) -> float:
+    """``min max_i (slopes_i R + icepts_i)`` over integers ``R >= lo`` (rank-passes are whole),
+    one slope non-negative: a convex piecewise-linear function's integer minimum is at ``lo``
+    or next to where two of its lines cross."""
+    up, down = slopes >= 0, slopes < 0
+    points = [lo]
+    if down.any():
+        su, iu = slopes[up][:, None], icepts[up][:, None]
+        sd, idn = slopes[down][None, :], icepts[down][None, :]
+        cross = ((idn - iu) / (su - sd)).ravel()
+        cross = cross[cross > lo]
+        points += np.floor(cross).tolist() + np.ceil(cross).tolist()
+        points = [max(lo, r) for r in points]
+    rs = np.asarray(points)
+    return float((slopes[None, :] * rs[:, None] + icepts[None, :]).max(axis=1).min())
 
 
 def _past(deadline: float | Cap | None) -> bool:
