@@ -27,6 +27,11 @@ Three facts, each true of every valid plan, combined by ``max``:
 5. Memory granularity: whole sequences fill a group's memory only as a dual feasible function
    allows, so sequences over half a rank's memory either take more micro-batches or bigger
    groups; a Lagrangian bound trades the two (``_memory_packing_bound``).
+
+These facts hold where every pass is a barrier (``CostModel.pass_barrier``). Where a group runs
+several passes between barriers (``cost/execution.py``'s segments), memory forces passes of
+groups that the other groups overlap, not micro-batches the whole cluster waits through, and
+``_multi_pass_bound`` states each fact per pass and group instead.
 """
 
 from __future__ import annotations
