@@ -298,7 +298,9 @@ class _Problem:
     n: int  # ranks
     g: int  # ranks per node
     nodes: int
-    cap: float  # tokens per rank
+    cap: float  # tokens per rank (one pass's memory)
+    passes: int  # most passes one group runs in a pattern (1: every pass is a barrier)
+    token_fee: float  # rank-ms a short token costs in further passes (b_min / cap; 0: none)
     b_min: float  # the smallest fixed cost
     sizes: list[int]
     fixed: list[float]
@@ -339,6 +341,11 @@ def _problem(
     if mixes is None:
         return None
     cap, b_min = inst.cap, inst.min_fixed
+    # Where groups run several passes between barriers (``inst.multi_pass``) a pattern is a
+    # segment: a group holds any number of passes, each within its memory and paying its fixed
+    # cost, so an explicit group's passes are priced (``passes``), and short tokens beyond the
+    # memory of the free ranks' and long groups' first passes pay further passes (``token_fee``).
+    multi = inst.multi_pass
     explicit = set(long_ids) | set(mid_ids)
     short = [i for i in range(len(inst.lengths)) if i not in explicit]
     cross = [j for j, d in enumerate(sizes) if d > g]
@@ -348,13 +355,15 @@ def _problem(
     )
     rep = [inst.lengths[c[0]] for c in classes]
     tk = [[inst.times[c[0]][j] for j in range(len(sizes))] for c in classes]
-    fits = [[j for j in range(len(sizes)) if rep[k] <= sizes[j] * cap and sizes[j] > 1]
+    fits = [[j for j in range(len(sizes)) if rep[k] <= sizes[j] * inst.cap and sizes[j] > 1]
             for k in range(len(classes))]  # fmt: skip
     return _Problem(
         n=n,
         g=g,
         nodes=max(1, n // g),
         cap=cap,
+        passes=len(inst.lengths) if multi else 1,
+        token_fee=b_min / cap if multi else 0.0,
         b_min=b_min,
         sizes=sizes,
         fixed=list(inst.fixed),
@@ -370,7 +379,7 @@ def _problem(
         fits=fits,
         m_low=min(tk[k][j] + inst.fixed[j] for k in range(len(classes)) for j in fits[k]),
         m_cap=upper_ms if upper_ms is not None else float(sum(inst.best)) + b_min,
-        m_floor=max(1, math.ceil(sum(inst.lengths) / (n * cap))),
+        m_floor=1 if multi else max(1, math.ceil(sum(inst.lengths) / (n * cap))),
         explicit=len(explicit),
         long_sequences=len(long_ids),
         short_tokens=[float(inst.lengths[i]) for i in short],
@@ -408,6 +417,9 @@ class _Master:
         for row in (r["wf"], r["wl"], r["ws"]):
             self.lp.column(1.0, {row: float(p.n)})
         # A micro-batch of short sequences only; it and every pattern count towards the floor.
+        # Passes of short sequences only: ``b_min`` per ``cap`` tokens on each rank (a pass of
+        # ``d`` holds ``d cap`` and costs ``d b_min`` rank-ms at least), also where they share a
+        # segment's other ranks with long groups.
         self.lp.column(p.b_min, {r["ts"]: float(p.n * p.cap), r["count"]: 1.0})
         moves = {  # what each short-sequence variable takes from its area and gives the rest
             "x_free": {r["tf"]: -1.0, r["ts"]: 1.0},
@@ -416,6 +428,12 @@ class _Master:
             "w_long": {r["ws"]: 1.0},
             "c_long": {r["wl"]: -1.0},
         }
+        if p.token_fee:
+            # Multi-pass: short tokens beyond the memory a pattern's passes leave on its free
+            # ranks or in its long groups run in further passes there, each ``d cap`` tokens
+            # for ``d b_min`` rank-ms at least.
+            for tokens, time_row in (("tf", "wf"), ("tl", "wl")):
+                self.lp.column(0.0, {r[tokens]: 1.0, r[time_row]: -p.token_fee})
         for name in SHORT_VARS:
             entries = {self.first_curve + k: c[name]
                        for k, (_, _, c) in enumerate(self.curves) if name in c}  # fmt: skip
@@ -441,29 +459,35 @@ class _Master:
         p, r = self.p, self.rows
         makespan = p.b_min
         rank_ms, tokens = 0.0, 0.0  # on free ranks (pooled intra-node groups)
-        long_ranks, long_ms, long_tokens = 0, 0.0, 0.0  # cross-node groups
+        long_ranks, long_ms, long_tokens, long_room = 0, 0.0, 0.0, 0.0  # cross-node groups
         cover: dict[int, float] = {}
         for j, content in groups:
             t_g = sum(p.tk[k][j] * c for k, c in content.items())
-            makespan = max(makespan, t_g + p.fixed[j])
+            tok_g = sum(p.rep[k] * c for k, c in content.items())
+            passes = _passes(p, j, tok_g, 1)
+            b_g = p.fixed[j] * passes
+            makespan = max(makespan, t_g + b_g)
             long_ranks += p.sizes[j]
-            long_ms += p.sizes[j] * (t_g + p.fixed[j])
-            long_tokens += sum(p.rep[k] * c for k, c in content.items())
+            long_ms += p.sizes[j] * (t_g + b_g)
+            long_room += p.sizes[j] * p.cap * passes
+            long_tokens += tok_g
             for k, c in content.items():
                 cover[k] = cover.get(k, 0.0) + c
         for j, (ng, content) in pooled.items():
             t_all = sum(p.tk[k][j] * c for k, c in content.items())
-            makespan = max(makespan, (t_all + p.fixed[j] * ng) / ng)
+            tok_j = sum(p.rep[k] * c for k, c in content.items())
+            b_all = p.fixed[j] * _passes(p, j, tok_j, ng)
+            makespan = max(makespan, (t_all + b_all) / ng)
             makespan = max(makespan, *(p.tk[k][j] + p.fixed[j] for k in content))
-            rank_ms += p.sizes[j] * (t_all + (p.fixed[j] - p.b_min) * ng)
-            tokens += sum(p.rep[k] * c for k, c in content.items())
+            rank_ms += p.sizes[j] * (t_all + b_all - p.b_min * ng)
+            tokens += tok_j
             for k, c in content.items():
                 cover[k] = cover.get(k, 0.0) + c
         free = p.n - long_ranks
         entries = dict(cover)
         entries[r["count"]] = 1.0
         entries[r["tf"]] = max(0.0, free * p.cap - tokens)
-        entries[r["tl"]] = max(0.0, long_ranks * p.cap - long_tokens)
+        entries[r["tl"]] = max(0.0, long_room - long_tokens)
         spare = max(0.0, free * (makespan - p.b_min) - rank_ms)
         carried = min(spare, _carried(self.free_lines, entries[r["tf"]]))
         entries[r["wf"]] = carried if self.capped else spare
@@ -527,6 +551,8 @@ class _Pricing:
         self.mvar = self.lp.var(p.m_low, max(p.m_low, p.m_cap))
         self.slots: list[tuple[int, int]] = []  # cross-node groups: (size index, u variable)
         self.uvm: list[int] = []  # per slot, u x M (free ranks' time is (N - sum d u) M)
+        self.qvar: list[int] = []  # per slot, its passes
+        self.pass_var: dict[int, int] = {}  # size index -> pooled intra-node groups' passes
         self.xvar: dict[tuple[int, int], int] = {}  # (slot, class) -> variable
         self.bits: dict[int, list[tuple[int, int]]] = {}  # size index -> [(2^i, bit variable)]
         self.pvar: dict[tuple[int, int], int] = {}  # (size index, class) -> pooled count
@@ -568,10 +594,17 @@ class _Pricing:
                 lp.row(-inf, 0.0, [(v, 1.0), (self.mvar, -1.0)])
                 lp.row(-inf, 0.0, [(v, 1.0), (u, -p.m_cap)])
                 lp.row(-p.m_cap, inf, [(v, 1.0), (self.mvar, -1.0), (u, -p.m_cap)])
-                mem, tim = [(u, -float(d * p.cap))], [(u, p.fixed[j]), (self.mvar, -1.0)]
+                # q: the group's passes (q = u where every pass is a barrier), each holding
+                # its memory and paying its fixed cost.
+                q = lp.var(0.0, float(p.passes), p.passes > 1)
+                self.qvar.append(q)
+                lp.row(0.0, inf, [(q, 1.0), (u, -1.0)])
+                lp.row(-inf, 0.0, [(q, 1.0), (u, -float(p.passes))])
+                mem, tim = [(q, -float(d * p.cap))], [(q, p.fixed[j]), (self.mvar, -1.0)]
                 for k in range(len(p.classes)):
                     if j in p.fits[k]:
-                        x = lp.var(0.0, float(min(p.count[k], (d * p.cap) // p.rep[k])), True)
+                        most = (d * p.cap) // p.rep[k] * p.passes
+                        x = lp.var(0.0, float(min(p.count[k], most)), True)
                         self.xvar[s, k] = x
                         mem.append((x, float(p.rep[k])))
                         tim.append((x, p.tk[k][j]))
@@ -602,15 +635,19 @@ class _Pricing:
             self.bits[j] = bs
             in_configs = [(c, -float(cf.get(d, 0))) for c, cf in zip(cvar, p.configs, strict=True)]
             lp.row(-inf, 0.0, [(b, float(w)) for w, b in bs] + in_configs)
-            mem = [(b, -float(w * d * p.cap)) for w, b in bs]
-            tim = [(b, float(w) * p.fixed[j]) for w, b in bs]
+            q = lp.var(0.0, float(most * p.passes), p.passes > 1)  # the pool's passes
+            self.pass_var[j] = q
+            lp.row(0.0, inf, [(q, 1.0)] + [(b, -float(w)) for w, b in bs])
+            lp.row(-inf, 0.0, [(q, 1.0)] + [(b, -float(w * p.passes)) for w, b in bs])
+            mem = [(q, -float(d * p.cap))]
+            tim = [(q, p.fixed[j])]
             for w, b in bs:  # v_b = bit * M, linearised: v <= M, v <= m_cap * bit
                 v = lp.var(0.0, inf)
                 lp.row(-inf, 0.0, [(v, 1.0), (self.mvar, -1.0)])
                 lp.row(-inf, 0.0, [(v, 1.0), (b, -p.m_cap)])
                 tim.append((v, -float(w)))
             for k in ks:
-                most_k = min(p.count[k], most * ((d * p.cap) // p.rep[k]))
+                most_k = min(p.count[k], most * p.passes * ((d * p.cap) // p.rep[k]))
                 x = lp.var(0.0, float(most_k), True)
                 z = lp.var(0.0, 1.0, True)
                 self.pvar[j, k] = x
@@ -629,8 +666,8 @@ class _Pricing:
         terms = [(self.fvar, 1.0), (self.mvar, -float(p.n))]  # f <= n M - sum d v + b_min D - ..
         terms += [t for (j, u), v in zip(self.slots, self.uvm, strict=True)
                   for t in ((v, float(p.sizes[j])), (u, -p.b_min * p.sizes[j]))]  # fmt: skip
-        terms += [(b, p.sizes[j] * (p.fixed[j] - p.b_min) * w)
-                  for j, bs in self.bits.items() for w, b in bs]  # fmt: skip
+        terms += [(b, -p.sizes[j] * p.b_min * w) for j, bs in self.bits.items() for w, b in bs]
+        terms += [(q, p.sizes[j] * p.fixed[j]) for j, q in self.pass_var.items()]
         terms += [(x, p.sizes[j] * p.tk[k][j]) for (j, k), x in self.pvar.items()]
         lp.row(-math.inf, -p.n * p.b_min, terms)
         line_rows = []
@@ -645,16 +682,18 @@ class _Pricing:
             self.lp.h.changeRowBounds(r, -math.inf, ub)
 
     def costs(self, pi: list[float], area: list[float]) -> tuple[np.ndarray, float]:
-        """Reduced value of a pattern: sw f + st (N - D) cap + sl (D M - sum d (T + b))
-        + stl (D cap - sum L) + covers - M, with D = sum d u, D M = sum d v; (costs, offset)."""
+        """Reduced value of a pattern: sw f + st (N - D) cap + sl (D M - sum d (T + b q))
+        + stl (sum d q cap - sum L) + covers - M, with D = sum d u, D M = sum d v, q a group's
+        passes; (costs, offset)."""
         p = self.p
         sw, st, sl, stl, _, _, sc = area
         costs = np.zeros(self.lp.h.getNumCol())
         costs[self.mvar] = -1.0
         costs[self.fvar] = sw
-        for (j, u), v in zip(self.slots, self.uvm, strict=True):
+        for (j, u), v, q in zip(self.slots, self.uvm, self.qvar, strict=True):
             d = p.sizes[j]
-            costs[u] = d * (p.cap * (stl - st) - sl * p.fixed[j])
+            costs[u] = -d * p.cap * st
+            costs[q] = d * (p.cap * stl - sl * p.fixed[j])
             costs[v] = d * sl
         for (s, k), x in self.xvar.items():
             j = self.slots[s][0]
@@ -683,6 +722,14 @@ class _Pricing:
             if content and ng:
                 pooled[j] = (ng, content)
         return groups, pooled
+
+
+def _passes(p: _Problem, j: int, tokens: float, groups: int) -> int:
+    """Fewest passes ``groups`` groups of ``sizes[j]`` run for ``tokens`` (at least one each;
+    exactly ``groups`` where every pass is a barrier)."""
+    if p.passes == 1:
+        return groups
+    return max(groups, math.ceil(tokens / (p.sizes[j] * p.cap) - 1e-9))
 
 
 @dataclass
@@ -774,9 +821,10 @@ def placement_lp_bound(
     # Two phases: the free ranks' work uncapped until the LP converges, then capped by what
     # their tokens carry (module docstring), from those columns; each phase's bound is valid,
     # and the first converges as fast as without the cap (sft-long-mix's capped pricing alone
-    # did not converge on one batch in minutes).
+    # did not converge on one batch in minutes). Not where groups run several passes: there a
+    # pattern's free ranks also hold the tokens further passes take, which the cap leaves out.
     bound, z_rmp, converged = _generate(master, price, lim)
-    if converged and time.perf_counter() < lim.t_end:
+    if converged and p.passes == 1 and time.perf_counter() < lim.t_end:
         price.cap_free_work()
         master.cap_free_work()
         again = _generate(master, price, lim)

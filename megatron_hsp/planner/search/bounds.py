@@ -27,6 +27,11 @@ Three facts, each true of every valid plan, combined by ``max``:
 5. Memory granularity: whole sequences fill a group's memory only as a dual feasible function
    allows, so sequences over half a rank's memory either take more micro-batches or bigger
    groups; a Lagrangian bound trades the two (``_memory_packing_bound``).
+
+These facts hold where every pass is a barrier (``CostModel.pass_barrier``). Where a group runs
+several passes between barriers (``cost/execution.py``'s segments), memory forces passes of
+groups that the other groups overlap, not micro-batches the whole cluster waits through, and
+``_multi_pass_bound`` states each fact per pass and group instead.
 """
 
 from __future__ import annotations
@@ -67,18 +72,15 @@ def instance_lower_bound(inst: Instance, deadline: float | Cap | None = None) ->
     ``_star_in_size`` call (a bisection of 80 steps, microseconds to milliseconds: the margin
     docs/solver.md states) plus the linear facts.
     """
+    if inst.multi_pass:
+        return _multi_pass_bound(inst, deadline)
     n = inst.world_size
     b = inst.min_fixed
     m_min = max(1, math.ceil(sum(inst.lengths) / (n * inst.cap)))
     work = sum(inst.work_min) / n + m_min * b
     best = inst.best
     critical = max(best) + (m_min - 1) * b
-    half_biggest = inst.cap * max(inst.sizes) / 2
-    exclusive_ids = [
-        i
-        for i, ln in enumerate(inst.lengths)
-        if 2 * inst.sizes[inst.dmin[i]] > n and ln > half_biggest
-    ]
+    exclusive_ids = _exclusive(inst)
     exclusive = sum(best[i] for i in exclusive_ids) + max(0, m_min - len(exclusive_ids)) * b
     crit_mem = 0.0
     for i in _most_critical(inst, best, 3):
@@ -88,6 +90,65 @@ def instance_lower_bound(inst: Instance, deadline: float | Cap | None = None) ->
         crit_mem = max(crit_mem, star_bound)
     mem_pack = _memory_packing_bound(inst, m_min, deadline)
     return max(work, critical, exclusive, crit_mem, mem_pack)
+
+
+def _exclusive(inst: Instance) -> list[int]:
+    """Fact 3's sequences: each needs more than half the ranks and any two overflow the largest
+    group's memory, so no two share a pass, and (with one group over half the ranks per layout)
+    any two in one segment run one after the other in the same group."""
+    half_biggest = inst.cap * max(inst.sizes) / 2
+    n = inst.world_size
+    return [
+        i
+        for i, ln in enumerate(inst.lengths)
+        if 2 * inst.sizes[inst.dmin[i]] > n and ln > half_biggest
+    ]
+
+
+def _multi_pass_bound(inst: Instance, deadline: float | Cap | None = None) -> float:
+    """Facts 1-5 where a group runs several passes between barriers (``Instance.multi_pass``).
+
+    The per-micro-batch reasoning above charges every micro-batch a fixed cost for the whole
+    cluster and lets memory force micro-batches that all ranks wait through. Here a segment
+    (passes of one layout) lasts as long as its busiest group, so memory forces *passes of
+    groups*, which the other groups overlap. What stays true, per segment ``S >= max_g dur_g >=
+    sum_g d_g dur_g / N`` (``dur_g``: the sum of group ``g``'s passes, each its sequences' time
+    plus ``b_d``), hence over the step
+
+        S >= (sum_i d_i T_i(d_i) + F) / N,   F = sum over passes of d b_d >= b R,
+
+    ``R`` the rank-passes (sum of the passes' group sizes): a pass of ``d`` holds at most
+    ``d cap`` tokens, so ``R >= R_min = ceil(tokens / cap)``.
+
+    1. Work: ``S >= (W_min + b R_min) / N``.
+    2. Critical path: the group holding sequence ``s`` in a group of ``d`` runs at least
+       ``T(s, d) + b_d``, and the step's area then holds ``s`` at ``d T(s, d)`` plus that pass's
+       fixed ``d b_d``: ``S >= min_d max(T(s, d) + b_d, (W_min - w_s + d T(s, d) +
+       max(b R_min, d b_d)) / N)`` (the per-micro-batch fact 4's idle other ranks do not exist:
+       they run further passes beside it).
+    3. Exclusive sequences (``_exclusive``) run one after the other: ``S >= sum best``.
+    5. Memory granularity: a dual feasible function ``f`` gives ``sum_i slot_i(d_i) <= R`` as in
+       ``_memory_packing_bound``, so for any ``mu >= 0``, ``S >= (b / N - mu) R + sum_i min_d
+       (d T_i(d) / N + mu slot_i(d))``, minimised over ``R >= R_min``.
+    Sound whether or not the runtime really barriers between passes (a plan with more barriers
+    costs more), so used wherever ``CostModel.pass_barrier`` is false.
+    """
+    n, b, cap = inst.world_size, inst.min_fixed, inst.cap
+    r_min = math.ceil(sum(inst.lengths) / cap)
+    w_min = float(sum(inst.work_min))
+    work = (w_min + b * r_min) / n
+    best = inst.best
+    exclusive = sum(best[i] for i in _exclusive(inst))
+    critical = 0.0
+    for i in _most_critical(inst, best, 3):
+        star = math.inf
+        for j in range(inst.dmin[i], len(inst.sizes)):
+            d, t, bd = inst.sizes[j], inst.times[i][j], inst.fixed[j]
+            area = w_min - inst.work_min[i] + d * t + max(b * r_min, d * bd)
+            star = min(star, max(t + bd, area / n))
+        critical = max(critical, star)
+    mem_pack = _memory_packing_bound(inst, r_min, deadline)
+    return max(work, max(best), exclusive, critical, mem_pack)
 
 
 def _dff(k: int, x: np.ndarray) -> np.ndarray:
@@ -117,10 +178,16 @@ def _memory_packing_bound(inst: Instance, m_min: int, deadline: float | Cap | No
 
     Maximised over ``f`` in ``u^(1..3)`` and a grid of ``mu``. Valid for any grid (each ``mu``
     gives a bound); None of it depends on the plan. Returns 0 when skipped (too large, deadline).
+
+    Where groups run several passes between barriers (``inst.multi_pass``), ``m_min`` is the
+    rank-passes ``R_min`` instead and each costs ``b / N`` (``_multi_pass_bound``): the same
+    form with ``m N`` read as ``R``, minimised over real ``R >= R_min`` (``_envelope_min``).
     """
     n = inst.world_size
     if len(inst.lengths) * len(inst.sizes) > MEMORY_PACKING_MAX_CELLS or _past(deadline):
         return 0.0
+    if inst.multi_pass:
+        return _pass_packing_bound(inst, m_min, deadline)
     times = inst.times_np
     lengths = np.asarray(inst.lengths, dtype=np.float64)
     sizes = np.asarray(inst.sizes, dtype=np.float64)
@@ -143,6 +210,48 @@ def _memory_packing_bound(inst: Instance, m_min: int, deadline: float | Cap | No
             lagr = np.maximum(lagr, ms * (b - mu * n) + per_seq)
         best = max(best, float(lagr.min()))
     return best
+
+
+def _pass_packing_bound(inst: Instance, r_min: int, deadline: float | Cap | None) -> float:
+    """Fact 5 per rank-pass: ``S >= min_{R >= R_min} max_mu [(b / N - mu) R + sum_i min_d
+    (d T_i(d) / N + mu slot_i(d))]`` (``_memory_packing_bound``; ``R`` the plan's rank-passes)."""
+    n, b = inst.world_size, inst.min_fixed
+    lengths = np.asarray(inst.lengths, dtype=np.float64)
+    sizes = np.asarray(inst.sizes, dtype=np.float64)
+    cols = np.arange(len(inst.sizes))
+    fits = cols[None, :] >= np.asarray(inst.dmin)[:, None]
+    work = sizes[None, :] * inst.times_np / n
+    unit = max(b, float(np.sum(inst.work_min)) / max(1, r_min)) / n
+    # mu = 0 is the only line that keeps its slope non-negative where b = 0.
+    mus = np.concatenate([[0.0], unit * np.geomspace(1e-3, 1e2, 48)]) if b > 0 else np.zeros(1)
+    x = np.minimum(1.0, lengths[:, None] / (sizes[None, :] * inst.cap))
+    best = 0.0
+    for k in (1, 2, 3):
+        slot = sizes[None, :] * _dff(k, x)
+        icepts = []
+        for mu in mus:
+            if _past(deadline):
+                return best
+            icepts.append(float(np.where(fits, work + mu * slot, np.inf).min(axis=1).sum()))
+        best = max(best, _envelope_min(b / n - mus, np.asarray(icepts), float(r_min)))
+    return best
+
+
+def _envelope_min(slopes: np.ndarray, icepts: np.ndarray, lo: float) -> float:
+    """``min max_i (slopes_i R + icepts_i)`` over integers ``R >= lo`` (rank-passes are whole),
+    one slope non-negative: a convex piecewise-linear function's integer minimum is at ``lo``
+    or next to where two of its lines cross."""
+    up, down = slopes >= 0, slopes < 0
+    points = [lo]
+    if down.any():
+        su, iu = slopes[up][:, None], icepts[up][:, None]
+        sd, idn = slopes[down][None, :], icepts[down][None, :]
+        cross = ((idn - iu) / (su - sd)).ravel()
+        cross = cross[cross > lo]
+        points += np.floor(cross).tolist() + np.ceil(cross).tolist()
+        points = [max(lo, r) for r in points]
+    rs = np.asarray(points)
+    return float((slopes[None, :] * rs[:, None] + icepts[None, :]).max(axis=1).min())
 
 
 def _past(deadline: float | Cap | None) -> bool:
@@ -442,7 +551,12 @@ def _config_lp(inst: Instance, cost: CostModel, rel_width: float, crit_share: fl
     price = HighsModel()
     price.h.setOptionValue("mip_rel_gap", 1e-6)
     mvar = price.var(0.0, math.inf)
-    gvar = {j: price.var(0.0, float(n_ranks // d), True) for j, d in enumerate(sizes)}
+    # Per micro-batch, ``g[d]`` counts groups; where groups run several passes between barriers
+    # (``inst.multi_pass``) a pattern is a segment and ``g[d]`` counts its passes of groups of
+    # ``d`` (each pays ``b_d`` and holds ``capacity(d)`` tokens), not bounded by the ranks.
+    most_passes = len(inst.lengths)
+    gvar = {j: price.var(0.0, float(most_passes if inst.multi_pass else n_ranks // d), True)
+            for j, d in enumerate(sizes)}  # fmt: skip
     avar: dict[tuple[int, int], int] = {}
     zvar: dict[tuple[int, int], int] = {}
     # Only classes whose best time is at least ``crit_share`` of the longest keep integer counts
@@ -452,13 +566,15 @@ def _config_lp(inst: Instance, cost: CostModel, rel_width: float, crit_share: fl
     critical = [best_k[k] >= crit_share * max(best_k) for k in range(nk)]
     for k in range(nk):
         for j in fits[k]:
-            most = min(count[k], (n_ranks // sizes[j]) * (cost.capacity(sizes[j]) // rep[k]))
+            per_mb = (n_ranks // sizes[j]) * (cost.capacity(sizes[j]) // rep[k])
+            most = count[k] if inst.multi_pass else min(count[k], per_mb)
             if most <= 0:
                 continue
             avar[k, j] = price.var(0.0, float(most), critical[k])
             if critical[k]:
                 zvar[k, j] = price.var(0.0, 1.0, True)
-    price.row(-math.inf, float(n_ranks), [(gvar[j], float(d)) for j, d in enumerate(sizes)])
+    if not inst.multi_pass:
+        price.row(-math.inf, float(n_ranks), [(gvar[j], float(d)) for j, d in enumerate(sizes)])
     for j, d in enumerate(sizes):
         terms = [(avar[k, jj], float(rep[k])) for (k, jj) in avar if jj == j]
         if terms:
@@ -501,7 +617,11 @@ def instance_lp_bound(
         sum_{k,d} a[k, d] d T(l_k, d) + sum_d d b_d g[d] <= N M       work
         M >= T(l_k, d) + b_d   wherever a[k, d] >= 1       critical path
 
-    Every micro-batch of every valid plan is such a pattern, so the step time is at least
+    Every micro-batch of every valid plan is such a pattern. Where groups run several passes
+    between barriers (``inst.multi_pass``) a pattern is a segment instead: ``g[d]`` counts its
+    passes in groups of ``d``, without the ranks row (a segment's groups fit the ranks, their
+    passes need not), and the work row holds because the segment's area ``N M`` is at least
+    every group's ``d`` times its passes' sum. Either way the step time is at least
 
         min sum_p M_p lambda_p  s.t.  sum_p a_pk lambda_p >= n_k  (each class covered)
                                       sum_p (N M_p - F_p) lambda_p >= W   (true minimum work)

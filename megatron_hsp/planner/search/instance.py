@@ -84,6 +84,9 @@ class Instance:
     times_per_token_floor: list[float]  # min over lengths >= 1 of time(s, size j) / s
     work_grows_with_size: bool  # d * time(s, d) is non-decreasing in d for every s
     buddy: bool  # all sizes are powers of two dividing the world size: any mix that fits tiles
+    # A group may run several passes between barriers (``cost/execution.py``: not
+    # ``CostModel.pass_barrier``); the bounds then reason per pass and group, not per micro-batch.
+    multi_pass: bool = True
 
     @classmethod
     def build(
@@ -126,6 +129,7 @@ class Instance:
                 and (d > cluster.node_width or cluster.node_width % d == 0)
                 for d in sizes
             ),
+            multi_pass=not cost.pass_barrier,
         )
         # The numpy copies the whole-batch passes read (cached_property slots), already at hand.
         inst.__dict__.update(lengths_np=arr, _distinct=(table, inverse))

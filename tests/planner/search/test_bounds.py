@@ -96,3 +96,15 @@ def test_bound_rejects_untrainable_sequence():
     cost = toy_cost(4, 100)
     with pytest.raises(InfeasibleError, match=r"sequence 1 has length 401.*longest trainable"):
         lower_bound_ms([10, 401], cost, cluster)
+
+
+def test_bound_counts_fixed_costs_per_pass_where_groups_run_several():
+    """Memory forces 4 rank-passes of 50 tokens, 2 micro-batches of 4 ranks. Per micro-batch
+    the bound charged the whole cluster each one's fixed cost (4.757 ms), but a group runs its
+    passes back to back beside the others: the optimum is 4.740 ms, and the bound now meets it."""
+    cluster = Cluster(4, 4)
+    cost = toy_cost(4, 50, 0.0, a2a=0.0005, attn=1e-5, fixed_per_rank=1.0)
+    lengths = [1, 50, 101]
+    optimum = brute_force_ms(lengths, cost, cluster, resolve_sizes(cost, cluster, None))
+    assert optimum == pytest.approx(4.7404825)
+    assert lower_bound_ms(lengths, cost, cluster) == pytest.approx(optimum, rel=1e-9)
