@@ -246,54 +246,12 @@ def run_bench(
             progress(name)
         res = MethodResult()
         if name == "lower-bound":
-            lb = lower_bounds_fn(cost, cluster, sizes)
-            if lb is None:
-                continue
-            combinatorial, lp_bound, converged, masters = [], [], [], []
-            for b in lengths:
-                t0 = time.perf_counter()
-                comb, lpb, conv, master = lb(b)
-                if pipeline is not None:
-                    shortest = shortest_microbatch_ms(b, cost, cluster, sizes)
-                    comb, lpb = (
-                        pipeline_lower_bound(x, shortest, pipeline.pp, pipeline.vpp)
-                        for x in (comb, lpb)
-                    )
-                res.step_ms.append(max(comb, lpb))
-                res.solve_ms.append((time.perf_counter() - t0) * 1e3)
-                combinatorial.append(comb)
-                lp_bound.append(lpb)
-                converged.append(conv)
-                masters.append(master)
-            res.extra["bound"] = "max(combinatorial, lp) per batch"
-            res.extra["combinatorial_ms"] = combinatorial
-            res.extra["lp_ms"] = lp_bound
-            res.extra["lp_converged"] = converged
-            res.extra["lp_master_ms"] = masters  # >= the LP value; not a bound on the step
-            results[name] = res
+            bound = _lower_bound_result(lengths, cost, cluster, sizes, pipeline)
+            if bound is not None:
+                results[name] = bound
             continue
         if name in ("static-best", "dp-balanced"):
-            t0 = time.perf_counter()
-            hindsight = static_best_degree if name == "static-best" else dp_balanced_best_degree
-            try:
-                best, per_degree = hindsight(lengths, cost, cluster, sizes)
-                per_degree = _piped_degrees(per_degree, piped)
-                best = min(
-                    sorted(per_degree), key=lambda d: sum(p.est_step_ms for p in per_degree[d])
-                )
-            except (InfeasibleError, ValueError) as exc:
-                res.step_ms = [None] * len(lengths)
-                res.infeasible.append(str(exc) or "no degree runs under the pipeline")
-                results[name] = res
-                continue
-            elapsed = (time.perf_counter() - t0) * 1e3 / len(lengths)
-            for plan, b in zip(per_degree[best], lengths, strict=True):
-                _record(res, plan, b, cost, elapsed)
-            res.extra["degree"] = best
-            res.extra["total_s_by_degree"] = {
-                str(d): sum(p.est_step_ms for p in ps) / 1e3 for d, ps in sorted(per_degree.items())
-            }
-            results[name] = res
+            results[name] = _hindsight_result(name, lengths, cost, cluster, sizes, piped)
             continue
         fn: PlanFn
         if name == "hsp":
@@ -358,6 +316,73 @@ def run_bench(
         "methods": {k: v.to_dict() for k, v in results.items()},
         "summary": summarize(results, planner_rss),
     }
+
+
+def _lower_bound_result(
+    lengths: Sequence[np.ndarray],
+    cost: CostModel,
+    cluster: Cluster,
+    sizes: Sequence[int] | None,
+    pipeline: PipelineSpec | None,
+) -> MethodResult | None:
+    """``lower-bound``'s row: per batch the larger of the combinatorial and the LP bound (under
+    the pipeline when there is one); None where the cost model gives no bound."""
+    lb = lower_bounds_fn(cost, cluster, sizes)
+    if lb is None:
+        return None
+    res = MethodResult()
+    combinatorial, lp_bound, converged, masters = [], [], [], []
+    for b in lengths:
+        t0 = time.perf_counter()
+        comb, lpb, conv, master = lb(b)
+        if pipeline is not None:
+            shortest = shortest_microbatch_ms(b, cost, cluster, sizes)
+            comb, lpb = (
+                pipeline_lower_bound(x, shortest, pipeline.pp, pipeline.vpp) for x in (comb, lpb)
+            )
+        res.step_ms.append(max(comb, lpb))
+        res.solve_ms.append((time.perf_counter() - t0) * 1e3)
+        combinatorial.append(comb)
+        lp_bound.append(lpb)
+        converged.append(conv)
+        masters.append(master)
+    res.extra["bound"] = "max(combinatorial, lp) per batch"
+    res.extra["combinatorial_ms"] = combinatorial
+    res.extra["lp_ms"] = lp_bound
+    res.extra["lp_converged"] = converged
+    res.extra["lp_master_ms"] = masters  # >= the LP value; not a bound on the step
+    return res
+
+
+def _hindsight_result(
+    name: str,
+    lengths: Sequence[np.ndarray],
+    cost: CostModel,
+    cluster: Cluster,
+    sizes: Sequence[int] | None,
+    piped: Callable[[Plan], Plan],
+) -> MethodResult:
+    """``static-best`` / ``dp-balanced``: the one degree best over all batches, in hindsight,
+    each degree's plans priced by ``piped`` (the one price function, under the pipeline)."""
+    res = MethodResult()
+    t0 = time.perf_counter()
+    hindsight = static_best_degree if name == "static-best" else dp_balanced_best_degree
+    try:
+        best, per_degree = hindsight(lengths, cost, cluster, sizes)
+        per_degree = _piped_degrees(per_degree, piped)
+        best = min(sorted(per_degree), key=lambda d: sum(p.est_step_ms for p in per_degree[d]))
+    except (InfeasibleError, ValueError) as exc:
+        res.step_ms = [None] * len(lengths)
+        res.infeasible.append(str(exc) or "no degree runs under the pipeline")
+        return res
+    elapsed = (time.perf_counter() - t0) * 1e3 / len(lengths)
+    for plan, b in zip(per_degree[best], lengths, strict=True):
+        _record(res, plan, b, cost, elapsed)
+    res.extra["degree"] = best
+    res.extra["total_s_by_degree"] = {
+        str(d): sum(p.est_step_ms for p in ps) / 1e3 for d, ps in sorted(per_degree.items())
+    }
+    return res
 
 
 def price_baseline(plan: Plan, cost: CostModel, pipeline: PipelineSpec) -> Plan:
