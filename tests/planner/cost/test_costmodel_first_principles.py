@@ -10,8 +10,8 @@ from megatron_hsp.planner.cost.costmodel import (
     H100_SXM,
     LLAMA3_8B,
     LLAMA3_70B,
-    ModelConfig,
     TrainingConfig,
+    TransformerShape,
     a2a_bytes_per_token,
     activation_bytes_per_token,
     first_principles_cost_model,
@@ -126,8 +126,8 @@ def test_kv_copies_match_the_runtime_rule():
     from megatron_hsp.planner.groupspace import kv_copies
 
     assert kv_copies(48, 8, 6) == 3
-    gqa = ModelConfig("q48", 2, 48 * 64, 48, 8, 1024, 1000)
-    mha = ModelConfig("q48mha", 2, 48 * 64, 48, 48, 1024, 1000)
+    gqa = TransformerShape("q48", 2, 48 * 64, 48, 8, 1024, 1000)
+    mha = TransformerShape("q48mha", 2, 48 * 64, 48, 48, 1024, 1000)
     t = TrainingConfig()
     assert a2a_bytes_per_token(gqa, t, 6) == pytest.approx(
         a2a_bytes_per_token(mha, t, 6) * (2 * 48 + 2 * 24) / (4 * 48)
