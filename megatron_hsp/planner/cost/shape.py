@@ -16,13 +16,19 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from megatron_hsp.planner.cost.moe import MoEConfig
 from megatron_hsp.planner.errors import InputError
 
-if TYPE_CHECKING:
-    from megatron_hsp.planner.cost.first_principles import TrainingConfig
+
+class ActivationLayout(Protocol):
+    """What ``activation_bytes`` reads of ``first_principles.TrainingConfig`` (a protocol, so
+    this floor does not import the builder that imports it)."""
+
+    activation_bytes: float
+    recompute: bool
+
 
 # The keys of a cost-model spec's ``model`` section (``load_cost_model``): a dense model whose
 # head dim is hidden / heads. The format predates the explicit head dims and MoE fields.
@@ -185,7 +191,7 @@ class TransformerShape:
         n = sum(self.stage_layers(pp))
         return 3.0 * n * self.heads * (self.qk_dim + self.v_dim)
 
-    def activation_bytes(self, training: TrainingConfig, pp: int = 1) -> tuple[float, float]:
+    def activation_bytes(self, training: ActivationLayout, pp: int = 1) -> tuple[float, float]:
         """(layers, output head) activation bytes one token keeps alive until its backward pass,
         on the heaviest stage of one slot (before TP splits it).
 
