@@ -15,8 +15,7 @@ MAX_FUNCTION_LINES = 150
 
 # Functions still over the limit, each owned by work in progress elsewhere (split them, then
 # drop them from here; an entry that no longer exceeds the limit fails the test):
-ALLOWED_LONG_FUNCTIONS = {
-}
+ALLOWED_LONG_FUNCTIONS = {}
 
 
 def _functions(tree: ast.AST, prefix: str = ""):

@@ -266,15 +266,16 @@ def predicted_tokens_per_s(
     """
     from megatron_hsp.planner.cost.first_principles import (
         H100_SXM,
-        ModelConfig,
         TrainingConfig,
         first_principles_cost_model,
     )
+    from megatron_hsp.planner.cost.shape import TransformerShape
 
     if "H100" not in device_name:
         return None
     s = case.model_shape(shape)
-    model = ModelConfig(
+    # One tensor-parallel rank's heads, at the head dim the model runs (``kv_channels``).
+    model = TransformerShape(
         "acceptance-kit",
         s.num_layers,
         s.hidden_size,
@@ -282,6 +283,7 @@ def predicted_tokens_per_s(
         max(1, s.num_query_groups // case.tp),
         s.ffn_hidden_size,
         s.vocab_size,
+        head_dim=s.kv_channels,
         gated=False,
     )
     slots = world // case.tp

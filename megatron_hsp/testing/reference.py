@@ -41,7 +41,15 @@ from megatron_hsp.testing.cpu_shims import cpu_attention_scores_buffer, cpu_mega
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The tiny GPT every selftest case trains: small enough for 8 CPU processes on 2 cores."""
+    """The tiny GPT every selftest case trains: small enough for 8 CPU processes on 2 cores.
+
+    Megatron's ``TransformerConfig`` field names, as the reference and the HSP side build their
+    models from them, plus the run's fields (``max_sequence_length``, ``seed``,
+    ``position_embedding_type``). Not the planner's ``TransformerShape``: the reference imports
+    nothing from the planner (its independence, checked by
+    ``tests/testing/test_selftest_reference.py``); the cost model reads it as a
+    ``TransformerShape`` (``acceptance.predicted_tokens_per_s``).
+    """
 
     num_layers: int = 2
     hidden_size: int = 32

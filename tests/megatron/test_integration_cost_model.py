@@ -7,6 +7,7 @@ Llama was planned with a 7B GPT's figures.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import re
 
@@ -19,7 +20,8 @@ from megatron_hsp.megatron.model_cost import (
     preset_for_gpu_name,
 )
 from megatron_hsp.megatron.refusals import HSPArgsError
-from megatron_hsp.planner.cost.costmodel import load_cost_model
+from megatron_hsp.planner.cost.costmodel import FIRST_PRINCIPLES_PRESETS, load_cost_model
+from megatron_hsp.planner.cost.shape import TransformerShape
 from tests.helpers.megatron_args import parse
 
 BASE = [
@@ -69,6 +71,17 @@ def test_the_default_cost_model_is_the_model_megatrons_flags_describe():
     assert priced(small).tokens_per_rank > 100 * ours.tokens_per_rank
     note = next(n for n in llama.notes if "first principles" in n)
     assert "32 layers" in note and "h100-sxm" in note and "no GPU visible" in note
+
+
+def test_megatron_flags_and_the_dense_preset_are_one_shape_type():
+    """One model-shape type: what Megatron's flags describe and the Llama 3 8B preset are both a
+    ``TransformerShape``, equal but for the name (head dim hidden / heads in both)."""
+    spec = config([*BASE, *LLAMA3_8B, "--use-distributed-optimizer"]).cost_model
+    shape = TransformerShape.from_spec(spec["model"], name=spec["name"])
+    preset = FIRST_PRINCIPLES_PRESETS["llama3-8b-h100"][0]
+    assert type(shape) is type(preset) is TransformerShape
+    assert shape == dataclasses.replace(preset, name=shape.name)
+    assert shape.qk_dim == 128
 
 
 def test_moe_flags_price_the_active_experts():

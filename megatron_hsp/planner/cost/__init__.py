@@ -2,6 +2,7 @@
 
 ``costcore`` holds the ``CostModel`` type and its formulas; ``costspec`` reads a model from a
 mapping or file, ``costmodel`` resolves a name, preset or spec (``load_cost_model``);
+``shape`` holds ``TransformerShape``, the one model-shape type the builders read;
 ``first_principles`` and ``presets_flexsp`` derive models from hardware and published numbers;
 ``calibration``, ``fit`` and ``refit`` fit and update the coefficients from measurements;
 ``parallel``, ``moe`` and ``pipeline`` price a stage under tensor, expert and pipeline

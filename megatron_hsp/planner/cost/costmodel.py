@@ -35,7 +35,6 @@ from megatron_hsp.planner.cost.first_principles import (
     LLAMA3_8B,
     LLAMA3_70B,
     HardwareConfig,
-    ModelConfig,
     TrainingConfig,
     a2a_bytes_per_token,
     activation_bytes_per_token,
@@ -50,6 +49,7 @@ from megatron_hsp.planner.cost.presets_flexsp import (
     flexsp_cost_model,
     flexsp_params_b,
 )
+from megatron_hsp.planner.cost.shape import TransformerShape
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.routes import check_routes
 
@@ -64,8 +64,8 @@ __all__ = [
     "MAX_SPEC_BYTES",
     "CostModel",
     "HardwareConfig",
-    "ModelConfig",
     "TrainingConfig",
+    "TransformerShape",
     "_check_spec_numbers",
     "_heads",
     "a2a_bytes_per_token",
@@ -253,7 +253,7 @@ def _load_unchecked(
         )
     if "hardware" not in data:
         raise InputError("cost model spec: a 'model' section needs a 'hardware' section too")
-    model = _dataclass_from(ModelConfig, "model", data["model"], name=name)
+    model = TransformerShape.from_spec(data["model"], name=name)
     hw = _dataclass_from(HardwareConfig, "hardware", data["hardware"], name="hardware")
     tr = _dataclass_from(TrainingConfig, "training", data.get("training", {}))
     return first_principles_cost_model(

@@ -9,73 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_hsp.planner.cost.costcore import CostModel
+from megatron_hsp.planner.cost.shape import TransformerShape
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import Cluster, HeadSpace
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """A dense decoder-only transformer (GPT / Llama family)."""
-
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn_hidden: int
-    vocab: int
-    gated: bool = True  # SwiGLU: three FFN matrices instead of two
-    tied_embeddings: bool = False
-
-    def __post_init__(self) -> None:
-        for key in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
-            if int(getattr(self, key)) <= 0:
-                raise InputError(
-                    f"model.{key} must be a positive integer, got {getattr(self, key)}"
-                )
-        if self.hidden % self.heads:
-            raise InputError(f"model.hidden {self.hidden} is not divisible by heads {self.heads}")
-        if self.heads % self.kv_heads:
-            raise InputError(
-                f"model.heads {self.heads} is not a multiple of kv_heads {self.kv_heads}"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def num_params(self) -> int:
-        """Weights: QKV, O, FFN and two RMSNorms per layer, final norm, embeddings (+ output)."""
-        h, f = self.hidden, self.ffn_hidden
-        per_layer = h * (h + 2 * self.kv_dim) + h * h + (3 if self.gated else 2) * h * f + 2 * h
-        emb = self.vocab * h * (1 if self.tied_embeddings else 2)
-        return self.layers * per_layer + h + emb
-
-    def linear_flops_per_token(self) -> float:
-        """Training FLOPs (fwd + bwd) of every token-linear matmul, per token.
-
-        Megatron-LM ``num_floating_point_operations`` (megatron/training/training.py): 2 FLOPs
-        per multiply-add, backward = 2x forward, so 6 * (weights touched per token): QKV and
-        output projections, FFN (3 matrices with SwiGLU), and the logit layer.
-        """
-        h, f = self.hidden, self.ffn_hidden
-        attn = h * (self.hidden + 2 * self.kv_dim) + self.hidden * h
-        ffn = (3 if self.gated else 2) * h * f
-        return 6.0 * (self.layers * (attn + ffn) + h * self.vocab)
-
-    def attn_flops_per_token2(self) -> float:
-        """Training FLOPs of causal core attention per token^2 of one sequence.
-
-        Same Megatron-LM source: per layer ``3 (fwd+bwd) * 2 (FMA) * heads*head_dim / 2 (causal)
-        * 2 (QK^T and PV)`` = ``6 * hidden`` per s^2. K/V heads do not enter: every query head
-        attends over the full sequence whether or not its KV head is shared (GQA).
-        """
-        return 6.0 * self.layers * self.heads * self.head_dim
-
 
 # FlashAttention counts its backward kernel as 2.5x the forward's FLOPs (five matmuls to two);
 # measured backward throughputs are quoted in that convention.
@@ -209,42 +145,26 @@ class TrainingConfig:
         return params * per_param
 
 
-def activation_bytes_per_token(model: ModelConfig, training: TrainingConfig) -> float:
-    """Activation bytes one token keeps alive until its backward pass, on the rank holding it.
-
-    Per layer (no recompute), following Korthikanti et al. 2022 ("Reducing Activation
-    Recomputation in Large Transformer Models", sec. 4) with flash attention (no s^2 scores),
-    no dropout (Llama) and GQA/SwiGLU shapes: norm-1 input h, QKV input h, Q/K/V
-    (h + 2*kv_dim), attention output h, softmax log-sum-exp (fp32, one per head), norm-2 input h,
-    FC1 input h, FC1 output (2F gated / F), activation output F. With full recompute a layer
-    keeps only its input h, plus one layer's full set while it is recomputed. Once per token: the
-    logits in bf16 and the fp32 softmax that Megatron's cross-entropy keeps (6 * vocab bytes).
-    Ulysses splits every one of these over the group's ranks, so the group holds s/d per rank.
-    """
-    e = training.activation_bytes
-    h, f = model.hidden, model.ffn_hidden
-    per_layer = (
-        e * (h + h + (h + 2 * model.kv_dim) + h + h + h + f * (2 if model.gated else 1) + f)
-        + 4.0 * model.heads
-    )
-    logits = 6.0 * model.vocab + e * h
-    if training.recompute:
-        return model.layers * e * h + per_layer + logits
-    return model.layers * per_layer + logits
+def activation_bytes_per_token(model: TransformerShape, training: TrainingConfig) -> float:
+    """Activation bytes one token keeps alive until its backward pass, on the rank holding it:
+    the whole model's layers and output head (``TransformerShape.activation_bytes``). Ulysses
+    splits every one of these over the group's ranks, so the group holds s/d per rank."""
+    layers, head = model.activation_bytes(training)
+    return layers + head
 
 
-def a2a_bytes_per_token(model: ModelConfig, training: TrainingConfig, d: int) -> float:
+def a2a_bytes_per_token(model: TransformerShape, training: TrainingConfig, d: int) -> float:
     """Bytes of one token that Ulysses all-to-alls move in a Ulysses group of ``d`` (the whole
     model's ``ulysses_bytes_per_token``)."""
     space = HeadSpace(model.heads, model.kv_heads)
-    return ulysses_bytes_per_token(space, d, model.layers, model.head_dim, model.head_dim, training)
+    return ulysses_bytes_per_token(space, d, model.layers, model.qk_dim, model.v_dim, training)
 
 
-def ring_bytes_per_token(model: ModelConfig, training: TrainingConfig, u: int) -> float:
+def ring_bytes_per_token(model: TransformerShape, training: TrainingConfig, u: int) -> float:
     """Bytes of one token's K/V that one ring step sends (the whole model's
     ``ring_kv_bytes_per_token``)."""
     space = HeadSpace(model.heads, model.kv_heads)
-    return ring_kv_bytes_per_token(space, u, model.layers, model.head_dim, model.head_dim, training)
+    return ring_kv_bytes_per_token(space, u, model.layers, model.qk_dim, model.v_dim, training)
 
 
 def ulysses_bytes_per_token(
@@ -277,7 +197,7 @@ def ring_kv_bytes_per_token(
 
 
 def step_overhead_ms(
-    model: ModelConfig,
+    model: TransformerShape,
     hardware: HardwareConfig,
     training: TrainingConfig,
     world_size: int,
@@ -297,7 +217,7 @@ def step_overhead_ms(
       shards them), at HBM bandwidth.
     """
     reduce_ms, optimizer_ms = grad_and_optimizer_ms(
-        float(model.num_params()), hardware, training, world_size, crosses_node
+        model.num_params(), hardware, training, world_size, crosses_node
     )
     return {
         "step_ms": reduce_ms + optimizer_ms,
@@ -441,7 +361,7 @@ def group_terms(
 
 
 def first_principles_cost_model(
-    model: ModelConfig,
+    model: TransformerShape,
     hardware: HardwareConfig,
     training: TrainingConfig,
     *,
@@ -487,6 +407,11 @@ def first_principles_cost_model(
     priced by them too); call latencies are kept by split: ``a2a_fixed_ms[u]`` for the
     all-to-alls over u ranks, ``ring_step_fixed_ms[d]`` per ring step.
     """
+    if model.moe is not None:
+        raise InputError(
+            f"model {model.name}: a MoE model is priced per stage with its expert terms by "
+            "planner.cost.parallel.model_parallel_cost_model (plan/bench --ep), not as dense"
+        )
     g = gpus_per_node or hardware.gpus_per_node
     cluster = Cluster(world_size, g)
     cap_gb = hardware.hbm_gb * 0.9 if memory_cap_gb is None else float(memory_cap_gb)
@@ -496,7 +421,7 @@ def first_principles_cost_model(
     a2 = model.linear_flops_per_token() * recompute / lin_flops * 1e3
 
     space = HeadSpace(model.heads, model.kv_heads)
-    params = float(model.num_params())
+    params = model.num_params()
     zero3_ms = 0.0
     if training.zero_stage == 3 and world_size > 1:
         ring = (world_size - 1) / world_size
@@ -511,8 +436,8 @@ def first_principles_cost_model(
         training,
         layers=model.layers,
         microbatch_fixed_ms=training.microbatch_overhead_ms + zero3_ms,
-        qk_dim=model.head_dim,
-        v_dim=model.head_dim,
+        qk_dim=model.qk_dim,
+        v_dim=model.v_dim,
     )
     states = training.model_state_bytes(params, world_size)
     act = activation_bytes_per_token(model, training)
@@ -579,10 +504,10 @@ H100_SXM = HardwareConfig(
     gpus_per_node=8,
 )
 # Llama 3 shapes from Meta's released configs (config.json of Meta-Llama-3-8B / -70B).
-LLAMA3_8B = ModelConfig("llama3-8b", 32, 4096, 32, 8, 14336, 128256, gated=True)
-LLAMA3_70B = ModelConfig("llama3-70b", 80, 8192, 64, 8, 28672, 128256, gated=True)
+LLAMA3_8B = TransformerShape("llama3-8b", 32, 4096, 32, 8, 14336, 128256, gated=True)
+LLAMA3_70B = TransformerShape("llama3-70b", 80, 8192, 64, 8, 28672, 128256, gated=True)
 
-FIRST_PRINCIPLES_PRESETS: dict[str, tuple[ModelConfig, HardwareConfig, TrainingConfig]] = {
+FIRST_PRINCIPLES_PRESETS: dict[str, tuple[TransformerShape, HardwareConfig, TrainingConfig]] = {
     # Megatron's distributed optimizer (ZeRO-1, ``--use-distributed-optimizer``): what Megatron
     # users run, and the only data-parallel setup Megatron's dynamic CP and hsp's integration
     # accept (both refuse Megatron-FSDP). Passes are then not barriers and a pass's fixed cost

@@ -35,7 +35,6 @@ every plan of a batch except through the linear term's size.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +43,6 @@ from megatron_hsp.planner.cost.costmodel import (
     H100_SXM,
     CostModel,
     HardwareConfig,
-    ModelConfig,
     TrainingConfig,
     load_cost_model,
     validate_cost_model,
@@ -55,149 +53,17 @@ from megatron_hsp.planner.cost.first_principles import (
     grad_and_optimizer_ms,
     group_terms,
 )
-from megatron_hsp.planner.cost.moe import DEEPSEEK_V2_LITE_MOE, QWEN3_30B_A3B_MOE, MoEConfig
+from megatron_hsp.planner.cost.moe import DEEPSEEK_V2_LITE_MOE, QWEN3_30B_A3B_MOE
 from megatron_hsp.planner.cost.pipeline import (
     BACKWARD_SHARE,
     BACKWARD_SHARE_RECOMPUTE,
     PipelineSpec,
     microbatch_token_capacity,
 )
+from megatron_hsp.planner.cost.shape import TransformerShape
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import Cluster, HeadSpace
 from megatron_hsp.planner.run_spec import check_degrees, check_tp_in_node
-
-
-@dataclass(frozen=True)
-class TransformerShape:
-    """A decoder-only transformer, dense or MoE, with explicit attention head dimensions.
-
-    ``ModelConfig`` ties head_dim to hidden / heads; Qwen3 (head_dim 128 at hidden 2048, 32 heads)
-    and MLA (Q/K 192, V 128) do not, hence this shape. ``v_head_dim`` None means ``head_dim``.
-    """
-
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn_hidden: int  # the dense layers' FFN width
-    vocab: int
-    v_head_dim: int | None = None
-    gated: bool = True
-    tied_embeddings: bool = False
-    moe: MoEConfig | None = None
-    # MLA and other attentions whose projection weights are not Q, K, V, O of these heads.
-    attn_params_per_layer: int | None = None
-
-    def __post_init__(self) -> None:
-        for key in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "vocab"):
-            if int(getattr(self, key)) <= 0:
-                raise InputError(f"model.{key} must be a positive integer: {getattr(self, key)}")
-        if self.heads % self.kv_heads:
-            raise InputError(f"model.heads {self.heads} is not a multiple of {self.kv_heads}")
-        if self.moe is not None and self.moe.dense_layers > self.layers:
-            raise InputError("moe.dense_layers exceeds the layer count")
-
-    @property
-    def v_dim(self) -> int:
-        return self.v_head_dim or self.head_dim
-
-    @property
-    def moe_layers(self) -> int:
-        return 0 if self.moe is None else self.layers - self.moe.dense_layers
-
-    def attn_params(self) -> int:
-        if self.attn_params_per_layer is not None:
-            return self.attn_params_per_layer
-        h, hd, vd = self.hidden, self.head_dim, self.v_dim
-        return h * (self.heads * hd + self.kv_heads * (hd + vd)) + self.heads * vd * h
-
-    def dense_ffn_params(self) -> int:
-        return (3 if self.gated else 2) * self.hidden * self.ffn_hidden
-
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-
-    def stage_layers(self, pp: int) -> tuple[int, int]:
-        """(dense, MoE) layers of the heaviest stage: ceil(layers / pp), MoE layers first."""
-        n = math.ceil(self.layers / pp)
-        moe = min(n, self.moe_layers)
-        return n - moe, moe
-
-    def params(self, pp: int = 1) -> tuple[float, float]:
-        """(non-expert, routed-expert) weights of the heaviest stage, embeddings included."""
-        dense, moe = self.stage_layers(pp)
-        h = self.hidden
-        base = (dense + moe) * (self.attn_params() + 2 * h) + dense * self.dense_ffn_params()
-        expert = 0.0
-        if self.moe is not None:
-            base += moe * self.moe.shared_params(h)
-            expert = float(moe * self.moe.expert_params(h))
-        # Embedding on the first stage, output layer on the last: both counted (conservative).
-        return float(base + self.embedding_params() + h), expert
-
-    def active_params_b(self) -> float:
-        """Weights one token touches in the whole model (billions), for reports."""
-        h = self.hidden
-        per = self.layers * (self.attn_params() + 2 * h)
-        per += (self.layers - self.moe_layers) * self.dense_ffn_params()
-        if self.moe is not None:
-            per += self.moe_layers * self.moe.active_params(h)
-        return (per + self.embedding_params() + h) / 1e9
-
-    def total_params_b(self) -> float:
-        base, expert = self.params(1)
-        return (base + expert) / 1e9
-
-    def linear_flops_per_token(self, pp: int = 1) -> float:
-        """Training FLOPs of the heaviest stage's token-linear matmuls (6 per weight touched)."""
-        dense, moe = self.stage_layers(pp)
-        per = (dense + moe) * self.attn_params() + dense * self.dense_ffn_params()
-        flops = 6.0 * (per + self.hidden * self.vocab)
-        if self.moe is not None:
-            flops += moe * self.moe.ffn_flops_per_token(self.hidden)
-        return flops
-
-    def attn_flops_per_token2(self, pp: int = 1) -> float:
-        """Causal core attention FLOPs per token^2 (fwd + bwd): per layer 3 heads (qk + v)."""
-        n = sum(self.stage_layers(pp))
-        return 3.0 * n * self.heads * (self.head_dim + self.v_dim)
-
-    def activation_bytes(self, training: TrainingConfig, pp: int = 1) -> tuple[float, float]:
-        """(layers, output head) activation bytes per token of one slot (before TP splits it).
-
-        As ``costmodel.activation_bytes_per_token`` (Korthikanti et al. 2022 sec. 4, flash
-        attention, no dropout), with Q/K/V of the given head dims and MoE FFNs from
-        ``MoEConfig.activation_bytes_per_token``; full recompute keeps each layer's input and
-        one layer's full set (the largest).
-        """
-        e, h, f = training.activation_bytes, self.hidden, self.ffn_hidden
-        qkv = self.heads * self.head_dim + self.kv_heads * (self.head_dim + self.v_dim)
-        attn = e * (h + h + qkv + self.heads * self.v_dim) + 4.0 * self.heads
-        dense_ffn = e * (h + h + f * (2 if self.gated else 1) + f)
-        moe_ffn = self.moe.activation_bytes_per_token(h, e) if self.moe is not None else 0.0
-        dense, moe = self.stage_layers(pp)
-        head = 6.0 * self.vocab + e * h
-        if training.recompute:
-            biggest = attn + (moe_ffn if moe else dense_ffn)
-            return (dense + moe) * e * h + biggest, head
-        return dense * (attn + dense_ffn) + moe * (attn + moe_ffn), head
-
-    @classmethod
-    def from_model(cls, model: ModelConfig) -> TransformerShape:
-        return cls(
-            name=model.name,
-            layers=model.layers,
-            hidden=model.hidden,
-            heads=model.heads,
-            kv_heads=model.kv_heads,
-            head_dim=model.head_dim,
-            ffn_hidden=model.ffn_hidden,
-            vocab=model.vocab,
-            gated=model.gated,
-            tied_embeddings=model.tied_embeddings,
-        )
 
 
 @dataclass(frozen=True)
@@ -342,7 +208,7 @@ def model_parallel_cost_model(
         training,
         layers=n_layers,
         microbatch_fixed_ms=training.microbatch_overhead_ms + zero3_ms + tp_fixed + ep_fixed,
-        qk_dim=shape.head_dim,
+        qk_dim=shape.qk_dim,
         v_dim=shape.v_dim,
     )
     states = training.model_state_bytes(base_params / tp, plane)
@@ -502,8 +368,7 @@ def load_parallel_cost_model(
     if spec in PARALLEL_PRESETS:
         shape, hw, tr = PARALLEL_PRESETS[spec]
     elif spec in FIRST_PRINCIPLES_PRESETS:
-        model, hw, tr = FIRST_PRINCIPLES_PRESETS[spec]
-        shape = TransformerShape.from_model(model)
+        shape, hw, tr = FIRST_PRINCIPLES_PRESETS[spec]
     else:
         can = sorted([*PARALLEL_PRESETS, *FIRST_PRINCIPLES_PRESETS])
         raise InputError(

@@ -10,13 +10,14 @@ from megatron_hsp.planner.cost.costmodel import (
     H100_SXM,
     LLAMA3_8B,
     LLAMA3_70B,
-    ModelConfig,
     TrainingConfig,
+    TransformerShape,
     a2a_bytes_per_token,
     activation_bytes_per_token,
     first_principles_cost_model,
     load_cost_model,
 )
+from megatron_hsp.planner.errors import InputError
 
 
 def _model(**kw):
@@ -126,8 +127,8 @@ def test_kv_copies_match_the_runtime_rule():
     from megatron_hsp.planner.groupspace import kv_copies
 
     assert kv_copies(48, 8, 6) == 3
-    gqa = ModelConfig("q48", 2, 48 * 64, 48, 8, 1024, 1000)
-    mha = ModelConfig("q48mha", 2, 48 * 64, 48, 48, 1024, 1000)
+    gqa = TransformerShape("q48", 2, 48 * 64, 48, 8, 1024, 1000)
+    mha = TransformerShape("q48mha", 2, 48 * 64, 48, 48, 1024, 1000)
     t = TrainingConfig()
     assert a2a_bytes_per_token(gqa, t, 6) == pytest.approx(
         a2a_bytes_per_token(mha, t, 6) * (2 * 48 + 2 * 24) / (4 * 48)
@@ -137,3 +138,19 @@ def test_kv_copies_match_the_runtime_rule():
 def test_states_above_cap_is_an_error_naming_the_flag():
     with pytest.raises(ValueError, match="--memory-cap-gb"):
         load_cost_model("llama3-70b-h100", world_size=8)
+
+
+def test_a_shape_without_head_dim_derives_it_again_when_replaced():
+    # head_dim None means hidden / heads on every read, so a replaced hidden moves it too (a
+    # stored derived head_dim would keep 128 and price Q/K/V of the wrong width).
+    assert LLAMA3_8B.head_dim is None and LLAMA3_8B.qk_dim == 128
+    half = dataclasses.replace(LLAMA3_8B, hidden=2048)
+    assert (half.qk_dim, half.v_dim, half.kv_dim) == (64, 64, 8 * 64)
+    assert half.attn_flops_per_token2() == 6 * 32 * 2048
+
+
+def test_a_moe_shape_is_refused_by_the_dense_builder():
+    from megatron_hsp.planner.cost.parallel import QWEN3_30B_A3B
+
+    with pytest.raises(InputError, match="model_parallel_cost_model"):
+        first_principles_cost_model(QWEN3_30B_A3B, H100_SXM, TrainingConfig(), world_size=64)

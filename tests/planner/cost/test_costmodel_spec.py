@@ -43,9 +43,12 @@ def test_preset_file_with_memory_override(tmp_path):
 def test_model_and_hardware_sections_equal_the_preset(tmp_path):
     import dataclasses
 
+    from megatron_hsp.planner.cost.shape import SPEC_KEYS
+
     spec = {
         "name": "llama3-8b-h100",
-        "model": {k: v for k, v in dataclasses.asdict(LLAMA3_8B).items() if k != "name"},
+        # A spec's model section: the dense keys (head dim hidden / heads), as the preset's.
+        "model": {k: getattr(LLAMA3_8B, k) for k in SPEC_KEYS if k != "name"},
         "hardware": dataclasses.asdict(H100_SXM),
         "training": {"zero_stage": 1, "recompute": False},
     }

@@ -17,7 +17,6 @@ from megatron_hsp.planner.cost.parallel import (
     MOE_TRAINING,
     QWEN3_30B_A3B,
     ParallelConfig,
-    TransformerShape,
     load_parallel_cost_model,
     model_parallel_cost_model,
     pipeline_spec_for,
@@ -33,9 +32,7 @@ def test_unsplit_dense_model_equals_first_principles(preset):
     # One rule for both builders: at tp = pp = ep = 1 every coefficient is the same.
     model, hw, tr = FIRST_PRINCIPLES_PRESETS[preset]
     ref = first_principles_cost_model(model, hw, tr, world_size=64)
-    got = model_parallel_cost_model(
-        TransformerShape.from_model(model), hw, tr, ParallelConfig(), gpus=64
-    )
+    got = model_parallel_cost_model(model, hw, tr, ParallelConfig(), gpus=64)
     assert got.attn_ms_per_token2 == pytest.approx(ref.attn_ms_per_token2, rel=1e-12)
     assert got.linear_ms_per_token == pytest.approx(ref.linear_ms_per_token, rel=1e-12)
     assert abs(got.tokens_per_rank - ref.tokens_per_rank) <= 1
@@ -51,7 +48,7 @@ def test_unsplit_dense_model_equals_first_principles(preset):
 
 def test_tensor_parallel_splits_compute_heads_and_nodes():
     model, hw, tr = FIRST_PRINCIPLES_PRESETS["llama3-70b-h100"]
-    shape = TransformerShape.from_model(model)
+    shape = model
     one = model_parallel_cost_model(shape, hw, tr, ParallelConfig(), gpus=64)
     tp8 = model_parallel_cost_model(shape, hw, tr, ParallelConfig(tp=8), gpus=64)
     assert tp8.attn_ms_per_token2 == pytest.approx(one.attn_ms_per_token2 / 8)
@@ -74,10 +71,10 @@ def test_ring_overhead_under_tensor_parallelism_is_per_gpu():
     # once divided by tp twice, heads per GPU at tp GPUs' bandwidth: 1/tp^2, 8x too cheap at
     # TP 8, a discount for every ring baseline; first_principles' own rule, checked by hand.)
     model, hw, tr = FIRST_PRINCIPLES_PRESETS["llama3-70b-h100"]
-    shape = TransformerShape.from_model(model)
+    shape = model
     one = model_parallel_cost_model(shape, hw, tr, ParallelConfig(), gpus=64)
     passes = 3  # full recompute
-    by_hand = model.layers * passes * model.heads * model.head_dim
+    by_hand = model.layers * passes * model.heads * model.qk_dim
     by_hand *= hw.ring_step_overhead_bytes_per_elem / (hw.hbm_tbs * 1e12) * 1e3
     assert one.ring_step_extra_ms_per_token[16] == pytest.approx(by_hand / 16, rel=1e-12)
     for tp in (2, 4, 8):
@@ -103,7 +100,7 @@ def test_step_cost_per_stage_splits_dense_and_expert_weights_by_hand():
     assert cost.step_overhead_ms == pytest.approx(reduce + adam, rel=1e-9)
     # Under TP each GPU reduces and updates 1/tp of the weights.
     model, hw, tr = FIRST_PRINCIPLES_PRESETS["llama3-70b-h100"]
-    shape = TransformerShape.from_model(model)
+    shape = model
     tp8 = model_parallel_cost_model(shape, hw, tr, ParallelConfig(tp=8, pp=4), gpus=256)
     w = shape.params(4)[0] / 8  # the heaviest stage's weights, 1/8 per GPU; 8 slots, one a node
     reduce8 = (g + p) * w * 7 / 8 / nic * 1e3  # ZeRO-1 (PP refuses ZeRO-3)
@@ -114,7 +111,7 @@ def test_step_cost_per_stage_splits_dense_and_expert_weights_by_hand():
 
 def test_pipeline_memory_holds_in_flight_microbatches():
     model, hw, tr = FIRST_PRINCIPLES_PRESETS["llama3-70b-h100"]
-    shape = TransformerShape.from_model(model)
+    shape = model
     par = ParallelConfig(tp=8, pp=4)
     cost = model_parallel_cost_model(shape, hw, tr, par, gpus=256)
     # By hand: stage of 20 layers (+ output layer), ZeRO-3 replaced by the distributed optimizer.
