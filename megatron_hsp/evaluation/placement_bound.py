@@ -31,7 +31,7 @@ sequences (no group inside one node holds them) are placed explicitly:
          sum_p WL_p lambda_p + N t_l >= c_l,  sum_p TL_p lambda_p >= x_l      long groups
          N t_s >= W_short - w_f - w_l,  N cap m >= L_short - x_f - x_l       short-only
          (x_f, w_f), (x_l, w_l, c_l) and their union: what a subset of the short sequences
-         can be (``_subset_curves``: the most work x tokens carry, the least cross-node work)
+         can be (``subset_curves``: the most work x tokens carry, the least cross-node work)
 
   Pooling memory and time over a micro-batch, or over all of them, is what this separates: a
   long group's spare memory holds no short sequence at its one-rank cost, and tokens moved to
@@ -39,7 +39,7 @@ sequences (no group inside one node holds them) are placed explicitly:
   those two pools were most of the gap).
 
   Each pattern also offers its free ranks at most the minimum work its free tokens can carry
-  (``WF_p`` is the smaller of their time and that work; ``_carry_lines``: densest sequences
+  (``WF_p`` is the smaller of their time and that work; ``carry_lines``: densest sequences
   first, a concave curve). Without it, patterns mixed fractionally lent one pattern's idle
   time to work whose tokens only another's memory held (two long sequences beside a few free
   ranks were offered more rank time than their free tokens can carry). The column generation
@@ -83,10 +83,10 @@ import numpy as np
 
 from megatron_hsp.evaluation.placement_curves import (
     SHORT_VARS,
-    _carried,
-    _carry_lines,
-    _inflated_work,
-    _subset_curves,
+    carried_work,
+    carry_lines,
+    inflated_work,
+    subset_curves,
 )
 from megatron_hsp.planner.search.bounds import HighsModel, LpBound, dual_bound, length_classes
 from megatron_hsp.planner.search.instance import Instance
@@ -284,7 +284,7 @@ def _problem(
         long_sequences=len(long_ids),
         short_tokens=[float(inst.lengths[i]) for i in short],
         short_work=[float(inst.work_min[i]) for i in short],
-        short_inflated=[_inflated_work(inst, i, cross) for i in short],
+        short_inflated=[inflated_work(inst, i, cross) for i in short],
         intra_node=intra_node,
     )
 
@@ -305,10 +305,10 @@ class _Master:
         w_short, tok_short = float(sum(p.short_work)), float(sum(p.short_tokens))
         rhs = [0.0, 0.0, 0.0, 0.0, w_short, tok_short, float(p.m_floor)]
         self.lp.empty_rows([(float(c), math.inf) for c in p.count] + [(r, math.inf) for r in rhs])
-        self.curves = _subset_curves(p.short_tokens, p.short_work, p.short_inflated)
+        self.curves = subset_curves(p.short_tokens, p.short_work, p.short_inflated)
         self.first_curve = nk + 7
         self.lp.empty_rows([(lo, hi) for lo, hi, _ in self.curves])
-        self.free_lines = _carry_lines(p.short_tokens, p.short_work, self._free_token_points())
+        self.free_lines = carry_lines(p.short_tokens, p.short_work, self._free_token_points())
         self.capped = False  # phase two: free work capped by what free tokens carry
         self.wf_of: list[tuple[int, float, float]] = []  # pattern column, free work both ways
         r = self.rows
@@ -389,7 +389,7 @@ class _Master:
         entries[r["tf"]] = max(0.0, free * p.cap - tokens)
         entries[r["tl"]] = max(0.0, long_room - long_tokens)
         spare = max(0.0, free * (makespan - p.b_min) - rank_ms)
-        carried = min(spare, _carried(self.free_lines, entries[r["tf"]]))
+        carried = min(spare, carried_work(self.free_lines, entries[r["tf"]]))
         entries[r["wf"]] = carried if self.capped else spare
         entries[r["wl"]] = max(0.0, long_ranks * makespan - long_ms)
         self.wf_of.append((self.lp.h.getNumCol(), spare, carried))

@@ -13,7 +13,7 @@ from megatron_hsp.planner.search.instance import Instance
 CURVE_LINES = 48
 
 
-def _inflated_work(inst: Instance, i: int, cross: Sequence[int]) -> float:
+def inflated_work(inst: Instance, i: int, cross: Sequence[int]) -> float:
     """Least rank-ms sequence ``i`` costs in a cross-node group (inf if none holds it)."""
     return min(
         (inst.sizes[j] * inst.times[i][j] for j in cross if inst.times[i][j] < math.inf),
@@ -38,7 +38,7 @@ def _segment_lines(
     return out[::step] + ([out[-1]] if (len(out) - 1) % step else [])
 
 
-def _carry_lines(
+def carry_lines(
     tokens: Sequence[float], work: Sequence[float], at: Sequence[float] | None = None
 ) -> list[tuple[float, float]]:
     """Lines ``(a, c)`` with: any subset of the sequences holding ``x`` tokens carries at most
@@ -65,8 +65,8 @@ def _carry_lines(
     return [*sorted(lines), total]
 
 
-def _carried(lines: Sequence[tuple[float, float]], tokens: float) -> float:
-    """The most work ``tokens`` carry by ``_carry_lines``'s lines."""
+def carried_work(lines: Sequence[tuple[float, float]], tokens: float) -> float:
+    """The most work ``tokens`` carry by ``carry_lines``'s lines."""
     return min(c + a * tokens for a, c in lines)
 
 
@@ -74,7 +74,7 @@ def _carried(lines: Sequence[tuple[float, float]], tokens: float) -> float:
 SHORT_VARS = ("x_free", "w_free", "x_long", "w_long", "c_long")
 
 
-def _subset_curves(
+def subset_curves(
     tokens: Sequence[float], work: Sequence[float], inflated: Sequence[float]
 ) -> list[tuple[float, float, dict[str, float]]]:
     """Rows ``lo <= sum coef[v] v <= hi`` over ``SHORT_VARS`` that every split of the short
