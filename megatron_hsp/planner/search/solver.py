@@ -595,8 +595,11 @@ def _flexsp_style_candidate(
     execution model prices segments of equal layouts, where the restricted search's placements
     can come out cheaper (sft-long-mix on the calibrated model, docs/results). Its work is
     limited by the same counts as the search's; the wall clock left under the cap is its
-    safety cap, and what that cuts is recorded as ``flexsp-style:<stage>``.
+    safety cap, and what that cuts is recorded as ``flexsp-style:<stage>`` (``flexsp-style``
+    where the cap had passed before it started, and it was not run).
     """
+    if cap.past("flexsp-style"):  # the cap is a safety net: no second search past it
+        return None
     try:
         restricted = flexsp_style_config(cost, cluster, config, config.sizes)
     except InputError:  # no power-of-two size >= 2 among the allowed ones
