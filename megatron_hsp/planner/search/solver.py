@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from megatron_hsp.planner.cost.costmodel import CostModel, validate_cost_model
-from megatron_hsp.planner.cost.execution import group_by_layout, price
+from megatron_hsp.planner.cost.execution import balance_segments, group_by_layout, price
 from megatron_hsp.planner.cost.pipeline import (
     PipelineSpec,
     order_microbatches,
@@ -168,8 +168,10 @@ def solve(
         plan = replace(
             plan, lower_bound_ms=pipeline_lower_bound(bound, min(inst.best), pipe.pp, pipe.vpp)
         )
-    else:  # equal layouts together share a segment; the order is kept where passes are barriers
-        plan = price(plan if cost.pass_barrier else group_by_layout(plan), cost)
+    elif cost.pass_barrier:  # every pass its own segment: the order is kept
+        plan = price(plan, cost)
+    else:  # equal layouts together share a segment, their groups balanced over its blocks
+        plan = price(balance_segments(group_by_layout(plan), cost), cost)
     if baselines:
         plan = _no_worse_than_baselines(plan, checked, cost, cluster, config, sizes, pipe, cap)
     plan.validate(checked, cost, cluster.world_size)
