@@ -43,6 +43,10 @@ from megatron_hsp.planner.cost.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.groupspace import largest_ulysses
 from megatron_hsp.planner.plan import Plan
+from megatron_hsp.planner.search.flexsp_style import FLEXSP_STYLE_CHUNKING as FLEXSP_STYLE_CHUNKING
+from megatron_hsp.planner.search.flexsp_style import FLEXSP_STYLE_MIN_SIZE as FLEXSP_STYLE_MIN_SIZE
+from megatron_hsp.planner.search.flexsp_style import flexsp_style_config as flexsp_style_config
+from megatron_hsp.planner.search.flexsp_style import flexsp_style_sizes as flexsp_style_sizes
 
 # The layouts live in the planner (``solve`` scores them too); re-exported under their old names.
 from megatron_hsp.planner.search.homogeneous import FLEXSP_BIN_FILL as FLEXSP_BIN_FILL
@@ -161,58 +165,8 @@ def static_best_degree(
 
 
 # ---------------------------------------------------------------------- FlexSP, emulated
-# FlexSP's search space (arXiv 2412.01523; Galvatron's flexsp branch): power-of-two SP
-# groups of at least 2 ranks (every sequence pays an all-to-all), micro-batches chunked
-# contiguously by tokens, one MILP per micro-batch and nothing that moves sequences between
-# micro-batches afterwards.
-FLEXSP_STYLE_MIN_SIZE = 2
-FLEXSP_STYLE_CHUNKING = "contiguous-tokens"
-
-
-def flexsp_style_sizes(
-    cost: CostModel, cluster: Cluster, sizes: Sequence[int] | None = None
-) -> tuple[int, ...]:
-    """FlexSP's group sizes here: powers of two >= 2 that tile the cluster and are costed
-    (within ``sizes`` when the user restricted them)."""
-    pool = set(cost.sizes) if sizes is None else set(sizes) & set(cost.sizes)
-    out = tuple(
-        d
-        for d in cluster.power_of_two_sizes()
-        if d >= FLEXSP_STYLE_MIN_SIZE and d in pool and cluster.size_fits(d)
-    )
-    if not out:
-        raise InputError(
-            f"flexsp-style: no power-of-two group size >= {FLEXSP_STYLE_MIN_SIZE} among "
-            f"{sorted(pool)} fits {cluster.world_size} ranks; widen --sizes (e.g. pow2)"
-        )
-    return out
-
-
-def flexsp_style_config(
-    cost: CostModel,
-    cluster: Cluster,
-    base: SolverConfig | None = None,
-    sizes: Sequence[int] | None = None,
-) -> SolverConfig:
-    """Our solver restricted to FlexSP's choices (the one place they are written down).
-
-    ``base`` supplies what is not FlexSP's choice (backend, budget, seed, MILP work limits);
-    the pipeline is dropped because FlexSP plans without one (``bench`` prices the plan under
-    the pipeline in its own order, as every baseline). What remains differs from FlexSP's own
-    solver: our bucketed MILP and HiGHS instead of its SCIP model, and our cost model's prices
-    (docs/baselines.md).
-    """
-    from megatron_hsp.planner.search.settings import SolverConfig
-
-    return dataclasses.replace(
-        base or SolverConfig(),
-        sizes=flexsp_style_sizes(cost, cluster, sizes),
-        chunkings=(FLEXSP_STYLE_CHUNKING,),
-        improve_evals=0,  # no local search between micro-batches
-        use_milp=True,  # FlexSP always solves its MILP (hsp's greedy mode is not its choice)
-        milp_min_gap=0.0,  # every micro-batch goes to the MILP, however close to its floor
-        pipeline=None,
-    )
+# FlexSP's search space is a ``SolverConfig`` variant in the planner, re-exported above
+# (``planner/search/flexsp_style.py``), because ``solve`` scores its plan too.
 
 
 def flexsp_style_plan(

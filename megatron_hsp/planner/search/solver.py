@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from megatron_hsp.planner.cost.costmodel import CostModel, validate_cost_model
-from megatron_hsp.planner.cost.execution import group_by_layout, price
+from megatron_hsp.planner.cost.execution import balance_segments, group_by_layout, price
 from megatron_hsp.planner.cost.pipeline import (
     PipelineSpec,
     order_microbatches,
@@ -50,6 +50,7 @@ from megatron_hsp.planner.search.chunking import (
     chunk_long_sized,
     chunk_time_balanced,
 )
+from megatron_hsp.planner.search.flexsp_style import flexsp_style_config
 from megatron_hsp.planner.search.greedy import (
     group_times,
     place_groups,
@@ -89,9 +90,10 @@ def solve(
     The plan is priced by the execution model (``planner/cost/execution.py``), its passes of
     equal layout adjacent so that they share a segment where passes are not barriers.
     ``baselines``: also score the homogeneous layouts (static packing and ``dp_balanced`` at
-    every size, ``search/homogeneous.py``) and return the cheapest of them when it beats the
-    search, so that no plan is priced worse than the best of them; ``flexsp-style`` turns this
-    off (FlexSP's planner has no such fallback).
+    every size, ``search/homogeneous.py``) and the ``flexsp-style`` plan (this solver under
+    FlexSP's choices, ``search/flexsp_style.py``), and return the cheapest of them when it
+    beats the search, so that no plan is priced worse than the best of them; ``flexsp-style``
+    turns this off (FlexSP's planner has no such fallback).
     """
     start, cpu_start = time.perf_counter(), time.process_time()
     budget_s = max(0.0, config.time_budget_s)
@@ -166,10 +168,12 @@ def solve(
         plan = replace(
             plan, lower_bound_ms=pipeline_lower_bound(bound, min(inst.best), pipe.pp, pipe.vpp)
         )
-    else:  # equal layouts together share a segment; the order is kept where passes are barriers
-        plan = price(plan if cost.pass_barrier else group_by_layout(plan), cost)
+    elif cost.pass_barrier:  # every pass its own segment: the order is kept
+        plan = price(plan, cost)
+    else:  # equal layouts together share a segment, their groups balanced over its blocks
+        plan = price(balance_segments(group_by_layout(plan), cost), cost)
     if baselines:
-        plan = _no_worse_than_homogeneous(plan, checked, cost, cluster, sizes, pipe)
+        plan = _no_worse_than_baselines(plan, checked, cost, cluster, config, sizes, pipe, cap)
     plan.validate(checked, cost, cluster.world_size)
     # Timings cover everything, assembly and validation included.
     solve_ms = (time.perf_counter() - start) * 1e3
@@ -583,36 +587,79 @@ def _assemble(
     )
 
 
-def _no_worse_than_homogeneous(
+def _flexsp_style_candidate(
+    lengths: Sequence[int], cost: CostModel, cluster: Cluster, config: SolverConfig, cap: Cap
+) -> Plan | None:
+    """The ``flexsp-style`` plan of this batch (``search/flexsp_style.py``), or None where
+    FlexSP's sizes cannot plan it.
+
+    Why score it: the search prices its candidates by summed micro-batch times, and the
+    execution model prices segments of equal layouts, where the restricted search's placements
+    can come out cheaper (sft-long-mix on the calibrated model, docs/results). Its work is
+    limited by the same counts as the search's; the wall clock left under the cap is its
+    safety cap, and what that cuts is recorded as ``flexsp-style:<stage>`` (``flexsp-style``
+    where the cap had passed before it started, and it was not run).
+    """
+    if cap.past("flexsp-style"):  # the cap is a safety net: no second search past it
+        return None
+    try:
+        restricted = flexsp_style_config(cost, cluster, config, config.sizes)
+    except InputError:  # no power-of-two size >= 2 among the allowed ones
+        return None
+    restricted = replace(restricted, time_budget_s=max(0.0, cap.left()))
+    try:
+        plan = solve(lengths, cost, cluster, restricted, baselines=False)
+    except (InfeasibleError, InputError):  # a sequence only a size FlexSP lacks can hold
+        return None
+    for stage in plan.extra.get("cut_by_cap", []):
+        cap.mark(f"flexsp-style:{stage}")
+    return plan
+
+
+def _no_worse_than_baselines(
     plan: Plan,
     lengths: Sequence[int],
     cost: CostModel,
     cluster: Cluster,
+    config: SolverConfig,
     sizes: Sequence[int],
     pipe: PipelineSpec | None,
+    cap: Cap,
 ) -> Plan:
-    """``plan``, or the cheapest homogeneous layout's passes where that is priced lower.
+    """``plan``, or the cheapest baseline plan's passes where that is priced lower.
 
-    Every candidate is validated with the cost model's memory and executable at its split
-    (``homogeneous_plans``), and priced by the same function as the search's plan (under a
-    pipeline, ordered by the same schedule). ``extra["homogeneous_best"]`` names the cheapest
-    candidate and its price; ``extra["chunking"]`` says when it was taken.
+    The baselines are the homogeneous layouts (``homogeneous_plans``) and the ``flexsp-style``
+    plan (``_flexsp_style_candidate``). Every candidate is validated with the cost model's
+    memory and executable at its split, and priced by the same function as the search's plan
+    (under a pipeline, ordered by the same schedule). ``extra["homogeneous_best"]`` names the
+    cheapest homogeneous candidate and its price, ``extra["flexsp_style_ms"]`` the
+    ``flexsp-style`` price (None where it could not plan); ``extra["chunking"]`` says when a
+    baseline was taken.
     """
+    candidates = homogeneous_plans(lengths, cost, cluster, sizes)
+    flexsp = _flexsp_style_candidate(lengths, cost, cluster, config, cap)
     scored: list[tuple[float, str, Plan]] = []
-    for name, cand in homogeneous_plans(lengths, cost, cluster, sizes).items():
+    for name, cand in [*candidates.items(), *([("flexsp-style", flexsp)] if flexsp else [])]:
         if pipe is not None:
             try:
                 cand = price_plan(price(cand, cost, pipelined=True), pipe)
             except InputError:  # a count the interleaved schedule refuses
                 continue
         scored.append((cand.est_step_ms, name, cand))
+    homogeneous = [t for t in scored if t[1] != "flexsp-style"]
+    extra = dict(plan.extra)
+    if homogeneous:
+        ms, name, _ = min(homogeneous, key=lambda t: (t[0], t[1]))
+        extra["homogeneous_best"] = {"layout": name, "est_step_ms": round(ms, 3)}
+    flexsp_ms = [round(t[0], 3) for t in scored if t[1] == "flexsp-style"]
+    extra["flexsp_style_ms"] = flexsp_ms[0] if flexsp_ms else None
     if not scored:
-        return plan
+        return replace(plan, extra=extra)
     ms, name, cand = min(scored, key=lambda t: (t[0], t[1]))
-    extra = {**plan.extra, "homogeneous_best": {"layout": name, "est_step_ms": round(ms, 3)}}
     if ms >= plan.est_step_ms:
         return replace(plan, extra=extra)
-    extra["chunking"] = f"homogeneous:{name}"
+    flexsp_won = name == "flexsp-style"
+    extra["chunking"] = f"{name}:{cand.extra['chunking']}" if flexsp_won else f"homogeneous:{name}"
     return replace(
         plan,
         microbatches=cand.microbatches,

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from megatron_hsp.planner.cost.costmodel import load_cost_model
-from megatron_hsp.planner.cost.execution import group_by_layout, price, segments
+from megatron_hsp.planner.cost.execution import balance_segments, group_by_layout, price, segments
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 
 
@@ -76,3 +76,44 @@ def test_pass_barrier_round_trips_and_is_derived_from_the_setup(tmp_path) -> Non
     assert TrainingConfig(zero_stage=3).pass_barrier(64)
     assert not TrainingConfig(zero_stage=3).pass_barrier(1)  # one rank: nothing to synchronise
     assert not TrainingConfig(zero_stage=1).pass_barrier(64)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_balance_segments_spreads_heavy_groups_over_the_blocks(zero_stage: int) -> None:
+    """Two passes of one layout, the heavier group of each on the first block: balanced, the
+    second pass's groups swap blocks, and the segment ends at the larger of the two crossed
+    sums (written out from ``group_ms``); each pass keeps its sequences, sizes and splits.
+    Where every pass is a barrier, nothing moves."""
+    spec = {"preset": "llama3-8b-h100", "training": {"zero_stage": zero_stage}}
+    cost = load_cost_model(spec, world_size=8)
+
+    def g(ranks, ids, lens):
+        return Group(tuple(ranks), tuple(ids), tuple(lens), 0.0, *cost.recorded_split(len(ranks)))
+
+    left, right = range(4), range(4, 8)
+    plan = Plan(
+        8,
+        8,
+        (
+            MicroBatch((g(left, [0], [9000]), g(right, [1], [1000]))),
+            MicroBatch((g(left, [2], [8000]), g(right, [3], [2000]))),
+        ),
+    )
+    balanced = price(balance_segments(plan, cost), cost)
+    balanced.validate([9000, 1000, 8000, 2000], cost, 8)
+
+    def t(lens: list[int]) -> float:
+        return cost.group_ms(lens, 4)
+
+    stacked = max(t([9000]) + t([8000]), t([1000]) + t([2000]))
+    if zero_stage == 3:
+        assert balanced == price(plan, cost)
+        return
+    assert price(plan, cost).est_step_ms == pytest.approx(stacked)
+    crossed = max(t([9000]) + t([2000]), t([1000]) + t([8000]))
+    assert balanced.est_step_ms == pytest.approx(crossed) and crossed < stacked
+    for before, after in zip(plan.microbatches, balanced.microbatches, strict=True):
+        assert {(g.seq_ids, g.size, g.ulysses, g.ring) for g in before.groups} == {
+            (g.seq_ids, g.size, g.ulysses, g.ring) for g in after.groups
+        }
+        assert sorted(g.ranks for g in before.groups) == sorted(g.ranks for g in after.groups)
