@@ -206,6 +206,12 @@ def tiny_gpt_model(
         position_embedding_type=position_embedding_type,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
     )
+    if config.bf16:
+        # What Megatron's ``Float16Module`` does to the model it wraps (``module.bfloat16()``):
+        # ``params_dtype`` reaches the linear layers only, the local spec's torch
+        # ``LayerNorm`` is created in fp32, and CUDA's layer norm refuses bf16 input with fp32
+        # weights (the CPU kernel accepts the mix, which hid it).
+        model = model.bfloat16()
     if torch.device(device).type == "cpu":
         return use_cpu_rotary(model)
     return model.to(device)

@@ -178,6 +178,12 @@ def _accumulate(model: torch.nn.Module, documents: Sequence[np.ndarray], num_los
     return total
 
 
+def bf16_reference_model(shape: ModelShape) -> torch.nn.Module:
+    """``reference_model(shape)`` (the same seed, so the same weights) cast whole to bf16 as
+    Megatron trains it: ``module.bfloat16()``, what megatron-core's ``Float16Module`` does."""
+    return reference_model(shape).bfloat16()
+
+
 def initial_weights(model: torch.nn.Module) -> dict[str, Any]:
     """The reference's initial parameters, by name: what the distributed HSP model loads."""
     return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -28,8 +28,11 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
 
 
-def reference_in_child(cases: list[Any], shape: Any, timeout_s: float = 600.0) -> dict[str, Any]:
-    """``selftest.compute_reference(cases, shape)`` run in a child process with CUDA hidden.
+def reference_in_child(
+    cases: list[Any], shape: Any, timeout_s: float = 600.0, bf16_noise: bool = False
+) -> dict[str, Any]:
+    """``selftest.compute_reference(cases, shape, bf16_noise)`` run in a child process with CUDA
+    hidden.
 
     Raises RuntimeError with the child's output when it fails or runs past ``timeout_s``.
     """
@@ -39,7 +42,7 @@ def reference_in_child(cases: list[Any], shape: Any, timeout_s: float = 600.0) -
     env["CUDA_VISIBLE_DEVICES"] = ""
     with tempfile.TemporaryDirectory(prefix="hsp_reference_") as tmp:
         src, dst = Path(tmp, "cases.pkl"), Path(tmp, "reference.pt")
-        src.write_bytes(pickle.dumps((cases, shape)))
+        src.write_bytes(pickle.dumps((cases, shape, bf16_noise)))
         cmd = [sys.executable, "-m", "megatron_hsp.testing.reference_child", str(src), str(dst)]
         try:
             done = subprocess.run(
@@ -69,11 +72,11 @@ def main(argv: list[str]) -> int:
             "the reference child must run with CUDA hidden (CUDA_VISIBLE_DEVICES='')"
         )
     src, dst = argv
-    cases, shape = pickle.loads(Path(src).read_bytes())
+    cases, shape, bf16_noise = pickle.loads(Path(src).read_bytes())
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     init_single_process_megatron()
     try:
-        reference = compute_reference(cases, shape)
+        reference = compute_reference(cases, shape, bf16_noise)
     finally:
         destroy_cpu_megatron()
     torch.save(reference, dst)

@@ -438,21 +438,49 @@ def _compare(grads: dict[str, Any], ref_grads: dict[str, Any]) -> tuple[float, f
     return max_abs, max_rel, worst
 
 
-def compute_reference(cases: list[Case], shape: ModelShape) -> dict[str, Any]:
+def _relative_by_param(grads: dict[str, Any], ref_grads: dict[str, Any]) -> dict[str, float]:
+    """Per parameter ``||g - g_ref|| / ||g_ref||`` (``_compare``'s relative measure)."""
+    return {
+        n: float((grads[n].float() - g).norm() / g.norm().clamp_min(1e-30))
+        for n, g in ref_grads.items()
+    }
+
+
+def compute_reference(
+    cases: list[Case], shape: ModelShape, bf16_noise: bool = False
+) -> dict[str, Any]:
     """Initial weights per model shape, and per case the reference loss and gradients
     (``testing/reference.py``: stock megatron-core, one document at a time, tensor parallel 1,
-    no collective). Identical on every rank: CPU initialisation from one seed."""
-    from megatron_hsp.testing.reference import initial_weights, reference_model, reference_step
+    no collective). Identical on every rank: CPU initialisation from one seed.
 
-    models: dict[ModelShape, Any] = {}
+    ``bf16_noise`` (the acceptance kit's bf16 rows): also, per case and parameter, how far the
+    same stock model in bf16 (``bf16_reference_model``) lands from the fp32 gradients,
+    ``||g - g_ref|| / ||g_ref||``: the yardstick of ``tolerances.BF16_NOISE_FACTOR``."""
+    from megatron_hsp.testing.reference import (
+        bf16_reference_model,
+        initial_weights,
+        reference_model,
+        reference_step,
+    )
+
+    models: dict[Any, Any] = {}
     out: dict[str, Any] = {"weights": {}, "cases": {}}
     for case in cases:
         case_shape = case.model_shape(shape)
         if case_shape not in models:
             models[case_shape] = reference_model(case_shape)
             out["weights"][case_shape] = initial_weights(models[case_shape])
-        loss, grads = reference_step(models[case_shape], case.documents(shape.vocab_size))
+        docs = case.documents(shape.vocab_size)
+        loss, grads = reference_step(models[case_shape], docs)
         out["cases"][case.name] = {"loss": loss, "grads": grads}
+        if bf16_noise:
+            if ("bf16", case_shape) not in models:
+                models["bf16", case_shape] = bf16_reference_model(case_shape)
+            _, low = reference_step(models["bf16", case_shape], docs)
+            out["cases"][case.name]["bf16_rel"] = {
+                n: float((low[n].float() - g).norm() / g.norm().clamp_min(1e-30))
+                for n, g in grads.items()
+            }
     return out
 
 
@@ -561,6 +589,8 @@ def run_case(state: _WorkerState, case: Case, reference: dict[str, Any]) -> dict
         "max_abs_grad_diff": max_abs,
         "max_rel_grad_diff": max_rel,
         "worst_param": worst,
+        "grad_rel_by_param": _relative_by_param(grads, ref["grads"]),
+        "stock_bf16_rel": ref.get("bf16_rel") if state.dtype == "bf16" else None,
         "group_sizes": [mb.group_sizes for mb in plan.microbatches],
         "layouts": _layouts(plan, state.heads(case)),
         "forward_calls": res.forward_calls,

@@ -39,6 +39,13 @@ TOLERANCES: dict[str, Tolerance] = {
     "gpu-bf16": Tolerance(loss=2e-2, grad=5e-2),
 }
 
+#: bf16 rows are also judged against stock megatron-core's own bf16 noise: a parameter whose
+#: gradient sums many cancelling terms (a norm bias over a 1,000-token document) differs from
+#: the fp32 reference by 20-25% in stock bf16 alone, far above ``gpu-bf16``'s 5%. Such a
+#: parameter may differ by this factor times the stock bf16 model's own difference (the same
+#: reference weights rounded to bf16, one document at a time, on the host CPU).
+BF16_NOISE_FACTOR = 3.0
+
 #: The CPU checks' entry (selftest and the Megatron loop).
 CPU = TOLERANCES["cpu-fp32"]
 

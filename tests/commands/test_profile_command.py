@@ -47,7 +47,9 @@ def test_profile_writes_every_measured_term(profiled):
     assert set(co["a2a_ms_per_token"]) == {2} and co["a2a_ms_per_token"][2] > 0
     assert set(co["ring_step_ms_per_token"]) == {2} and co["ring_step_ms_per_token"][2] > 0
     assert co["group_fixed_ms"][2] == co["group_fixed_ms"][1] > 0  # compute's b, every size
-    assert co["a2a_fixed_ms"][2] > 0 and co["ring_step_fixed_ms"][2] > 0  # split latencies
+    # split latencies: written for the size; an intercept of a few microseconds fits to zero
+    # under load (the non-negative fit clamps it; seen once in a full-suite run), slopes cannot
+    assert co["a2a_fixed_ms"][2] >= 0 and co["ring_step_fixed_ms"][2] >= 0
     assert spec["details"]["act_mib_per_token"] > 0 and spec["details"]["step_ms"] > 0
     assert "2 ranks x 1 thread" in spec["source"]
 

@@ -139,3 +139,17 @@ def test_reference_is_causal_and_documents_are_separate(megatron_cpu):
     one, _ = reference_step(model, [doc])
     two, _ = reference_step(model, [other])
     assert both == pytest.approx((one * 23 + two * 8) / 31, rel=1e-6)
+
+
+def test_bf16_models_are_bf16_throughout(megatron_cpu):
+    """CUDA's layer norm refuses bf16 input with fp32 weights (the CPU kernel accepts the mix):
+    the kit's bf16 HSP model and its stock bf16 yardstick hold every parameter in bf16, as
+    Megatron's ``Float16Module`` casts the model it trains (the kit crashed on an H200 before)."""
+    import torch
+
+    from megatron_hsp.testing.reference import ModelShape, bf16_reference_model
+    from megatron_hsp.testing.selftest import build_model
+
+    for model in (build_model(ModelShape(), "cpu", "bf16"), bf16_reference_model(ModelShape())):
+        wrong = {n: p.dtype for n, p in model.named_parameters() if p.dtype != torch.bfloat16}
+        assert not wrong, wrong
