@@ -393,8 +393,8 @@ def _verdict(
         grad_judged = max(_grad_judged(r, grad_tol) for r in rows)
         routes: dict[str, int] = {}
         for r in rows:
-            for name, calls in r["routes"].items():
-                routes[name] = routes.get(name, 0) + calls
+            for route, calls in r["routes"].items():
+                routes[route] = routes.get(route, 0) + calls
         out.append(
             {
                 "name": row["name"],

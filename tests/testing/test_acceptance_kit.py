@@ -159,6 +159,9 @@ def test_kit_runs_its_bf16_rows_as_megatron_trains_bf16():
     one = _torchrun(1, "--device", "cpu", "--dtype", "fp32,bf16", "--json")
     assert one.returncode == 0, one.stderr[-3000:]
     doc = _json(one.stdout)
+    # the device's name, not the last attention route counted (the H200 record said
+    # "torch-sdpa": the routes loop reused the name's variable)
+    assert doc["kit"]["device"] == "cpu", doc["kit"]
     rows = [c for c in doc["cases"] if c["dtype"] == "bf16"]
     assert doc["ok"] and rows and all(c["stock_bf16_noise"] for c in rows)
     assert all(c["grad_judged"] <= 1.0 for c in doc["cases"])
