@@ -145,8 +145,16 @@ def main(argv: list[str] | None = None) -> int:
         help="write each generated distribution to DIR/<name>.txt.gz (for other scripts' "
         "--lengths) and exit",
     )
+    ap.add_argument(
+        "--fingerprints",
+        default=None,
+        metavar="FILE",
+        help="write every method's plan fingerprint per distribution and batch to FILE (JSON): "
+        "two runs with the same seed, idle and loaded, must write the same (issue 30)",
+    )
     args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)
+    prints: dict[str, dict[str, list[str]]] = {}
     if args.dump_lengths:
         out_dir = Path(args.dump_lengths)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -193,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
             if proc.returncode != 0:
                 print(f"| {name} | failed: {proc.stderr.strip().splitlines()[-1]} |")
                 continue
-            s = json.loads(out.read_text())["summary"]
+            doc = json.loads(out.read_text())
+            prints[name] = {
+                m: r["fingerprints"] for m, r in doc["methods"].items() if "fingerprints" in r
+            }
+            s = doc["summary"]
             tot = s["total_step_s"]
 
             def sp(k: str, s=s) -> str:
@@ -221,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{str(s['all_plans_valid']).lower()} |",
                 flush=True,
             )
+    if args.fingerprints:
+        Path(args.fingerprints).write_text(json.dumps(prints, indent=1, sort_keys=True))
     return 0
 
 

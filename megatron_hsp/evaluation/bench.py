@@ -147,6 +147,9 @@ class MethodResult:
     # Per batch, the stages the wall-clock cap stopped (hsp's ``plan.extra["cut_by_cap"]``; empty:
     # the work counts decided the plan, the same on any machine).
     cut_by_cap: list[list[str]] = field(default_factory=list)
+    # Per batch, the plan's fingerprint (``Plan.fingerprint``): two runs of the same inputs,
+    # on an idle and a loaded machine, must print the same ones (issue 30's load check).
+    fingerprints: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -167,6 +170,8 @@ class MethodResult:
             d["problems"] = self.problems[:10]  # invalid or not executable
         if any(self.cut_by_cap):
             d["cut_by_cap"] = self.cut_by_cap
+        if self.fingerprints:
+            d["fingerprints"] = self.fingerprints
         if self.infeasible:
             d["infeasible_batches"] = len(self.infeasible)
             d["infeasible_reason"] = self.infeasible[0]
@@ -182,6 +187,7 @@ def _record(res: MethodResult, plan: Plan, lengths: np.ndarray, cost: CostModel,
     res.solve_ms.append(float(ms))
     res.microbatches.append(len(plan.microbatches))
     res.cut_by_cap.append(list(plan.extra.get("cut_by_cap", [])))
+    res.fingerprints.append(plan.fingerprint())
     res.valid.append(not problems)
     res.executable.append(None if heads is None else not not_runnable)
     res.problems.extend(problems + not_runnable)

@@ -96,3 +96,7 @@ def test_bench_json_names_the_batches_the_cap_cut(monkeypatch):
     cut = run_bench([batch], cost, CLUSTER, ["hsp"], hsp=PlannerSettings(time_budget_s=1.0))
     cut = cut["methods"]["hsp"]
     assert len(cut["cut_by_cap"]) == 1 and cut["cut_by_cap"][0]
+    # every batch's fingerprint, for comparing runs on an idle and a loaded machine
+    # (benchmarks/suite.py --fingerprints); the cut plan is a different one
+    assert len(calm["fingerprints"]) == len(cut["fingerprints"]) == 1
+    assert calm["fingerprints"] != cut["fingerprints"]
