@@ -279,6 +279,11 @@ def default_cost_model_spec(
         "gated": bool(getattr(args, "swiglu", False)),
         "tied_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False),
     }
+    kv_channels = getattr(args, "kv_channels", None)
+    if kv_channels and int(kv_channels) != hidden // heads:
+        # --kv-channels sets the attention head dim apart from hidden / heads (Megatron's
+        # validate_args fills it in with that quotient when it is not given)
+        model["head_dim"] = int(kv_channels)
     hw = {**HARDWARE_COMMON, **HARDWARE_PRESETS[hardware.preset]}
     for key in ("peak_tflops", "hbm_gb", "hbm_tbs", "nvlink_gbs", "inter_node_gbs", "p2p_gbs"):
         if key in hw:

@@ -41,6 +41,7 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=384)  # 4, 6 and 8 heads
     p.add_argument("--ffn-hidden-size", type=int, default=None)
+    p.add_argument("--kv-channels", type=int, default=None)
     p.add_argument("--swiglu", action="store_true")
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--untie-embeddings-and-output-weights", action="store_true")

@@ -84,6 +84,23 @@ def test_megatron_flags_and_the_dense_preset_are_one_shape_type():
     assert shape.qk_dim == 128
 
 
+def test_kv_channels_set_the_attention_head_dim():
+    """``--kv-channels`` apart from hidden / heads (a wide-head model): attention is priced at
+    that head dim. Before, the flag was not read and attention was priced at hidden / heads."""
+    base = [*BASE, *LLAMA3_8B, "--use-distributed-optimizer"]
+    plain = config(base).cost_model
+    assert "head_dim" not in plain["model"]
+    # Megatron's validate_args fills --kv-channels with hidden / heads: nothing changes
+    assert config([*base, "--kv-channels", "128"]).cost_model == plain
+    wide = config([*base, "--kv-channels", "256"]).cost_model
+    assert wide["model"]["head_dim"] == 256
+    shape = TransformerShape.from_spec(wide["model"], name=wide["name"])
+    assert shape.qk_dim == 256
+    assert priced(config([*base, "--kv-channels", "256"])).attn_ms_per_token2 == pytest.approx(
+        2 * load_cost_model(plain, world_size=8).attn_ms_per_token2, rel=1e-9
+    )
+
+
 def test_moe_flags_price_the_active_experts():
     """Issue 17: with --num-experts the default model's FFN is the active experts' (top-k x
     the expert width + shared), and a note says what it leaves out (expert memory, dispatch)."""

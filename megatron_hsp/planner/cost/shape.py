@@ -31,13 +31,15 @@ class ActivationLayout(Protocol):
 
 
 # The keys of a cost-model spec's ``model`` section (``load_cost_model``): a dense model whose
-# head dim is hidden / heads. The format predates the explicit head dims and MoE fields.
+# head dim is hidden / heads unless ``head_dim`` says otherwise (Megatron's ``--kv-channels``).
+# The format predates the MoE fields.
 SPEC_KEYS = (
     "name",
     "layers",
     "hidden",
     "heads",
     "kv_heads",
+    "head_dim",
     "ffn_hidden",
     "vocab",
     "gated",
