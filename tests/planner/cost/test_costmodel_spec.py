@@ -48,7 +48,11 @@ def test_model_and_hardware_sections_equal_the_preset(tmp_path):
     spec = {
         "name": "llama3-8b-h100",
         # A spec's model section: the dense keys (head dim hidden / heads), as the preset's.
-        "model": {k: getattr(LLAMA3_8B, k) for k in SPEC_KEYS if k != "name"},
+        "model": {
+            k: getattr(LLAMA3_8B, k)
+            for k in SPEC_KEYS
+            if k != "name" and getattr(LLAMA3_8B, k) is not None  # head_dim: optional
+        },
         "hardware": dataclasses.asdict(H100_SXM),
         "training": {"zero_stage": 1, "recompute": False},
     }
