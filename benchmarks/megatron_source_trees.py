@@ -3,6 +3,9 @@
     PYTHONPATH=. python benchmarks/megatron_source_trees.py dev=/path/to/Megatron-LM@d48bd6be \\
         main=/path/to/Megatron-LM@d98e8a64
 
+Without trees named: ``dev`` from ``$MEGATRON_HSP_DEV_CHECKOUT`` and ``main`` from
+``$MEGATRON_HSP_MAIN_CHECKOUT`` where set; ``--skip-if-missing`` exits 0 saying so when neither is.
+
 CI runs ``tests/megatron/test_patches.py`` on the fixture scripts with the megatron-core wheel
 (0.19.2): Megatron-LM dev's scripts and main's ``pretrain_hybrid.py`` import megatron-core code
 newer than that wheel, so CI cannot run them. This check puts each checkout's own ``megatron/``
@@ -60,7 +63,18 @@ def _run(argv: list[str], tmp: Path, root: Path, tree: Path, world: str) -> tupl
 
 
 def main(argv: list[str]) -> int:
-    trees = dict(a.split("=", 1) for a in argv)
+    skip = "--skip-if-missing" in argv
+    trees = dict(a.split("=", 1) for a in argv if a != "--skip-if-missing")
+    for ref, var in (("dev", "MEGATRON_HSP_DEV_CHECKOUT"), ("main", "MEGATRON_HSP_MAIN_CHECKOUT")):
+        if not trees.get(ref) and os.environ.get(var):
+            trees[ref] = os.environ[var]
+    if not trees:
+        print(
+            "megatron_source_trees: no Megatron-LM checkout named (ref=path, or "
+            "$MEGATRON_HSP_DEV_CHECKOUT / $MEGATRON_HSP_MAIN_CHECKOUT)",
+            file=sys.stderr,
+        )
+        return 0 if skip else 2
     failed = 0
     for ref, path in trees.items():
         tree = Path(path)

@@ -63,6 +63,10 @@ def commands(out: Path) -> dict[str, list[str]]:
         "dp_balanced_source_check": [
             py, str(HERE / "dp_balanced_source_check.py"), "--steps", "1", "--skip-if-missing",
         ],
+        # Needs Megatron-LM checkouts ($MEGATRON_HSP_DEV_CHECKOUT, $MEGATRON_HSP_MAIN_CHECKOUT).
+        "megatron_source_trees": [
+            py, str(HERE / "megatron_source_trees.py"), "--skip-if-missing",
+        ],
         # Needs a FlexSP checkout (--galvatron / $HSP_GALVATRON) and pyscipopt; says so if absent.
         "flexsp_solver_compare": [
             py, str(HERE / "flexsp_solver_compare.py"), "--iters", "1", "--distributions",
