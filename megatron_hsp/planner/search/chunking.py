@@ -23,6 +23,7 @@ puts each cross-node sequence at the size that shortens the step most beside sho
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 
@@ -82,18 +83,25 @@ def chunk_contiguous(inst: Instance, m: int, weight: str = "tokens") -> list[lis
     ``weight`` is ``tokens`` (FlexSP's rule) or ``work`` (rank-ms). Bisection on the run limit
     with a greedy cut is exact for contiguous partitions.
     """
-    order = longest_first(inst)
-    w = np.asarray(
-        [float(inst.lengths[i]) if weight == "tokens" else inst.work_min[i] for i in order]
-    )
-    prefix = np.concatenate([[0.0], np.cumsum(w)])
+    # The order and its prefix sums do not depend on ``m``: built once per instance (the solver
+    # asks for every candidate count).
+    key = ("contiguous", weight)
+    if key not in inst.memo:
+        order = longest_first(inst)
+        w = np.asarray(
+            [float(inst.lengths[i]) if weight == "tokens" else inst.work_min[i] for i in order]
+        )
+        # The prefix sums as Python floats (the same doubles): bisect on them gives
+        # searchsorted's answer without a numpy call per run.
+        inst.memo[key] = order, float(w.max()), np.concatenate([[0.0], np.cumsum(w)]).tolist()
+    order, heaviest, sums = inst.memo[key]  # type: ignore[misc]
     n = len(order)
 
     def cuts(limit: float) -> list[int] | None:
         """Greedy run ends: each run takes as many as fit under ``limit`` (at least one)."""
         ends, pos = [], 0
         while pos < n:
-            end = int(np.searchsorted(prefix, prefix[pos] + limit, side="right")) - 1
+            end = bisect.bisect_right(sums, sums[pos] + limit) - 1
             end = max(end, pos + 1)
             ends.append(end)
             pos = end
@@ -101,7 +109,7 @@ def chunk_contiguous(inst: Instance, m: int, weight: str = "tokens") -> list[lis
                 return None
         return ends
 
-    lo, hi = float(w.max()), float(prefix[-1])
+    lo, hi = heaviest, sums[-1]
     best = cuts(hi)
     for _ in range(50):
         if hi - lo <= 1e-6 * hi:
