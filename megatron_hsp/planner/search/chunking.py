@@ -60,19 +60,25 @@ def chunk_time_balanced(inst: Instance, m: int, fill: float = 1.0) -> list[list[
     if m == 1:
         return [longest_first(inst)]  # every sequence in the one micro-batch, as the loop puts it
     room = fill * inst.world_size * inst.cap
+    lengths, work_min = inst.lengths, inst.work_min
     loads = [0.0] * m
     tokens = [0] * m
+    # (load, micro-batch) ascending: the first with token room is the least loaded one with
+    # room, ties to the lowest index (one short scan instead of a pass over all ``m``).
+    by_load = [(0.0, b) for b in range(m)]
     out: list[list[int]] = [[] for _ in range(m)]
     for i in longest_first(inst):
-        ln = inst.lengths[i]
-        chosen, best = -1, float("inf")
-        for b in range(m):
-            if tokens[b] + ln <= room and loads[b] < best:
-                chosen, best = b, loads[b]
-        if chosen < 0:
+        ln = lengths[i]
+        k = next((k for k, (_, b) in enumerate(by_load) if tokens[b] + ln <= room), -1)
+        if k >= 0:
+            chosen = by_load[k][1]
+        else:
             chosen = min(range(m), key=lambda b: (tokens[b], b))
+            k = by_load.index((loads[chosen], chosen))
+        del by_load[k]
         tokens[chosen] += ln
-        loads[chosen] += inst.work_min[i]
+        loads[chosen] += work_min[i]
+        bisect.insort(by_load, (loads[chosen], chosen))
         out[chosen].append(i)
     return [b for b in out if b]
 
@@ -102,7 +108,8 @@ def chunk_contiguous(inst: Instance, m: int, weight: str = "tokens") -> list[lis
         ends, pos = [], 0
         while pos < n:
             end = bisect.bisect_right(sums, sums[pos] + limit) - 1
-            end = max(end, pos + 1)
+            if end <= pos:
+                end = pos + 1  # at least one
             ends.append(end)
             pos = end
             if len(ends) > m:
