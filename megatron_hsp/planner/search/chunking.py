@@ -270,16 +270,23 @@ def _fill_short(
     short sequences (all ranks free). The one fill rule of ``chunk_long_grouped`` and
     ``chunk_long_sized``; the lists are updated in place."""
     n, cap, base = inst.world_size, inst.cap, inst.min_fixed
+    lengths, work_min, best = inst.lengths, inst.work_min, inst.best
+
+    def makespan(c: int) -> float:  # a micro-batch's estimate before the next sequence
+        return max(crit[c], base + work[c] / free[c]) if free[c] > 0 else math.inf
+
+    # Each micro-batch's estimate changes only when it takes a sequence: kept, not recomputed
+    # for every sequence and micro-batch.
+    before = [makespan(c) for c in range(len(chunks))]
     for i in order:
-        ln, w = inst.lengths[i], inst.work_min[i]
+        ln, w, own = lengths[i], work_min[i], best[i]
         chosen, best_key = -1, (math.inf, math.inf)
         for c in range(len(chunks)):
             f = free[c]
             if room[c] < ln or f <= 0:
                 continue
-            before = max(crit[c], base + work[c] / f)
-            after = max(crit[c], inst.best[i], base + (work[c] + w) / f)
-            key = (after - before, work[c] / f if per_rank_key else work[c])
+            after = max(crit[c], own, base + (work[c] + w) / f)
+            key = (after - before[c], work[c] / f if per_rank_key else work[c])
             if key < best_key:
                 chosen, best_key = c, key
         if chosen < 0:  # the long groups left no room anywhere: a micro-batch of short ones
@@ -288,11 +295,13 @@ def _fill_short(
             room.append(float(n * cap))
             crit.append(0.0)
             work.append(0.0)
+            before.append(0.0)
             chosen = len(chunks) - 1
         chunks[chosen].append(i)
         room[chosen] -= ln
         work[chosen] += w
-        crit[chosen] = max(crit[chosen], inst.best[i])
+        crit[chosen] = max(crit[chosen], own)
+        before[chosen] = makespan(chosen)
 
 
 LONG_SIZED_FILL = 0.9

@@ -315,7 +315,8 @@ def build_groups(
     nsz = len(sizes)
     jfloor = bisect.bisect_left(sizes, min_size)  # the first size >= min_size (ascending)
     # Per size: heap of (load_ms, group index); group state in parallel lists.
-    heaps: list[list[tuple[float, int]]] = [[] for _ in range(nsz)]
+    # (Made when a size's first group opens: most builds open a few sizes of many.)
+    heaps: list[list[tuple[float, int]]] = [None] * nsz  # type: ignore[list-item]
     g_size: list[int] = []
     g_load: list[float] = []
     g_tokens: list[int] = []
@@ -401,10 +402,12 @@ def build_groups(
             g_tokens.append(ln)
             g_ids.append([i])
             used += sizes[best_j]
-            if not heaps[best_j]:
+            heap = heaps[best_j]
+            if heap is None:
+                heaps[best_j] = heap = []
                 open_js.append(best_j)
                 open_js.sort()
-            heappush(heaps[best_j], (row[best_j], best_g))
+            heappush(heap, (row[best_j], best_g))
         else:
             load = g_load[best_g] + row[best_j]
             g_load[best_g] = load
