@@ -33,17 +33,23 @@ def _instance(seed: int, gpus: int = 64, n: int = 300) -> Instance:
     return Instance.build(lengths.tolist(), cost, cluster, sizes)
 
 
+def _count_calls(monkeypatch, name: str) -> list[int]:
+    """``greedy.<name>`` counting its calls into the returned one-element list."""
+    calls = [0]
+    real = getattr(greedy, name)
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(greedy, name, counting)
+    return calls
+
+
 def test_a_schedule_asked_again_builds_nothing_and_is_the_callers_own(monkeypatch):
     inst = _instance(0)
     cluster = Cluster(inst.world_size, inst.gpus_per_node)
-    builds = [0]
-    real = greedy.build_groups
-
-    def counting(*args, **kwargs):
-        builds[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(greedy, "build_groups", counting)
+    builds = _count_calls(monkeypatch, "build_groups")
     # Thirty short sequences and two long ones (multi-rank groups beside single ranks).
     ids = [i for i in range(300) if inst.lengths[i] <= inst.cap][:30]
     ids += [i for i in range(300) if inst.lengths[i] > inst.cap][:2]
@@ -68,14 +74,7 @@ def test_a_tiling_check_is_placed_once_per_mix_of_sizes(monkeypatch):
     inst = _instance(1)
     assert not inst.buddy  # sizes 3, 5, 6, 7, 24, ... are legal: placement is searched
     cluster = Cluster(inst.world_size, inst.gpus_per_node)
-    placed = [0]
-    real = greedy._assign_starts
-
-    def counting(*args, **kwargs):
-        placed[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(greedy, "_assign_starts", counting)
+    placed = _count_calls(monkeypatch, "_assign_starts")
     mix = [(24, (0,)), (24, (1,)), (8, (2,)), (3, (3,))]
     assert greedy.groups_fit(inst, mix, cluster)
     assert greedy.groups_fit(inst, mix[::-1], cluster)  # the same sizes in another order
@@ -140,35 +139,25 @@ def _plain_time_balanced(inst: Instance, m: int) -> list[list[int]]:
     return [c for c in out if c]
 
 
-def _plain_contiguous(inst: Instance, m: int) -> list[list[int]]:
-    order = inst.longest_first()
-    prefix = np.concatenate([[0.0], np.cumsum([float(inst.lengths[i]) for i in order])])
+class _SearchsortedBisect:
+    """``bisect`` as ``chunk_contiguous`` used it before: ``numpy.searchsorted`` on an array."""
 
-    def cuts(limit: float) -> list[int] | None:
-        ends, pos = [], 0
-        while pos < len(order):
-            pos = max(int(np.searchsorted(prefix, prefix[pos] + limit, side="right")) - 1, pos + 1)
-            ends.append(pos)
-            if len(ends) > m:
-                return None
-        return ends
-
-    lo, hi = max(float(inst.lengths[i]) for i in order), float(prefix[-1])
-    best = cuts(hi)
-    for _ in range(50):
-        if hi - lo <= 1e-6 * hi:
-            break
-        mid = 0.5 * (lo + hi)
-        got = cuts(mid)
-        lo, hi, best = (mid, hi, best) if got is None else (lo, mid, got)
-    assert best is not None
-    return [order[a:b] for a, b in zip([0, *best[:-1]], best, strict=True)]
+    @staticmethod
+    def bisect_right(values: list[float], x: float) -> int:
+        return int(np.searchsorted(np.asarray(values), x, side="right"))
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_chunkings_equal_their_plain_forms_at_every_count(seed):
-    inst = _instance(seed, n=int(np.random.default_rng(seed).integers(50, 700)))
+def test_chunkings_equal_their_plain_forms_at_every_count(monkeypatch, seed):
+    n = int(np.random.default_rng(seed).integers(50, 700))
+    inst = _instance(seed, n=n)
     low = chunking.min_microbatches(inst)
-    for m in range(low, low + 12):
+    counts = range(low, low + 12)
+    for m in counts:
         assert chunking.chunk_time_balanced(inst, m) == _plain_time_balanced(inst, m)
-        assert chunking.chunk_contiguous(inst, m) == _plain_contiguous(inst, m)
+    contiguous = [chunking.chunk_contiguous(inst, m) for m in counts]
+    # Run ends found by bisect on the prefix sums as Python floats are searchsorted's on the
+    # float64 array, and the order and sums kept per instance are those of a fresh one.
+    monkeypatch.setattr(chunking, "bisect", _SearchsortedBisect)
+    fresh = _instance(seed, n=n)  # nothing kept yet
+    assert [chunking.chunk_contiguous(fresh, m) for m in counts] == contiguous
