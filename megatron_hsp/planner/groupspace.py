@@ -350,6 +350,7 @@ def _block_starts(world: int, g: int, size: int) -> tuple[int, ...]:
     return tuple(range(0, world - size + 1, size))
 
 
+@functools.cache  # asked per group by every split and price (a few ints: a small cache)
 def largest_ulysses(size: int, q_heads: int) -> int:
     """Largest divisor of ``size`` that also divides ``q_heads`` (the default Ulysses degree)."""
     return max(u for u in range(1, size + 1) if size % u == 0 and q_heads % u == 0)

@@ -23,6 +23,7 @@ puts each cross-node sequence at the size that shortens the step most beside sho
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 
@@ -59,19 +60,25 @@ def chunk_time_balanced(inst: Instance, m: int, fill: float = 1.0) -> list[list[
     if m == 1:
         return [longest_first(inst)]  # every sequence in the one micro-batch, as the loop puts it
     room = fill * inst.world_size * inst.cap
+    lengths, work_min = inst.lengths, inst.work_min
     loads = [0.0] * m
     tokens = [0] * m
+    # (load, micro-batch) ascending: the first with token room is the least loaded one with
+    # room, ties to the lowest index (one short scan instead of a pass over all ``m``).
+    by_load = [(0.0, b) for b in range(m)]
     out: list[list[int]] = [[] for _ in range(m)]
     for i in longest_first(inst):
-        ln = inst.lengths[i]
-        chosen, best = -1, float("inf")
-        for b in range(m):
-            if tokens[b] + ln <= room and loads[b] < best:
-                chosen, best = b, loads[b]
-        if chosen < 0:
+        ln = lengths[i]
+        k = next((k for k, (_, b) in enumerate(by_load) if tokens[b] + ln <= room), -1)
+        if k >= 0:
+            chosen = by_load[k][1]
+        else:
             chosen = min(range(m), key=lambda b: (tokens[b], b))
+            k = by_load.index((loads[chosen], chosen))
+        del by_load[k]
         tokens[chosen] += ln
-        loads[chosen] += inst.work_min[i]
+        loads[chosen] += work_min[i]
+        bisect.insort(by_load, (loads[chosen], chosen))
         out[chosen].append(i)
     return [b for b in out if b]
 
@@ -82,26 +89,34 @@ def chunk_contiguous(inst: Instance, m: int, weight: str = "tokens") -> list[lis
     ``weight`` is ``tokens`` (FlexSP's rule) or ``work`` (rank-ms). Bisection on the run limit
     with a greedy cut is exact for contiguous partitions.
     """
-    order = longest_first(inst)
-    w = np.asarray(
-        [float(inst.lengths[i]) if weight == "tokens" else inst.work_min[i] for i in order]
-    )
-    prefix = np.concatenate([[0.0], np.cumsum(w)])
+    # The order and its prefix sums do not depend on ``m``: built once per instance (the solver
+    # asks for every candidate count).
+    key = ("contiguous", weight)
+    if key not in inst.memo:
+        order = longest_first(inst)
+        w = np.asarray(
+            [float(inst.lengths[i]) if weight == "tokens" else inst.work_min[i] for i in order]
+        )
+        # The prefix sums as Python floats (the same doubles): bisect on them gives
+        # searchsorted's answer without a numpy call per run.
+        inst.memo[key] = order, float(w.max()), np.concatenate([[0.0], np.cumsum(w)]).tolist()
+    order, heaviest, sums = inst.memo[key]  # type: ignore[misc]
     n = len(order)
 
     def cuts(limit: float) -> list[int] | None:
         """Greedy run ends: each run takes as many as fit under ``limit`` (at least one)."""
         ends, pos = [], 0
         while pos < n:
-            end = int(np.searchsorted(prefix, prefix[pos] + limit, side="right")) - 1
-            end = max(end, pos + 1)
+            end = bisect.bisect_right(sums, sums[pos] + limit) - 1
+            if end <= pos:
+                end = pos + 1  # at least one
             ends.append(end)
             pos = end
             if len(ends) > m:
                 return None
         return ends
 
-    lo, hi = float(w.max()), float(prefix[-1])
+    lo, hi = heaviest, sums[-1]
     best = cuts(hi)
     for _ in range(50):
         if hi - lo <= 1e-6 * hi:
@@ -255,16 +270,23 @@ def _fill_short(
     short sequences (all ranks free). The one fill rule of ``chunk_long_grouped`` and
     ``chunk_long_sized``; the lists are updated in place."""
     n, cap, base = inst.world_size, inst.cap, inst.min_fixed
+    lengths, work_min, best = inst.lengths, inst.work_min, inst.best
+
+    def makespan(c: int) -> float:  # a micro-batch's estimate before the next sequence
+        return max(crit[c], base + work[c] / free[c]) if free[c] > 0 else math.inf
+
+    # Each micro-batch's estimate changes only when it takes a sequence: kept, not recomputed
+    # for every sequence and micro-batch.
+    before = [makespan(c) for c in range(len(chunks))]
     for i in order:
-        ln, w = inst.lengths[i], inst.work_min[i]
+        ln, w, own = lengths[i], work_min[i], best[i]
         chosen, best_key = -1, (math.inf, math.inf)
         for c in range(len(chunks)):
             f = free[c]
             if room[c] < ln or f <= 0:
                 continue
-            before = max(crit[c], base + work[c] / f)
-            after = max(crit[c], inst.best[i], base + (work[c] + w) / f)
-            key = (after - before, work[c] / f if per_rank_key else work[c])
+            after = max(crit[c], own, base + (work[c] + w) / f)
+            key = (after - before[c], work[c] / f if per_rank_key else work[c])
             if key < best_key:
                 chosen, best_key = c, key
         if chosen < 0:  # the long groups left no room anywhere: a micro-batch of short ones
@@ -273,11 +295,13 @@ def _fill_short(
             room.append(float(n * cap))
             crit.append(0.0)
             work.append(0.0)
+            before.append(0.0)
             chosen = len(chunks) - 1
         chunks[chosen].append(i)
         room[chosen] -= ln
         work[chosen] += w
-        crit[chosen] = max(crit[chosen], inst.best[i])
+        crit[chosen] = max(crit[chosen], own)
+        before[chosen] = makespan(chosen)
 
 
 LONG_SIZED_FILL = 0.9

@@ -144,7 +144,14 @@ def groups_fit(inst: Instance, groups: Sequence[GroupSpec], cluster: Cluster) ->
         return False
     if inst.buddy:
         return True
-    return _assign_starts(sorted((d for d, _ in groups), reverse=True), cluster, n) is not None
+    sizes = sorted((d for d, _ in groups), reverse=True)
+    # Whether a mix of sizes tiles depends on the sizes alone: asked once per mix and cluster
+    # (the bisection's builds repeat the same few mixes).
+    key = ("tiles", cluster, *sizes)
+    fit = inst.memo.get(key)
+    if fit is None:
+        fit = inst.memo[key] = _assign_starts(sizes, cluster, n) is not None
+    return bool(fit)
 
 
 class RankTiler:
@@ -304,11 +311,12 @@ def build_groups(
     smaller (pooled memory, see ``schedule_microbatch``).
     """
     ranks = inst.world_size if ranks is None else ranks
-    sizes, times, fixed, lengths, cap = inst.sizes, inst.times, inst.fixed, inst.lengths, inst.cap
+    sizes, times, fixed, lengths = inst.sizes, inst.times, inst.fixed, inst.lengths
     nsz = len(sizes)
-    jfloor = next((j for j, d in enumerate(sizes) if d >= min_size), nsz)
+    jfloor = bisect.bisect_left(sizes, min_size)  # the first size >= min_size (ascending)
     # Per size: heap of (load_ms, group index); group state in parallel lists.
-    heaps: list[list[tuple[float, int]]] = [[] for _ in range(nsz)]
+    # (Made when a size's first group opens: most builds open a few sizes of many.)
+    heaps: list[list[tuple[float, int]]] = [None] * nsz  # type: ignore[list-item]
     g_size: list[int] = []
     g_load: list[float] = []
     g_tokens: list[int] = []
@@ -323,9 +331,9 @@ def build_groups(
     # fixed cost) and its token capacity; hoisted out of the per-sequence loop, which is the
     # solve's hot spot at 16,384 GPUs (131k sequences, several builds per micro-batch).
     room_ms = [target - f for f in fixed]
-    room_tokens = [cap * d for d in sizes]
+    room_tokens = inst.size_tokens
     heappush, heapreplace = heapq.heappush, heapq.heapreplace
-    state = _Groups(g_load, g_tokens, g_ids)
+    state: _Groups | None = None  # made on the first bulk placement (long walks only)
     n = len(seq_ids)
     pos, bulk_end = 0, n - CATCH_UP_MIN
     while pos < n:
@@ -345,8 +353,8 @@ def build_groups(
                 reach = heap[0][0] + CATCH_UP_MIN * row[j0]
                 if reach < heap[1][0] and reach < heap[2][0]:
                     # Without first fit a larger open size may cost fewer rank-ms: checked.
-                    if state.order is None:
-                        state.order = np.asarray(seq_ids, dtype=np.int64)
+                    if state is None:
+                        state = _Groups(g_load, g_tokens, g_ids, np.asarray(seq_ids, np.int64))
                     took = _catch_up(
                         inst, state.order, pos, heap, j0, not first_fit and len(open_js) > 1,
                         room_ms[j0], room_tokens[j0], state,
@@ -394,10 +402,12 @@ def build_groups(
             g_tokens.append(ln)
             g_ids.append([i])
             used += sizes[best_j]
-            if not heaps[best_j]:
+            heap = heaps[best_j]
+            if heap is None:
+                heaps[best_j] = heap = []
                 open_js.append(best_j)
                 open_js.sort()
-            heappush(heaps[best_j], (row[best_j], best_g))
+            heappush(heap, (row[best_j], best_g))
         else:
             load = g_load[best_g] + row[best_j]
             g_load[best_g] = load
@@ -457,7 +467,7 @@ class _Groups:
     load: list[float]
     tokens: list[int]
     ids: list[list[int]]
-    order: np.ndarray | None = None  # the walk's sequence order as an array, once bulk runs
+    order: np.ndarray  # the walk's sequence order as an array
 
 
 def _catch_up(
@@ -536,6 +546,33 @@ def schedule_microbatch(
         # Thousands of sequences per micro-batch: each build costs more, and the bracket is
         # already tight, so stop bisecting at 1% there.
         rel_tol = 3e-3 if len(ids) <= 1024 else 1e-2
+    if not (len(ids) > 1024 and floor > inst.best[ids[0]]):
+        hint = None  # read only for thousands of sequences under a work floor (below)
+    # A pure function of its inputs: asked again (a chunk two counts share, a local-search
+    # move tried twice), the answer is the one computed before (``Instance.memo``).
+    key = ("schedule", cluster, tuple(ids), rel_tol, limit, hint)
+    got = inst.memo.get(key, _MISSING)
+    if got is _MISSING:
+        got = _schedule_sorted(inst, ids, floor, cluster, rel_tol, limit, hint)
+        inst.memo[key] = got
+    if got is None:
+        return None
+    return got[0], list(got[1])  # the caller's own list
+
+
+_MISSING = object()
+
+
+def _schedule_sorted(
+    inst: Instance,
+    ids: list[int],
+    floor: float,
+    cluster: Cluster,
+    rel_tol: float,
+    limit: float | None,
+    hint: float | None,
+) -> tuple[float, list[GroupSpec]] | None:
+    """``schedule_microbatch`` of ``ids`` (longest first, non-empty; ``floor`` theirs)."""
 
     # Memory first: when the builder cannot fit the sequences even with no time target, each
     # sequence on the smallest group that holds it fragments the memory (three sequences of

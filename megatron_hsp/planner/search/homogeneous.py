@@ -10,6 +10,7 @@ packing, Megatron's ``dp_balanced`` scheduler) and builds the named baselines on
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -37,24 +38,29 @@ def homogeneous_sizes(
 
 
 def _best_fit_decreasing(lengths: np.ndarray, capacity: float) -> list[list[int]] | None:
-    """FlexSP's ``BestFitDecreasing``: bins as lists of sequence ids, or None if one is too long."""
+    """FlexSP's ``BestFitDecreasing``: bins as lists of sequence ids, or None if one is too long.
+
+    Each sequence goes to the bin whose room left is the smallest that holds it (ties: the
+    first bin), else to a new bin. The rooms are kept sorted as (room, bin) pairs, so the best
+    fit is one bisection instead of a pass over every bin (thousands of numpy calls per batch
+    and size). The rooms are the capacity less whole token counts, exact in float64 (a multiple
+    of the capacity's last bit, no larger than it), so comparing rooms is comparing what is
+    left after the sequence, as FlexSP's rule is written.
+    """
     order = np.argsort(-lengths, kind="stable")
-    remaining = np.empty(len(lengths), dtype=np.float64)
+    rooms: list[tuple[float, int]] = []  # (room left, bin index), ascending
     bins: list[list[int]] = []
-    for sid in order.tolist():
-        s = float(lengths[sid])
+    for sid, n in zip(order.tolist(), lengths[order].tolist(), strict=True):
+        s = float(n)
         if s > capacity:
             return None
-        used = len(bins)
-        if used:
-            room = remaining[:used] - s
-            room[room < 0] = np.inf
-            best = int(np.argmin(room))
-            if np.isfinite(room[best]):
-                remaining[best] -= s
-                bins[best].append(sid)
-                continue
-        remaining[used] = capacity - s
+        k = bisect.bisect_left(rooms, (s, -1))  # the first bin with room >= s
+        if k < len(rooms):
+            room, b = rooms.pop(k)
+            bisect.insort(rooms, (room - s, b))
+            bins[b].append(sid)
+            continue
+        bisect.insort(rooms, (capacity - s, len(bins)))
         bins.append([sid])
     return bins
 
@@ -145,24 +151,27 @@ def plan_from_layout(
     lens = np.asarray(lengths, dtype=np.int64)
     split_of = split or cost.recorded_split
     microbatches: list[MicroBatch] = []
+    splits: dict[int, tuple[int, int]] = {}  # per size, asked once
     for mb in layout:
         placed: list[Group] = []
-        free = [True] * cluster.world_size
+        free = bytearray(b"\x01") * cluster.world_size  # 1: the rank is free
         for size, ids in sorted(mb, key=lambda t: -t[0]):
-            block = next(
-                (b for b in cluster.aligned_blocks(size) if all(free[r] for r in b)),
-                None,
-            )
-            if block is None:
+            if not cluster.size_fits(size):
+                cluster.aligned_blocks(size)  # raises, naming the legal sizes
+            whole = b"\x01" * size
+            start = next((b for b in cluster.block_starts(size) if free[b : b + size] == whole), -1)
+            if start < 0:
                 raise InfeasibleError(
                     f"groups of sizes {sorted((s for s, _ in mb), reverse=True)} cannot be "
                     f"placed as aligned blocks on {cluster.world_size} ranks"
                 )
-            for r in block:
-                free[r] = False
-            ids = sorted(int(i) for i in ids)
-            glens = tuple(int(x) for x in lens[ids]) if ids else ()
-            placed.append(Group(tuple(block), tuple(ids), glens, 0.0, *split_of(size)))
+            free[start : start + size] = bytes(size)
+            ids = sorted(map(int, ids))
+            glens = tuple(lens[ids].tolist()) if ids else ()
+            if size not in splits:
+                splits[size] = split_of(size)
+            block = tuple(range(start, start + size))
+            placed.append(Group(block, tuple(ids), glens, 0.0, *splits[size]))
         for r in (r for r in range(cluster.world_size) if free[r]):
             placed.append(Group((r,), (), (), 0.0, *cost.recorded_split(1)))
         placed.sort(key=lambda g: g.ranks[0])

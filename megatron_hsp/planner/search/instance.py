@@ -11,7 +11,7 @@ Python loops took seconds of a solve that must beat a 2-3 s step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -87,6 +87,10 @@ class Instance:
     # A group may run several passes between barriers (``cost/execution.py``: not
     # ``CostModel.pass_barrier``); the bounds then reason per pass and group, not per micro-batch.
     multi_pass: bool = True
+    # Results of pure functions of this instance (``greedy.schedule_microbatch``, placement
+    # checks), keyed by their inputs: a solve asks for the same micro-batch again and again
+    # (counts that share chunks, local search, the MILP's incumbents). Never part of equality.
+    memo: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -206,6 +210,11 @@ class Instance:
         # lexsort's last key is the primary one; both sorts are stable and total, so the order
         # equals sorted(key=(-length, index)).
         return ids[np.lexsort((ids, -self.lengths_np[ids]))].tolist()
+
+    @cached_property
+    def size_tokens(self) -> list[int]:
+        """Token capacity of a group of each size (``cap`` per rank); read per build."""
+        return [self.cap * d for d in self.sizes]
 
     @property
     def min_fixed(self) -> float:
