@@ -75,6 +75,12 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 0 if skip else 2
+    with tempfile.TemporaryDirectory(prefix="hsp-trees-") as scratch:
+        return _run_trees(trees, Path(scratch))
+
+
+def _run_trees(trees: dict[str, str], scratch: Path) -> int:
+    """Every case of every tree, each in its own folder under ``scratch``; 1 if any failed."""
     failed = 0
     for ref, path in trees.items():
         tree = Path(path)
@@ -82,7 +88,7 @@ def main(argv: list[str]) -> int:
             for entry, impl in (("launcher", "default"), ("patched", "local")):
                 if entry == "patched" and flags not in ("dense", "moe"):
                     continue
-                tmp = Path(tempfile.mkdtemp(prefix="hsp-tree-"))
+                tmp = Path(tempfile.mkdtemp(dir=scratch))
                 script = "pretrain_hybrid" if flags == "hybrid" else "pretrain_gpt"
                 root = _script_dir(tree, ref, script, entry == "patched", tmp)
                 path_ = str(root / f"{script}.py")
@@ -94,7 +100,7 @@ def main(argv: list[str]) -> int:
                 ok = code == 1 and last == CUDA_END and own
                 failed += not ok
                 print(f"{ref:13} {flags:8} {entry:8} {impl:8} {'ok' if ok else 'FAILED'}: {last}")
-        tmp = Path(tempfile.mkdtemp(prefix="hsp-tree-"))
+        tmp = Path(tempfile.mkdtemp(dir=scratch))
         root = _script_dir(tree, ref, "pretrain_gpt", False, tmp)
         tiny = tp.without_flag(
             tp.without_flag(tp.tiny_with_data(tmp), "--hsp-cost-model"), "--transformer-impl"

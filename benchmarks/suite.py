@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         "two runs with the same seed, idle and loaded, must write the same (issue 30)",
     )
     args = ap.parse_args(argv)
+    if args.fingerprints and not Path(args.fingerprints).resolve().parent.is_dir():
+        ap.error(f"--fingerprints {args.fingerprints}: its folder does not exist")
     rng = np.random.default_rng(args.seed)
     prints: dict[str, dict[str, list[str]]] = {}
     if args.dump_lengths:
