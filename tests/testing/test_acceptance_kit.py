@@ -156,7 +156,9 @@ def test_kit_runs_its_bf16_rows_as_megatron_trains_bf16():
     (``test_selftest_reference.test_bf16_models_are_bf16_throughout``). Here the kit on one CPU
     rank: a norm bias's gradient over a long document differs from fp32 by over 20% in stock
     megatron-core's bf16 too, so bf16 rows are judged against that yardstick."""
-    one = _torchrun(1, "--device", "cpu", "--dtype", "fp32,bf16", "--json")
+    # as on a GPU node: CUDA reported visible (the reference and its bf16 yardstick run in the
+    # child with CUDA hidden), NGC's TF32 override set
+    one = _torchrun(1, "--device", "cpu", "--dtype", "fp32,bf16", "--json", cuda_visible=True)
     assert one.returncode == 0, one.stderr[-3000:]
     doc = _json(one.stdout)
     # the device's name, not the last attention route counted (the H200 record said
