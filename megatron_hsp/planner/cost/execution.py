@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
 from megatron_hsp.planner.cost.costcore import CostModel
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 
@@ -66,6 +68,28 @@ def pass_ms(group: Group, cost: CostModel, ring: str = "overlap") -> float:
     return cost.group_ms(group.lengths, group.size, split, ring)
 
 
+def pass_times(groups: Sequence[Group], cost: CostModel, ring: str = "overlap") -> list[float]:
+    """``pass_ms`` of each of ``groups``, in order, to the bit: one ``CostModel.seq_ms`` call per
+    (size, split) over every group's lengths (it is elementwise), each group's slice summed as
+    ``group_ms`` sums it. Why: a homogeneous layout has hundreds of groups, and one ``seq_ms``
+    call per group was most of what pricing it cost."""
+    by_key: dict[tuple[int, tuple[int, int] | None], list[int]] = {}
+    for k, g in enumerate(groups):
+        if g.lengths:
+            by_key.setdefault((g.size, (g.ulysses, g.ring) if g.ulysses else None), []).append(k)
+    out = [0.0] * len(groups)
+    for (d, split), ks in by_key.items():
+        flat = [n for k in ks for n in groups[k].lengths]
+        per_seq = cost.seq_ms(np.asarray(flat, dtype=np.float64), d, split, ring)
+        fixed = cost.fixed_ms(d, split)
+        at = 0
+        for k in ks:
+            end = at + len(groups[k].lengths)
+            out[k] = float(per_seq[at:end].sum()) + fixed
+            at = end
+    return out
+
+
 def price(plan: Plan, cost: CostModel, ring: str = "overlap", *, pipelined: bool = False) -> Plan:
     """``plan`` with every estimate set by the execution model (the one price function).
 
@@ -76,12 +100,17 @@ def price(plan: Plan, cost: CostModel, ring: str = "overlap", *, pipelined: bool
     price each pass on its own, for ``cost/pipeline.py``'s schedule to order.
     """
     microbatches: list[MicroBatch] = []
+    flat = [g for mb in plan.microbatches for g in mb.groups]
+    times = iter(pass_times(flat, cost, ring))
+    est = [[next(times) for _ in mb.groups] for mb in plan.microbatches]
     for seg in segments(plan, cost, pipelined):
         done: dict[tuple[int, ...], float] = {}
         finish = 0.0
         for m in seg:
             mb = plan.microbatches[m]
-            groups = tuple(dataclasses.replace(g, est_ms=pass_ms(g, cost, ring)) for g in mb.groups)
+            groups = tuple(
+                dataclasses.replace(g, est_ms=t) for g, t in zip(mb.groups, est[m], strict=True)
+            )
             for g in groups:
                 done[g.ranks] = done.get(g.ranks, 0.0) + g.est_ms
             now = max(done.values(), default=0.0)
@@ -124,7 +153,7 @@ def balance_segments(plan: Plan, cost: CostModel) -> Plan:
     for seg in segments(plan, cost):
         if len(seg) < 2:
             continue
-        times = {m: [pass_ms(g, cost) for g in mbs[m].groups] for m in seg}
+        times = {m: pass_times(mbs[m].groups, cost) for m in seg}
         before: dict[tuple[int, ...], float] = {}
         for m in seg:
             for g, t in zip(mbs[m].groups, times[m], strict=True):

@@ -11,6 +11,7 @@ packing, Megatron's ``dp_balanced`` scheduler) and builds the named baselines on
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -188,34 +189,103 @@ def plan_from_layout(
     return price(plan, cost, ring)
 
 
-def homogeneous_plans(
+Layout = Sequence[Sequence[tuple[int, Sequence[int]]]]
+
+
+def homogeneous_layouts(
     lengths: Sequence[int] | np.ndarray,
     cost: CostModel,
     cluster: Cluster,
     sizes: Sequence[int] | None = None,
-) -> dict[str, Plan]:
-    """Every static (FlexSP packing) and ``dp_balanced`` layout of one batch that fits, at the
-    cost model's split, keyed ``static-N`` / ``dp-balanced-N``: what ``solve`` scores beside its
-    own search."""
-    out: dict[str, Plan] = {}
+) -> dict[str, Layout]:
+    """Every static (FlexSP packing) and ``dp_balanced`` layout of one batch that can be built,
+    keyed ``static-N`` / ``dp-balanced-N``: what ``solve`` scores beside its own search. Not yet
+    placed, priced or validated (``dp_balanced`` packs by tokens and can overflow memory)."""
+    out: dict[str, Layout] = {}
     for d in homogeneous_sizes(cost, cluster, sizes):
-        layouts: dict[str, Sequence[Sequence[tuple[int, Sequence[int]]]] | None] = {}
         static = static_layout(lengths, cost, cluster.world_size, d)
-        layouts[f"static-{d}"] = None if static is None else [[(d, g) for g in mb] for mb in static]
-        try:
-            layouts[f"dp-balanced-{d}"] = dp_balanced_layout(lengths, cost, cluster.world_size, d)
-        except InfeasibleError:
-            layouts[f"dp-balanced-{d}"] = None
-        for name, layout in layouts.items():
-            if layout is None:
-                continue
-            try:
-                plan = plan_from_layout(lengths, cost, cluster, layout, solver=name)
-            except InfeasibleError:
-                continue
-            if not plan.problems(list(map(int, lengths)), cost, cluster.world_size):
-                out[name] = plan
+        if static is not None:
+            out[f"static-{d}"] = [[(d, g) for g in mb] for mb in static]
+        with contextlib.suppress(InfeasibleError):
+            out[f"dp-balanced-{d}"] = dp_balanced_layout(lengths, cost, cluster.world_size, d)
     return out
+
+
+def layout_step_ms(
+    lengths: Sequence[int] | np.ndarray, cost: CostModel, cluster: Cluster, layout: Layout
+) -> float | None:
+    """``plan_from_layout(...).est_step_ms`` to the bit, without building the plan (None where
+    the layout does not place). Why: ``solve`` prices a dozen layouts of hundreds of groups per
+    batch and needs the plan of only the cheapest valid one; building each cost more than its
+    search's last stage. The same placement (largest first, lowest free aligned block), the same
+    pass times (``execution.pass_times``'s rule: one ``seq_ms`` call per size, each group's
+    sequences summed in id order) and the same segment sums as ``execution.price``."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    blocks: list[list[tuple[int, int]]] = []  # per micro-batch: (start, size), layout order
+    members: list[list[list[int]]] = []
+    for mb in layout:
+        free = bytearray(b"\x01") * cluster.world_size
+        placed: list[tuple[int, int]] = []
+        ids_of: list[list[int]] = []
+        for size, ids in sorted(mb, key=lambda t: -t[0]):
+            if not cluster.size_fits(size):
+                cluster.aligned_blocks(size)  # raises, naming the legal sizes
+            whole = b"\x01" * size
+            start = next((b for b in cluster.block_starts(size) if free[b : b + size] == whole), -1)
+            if start < 0:
+                return None
+            free[start : start + size] = bytes(size)
+            placed.append((start, size))
+            ids_of.append(sorted(map(int, ids)))
+        blocks.append(placed)
+        members.append(ids_of)
+    # Pass times, batched per size as ``pass_times`` does (elementwise ``seq_ms``, slice sums).
+    flat: dict[int, list[int]] = {}
+    for placed, ids_of in zip(blocks, members, strict=True):
+        for (_, size), ids in zip(placed, ids_of, strict=True):
+            if ids:
+                flat.setdefault(size, []).extend(ids)
+    per_size: dict[int, tuple[np.ndarray, float]] = {}
+    for size, ids in flat.items():
+        recorded = cost.recorded_split(size)  # (0, 0) where the model records none
+        split = recorded if recorded[0] else None
+        per_size[size] = (
+            cost.seq_ms(lens[ids].astype(np.float64), size, split),
+            cost.fixed_ms(size, split),
+        )
+    at = dict.fromkeys(flat, 0)
+    times: list[dict[tuple[int, int], float]] = []
+    for placed, ids_of in zip(blocks, members, strict=True):
+        t: dict[tuple[int, int], float] = {}
+        for (start, size), ids in zip(placed, ids_of, strict=True):
+            if not ids:
+                t[(start, size)] = 0.0
+                continue
+            per_seq, fixed = per_size[size]
+            end = at[size] + len(ids)
+            t[(start, size)] = float(per_seq[at[size] : end].sum()) + fixed
+            at[size] = end
+        times.append(t)
+    # Segments as ``execution.segments``: consecutive passes of one rank partition (its blocks
+    # above one rank; single ranks, grouped or idle, are the rest), each pass its own where
+    # passes are barriers.
+    keys = [frozenset(b for b in placed if b[1] > 1) for placed in blocks]
+    ests: list[float] = []
+    m = 0
+    while m < len(layout):
+        end = m + 1
+        while not cost.pass_barrier and end < len(layout) and keys[end] == keys[m]:
+            end += 1
+        done: dict[tuple[int, int], float] = {}
+        finish = 0.0
+        for k in range(m, end):
+            for block in sorted(times[k]):  # the plan's groups, by first rank
+                done[block] = done.get(block, 0.0) + times[k][block]
+            now = max(done.values(), default=0.0)
+            ests.append(now - finish)
+            finish = now
+        m = end
+    return float(sum(ests))
 
 
 def dp_balanced_layout(

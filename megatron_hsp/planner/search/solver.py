@@ -56,7 +56,11 @@ from megatron_hsp.planner.search.greedy import (
     place_groups,
     schedule_microbatch,
 )
-from megatron_hsp.planner.search.homogeneous import homogeneous_plans
+from megatron_hsp.planner.search.homogeneous import (
+    homogeneous_layouts,
+    layout_step_ms,
+    plan_from_layout,
+)
 from megatron_hsp.planner.search.improve import improve
 from megatron_hsp.planner.search.instance import GroupSpec, Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.search.milp import refine_microbatches, require_cbc
@@ -368,7 +372,13 @@ def _greedy_candidates(
         until: Cap | float = cap if best is not None and not rescue else math.inf
         first = m == counts[0]
         kinds = config.chunkings
-        if m > counts[-1] and best_m < m - 2:  # climbing only for kinds yet to fit: build those
+        # Past the counts near the floor, every kind is built only within two counts of a best
+        # that one of the every-count kinds found; otherwise the climb is for the kinds yet to
+        # fit. A best from a long chunking (built once, at the first count) gives the others no
+        # count of theirs to climb to: on sft-long-mix (ZeRO-1) time-lpt was built at the ten
+        # counts below long-grouped's, each scheduled in full and cut off (docs/results/solver.md,
+        # "Solve time, 2026-11-27 (second)").
+        if m > counts[-1] and (best_m < m - 2 or not _every_count(best)):
             kinds = tuple(k for k in kinds if k in never_fit)
         chunkings = _chunkings(inst, cluster, m, kinds, first, until, past, open_)
         unfit: set[str] = set()
@@ -431,6 +441,11 @@ def _greedy_candidates(
     if best is None:  # one sequence per micro-batch always fits: check_lengths guaranteed it
         raise InfeasibleError("no schedule found even with one sequence per micro-batch")
     return _with_runner_up(best, by_kind), tried
+
+
+def _every_count(cand: _Candidate | None) -> bool:
+    """Whether ``cand`` came from a chunking built at every count (``EVERY_COUNT_CHUNKINGS``)."""
+    return cand is not None and cand.label.split("/")[0] in EVERY_COUNT_CHUNKINGS
 
 
 # A runner-up start for local search must be this close to the best greedy candidate.
@@ -628,7 +643,7 @@ def _no_worse_than_baselines(
 ) -> Plan:
     """``plan``, or the cheapest baseline plan's passes where that is priced lower.
 
-    The baselines are the homogeneous layouts (``homogeneous_plans``) and the ``flexsp-style``
+    The baselines are the homogeneous layouts (``_cheapest_homogeneous``) and the ``flexsp-style``
     plan (``_flexsp_style_candidate``). Every candidate is validated with the cost model's
     memory and executable at its split, and priced by the same function as the search's plan
     (under a pipeline, ordered by the same schedule). ``extra["homogeneous_best"]`` names the
@@ -636,20 +651,14 @@ def _no_worse_than_baselines(
     ``flexsp-style`` price (None where it could not plan); ``extra["chunking"]`` says when a
     baseline was taken.
     """
-    candidates = homogeneous_plans(lengths, cost, cluster, sizes)
+    homogeneous = _cheapest_homogeneous(lengths, cost, cluster, sizes, pipe)
     flexsp = _flexsp_style_candidate(lengths, cost, cluster, config, cap)
-    scored: list[tuple[float, str, Plan]] = []
-    for name, cand in [*candidates.items(), *([("flexsp-style", flexsp)] if flexsp else [])]:
-        if pipe is not None:
-            try:
-                cand = price_plan(price(cand, cost, pipelined=True), pipe)
-            except InputError:  # a count the interleaved schedule refuses
-                continue
-        scored.append((cand.est_step_ms, name, cand))
-    homogeneous = [t for t in scored if t[1] != "flexsp-style"]
+    flexsp = None if flexsp is None else _piped(flexsp, cost, pipe)
+    scored = [*([homogeneous] if homogeneous else []),
+              *([(flexsp.est_step_ms, "flexsp-style", flexsp)] if flexsp else [])]  # fmt: skip
     extra = dict(plan.extra)
     if homogeneous:
-        ms, name, _ = min(homogeneous, key=lambda t: (t[0], t[1]))
+        ms, name, _ = homogeneous
         extra["homogeneous_best"] = {"layout": name, "est_step_ms": round(ms, 3)}
     flexsp_ms = [round(t[0], 3) for t in scored if t[1] == "flexsp-style"]
     extra["flexsp_style_ms"] = flexsp_ms[0] if flexsp_ms else None
@@ -666,6 +675,56 @@ def _no_worse_than_baselines(
         est_step_ms=cand.est_step_ms,
         extra={**extra, **({"pipeline": cand.extra["pipeline"]} if pipe is not None else {})},
     )
+
+
+def _piped(plan: Plan, cost: CostModel, pipe: PipelineSpec | None) -> Plan | None:
+    """``plan`` priced under ``pipe`` in its own order (None: a count the interleaved schedule
+    refuses); unchanged without a pipeline."""
+    if pipe is None:
+        return plan
+    try:
+        return price_plan(price(plan, cost, pipelined=True), pipe)
+    except InputError:
+        return None
+
+
+def _cheapest_homogeneous(
+    lengths: Sequence[int],
+    cost: CostModel,
+    cluster: Cluster,
+    sizes: Sequence[int],
+    pipe: PipelineSpec | None,
+) -> tuple[float, str, Plan] | None:
+    """(price, name, plan) of the cheapest valid homogeneous layout (ties: by name), or None.
+
+    Without a pipeline each layout is priced without building its plan
+    (``homogeneous.layout_step_ms``, the plan's price to the bit), and plans are built and
+    validated cheapest first until one passes: a dozen layouts of hundreds of groups each were
+    the largest part of this stage. Under a pipeline each plan is built and priced by the
+    schedule.
+    """
+    layouts = homogeneous_layouts(lengths, cost, cluster, sizes)
+    priced: list[tuple[float, str]] = []
+    for name, layout in layouts.items():
+        if pipe is None:
+            ms = layout_step_ms(lengths, cost, cluster, layout)
+        else:
+            try:
+                built = plan_from_layout(lengths, cost, cluster, layout, solver=name)
+            except InfeasibleError:
+                continue
+            piped = _piped(built, cost, pipe)
+            ms = None if piped is None else piped.est_step_ms
+        if ms is not None:
+            priced.append((ms, name))
+    checked = list(map(int, lengths))
+    for _, name in sorted(priced):
+        plan = plan_from_layout(lengths, cost, cluster, layouts[name], solver=name)
+        if not plan.problems(checked, cost, cluster.world_size):
+            piped = _piped(plan, cost, pipe)
+            if piped is not None:
+                return piped.est_step_ms, name, piped
+    return None
 
 
 def _first_id(groups: list[GroupSpec]) -> int:
