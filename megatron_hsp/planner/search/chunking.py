@@ -24,6 +24,7 @@ puts each cross-node sequence at the size that shortens the step most beside sho
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -89,18 +90,44 @@ def chunk_contiguous(inst: Instance, m: int, weight: str = "tokens") -> list[lis
     ``weight`` is ``tokens`` (FlexSP's rule) or ``work`` (rank-ms). Bisection on the run limit
     with a greedy cut is exact for contiguous partitions.
     """
+    if weight == "tokens":
+        # A function of the lengths alone: shared between the instances of one batch (hsp's
+        # search and the flexsp-style baseline's ask for the same counts; docs/solver.md).
+        return [list(run) for run in _contiguous_by_tokens(tuple(inst.lengths), m)]
     # The order and its prefix sums do not depend on ``m``: built once per instance (the solver
     # asks for every candidate count).
     key = ("contiguous", weight)
     if key not in inst.memo:
         order = longest_first(inst)
-        w = np.asarray(
-            [float(inst.lengths[i]) if weight == "tokens" else inst.work_min[i] for i in order]
-        )
-        # The prefix sums as Python floats (the same doubles): bisect on them gives
-        # searchsorted's answer without a numpy call per run.
-        inst.memo[key] = order, float(w.max()), np.concatenate([[0.0], np.cumsum(w)]).tolist()
-    order, heaviest, sums = inst.memo[key]  # type: ignore[misc]
+        inst.memo[key] = _prefix(order, [inst.work_min[i] for i in order])
+    return _contiguous_runs(*inst.memo[key], m)  # type: ignore[misc]
+
+
+@functools.lru_cache(maxsize=128)
+def _contiguous_by_tokens(lengths: tuple[int, ...], m: int) -> tuple[tuple[int, ...], ...]:
+    """``chunk_contiguous`` by tokens of a batch of ``lengths`` (longest first, ties by index)."""
+    order = _order_and_sums(lengths)
+    return tuple(tuple(run) for run in _contiguous_runs(*order, m))
+
+
+@functools.lru_cache(maxsize=8)
+def _order_and_sums(lengths: tuple[int, ...]) -> tuple[list[int], float, list[float]]:
+    arr = np.asarray(lengths, dtype=np.int64)
+    ids = np.arange(len(arr))
+    order = ids[np.lexsort((ids, -arr))].tolist()  # = Instance.longest_first
+    return _prefix(order, [float(lengths[i]) for i in order])
+
+
+def _prefix(order: list[int], weights: list[float]) -> tuple[list[int], float, list[float]]:
+    """The order, its heaviest weight and its prefix sums as Python floats (the same doubles:
+    ``bisect`` on them gives searchsorted's answer without a numpy call per run)."""
+    w = np.asarray(weights, dtype=np.float64)
+    return order, float(w.max()), np.concatenate([[0.0], np.cumsum(w)]).tolist()
+
+
+def _contiguous_runs(
+    order: list[int], heaviest: float, sums: list[float], m: int
+) -> list[list[int]]:
     n = len(order)
 
     def cuts(limit: float) -> list[int] | None:

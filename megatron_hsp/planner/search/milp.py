@@ -203,10 +203,14 @@ def _make_solver(backend: str, time_limit_s: float, seed: int, max_nodes: int) -
         # without them the node limit bounds the work (docs/results/solver.md).
         mip_heuristic_run_rins=False,
         mip_heuristic_run_rens=False,
-        # A restart after the root node repeats presolve and the root's cuts: a third of the
-        # MILP time on code-heavy-tail micro-batches, and the same plans without it
-        # (docs/results/solver.md, "MILP work, 2026-11-27").
+        # Restarts (presolve and the root's cuts again), strong branching, the root's
+        # reduced-cost sub-MIP and cut rounds below the root: much of HiGHS's time on short-
+        # heavy micro-batches, and the suite plans the same without them (docs/solver.md,
+        # "Solve time, 2026-11-27 (second)").
         mip_allow_restart=False,
+        mip_pscost_minreliable=0,
+        mip_heuristic_run_root_reduced_cost=False,
+        mip_allow_cut_separation_at_nodes=False,
     )
 
 

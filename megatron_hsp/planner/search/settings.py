@@ -79,15 +79,15 @@ class SolverConfig:
     # (``scaled_count``).
     max_candidates: int = 64  # greedy (count, chunking) candidates scheduled
     improve_evals: int = 60  # local-search schedule evaluations between micro-batches
-    # Branch-and-bound nodes per micro-batch MILP (HiGHS restarts off, ``milp._make_solver``):
-    # 100 nodes planned the same 60 suite batches on both models as 20, at up to 0.4 s more
-    # per MILP (docs/results/solver.md, "MILP work, 2026-11-27").
+    # Branch-and-bound nodes per micro-batch MILP (``milp._make_solver`` has HiGHS's options):
+    # more planned the suite's batches the same at several times the time (docs/solver.md,
+    # "Solve time, 2026-11-27 (second)").
     milp_max_nodes: int = 20
     milp_min_gap: float = 0.03  # skip the MILP for micro-batches this close to their floor
     milp_slice_s: float = math.inf  # wall-clock safety cap per micro-batch MILP (and the budget)
     # Micro-batch MILPs per solve, biggest gap to the floor first (past the first they gained
-    # at most 0.07% of a step on the suite at several times the solve time; measured in
-    # docs/results/solver.md).
+    # a few hundredths of a percent of a step on the suite at several times the solve time:
+    # docs/solver.md, "Solve time, 2026-11-27 (second)").
     milp_max_microbatches: int = 1
     # The pipeline the plan runs under (None or pp 1: none); the cost model must be the stage
     # model built for it (``parallel.pipeline_spec_for`` checks, and supplies its backward share

@@ -88,6 +88,7 @@ def solve(
     config: SolverConfig = DEFAULT_CONFIG,
     *,
     baselines: bool = True,
+    bound: bool = True,
 ) -> Plan:
     """Plan one global batch: micro-batches, group sizes and placement, sequence assignment.
 
@@ -97,7 +98,8 @@ def solve(
     every size, ``search/homogeneous.py``) and the ``flexsp-style`` plan (this solver under
     FlexSP's choices, ``search/flexsp_style.py``), and return the cheapest of them when it
     beats the search, so that no plan is priced worse than the best of them; ``flexsp-style``
-    turns this off (FlexSP's planner has no such fallback).
+    turns this off (FlexSP's planner has no such fallback). ``bound``: compute the plan's
+    ``lower_bound_ms`` (False: 0, for a plan scored only by its price).
     """
     start, cpu_start = time.perf_counter(), time.process_time()
     budget_s = max(0.0, config.time_budget_s)
@@ -119,7 +121,7 @@ def solve(
     checked = check_lengths(lengths, cost, sizes)
     pipe = _pipeline(config, cost, len(checked))
     inst = Instance.build(checked, cost, cluster, sizes)
-    bound = instance_lower_bound(inst, deadline=cap)
+    lower = instance_lower_bound(inst, deadline=cap) if bound else 0.0
 
     phases = {"setup": time.perf_counter() - start}
     starts, candidates = _greedy_candidates(inst, cluster, config, cap, pipe)
@@ -166,11 +168,11 @@ def solve(
         )
         best.total = _objective(best.microbatches, pipe)
     phases["milp"] = time.perf_counter() - start
-    plan = _assemble(inst, cluster, cost, best, bound, 0.0, config, status)
+    plan = _assemble(inst, cluster, cost, best, lower, 0.0, config, status)
     if pipe is not None:
         plan = price_plan(price(plan, cost, pipelined=True), pipe)
         plan = replace(
-            plan, lower_bound_ms=pipeline_lower_bound(bound, min(inst.best), pipe.pp, pipe.vpp)
+            plan, lower_bound_ms=pipeline_lower_bound(lower, min(inst.best), pipe.pp, pipe.vpp)
         )
     elif cost.pass_barrier:  # every pass its own segment: the order is kept
         plan = price(plan, cost)
@@ -376,7 +378,7 @@ def _greedy_candidates(
         # that one of the every-count kinds found; otherwise the climb is for the kinds yet to
         # fit. A best from a long chunking (built once, at the first count) gives the others no
         # count of theirs to climb to: on sft-long-mix (ZeRO-1) time-lpt was built at the ten
-        # counts below long-grouped's, each scheduled in full and cut off (docs/results/solver.md,
+        # counts below long-grouped's, each scheduled in full and cut off (docs/solver.md,
         # "Solve time, 2026-11-27 (second)").
         if m > counts[-1] and (best_m < m - 2 or not _every_count(best)):
             kinds = tuple(k for k in kinds if k in never_fit)
@@ -623,7 +625,7 @@ def _flexsp_style_candidate(
         return None
     restricted = replace(restricted, time_budget_s=max(0.0, cap.left()))
     try:
-        plan = solve(lengths, cost, cluster, restricted, baselines=False)
+        plan = solve(lengths, cost, cluster, restricted, baselines=False, bound=False)
     except (InfeasibleError, InputError):  # a sequence only a size FlexSP lacks can hold
         return None
     for stage in plan.extra.get("cut_by_cap", []):
