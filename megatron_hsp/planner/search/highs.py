@@ -13,12 +13,24 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
+
+_BANNER_LOCK = threading.Lock()
+
+
+def silence_banner() -> None:
+    """Construct this process's first ``highspy.Highs`` with stdout at the descriptor level
+    discarded (once per process; Python's buffered output is flushed first, so none is lost).
+
+    Locked: a solve's MILP stage runs in a thread beside the ``flexsp-style`` search's MILP
+    (``concurrency``), and two threads swapping descriptor 1 at once could leave it on
+    /dev/null."""
+    with _BANNER_LOCK:
+        _silence_banner_once()
 
 
 @functools.cache
-def silence_banner() -> None:
-    """Construct this process's first ``highspy.Highs`` with stdout at the descriptor level
-    discarded (once per process; Python's buffered output is flushed first, so none is lost)."""
+def _silence_banner_once() -> None:
     try:
         import highspy
     except ImportError:  # CBC-only installs never print it

@@ -50,6 +50,7 @@ from megatron_hsp.planner.search.chunking import (
     chunk_long_sized,
     chunk_time_balanced,
 )
+from megatron_hsp.planner.search.concurrency import Beside
 from megatron_hsp.planner.search.flexsp_style import flexsp_style_config
 from megatron_hsp.planner.search.greedy import (
     group_times,
@@ -151,9 +152,11 @@ def solve(
     phases["improve"] = time.perf_counter() - start
     status = "heuristic"
     milp_stats: dict[str, int] = {}
-    if config.use_milp:
-        status = "fallback"
-        best.microbatches, status, milp_stats = refine_microbatches(
+    # The MILP stage (HiGHS, outside the GIL) runs in a thread while this one scores the
+    # baselines, which do not depend on the search: the same plan as one after the other
+    # (node-limited MILPs, count-limited searches), in less wall time (``SolverConfig.workers``).
+    milp = Beside(
+        lambda: refine_microbatches(
             inst,
             cluster,
             best.microbatches,
@@ -165,8 +168,16 @@ def solve(
             max_nodes=config.milp_max_nodes,
             min_gap=config.milp_min_gap,
             max_solves=scaled_count(config.milp_max_microbatches, len(checked)),
-        )
-        best.total = _objective(best.microbatches, pipe)
+        ),
+        config.workers if config.use_milp and baselines else 1,
+    )
+    try:
+        scored = _baselines(checked, cost, cluster, config, sizes, pipe, cap) if baselines else []
+        if config.use_milp:
+            best.microbatches, status, milp_stats = milp.result()
+            best.total = _objective(best.microbatches, pipe)
+    finally:
+        milp.close()
     phases["milp"] = time.perf_counter() - start
     plan = _assemble(inst, cluster, cost, best, lower, 0.0, config, status)
     if pipe is not None:
@@ -179,7 +190,7 @@ def solve(
     else:  # equal layouts together share a segment, their groups balanced over its blocks
         plan = price(balance_segments(group_by_layout(plan), cost), cost)
     if baselines:
-        plan = _no_worse_than_baselines(plan, checked, cost, cluster, config, sizes, pipe, cap)
+        plan = _no_worse_than_baselines(plan, scored, pipe)
     plan.validate(checked, cost, cluster.world_size)
     # Timings cover everything, assembly and validation included.
     solve_ms = (time.perf_counter() - start) * 1e3
@@ -633,8 +644,10 @@ def _flexsp_style_candidate(
     return plan
 
 
-def _no_worse_than_baselines(
-    plan: Plan,
+Scored = list[tuple[float, str, Plan]]
+
+
+def _baselines(
     lengths: Sequence[int],
     cost: CostModel,
     cluster: Cluster,
@@ -642,22 +655,26 @@ def _no_worse_than_baselines(
     sizes: Sequence[int],
     pipe: PipelineSpec | None,
     cap: Cap,
-) -> Plan:
-    """``plan``, or the cheapest baseline plan's passes where that is priced lower.
-
-    The baselines are the homogeneous layouts (``_cheapest_homogeneous``) and the ``flexsp-style``
-    plan (``_flexsp_style_candidate``). Every candidate is validated with the cost model's
-    memory and executable at its split, and priced by the same function as the search's plan
-    (under a pipeline, ordered by the same schedule). ``extra["homogeneous_best"]`` names the
-    cheapest homogeneous candidate and its price, ``extra["flexsp_style_ms"]`` the
-    ``flexsp-style`` price (None where it could not plan); ``extra["chunking"]`` says when a
-    baseline was taken.
-    """
+) -> Scored:
+    """(price, name, plan) of the baselines ``solve`` never returns a plan worse than: the
+    cheapest valid homogeneous layout (``_cheapest_homogeneous``) and the ``flexsp-style`` plan
+    (``_flexsp_style_candidate``), each validated with the cost model's memory, executable at
+    its split, and priced by the same function as the search's plan (under a pipeline, ordered
+    by the same schedule). Independent of hsp's own search."""
     homogeneous = _cheapest_homogeneous(lengths, cost, cluster, sizes, pipe)
     flexsp = _flexsp_style_candidate(lengths, cost, cluster, config, cap)
     flexsp = None if flexsp is None else _piped(flexsp, cost, pipe)
-    scored = [*([homogeneous] if homogeneous else []),
-              *([(flexsp.est_step_ms, "flexsp-style", flexsp)] if flexsp else [])]  # fmt: skip
+    return [*([homogeneous] if homogeneous else []),
+            *([(flexsp.est_step_ms, "flexsp-style", flexsp)] if flexsp else [])]  # fmt: skip
+
+
+def _no_worse_than_baselines(plan: Plan, scored: Scored, pipe: PipelineSpec | None) -> Plan:
+    """``plan``, or the cheapest baseline plan's passes (``_baselines``) where that is priced
+    lower. ``extra["homogeneous_best"]`` names the cheapest homogeneous candidate and its
+    price, ``extra["flexsp_style_ms"]`` the ``flexsp-style`` price (None where it could not
+    plan); ``extra["chunking"]`` says when a baseline was taken.
+    """
+    homogeneous = next((t for t in scored if t[1] != "flexsp-style"), None)
     extra = dict(plan.extra)
     if homogeneous:
         ms, name, _ = homogeneous
