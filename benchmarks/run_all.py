@@ -52,6 +52,10 @@ def commands(out: Path) -> dict[str, list[str]]:
             "--time-limit", "60",
         ],
         "solve_time": [py, str(HERE / "solve_time.py"), "1"],
+        "solve_time_rounds": [
+            py, str(HERE / "solve_time_rounds.py"), "flexsp-gpt-7b",
+            str(Path(tempfile.gettempdir()) / "solve_time_rounds.json"),
+        ],
         "communicators": [py, str(HERE / "communicators.py")],
         # One step, JSON to the temp dir: the committed 5-step results stay as docs quote them.
         "pipeline_moe": [

@@ -33,7 +33,7 @@ The price of a plan is the sum over segments of the segment's time: with barrier
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -99,28 +99,46 @@ def price(plan: Plan, cost: CostModel, ring: str = "overlap", *, pipelined: bool
     ``CostModel.seq_ms``'s sensitivity knob, for baselines' ring groups only. ``pipelined``:
     price each pass on its own, for ``cost/pipeline.py``'s schedule to order.
     """
-    microbatches: list[MicroBatch] = []
     flat = [g for mb in plan.microbatches for g in mb.groups]
     times = iter(pass_times(flat, cost, ring))
     est = [[next(times) for _ in mb.groups] for mb in plan.microbatches]
-    for seg in segments(plan, cost, pipelined):
-        done: dict[tuple[int, ...], float] = {}
-        finish = 0.0
-        for m in seg:
-            mb = plan.microbatches[m]
-            groups = tuple(
-                dataclasses.replace(g, est_ms=t) for g, t in zip(mb.groups, est[m], strict=True)
-            )
-            for g in groups:
-                done[g.ranks] = done.get(g.ranks, 0.0) + g.est_ms
-            now = max(done.values(), default=0.0)
-            microbatches.append(MicroBatch(groups, now - finish))
-            finish = now
+    passes = [
+        {g.ranks: t for g, t in zip(mb.groups, est[m], strict=True)}
+        for m, mb in enumerate(plan.microbatches)
+    ]
+    grows = segment_increments(passes, segments(plan, cost, pipelined))
+    microbatches = [
+        MicroBatch(
+            tuple(dataclasses.replace(g, est_ms=t) for g, t in zip(mb.groups, est[m], strict=True)),
+            grows[m],
+        )
+        for m, mb in enumerate(plan.microbatches)
+    ]
     return dataclasses.replace(
         plan,
         microbatches=tuple(microbatches),
-        est_step_ms=float(sum(mb.est_ms for mb in microbatches)),
+        est_step_ms=float(sum(grows)),
     )
+
+
+def segment_increments(
+    passes: Sequence[dict[Hashable, float]], runs: Sequence[range]
+) -> list[float]:
+    """How much each pass lengthens its segment, in pass order: ``passes`` are each pass's
+    {rank block: pass time}, ``runs`` the segments (``segments``), consecutive and covering
+    every pass. A segment ends when its busiest block does (``max_g sum_k pass(g, k)``). The one
+    segment rule of ``price`` and of ``homogeneous.layout_step_ms``."""
+    out: list[float] = []
+    for run in runs:
+        done: dict[Hashable, float] = {}
+        finish = 0.0
+        for m in run:
+            for block, t in passes[m].items():
+                done[block] = done.get(block, 0.0) + t
+            now = max(done.values(), default=0.0)
+            out.append(now - finish)
+            finish = now
+    return out
 
 
 def group_by_layout(plan: Plan) -> Plan:

@@ -32,7 +32,7 @@ import numpy as np
 
 from megatron_hsp.planner.search.budget import Cap
 from megatron_hsp.planner.search.greedy import RankTiler
-from megatron_hsp.planner.search.instance import Instance
+from megatron_hsp.planner.search.instance import Instance, longest_first_ids
 from megatron_hsp.planner.topology import Cluster
 
 
@@ -113,8 +113,7 @@ def _contiguous_by_tokens(lengths: tuple[int, ...], m: int) -> tuple[tuple[int, 
 @functools.lru_cache(maxsize=8)
 def _order_and_sums(lengths: tuple[int, ...]) -> tuple[list[int], float, list[float]]:
     arr = np.asarray(lengths, dtype=np.int64)
-    ids = np.arange(len(arr))
-    order = ids[np.lexsort((ids, -arr))].tolist()  # = Instance.longest_first
+    order = longest_first_ids(arr, np.arange(len(arr)))
     return _prefix(order, [float(lengths[i]) for i in order])
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from megatron_hsp.planner.cost.costcore import CostModel
-from megatron_hsp.planner.cost.execution import price
+from megatron_hsp.planner.cost.execution import price, segment_increments
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 from megatron_hsp.planner.topology import Cluster
@@ -154,26 +154,22 @@ def plan_from_layout(
     microbatches: list[MicroBatch] = []
     splits: dict[int, tuple[int, int]] = {}  # per size, asked once
     for mb in layout:
+        blocks = _place(mb, cluster)
+        if blocks is None:
+            raise InfeasibleError(
+                f"groups of sizes {sorted((s for s, _ in mb), reverse=True)} cannot be "
+                f"placed as aligned blocks on {cluster.world_size} ranks"
+            )
         placed: list[Group] = []
-        free = bytearray(b"\x01") * cluster.world_size  # 1: the rank is free
-        for size, ids in sorted(mb, key=lambda t: -t[0]):
-            if not cluster.size_fits(size):
-                cluster.aligned_blocks(size)  # raises, naming the legal sizes
-            whole = b"\x01" * size
-            start = next((b for b in cluster.block_starts(size) if free[b : b + size] == whole), -1)
-            if start < 0:
-                raise InfeasibleError(
-                    f"groups of sizes {sorted((s for s, _ in mb), reverse=True)} cannot be "
-                    f"placed as aligned blocks on {cluster.world_size} ranks"
-                )
-            free[start : start + size] = bytes(size)
-            ids = sorted(map(int, ids))
+        used = bytearray(cluster.world_size)  # 1: the rank is in a group
+        for start, size, ids in blocks:
+            used[start : start + size] = b"\x01" * size
             glens = tuple(lens[ids].tolist()) if ids else ()
             if size not in splits:
                 splits[size] = split_of(size)
             block = tuple(range(start, start + size))
             placed.append(Group(block, tuple(ids), glens, 0.0, *splits[size]))
-        for r in (r for r in range(cluster.world_size) if free[r]):
+        for r in (r for r in range(cluster.world_size) if not used[r]):
             placed.append(Group((r,), (), (), 0.0, *cost.recorded_split(1)))
         placed.sort(key=lambda g: g.ranks[0])
         microbatches.append(MicroBatch(tuple(placed)))
@@ -190,6 +186,26 @@ def plan_from_layout(
 
 
 Layout = Sequence[Sequence[tuple[int, Sequence[int]]]]
+
+
+def _place(
+    mb: Sequence[tuple[int, Sequence[int]]], cluster: Cluster
+) -> list[tuple[int, int, list[int]]] | None:
+    """One pass's groups as (first rank, size, sorted ids): largest first, each at the lowest
+    free aligned block (``plan_from_layout``'s rule, and ``layout_step_ms``'s); None where one
+    finds no free block. An illegal size raises, naming the legal ones."""
+    free = bytearray(b"\x01") * cluster.world_size  # 1: the rank is free
+    out: list[tuple[int, int, list[int]]] = []
+    for size, ids in sorted(mb, key=lambda t: -t[0]):
+        if not cluster.size_fits(size):
+            cluster.aligned_blocks(size)  # raises, naming the legal sizes
+        whole = b"\x01" * size
+        start = next((b for b in cluster.block_starts(size) if free[b : b + size] == whole), -1)
+        if start < 0:
+            return None
+        free[start : start + size] = bytes(size)
+        out.append((start, size, sorted(map(int, ids))))
+    return out
 
 
 def homogeneous_layouts(
@@ -224,21 +240,11 @@ def layout_step_ms(
     blocks: list[list[tuple[int, int]]] = []  # per micro-batch: (start, size), layout order
     members: list[list[list[int]]] = []
     for mb in layout:
-        free = bytearray(b"\x01") * cluster.world_size
-        placed: list[tuple[int, int]] = []
-        ids_of: list[list[int]] = []
-        for size, ids in sorted(mb, key=lambda t: -t[0]):
-            if not cluster.size_fits(size):
-                cluster.aligned_blocks(size)  # raises, naming the legal sizes
-            whole = b"\x01" * size
-            start = next((b for b in cluster.block_starts(size) if free[b : b + size] == whole), -1)
-            if start < 0:
-                return None
-            free[start : start + size] = bytes(size)
-            placed.append((start, size))
-            ids_of.append(sorted(map(int, ids)))
-        blocks.append(placed)
-        members.append(ids_of)
+        got = _place(mb, cluster)
+        if got is None:
+            return None
+        blocks.append([(start, size) for start, size, _ in got])
+        members.append([ids for _, _, ids in got])
     # Pass times, batched per size as ``pass_times`` does (elementwise ``seq_ms``, slice sums).
     flat: dict[int, list[int]] = {}
     for placed, ids_of in zip(blocks, members, strict=True):
@@ -268,24 +274,17 @@ def layout_step_ms(
         times.append(t)
     # Segments as ``execution.segments``: consecutive passes of one rank partition (its blocks
     # above one rank; single ranks, grouped or idle, are the rest), each pass its own where
-    # passes are barriers.
+    # passes are barriers; priced by ``execution.segment_increments``, as ``price`` does.
     keys = [frozenset(b for b in placed if b[1] > 1) for placed in blocks]
-    ests: list[float] = []
+    runs: list[range] = []
     m = 0
     while m < len(layout):
         end = m + 1
         while not cost.pass_barrier and end < len(layout) and keys[end] == keys[m]:
             end += 1
-        done: dict[tuple[int, int], float] = {}
-        finish = 0.0
-        for k in range(m, end):
-            for block in sorted(times[k]):  # the plan's groups, by first rank
-                done[block] = done.get(block, 0.0) + times[k][block]
-            now = max(done.values(), default=0.0)
-            ests.append(now - finish)
-            finish = now
+        runs.append(range(m, end))
         m = end
-    return float(sum(ests))
+    return float(sum(segment_increments(times, runs)))
 
 
 def dp_balanced_layout(

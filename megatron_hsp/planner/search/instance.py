@@ -207,9 +207,7 @@ class Instance:
             return sorted(seq_ids, key=lambda i: (-lengths[i], i))
         else:
             ids = np.asarray(seq_ids, dtype=np.int64)
-        # lexsort's last key is the primary one; both sorts are stable and total, so the order
-        # equals sorted(key=(-length, index)).
-        return ids[np.lexsort((ids, -self.lengths_np[ids]))].tolist()
+        return longest_first_ids(self.lengths_np, ids)
 
     @cached_property
     def size_tokens(self) -> list[int]:
@@ -237,6 +235,13 @@ class Instance:
             best = self.best
             longest = max(best[i] for i in seq_ids)
         return max(work / self.world_size + self.min_fixed, longest)
+
+
+def longest_first_ids(lengths: np.ndarray, ids: np.ndarray) -> list[int]:
+    """``ids`` longest first by ``lengths``, ties by index (the order every builder walks)."""
+    # lexsort's last key is the primary one; both sorts are stable and total, so the order
+    # equals sorted(key=(-length, index)).
+    return ids[np.lexsort((ids, -lengths[ids]))].tolist()
 
 
 def _no_cheaper_larger(times: np.ndarray, sizes: Sequence[int]) -> np.ndarray:

@@ -723,22 +723,25 @@ def _cheapest_homogeneous(
     schedule.
     """
     layouts = homogeneous_layouts(lengths, cost, cluster, sizes)
+    built: dict[str, Plan] = {}  # under a pipeline each is built to be priced
     priced: list[tuple[float, str]] = []
     for name, layout in layouts.items():
         if pipe is None:
             ms = layout_step_ms(lengths, cost, cluster, layout)
         else:
             try:
-                built = plan_from_layout(lengths, cost, cluster, layout, solver=name)
+                built[name] = plan_from_layout(lengths, cost, cluster, layout, solver=name)
             except InfeasibleError:
                 continue
-            piped = _piped(built, cost, pipe)
+            piped = _piped(built[name], cost, pipe)
             ms = None if piped is None else piped.est_step_ms
         if ms is not None:
             priced.append((ms, name))
     checked = list(map(int, lengths))
     for _, name in sorted(priced):
-        plan = plan_from_layout(lengths, cost, cluster, layouts[name], solver=name)
+        plan = built.get(name) or plan_from_layout(
+            lengths, cost, cluster, layouts[name], solver=name
+        )
         if not plan.problems(checked, cost, cluster.world_size):
             piped = _piped(plan, cost, pipe)
             if piped is not None:
