@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from megatron_hsp.planner.cost.costmodel import CostModel, validate_cost_model
@@ -50,7 +50,7 @@ from megatron_hsp.planner.search.chunking import (
     chunk_long_sized,
     chunk_time_balanced,
 )
-from megatron_hsp.planner.search.concurrency import Beside
+from megatron_hsp.planner.search.concurrency import Helper, finish
 from megatron_hsp.planner.search.flexsp_style import flexsp_style_config
 from megatron_hsp.planner.search.greedy import (
     group_times,
@@ -102,6 +102,22 @@ def solve(
     turns this off (FlexSP's planner has no such fallback). ``bound``: compute the plan's
     ``lower_bound_ms`` (False: 0, for a plan scored only by its price).
     """
+    with Helper(config.workers) as helper:
+        return finish(_solve_steps(lengths, cost, cluster, config, helper, baselines, bound))
+
+
+def _solve_steps(
+    lengths: Sequence[int],
+    cost: CostModel,
+    cluster: Cluster,
+    config: SolverConfig,
+    helper: Helper,
+    baselines: bool,
+    bound: bool,
+) -> Generator[None, None, Plan]:
+    """``solve`` in stages: yields once, when its MILP stage is with ``helper`` (or queued for
+    the caller's thread), so that a caller may work meanwhile; returns the plan
+    (``concurrency.finish``). The ``flexsp-style`` search runs this way beside hsp's own."""
     start, cpu_start = time.perf_counter(), time.process_time()
     budget_s = max(0.0, config.time_budget_s)
     # Counts limit the search (``SolverConfig``); the budget is a safety cap on wall clock, less
@@ -125,59 +141,45 @@ def solve(
     lower = instance_lower_bound(inst, deadline=cap) if bound else 0.0
 
     phases = {"setup": time.perf_counter() - start}
-    starts, candidates = _greedy_candidates(inst, cluster, config, cap, pipe)
-    best = starts[0]
-    phases["greedy"] = time.perf_counter() - start
-    improve_evals = scaled_count(config.improve_evals, len(checked))
-    if improve_evals > 0:
-        # Local search from the best start and from the runner-up of another chunking: the
-        # descent ends in different optima (lognormal-dcp: 0.3% behind before it, 1.4% ahead
-        # after).
-        for cand in starts:
-            cand.microbatches, _ = improve(
-                inst,
-                cluster,
-                cand.microbatches,
-                cap,
-                max_evals=improve_evals,
-                merge=pipe is None,  # a pipeline's count stays a multiple of its stages
-            )
-            cand.total = _objective(cand.microbatches, pipe)
-        best = min(starts, key=lambda c: c.total)
-    if pipe is not None and improve_evals > 0:
-        best.microbatches = _balance_for_pipeline(
-            inst, cluster, best.microbatches, pipe, cap, improve_evals
-        )
-        best.total = _objective(best.microbatches, pipe)
-    phases["improve"] = time.perf_counter() - start
-    status = "heuristic"
-    milp_stats: dict[str, int] = {}
-    # The MILP stage (HiGHS, outside the GIL) runs in a thread while this one scores the
-    # baselines, which do not depend on the search: the same plan as one after the other
-    # (node-limited MILPs, count-limited searches), in less wall time (``SolverConfig.workers``).
-    milp = Beside(
-        lambda: refine_microbatches(
-            inst,
-            cluster,
-            best.microbatches,
-            cap,
-            backend=config.backend,
-            seed=config.seed,
-            max_buckets=config.max_buckets,
-            slice_s=config.milp_slice_s,
-            max_nodes=config.milp_max_nodes,
-            min_gap=config.milp_min_gap,
-            max_solves=scaled_count(config.milp_max_microbatches, len(checked)),
-        ),
-        config.workers if config.use_milp and baselines else 1,
-    )
+    # FlexSP's search first: its MILP then runs in the helper beside hsp's search (Python).
+    flexsp = _flexsp_style_start(checked, cost, cluster, config, cap, helper) if baselines else None
     try:
-        scored = _baselines(checked, cost, cluster, config, sizes, pipe, cap) if baselines else []
+        if baselines:
+            phases["flexsp-style"] = time.perf_counter() - start
+        best, candidates = _search(inst, cluster, config, cap, pipe, phases, start)
+        milp = None
         if config.use_milp:
-            best.microbatches, status, milp_stats = milp.result()
-            best.total = _objective(best.microbatches, pipe)
+            milp = helper.beside(
+                lambda: refine_microbatches(
+                    inst,
+                    cluster,
+                    best.microbatches,
+                    cap,
+                    backend=config.backend,
+                    seed=config.seed,
+                    max_buckets=config.max_buckets,
+                    slice_s=config.milp_slice_s,
+                    max_nodes=config.milp_max_nodes,
+                    min_gap=config.milp_min_gap,
+                    max_solves=scaled_count(config.milp_max_microbatches, len(checked)),
+                )
+            )
+        status, milp_stats = "heuristic", {}
+        try:
+            # The MILP is with the helper: the caller's work, then the baselines, beside it.
+            yield
+            scored = (
+                _baselines(checked, cost, cluster, sizes, pipe, flexsp, cap) if baselines else []
+            )
+            if milp is not None:
+                best.microbatches, status, milp_stats = milp.result()
+                best.total = _objective(best.microbatches, pipe)
+        finally:
+            if milp is not None:
+                milp.close()
     finally:
-        milp.close()
+        if flexsp is not None:
+            flexsp.close()  # only where an error left it unfinished: its MILP is waited for
     phases["milp"] = time.perf_counter() - start
     plan = _assemble(inst, cluster, cost, best, lower, 0.0, config, status)
     if pipe is not None:
@@ -207,6 +209,45 @@ def solve(
         "phase_end_ms": {k: round(v * 1e3, 3) for k, v in phases.items()},
     }
     return replace(plan, solve_ms=solve_ms, extra=extra)
+
+
+def _search(
+    inst: Instance,
+    cluster: Cluster,
+    config: SolverConfig,
+    cap: Cap,
+    pipe: PipelineSpec | None,
+    phases: dict[str, float],
+    start: float,
+) -> tuple[_Candidate, int]:
+    """hsp's own search before the MILP: the greedy candidates, then local search (its phases'
+    end times go into ``phases``); returns the best and the candidates scheduled."""
+    starts, candidates = _greedy_candidates(inst, cluster, config, cap, pipe)
+    best = starts[0]
+    phases["greedy"] = time.perf_counter() - start
+    improve_evals = scaled_count(config.improve_evals, len(inst.lengths))
+    if improve_evals > 0:
+        # Local search from the best start and from the runner-up of another chunking: the
+        # descent ends in different optima (lognormal-dcp: 0.3% behind before it, 1.4% ahead
+        # after).
+        for cand in starts:
+            cand.microbatches, _ = improve(
+                inst,
+                cluster,
+                cand.microbatches,
+                cap,
+                max_evals=improve_evals,
+                merge=pipe is None,  # a pipeline's count stays a multiple of its stages
+            )
+            cand.total = _objective(cand.microbatches, pipe)
+        best = min(starts, key=lambda c: c.total)
+    if pipe is not None and improve_evals > 0:
+        best.microbatches = _balance_for_pipeline(
+            inst, cluster, best.microbatches, pipe, cap, improve_evals
+        )
+        best.total = _objective(best.microbatches, pipe)
+    phases["improve"] = time.perf_counter() - start
+    return best, candidates
 
 
 # A first greedy candidate more than this far above the sum of its micro-batch floors gets one
@@ -615,11 +656,17 @@ def _assemble(
     )
 
 
-def _flexsp_style_candidate(
-    lengths: Sequence[int], cost: CostModel, cluster: Cluster, config: SolverConfig, cap: Cap
-) -> Plan | None:
-    """The ``flexsp-style`` plan of this batch (``search/flexsp_style.py``), or None where
-    FlexSP's sizes cannot plan it.
+def _flexsp_style_start(
+    lengths: Sequence[int],
+    cost: CostModel,
+    cluster: Cluster,
+    config: SolverConfig,
+    cap: Cap,
+    helper: Helper,
+) -> Generator[None, None, Plan] | None:
+    """The ``flexsp-style`` search of this batch (``search/flexsp_style.py``) up to its MILP,
+    which it leaves with ``helper``; None where FlexSP's sizes cannot plan it. Its plan comes
+    from ``_flexsp_style_plan``.
 
     Why score it: the search prices its candidates by summed micro-batch times, and the
     execution model prices segments of equal layouts, where the restricted search's placements
@@ -635,9 +682,21 @@ def _flexsp_style_candidate(
     except InputError:  # no power-of-two size >= 2 among the allowed ones
         return None
     restricted = replace(restricted, time_budget_s=max(0.0, cap.left()))
+    steps = _solve_steps(lengths, cost, cluster, restricted, helper, False, False)
     try:
-        plan = solve(lengths, cost, cluster, restricted, baselines=False, bound=False)
+        next(steps)
     except (InfeasibleError, InputError):  # a sequence only a size FlexSP lacks can hold
+        return None
+    return steps
+
+
+def _flexsp_style_plan(steps: Generator[None, None, Plan] | None, cap: Cap) -> Plan | None:
+    """The plan of a ``_flexsp_style_start`` search (None: it had none)."""
+    if steps is None:
+        return None
+    try:
+        plan = finish(steps)
+    except (InfeasibleError, InputError):
         return None
     for stage in plan.extra.get("cut_by_cap", []):
         cap.mark(f"flexsp-style:{stage}")
@@ -651,18 +710,18 @@ def _baselines(
     lengths: Sequence[int],
     cost: CostModel,
     cluster: Cluster,
-    config: SolverConfig,
     sizes: Sequence[int],
     pipe: PipelineSpec | None,
+    flexsp_search: Generator[None, None, Plan] | None,
     cap: Cap,
 ) -> Scored:
     """(price, name, plan) of the baselines ``solve`` never returns a plan worse than: the
     cheapest valid homogeneous layout (``_cheapest_homogeneous``) and the ``flexsp-style`` plan
-    (``_flexsp_style_candidate``), each validated with the cost model's memory, executable at
-    its split, and priced by the same function as the search's plan (under a pipeline, ordered
-    by the same schedule). Independent of hsp's own search."""
+    (``flexsp_search``, from ``_flexsp_style_start``), each validated with the cost model's
+    memory, executable at its split, and priced by the same function as the search's plan
+    (under a pipeline, ordered by the same schedule). Independent of hsp's own search."""
     homogeneous = _cheapest_homogeneous(lengths, cost, cluster, sizes, pipe)
-    flexsp = _flexsp_style_candidate(lengths, cost, cluster, config, cap)
+    flexsp = _flexsp_style_plan(flexsp_search, cap)
     flexsp = None if flexsp is None else _piped(flexsp, cost, pipe)
     return [*([homogeneous] if homogeneous else []),
             *([(flexsp.est_step_ms, "flexsp-style", flexsp)] if flexsp else [])]  # fmt: skip

@@ -1,8 +1,9 @@
-"""``SolverConfig.workers``: the MILP stage in a thread beside the baselines changes no plan.
+"""``SolverConfig.workers``: MILPs in a helper thread change no plan.
 
-The solve's MILP (HiGHS, outside the GIL) runs in a thread while the baselines are scored
-(``search/concurrency.py``). Plans must not depend on it, no thread may outlive the solve, and
-an error in the thread must reach the caller.
+The ``flexsp-style`` search's MILP runs in the helper while hsp's search runs, and hsp's MILP
+while the homogeneous layouts are scored (HiGHS, outside the GIL; ``search/concurrency.py``).
+Plans must not depend on it, no thread may outlive the solve, and an error in the thread must
+reach the caller, as must one raised while the helper still holds a MILP.
 """
 
 from __future__ import annotations
@@ -60,4 +61,44 @@ def test_no_thread_outlives_the_solve_and_errors_reach_the_caller(monkeypatch) -
     monkeypatch.setattr(solver_mod, "refine_microbatches", broken)
     with pytest.raises(RuntimeError, match="planted"):
         solve(lengths, cost, cluster, SolverConfig(time_budget_s=120.0, workers=2))
+    assert threading.active_count() == before
+
+
+def test_both_milps_run_in_the_helper_and_an_error_beside_them_leaves_no_thread(
+    monkeypatch,
+) -> None:
+    cost = load_cost_model("llama3-8b-h100", world_size=32, max_seq_k=128)
+    cluster = Cluster(32, 8)
+    lengths = _batch(1)
+    threads: list[str] = []
+    real = solver_mod.refine_microbatches
+
+    def recorded(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(solver_mod, "refine_microbatches", recorded)
+    before = threading.active_count()
+    solve(lengths, cost, cluster, SolverConfig(time_budget_s=120.0, workers=2))
+    # hsp's MILP stage and the flexsp-style search's, both in the helper.
+    assert len(threads) == 2 and all(t.startswith("hsp-solve") for t in threads)
+    threads.clear()
+    solve(lengths, cost, cluster, SolverConfig(time_budget_s=120.0, workers=1))
+    assert threads == [threading.main_thread().name] * 2
+
+    greedy = solver_mod._greedy_candidates
+    calls: list[int] = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the first is the flexsp-style search's, the second hsp's
+            raise RuntimeError("planted: hsp's search failed")
+        return greedy(*args, **kwargs)
+
+    # hsp's search fails after the flexsp-style search handed its MILP to the helper.
+    monkeypatch.setattr(solver_mod, "_greedy_candidates", broken)
+    threads.clear()
+    with pytest.raises(RuntimeError, match="planted"):
+        solve(lengths, cost, cluster, SolverConfig(time_budget_s=120.0, workers=2))
+    assert calls == [1, 1]  # raised in hsp's search, the flexsp-style MILP with the helper
     assert threading.active_count() == before
