@@ -303,12 +303,20 @@ def build_groups(
     target: float,
     ranks: int | None = None,
     min_size: int = 1,
+    same: list[float] | None = None,
 ) -> list[GroupSpec] | None:
     """Groups finishing every sequence by ``target`` ms with at most ``ranks`` ranks, or None.
 
     ``seq_ids`` must be sorted longest first. Sizes that are not powers of two are only used when
     the cluster lets them tile (``place_groups`` has the final word). ``min_size``: no group
     smaller (pooled memory, see ``schedule_microbatch``).
+
+    ``same``: set to ``[lo, hi]``, targets for which this walk, and so its result, is the same.
+    The target enters the walk only through comparisons of a load with ``target - fixed``, each
+    monotone in the target: the walk stays as it is while every comparison it made keeps its
+    outcome, i.e. between the largest threshold (load + fixed) it met and the smallest it missed
+    (less a relative ``SAME_MARGIN`` for rounding). A bisection then asks the builder only for
+    targets outside the intervals it has seen (``_schedule_sorted``).
     """
     ranks = inst.world_size if ranks is None else ranks
     sizes, times, fixed, lengths = inst.sizes, inst.times, inst.fixed, inst.lengths
@@ -334,6 +342,8 @@ def build_groups(
     room_tokens = inst.size_tokens
     heappush, heapreplace = heapq.heappush, heapq.heapreplace
     state: _Groups | None = None  # made on the first bulk placement (long walks only)
+    # Thresholds (load + fixed) of the target comparisons: the largest met, the smallest missed.
+    met, missed = -math.inf, math.inf
     n = len(seq_ids)
     pos, bulk_end = 0, n - CATCH_UP_MIN
     while pos < n:
@@ -355,10 +365,15 @@ def build_groups(
                     # Without first fit a larger open size may cost fewer rank-ms: checked.
                     if state is None:
                         state = _Groups(g_load, g_tokens, g_ids, np.asarray(seq_ids, np.int64))
-                    took = _catch_up(
+                    took, hi_met, lo_missed = _catch_up(
                         inst, state.order, pos, heap, j0, not first_fit and len(open_js) > 1,
                         room_ms[j0], room_tokens[j0], state,
                     )  # fmt: skip
+                    f0 = fixed[j0]
+                    if hi_met + f0 > met:
+                        met = hi_met + f0
+                    if lo_missed + f0 < missed:
+                        missed = lo_missed + f0
                     if took:
                         pos += took
                         continue
@@ -370,18 +385,29 @@ def build_groups(
             heap = heaps[j]
             load, g = heap[0]
             t = row[j]
-            if load + t > room_ms[j]:
+            end = load + t
+            if end > room_ms[j]:
+                if end + fixed[j] < missed:
+                    missed = end + fixed[j]
                 continue  # the emptiest group of this size is too late: every one is
+            if end + fixed[j] > met:
+                met = end + fixed[j]
             at = 0
             if g_tokens[g] + ln > room_tokens[j]:
                 # The emptiest group is out of memory; another of this size may have room
                 # (long sequences in groups of 8 leave room for short ones in each; asking only
                 # the emptiest opened a group per short sequence, ran out of ranks and pooled
                 # everything into larger groups, a slower step than the one that fits).
-                at = _emptiest_with_room(heap, g_tokens, room_tokens[j] - ln, room_ms[j] - t)
+                at, lowest = _emptiest_with_room(
+                    heap, g_tokens, room_tokens[j] - ln, room_ms[j] - t
+                )
                 if at < 0:
+                    if lowest + t + fixed[j] < missed:  # the first that would have room
+                        missed = lowest + t + fixed[j]
                     continue
                 g = heap[at][1]
+                if heap[at][0] + t + fixed[j] > met:
+                    met = heap[at][0] + t + fixed[j]
             # Prefer the size that costs the fewest rank-ms, then the emptier group.
             c = t * sizes[j]
             if c < best_cost:
@@ -391,10 +417,17 @@ def build_groups(
                     break
         if best_g < 0:
             for j in range(jmin, nsz):
-                if row[j] <= room_ms[j] and used + sizes[j] <= ranks:
-                    best_j = j
-                    break
+                if row[j] <= room_ms[j]:
+                    if row[j] + fixed[j] > met:
+                        met = row[j] + fixed[j]
+                    if used + sizes[j] <= ranks:
+                        best_j = j
+                        break
+                elif row[j] + fixed[j] < missed:
+                    missed = row[j] + fixed[j]
             if best_j < 0:
+                if same is not None:
+                    same[:] = _same_targets(target, met, missed)
                 return None
             best_g = len(g_size)
             g_size.append(sizes[best_j])
@@ -417,7 +450,23 @@ def build_groups(
                 heapreplace(heaps[best_j], (load, best_g))
             else:
                 _raise_load(heaps[best_j], best_at, (load, best_g))
+    if same is not None:
+        same[:] = _same_targets(target, met, missed)
     return [(g_size[g], tuple(g_ids[g])) for g in range(len(g_size))]
+
+
+# Relative allowance for rounding in ``target - fixed`` (a few ulps are ~1e-15): thresholds
+# closer than this to a target are treated as not shown either way.
+SAME_MARGIN = 1e-9
+
+
+def _same_targets(target: float, met: float, missed: float) -> list[float]:
+    """``[lo, hi]``: the targets whose walk ``build_groups`` showed equal to ``target``'s (every
+    target comparison met at ``target`` is met from ``met`` up, every one missed is missed
+    below ``missed``; each holds on its side of ``target`` by monotonicity)."""
+    lo = min(target, met + SAME_MARGIN * abs(met)) if met > -math.inf else -math.inf
+    hi = max(target, missed - SAME_MARGIN * abs(missed)) if missed < math.inf else math.inf
+    return [lo, hi]
 
 
 # Heap entries ``build_groups`` scans for a group with memory left when the emptiest has none:
@@ -427,15 +476,22 @@ ROOM_SCAN = 63
 
 def _emptiest_with_room(
     heap: list[tuple[float, int]], tokens: list[int], max_tokens: int, max_load: float
-) -> int:
+) -> tuple[int, float]:
     """Heap position, among the first ``ROOM_SCAN``, of the least-loaded group holding at most
-    ``max_tokens`` tokens and ``max_load`` ms (ties: the lower group index), or -1."""
+    ``max_tokens`` tokens and ``max_load`` ms (ties: the lower group index), or -1; and the
+    least load among those with the tokens' room but too late (inf if none: where no group
+    qualifies, the first that would with a later target)."""
     at, key = -1, (math.inf, -1)
+    late = math.inf
     for k in range(min(len(heap), ROOM_SCAN)):
         load, g = heap[k]
-        if load <= max_load and tokens[g] <= max_tokens and (load, g) < key:
-            at, key = k, (load, g)
-    return at
+        if tokens[g] <= max_tokens:
+            if load > max_load:
+                if load < late:
+                    late = load
+            elif (load, g) < key:
+                at, key = k, (load, g)
+    return at, late
 
 
 def _raise_load(heap: list[tuple[float, int]], pos: int, item: tuple[float, int]) -> None:
@@ -480,7 +536,7 @@ def _catch_up(
     room_ms: float,
     room_tokens: int,
     groups: _Groups,
-) -> int:
+) -> tuple[int, float, float]:
     """Put ``seq_ids[pos:]`` into the heap's top group for as long as ``build_groups``' loop
     would; returns how many (0: none shown, the loop goes on).
 
@@ -491,6 +547,8 @@ def _catch_up(
     time and tokens. Where the loop compares sizes by rank-ms (``by_cost``), each sequence must
     also cost no more in size ``j`` than in any larger size (stricter than the loop's check
     over the open ones). The result is the loop's to the bit (a test compares them).
+    Also returns the load thresholds of the target comparisons that decided it (the last taken
+    sequence's end, met; the end of the one that stopped it, missed, or -inf / inf).
     """
     load0, g0 = heap[0]
     second = min(heap[1], heap[2])
@@ -507,12 +565,16 @@ def _catch_up(
     if by_cost:
         ok &= inst.no_cheaper_larger_at(ids, j)
     took = len(ok) if ok.all() else int(np.argmin(ok))
+    # The target comparisons that decided it (for ``build_groups``' ``same``): the sequences
+    # taken met theirs; the one that stopped the run missed its own, if it did.
+    met = float(after[took - 1]) if took else -math.inf
+    missed = float(after[took]) if took < len(ok) and after[took] > room_ms else math.inf
     if took:
         groups.load[g0] = float(after[took - 1])
         groups.tokens[g0] = int(tokens[took - 1])
         groups.ids[g0].extend(ids[:took].tolist())
         heapq.heapreplace(heap, (groups.load[g0], g0))
-    return took
+    return took, met, missed
 
 
 def _pool_sizes(inst: Instance) -> list[int]:
@@ -581,17 +643,27 @@ def _schedule_sorted(
     # size that fits, at the price of larger groups. None if even that does not fit.
     # Placement counts too: nine groups of 6-7 ranks need nine nodes of 8 whatever their sum.
     def fits(min_size: int) -> bool:
-        groups = build_groups(inst, ids, math.inf, min_size=min_size)
-        return groups is not None and groups_fit(inst, groups, cluster)
+        return attempt(math.inf, min_size) is not None
 
     pool = 1
+    # Per minimum size, the target intervals over which a build showed its result unchanged
+    # (``build_groups``' ``same``), with that result: a bisection's later targets mostly fall
+    # in one, and are answered without a build (the same answer the build would give).
+    seen: dict[int, list[tuple[float, float, list[GroupSpec] | None]]] = {}
 
     def attempt(target: float, min_size: int | None = None) -> list[GroupSpec] | None:
-        groups = build_groups(inst, ids, target, min_size=pool if min_size is None else min_size)
+        size = pool if min_size is None else min_size
+        known = seen.setdefault(size, [])
+        for lo, hi, got in known:
+            if lo <= target <= hi:
+                return got
+        same = [target, target]
+        groups = build_groups(inst, ids, target, min_size=size, same=same)
         # Power-of-two sizes dividing the world size always tile (buddy allocation); other
         # mixes need the placement check.
-        if groups is None or not groups_fit(inst, groups, cluster):
-            return None
+        if groups is not None and not groups_fit(inst, groups, cluster):
+            groups = None
+        known.append((same[0], same[1], groups))
         return groups
 
     # Bracket upwards from the floor in growing steps (most micro-batches land within a few

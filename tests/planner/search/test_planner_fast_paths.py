@@ -196,9 +196,11 @@ def test_large_microbatch_bracket_ends_within_tolerance_of_a_failed_target(monke
     tried: list[tuple[float, bool]] = []
     build = greedy.build_groups
 
-    def traced(inst, seq_ids, target, ranks=None, min_size=1):
+    def traced(inst, seq_ids, target, ranks=None, min_size=1, same=None):
         got = build(inst, seq_ids, target, ranks=ranks, min_size=min_size)
         tried.append((target, got is not None))
+        if same is not None:  # a build per target, each traced (intervals: the tests below)
+            same[:] = [target, target]
         return got
 
     monkeypatch.setattr(greedy, "build_groups", traced)
@@ -210,3 +212,71 @@ def test_large_microbatch_bracket_ends_within_tolerance_of_a_failed_target(monke
     assert floor < tried[0][0]  # the floor itself is not tried above 1024 sequences
     if hint is not None and hint > 1.01:
         assert tried[0][0] == pytest.approx(floor * hint)
+
+
+def _sub_batches(inst: Instance, rng: np.random.Generator):
+    """Micro-batch-sized pieces of a batch (longest first) and the whole of it."""
+    n = len(inst.lengths)
+    for size in (2, 3, 8, 40, 300):
+        if size < n:
+            yield inst.longest_first(rng.choice(n, size=size, replace=False).tolist())
+    yield inst.longest_first()
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_a_build_gives_its_result_on_every_target_of_its_interval(seed):
+    """``build_groups(..., same=)``: every target in the interval it reports builds the same
+    groups (or fails alike); near its ends too, where a missed threshold would show."""
+    rng = np.random.default_rng(seed)
+    builds = widened = 0
+    for inst in _instances(seed, 8):
+        for ids in _sub_batches(inst, rng):
+            floor = inst.microbatch_floor(ids)
+            for factor in (1.0, 1.01, 1.05, 1.2, 2.0):
+                for min_size in (1, 2, 8):
+                    target = floor * factor
+                    same: list[float] = []
+                    got = greedy.build_groups(inst, ids, target, min_size=min_size, same=same)
+                    lo, hi = same
+                    assert lo <= target <= hi
+                    builds += 1
+                    widened += lo < target or hi > target
+                    finite_lo = lo if math.isfinite(lo) else target / 2
+                    finite_hi = hi if math.isfinite(hi) else target * 2
+                    probes = {finite_lo, finite_hi, (finite_lo + target) / 2}
+                    probes |= {(target + finite_hi) / 2, *rng.uniform(finite_lo, finite_hi, 4)}
+                    for probe in probes:
+                        again = greedy.build_groups(inst, ids, probe, min_size=min_size)
+                        assert again == got, (len(ids), target, probe, lo, hi)
+    assert builds > 300 and widened > builds // 2  # intervals are mostly wider than a point
+
+
+def test_schedules_equal_those_built_without_intervals(monkeypatch):
+    """``schedule_microbatch`` answers a bisection's targets from the intervals of earlier
+    builds; with every interval cut to its own target (a build per target) the schedules are
+    the same, to the bit."""
+    rng = np.random.default_rng(5)
+    real = greedy.build_groups
+    cases = []
+    for inst in _instances(5, 6):
+        cluster = Cluster(inst.world_size, inst.gpus_per_node)
+        for ids in _sub_batches(inst, rng):
+            cases.append((inst, cluster, ids))
+    fast = []
+    for inst, cluster, ids in cases:
+        inst.memo.clear()
+        fast.append(greedy.schedule_microbatch(inst, ids, cluster))
+
+    def point(inst, seq_ids, target, ranks=None, min_size=1, same=None):
+        got = real(inst, seq_ids, target, ranks, min_size)
+        if same is not None:
+            same[:] = [target, target]
+        return got
+
+    monkeypatch.setattr(greedy, "build_groups", point)
+    for (inst, cluster, ids), expect in zip(cases, fast, strict=True):
+        inst.memo.clear()
+        got = greedy.schedule_microbatch(inst, ids, cluster)
+        assert got == expect
+        if got is not None:
+            assert got[0].hex() == expect[0].hex()
