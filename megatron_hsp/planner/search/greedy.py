@@ -365,15 +365,12 @@ def build_groups(
                     # Without first fit a larger open size may cost fewer rank-ms: checked.
                     if state is None:
                         state = _Groups(g_load, g_tokens, g_ids, np.asarray(seq_ids, np.int64))
-                    took, hi_met, lo_missed = _catch_up(
+                    took, taken_end = _catch_up(
                         inst, state.order, pos, heap, j0, not first_fit and len(open_js) > 1,
                         room_ms[j0], room_tokens[j0], state,
                     )  # fmt: skip
-                    f0 = fixed[j0]
-                    if hi_met + f0 > met:
-                        met = hi_met + f0
-                    if lo_missed + f0 < missed:
-                        missed = lo_missed + f0
+                    if taken_end + fixed[j0] > met:
+                        met = taken_end + fixed[j0]
                     if took:
                         pos += took
                         continue
@@ -536,7 +533,7 @@ def _catch_up(
     room_ms: float,
     room_tokens: int,
     groups: _Groups,
-) -> tuple[int, float, float]:
+) -> tuple[int, float]:
     """Put ``seq_ids[pos:]`` into the heap's top group for as long as ``build_groups``' loop
     would; returns how many (0: none shown, the loop goes on).
 
@@ -547,8 +544,8 @@ def _catch_up(
     time and tokens. Where the loop compares sizes by rank-ms (``by_cost``), each sequence must
     also cost no more in size ``j`` than in any larger size (stricter than the loop's check
     over the open ones). The result is the loop's to the bit (a test compares them).
-    Also returns the load thresholds of the target comparisons that decided it (the last taken
-    sequence's end, met; the end of the one that stopped it, missed, or -inf / inf).
+    Also returns the last taken sequence's end (-inf if none): the largest load its target
+    comparisons met.
     """
     load0, g0 = heap[0]
     second = min(heap[1], heap[2])
@@ -565,16 +562,15 @@ def _catch_up(
     if by_cost:
         ok &= inst.no_cheaper_larger_at(ids, j)
     took = len(ok) if ok.all() else int(np.argmin(ok))
-    # The target comparisons that decided it (for ``build_groups``' ``same``): the sequences
-    # taken met theirs; the one that stopped the run missed its own, if it did.
+    # For ``build_groups``' ``same``: the sequences taken met their target comparisons (the
+    # one that stopped the run is the loop's next, which records its own).
     met = float(after[took - 1]) if took else -math.inf
-    missed = float(after[took]) if took < len(ok) and after[took] > room_ms else math.inf
     if took:
         groups.load[g0] = float(after[took - 1])
         groups.tokens[g0] = int(tokens[took - 1])
         groups.ids[g0].extend(ids[:took].tolist())
         heapq.heapreplace(heap, (groups.load[g0], g0))
-    return took, met, missed
+    return took, met
 
 
 def _pool_sizes(inst: Instance) -> list[int]:
