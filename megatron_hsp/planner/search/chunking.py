@@ -301,20 +301,29 @@ def _fill_short(
     def makespan(c: int) -> float:  # a micro-batch's estimate before the next sequence
         return max(crit[c], base + work[c] / free[c]) if free[c] > 0 else math.inf
 
+    def tie(c: int) -> float:  # the second key: least work (per free rank)
+        return work[c] / free[c] if per_rank_key else work[c]
+
     # Each micro-batch's estimate changes only when it takes a sequence: kept, not recomputed
     # for every sequence and micro-batch.
     before = [makespan(c) for c in range(len(chunks))]
+    # The micro-batches with free ranks by (second key, index): the chosen one is the least
+    # (growth, second key, index), and growth is never negative, so a walk in this order stops
+    # at the first that does not grow; most short sequences find one among the first few
+    # (a scan of every micro-batch per sequence was most of the candidates' chunking time).
+    ranked = sorted((tie(c), c) for c in range(len(chunks)) if free[c] > 0)
     for i in order:
         ln, w, own = lengths[i], work_min[i], best[i]
-        chosen, best_key = -1, (math.inf, math.inf)
-        for c in range(len(chunks)):
-            f = free[c]
-            if room[c] < ln or f <= 0:
+        chosen, best_key = -1, (math.inf, math.inf, -1)
+        for second, c in ranked:
+            if room[c] < ln:
                 continue
-            after = max(crit[c], own, base + (work[c] + w) / f)
-            key = (after - before[c], work[c] / f if per_rank_key else work[c])
+            after = max(crit[c], own, base + (work[c] + w) / free[c])
+            key = (after - before[c], second, c)
             if key < best_key:
                 chosen, best_key = c, key
+                if after == before[c]:
+                    break  # no growth: nothing later in the order beats it
         if chosen < 0:  # the long groups left no room anywhere: a micro-batch of short ones
             chunks.append([])
             free.append(n)
@@ -323,11 +332,14 @@ def _fill_short(
             work.append(0.0)
             before.append(0.0)
             chosen = len(chunks) - 1
+        else:
+            del ranked[bisect.bisect_left(ranked, (tie(chosen), chosen))]
         chunks[chosen].append(i)
         room[chosen] -= ln
         work[chosen] += w
         crit[chosen] = max(crit[chosen], own)
         before[chosen] = makespan(chosen)
+        bisect.insort(ranked, (tie(chosen), chosen))
 
 
 LONG_SIZED_FILL = 0.9

@@ -280,3 +280,66 @@ def test_schedules_equal_those_built_without_intervals(monkeypatch):
         assert got == expect
         if got is not None:
             assert got[0].hex() == expect[0].hex()
+
+
+def _fill_short_by_scan(inst, chunks, crit, room, work, free, order, *, per_rank_key):
+    """``chunking._fill_short`` as a scan of every micro-batch per sequence (its rule as
+    written: least growth, then least work, then the lowest index)."""
+    n, cap, base = inst.world_size, inst.cap, inst.min_fixed
+
+    def makespan(c):
+        return max(crit[c], base + work[c] / free[c]) if free[c] > 0 else math.inf
+
+    before = [makespan(c) for c in range(len(chunks))]
+    for i in order:
+        ln, w, own = inst.lengths[i], inst.work_min[i], inst.best[i]
+        chosen, best_key = -1, (math.inf, math.inf)
+        for c in range(len(chunks)):
+            f = free[c]
+            if room[c] < ln or f <= 0:
+                continue
+            after = max(crit[c], own, base + (work[c] + w) / f)
+            key = (after - before[c], work[c] / f if per_rank_key else work[c])
+            if key < best_key:
+                chosen, best_key = c, key
+        if chosen < 0:
+            chunks.append([])
+            free.append(n)
+            room.append(float(n * cap))
+            crit.append(0.0)
+            work.append(0.0)
+            before.append(0.0)
+            chosen = len(chunks) - 1
+        chunks[chosen].append(i)
+        room[chosen] -= ln
+        work[chosen] += w
+        crit[chosen] = max(crit[chosen], own)
+        before[chosen] = makespan(chosen)
+
+
+@pytest.mark.parametrize("per_rank_key", [False, True])
+def test_fill_short_walk_in_key_order_equals_the_scan(per_rank_key):
+    """``_fill_short`` walks micro-batches by their second key and stops at the first that
+    does not grow; the scan of every one chooses the same, to the micro-batch."""
+    from megatron_hsp.planner.search import chunking
+
+    rng = np.random.default_rng(6)
+    grew = 0
+    for inst in _instances(6, 8):
+        n = len(inst.lengths)
+        for m in (1, 4, 30):
+            state = {
+                "chunks": [[] for _ in range(m)],
+                "crit": rng.choice([0.0, 50.0, 400.0, 3000.0], m).tolist(),
+                "room": (rng.uniform(0.0, 1.0, m) * inst.world_size * inst.cap).tolist(),
+                "work": rng.choice([0.0, 10.0, 1000.0], m).tolist(),
+                "free": rng.choice([0, 8, inst.world_size], m).tolist(),
+            }
+            order = inst.longest_first(rng.choice(n, size=min(n, 500), replace=False).tolist())
+            a = {k: [list(x) for x in v] if k == "chunks" else list(v) for k, v in state.items()}
+            b = {k: [list(x) for x in v] if k == "chunks" else list(v) for k, v in state.items()}
+            chunking._fill_short(inst, **a, order=order, per_rank_key=per_rank_key)
+            _fill_short_by_scan(inst, **b, order=order, per_rank_key=per_rank_key)
+            assert a == b
+            grew += len(a["chunks"]) > m
+    assert grew > 0  # some walks opened micro-batches of short sequences
