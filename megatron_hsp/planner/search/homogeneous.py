@@ -153,8 +153,9 @@ def plan_from_layout(
     split_of = split or cost.recorded_split
     microbatches: list[MicroBatch] = []
     splits: dict[int, tuple[int, int]] = {}  # per size, asked once
+    mixes: dict[tuple[int, ...], tuple[int, ...] | None] = {}
     for mb in layout:
-        blocks = _place(mb, cluster)
+        blocks = _place(mb, cluster, mixes)
         if blocks is None:
             raise InfeasibleError(
                 f"groups of sizes {sorted((s for s, _ in mb), reverse=True)} cannot be "
@@ -189,14 +190,34 @@ Layout = Sequence[Sequence[tuple[int, Sequence[int]]]]
 
 
 def _place(
-    mb: Sequence[tuple[int, Sequence[int]]], cluster: Cluster
+    mb: Sequence[tuple[int, Sequence[int]]],
+    cluster: Cluster,
+    mixes: dict[tuple[int, ...], tuple[int, ...] | None],
 ) -> list[tuple[int, int, list[int]]] | None:
     """One pass's groups as (first rank, size, sorted ids): largest first, each at the lowest
     free aligned block (``plan_from_layout``'s rule, and ``layout_step_ms``'s); None where one
-    finds no free block. An illegal size raises, naming the legal ones."""
+    finds no free block. An illegal size raises, naming the legal ones.
+
+    The starts are a function of the sizes alone, and a layout's passes repeat a few mixes (a
+    homogeneous layout, one): ``mixes`` (one per layout) keeps each mix's starts."""
+    ordered = sorted(mb, key=lambda t: -t[0])
+    sizes = tuple(size for size, _ in ordered)
+    if sizes not in mixes:
+        mixes[sizes] = _first_free_blocks(sizes, cluster)
+    starts = mixes[sizes]
+    if starts is None:
+        return None
+    return [
+        (start, size, sorted(map(int, ids)))
+        for start, (size, ids) in zip(starts, ordered, strict=True)
+    ]
+
+
+def _first_free_blocks(sizes: tuple[int, ...], cluster: Cluster) -> tuple[int, ...] | None:
+    """Each size (largest first) at the lowest free aligned block; None where one finds none."""
     free = bytearray(b"\x01") * cluster.world_size  # 1: the rank is free
-    out: list[tuple[int, int, list[int]]] = []
-    for size, ids in sorted(mb, key=lambda t: -t[0]):
+    out: list[int] = []
+    for size in sizes:
         if not cluster.size_fits(size):
             cluster.aligned_blocks(size)  # raises, naming the legal sizes
         whole = b"\x01" * size
@@ -204,8 +225,8 @@ def _place(
         if start < 0:
             return None
         free[start : start + size] = bytes(size)
-        out.append((start, size, sorted(map(int, ids))))
-    return out
+        out.append(start)
+    return tuple(out)
 
 
 def homogeneous_layouts(
@@ -239,8 +260,9 @@ def layout_step_ms(
     lens = np.asarray(lengths, dtype=np.int64)
     blocks: list[list[tuple[int, int]]] = []  # per micro-batch: (start, size), layout order
     members: list[list[list[int]]] = []
+    mixes: dict[tuple[int, ...], tuple[int, ...] | None] = {}
     for mb in layout:
-        got = _place(mb, cluster)
+        got = _place(mb, cluster, mixes)
         if got is None:
             return None
         blocks.append([(start, size) for start, size, _ in got])
