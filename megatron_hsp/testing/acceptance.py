@@ -347,7 +347,7 @@ def run_acceptance(opts: KitOptions, tf32: dict[str, Any] | None = None) -> dict
         reference = shared_reference(cases, shape, timeout_s=600.0, bf16_noise=bf16)
         rows: list[dict[str, Any]] = []
         state = _WorkerState(rank, world, shape, reference["weights"], device=device)
-        undo = by_name([opts.plant])[0].plant() if opts.plant else None
+        planted = by_name([opts.plant])[0].plant() if opts.plant else None
         for backend in backends:
             # TE's fused and flash kernels take 16-bit inputs only: TE rows run in bf16.
             dtypes = opts.dtypes if backend == "torch" else ("bf16",)
@@ -359,15 +359,21 @@ def run_acceptance(opts: KitOptions, tf32: dict[str, Any] | None = None) -> dict
                     row.update(dtype=dtype, backend=backend, routes=_routes(state.model))
                     row["tokens_per_s"] = _group_tokens_per_s(row, by_case[case.name])
                     rows.append(row)
-        if undo is not None:
-            undo()
+        calls = None
+        if planted is not None:
+            calls = planted.calls()
+            planted()
         everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, rows)
+        dist.all_gather_object(everyone, (rows, calls))
     finally:
         destroy_cpu_megatron()
     if rank != 0:
         return None
-    return _verdict(everyone, opts, world, device, time.perf_counter() - t0, tf32 or {})
+    doc = _verdict(
+        [r for r, _ in everyone], opts, world, device, time.perf_counter() - t0, tf32 or {}
+    )
+    doc["kit"]["planted_calls"] = None if calls is None else sum(c for _, c in everyone)
+    return doc
 
 
 def _verdict(
@@ -499,15 +505,21 @@ def render(doc: dict[str, Any]) -> str:
         routes = ", ".join(f"{name} x{calls}" for name, calls in sorted(c["routes"].items()))
         lines.append(f"      {c['step_s']:.2f} s; tokens/s {rates}; routes {routes}")
     bad = [c for c in doc["cases"] if not c["ok"]]
-    if k["planted"]:
+    if k["planted"] and unexercised(doc):
+        lines.append(
+            f"  (bug planted on purpose: {k['planted']}; its code never ran on this run's "
+            "routes, so it proves nothing here: plant one these routes run)"
+        )
+    elif k["planted"]:
         lines.append(
             f"  (bug planted on purpose: {k['planted']}; the kit "
             + ("missed it: do not trust this install's kit)" if doc["ok"] else "caught it)")
         )
-    lines.append(
-        ("ACCEPTED" if doc["ok"] else f"NOT ACCEPTED ({len(bad)} failed)")
-        + f": {len(doc['cases'])} checks in {k['seconds']:.1f} s"
-    )
+    if unexercised(doc):
+        verdict = "NO VERDICT (the planted bug never ran)"
+    else:
+        verdict = "ACCEPTED" if doc["ok"] else f"NOT ACCEPTED ({len(bad)} failed)"
+    lines.append(f"{verdict}: {len(doc['cases'])} checks in {k['seconds']:.1f} s")
     return "\n".join(lines)
 
 
@@ -530,6 +542,19 @@ def main(dtypes: str | None, device: str | None, as_json: bool, plant: str | Non
     if doc is None:
         return 0
     print(json.dumps(doc, indent=2) if as_json else render(doc))
+    if unexercised(doc):
+        print(
+            f"megatron-hsp acceptance: --plant {plant}: its code never ran on this run's routes "
+            "(no verdict on the kit; plant a bug in code these routes run)",
+            file=sys.stderr,
+        )
+        return 2
     if not doc["ok"] and not as_json:
         print("megatron-hsp acceptance: FAILED", file=sys.stderr)
     return 0 if doc["ok"] else 1
+
+
+def unexercised(doc: dict[str, Any]) -> bool:
+    """Whether a bug was planted and its broken code never ran on any rank (``Planted.calls``):
+    then neither a pass nor a failure says anything about the kit."""
+    return bool(doc["kit"]["planted"]) and doc["kit"].get("planted_calls") == 0

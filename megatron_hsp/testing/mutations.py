@@ -20,7 +20,9 @@ when the step itself refuses it with an error on every rank (e.g. the token acco
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,8 +46,9 @@ class Mutation:
     wrap: Callable[[Any], Any]  # original attribute -> broken replacement
     everywhere: bool = True  # also rebind ``from module import name`` copies in megatron_hsp
 
-    def plant(self) -> Undo:
-        """Rebind ``where`` (``module:attr`` or ``module:Class.attr``); returns the undo."""
+    def plant(self) -> Planted:
+        """Rebind ``where`` (``module:attr`` or ``module:Class.attr``); returns the undo, which
+        also counts the broken code's calls (``Planted.calls``)."""
         module_name, _, path = self.where.partition(":")
         module = importlib.import_module(module_name)
         owner: Any = module
@@ -54,6 +57,15 @@ class Mutation:
             owner = getattr(owner, part)
         original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
         broken = self.wrap(original)
+        calls = [0]
+        if inspect.isfunction(broken):
+            inner = broken
+
+            @functools.wraps(inner)
+            def broken(*args: Any, **kwargs: Any) -> Any:
+                calls[0] += 1
+                return inner(*args, **kwargs)
+
         rebound: list[tuple[Any, str, Any]] = [(owner, attr, original)]
         if self.everywhere and owner is module:
             for name, mod in list(sys.modules.items()):
@@ -70,7 +82,22 @@ class Mutation:
             for target, name, value in rebound:
                 setattr(target, name, value)
 
-        return undo
+        # A stand-in object (not a function) counts its own broken calls.
+        return Planted(undo, lambda: calls[0] if inspect.isfunction(broken) else broken.calls)
+
+
+@dataclass(frozen=True)
+class Planted:
+    """A planted mutation: calling it undoes the plant; ``calls()`` counts how often the broken
+    code ran in this process. Why: a plant whose code path the run never takes (the SDPA plant
+    where bf16 attention runs the varlen kernel) proves nothing, and a kit that then reported a
+    miss would blame a correct install (docs/gpu-validation.md)."""
+
+    undo: Callable[[], None]
+    calls: Callable[[], int]
+
+    def __call__(self) -> None:
+        self.undo()
 
 
 # ------------------------------------------------------------------------------ the wrappers
@@ -80,11 +107,13 @@ def _non_causal(functional: Any) -> Any:
     """A stand-in for ``torch.nn.functional`` whose SDPA ignores ``is_causal``."""
 
     class NonCausalFunctional:
+        calls = 0  # the broken SDPA's calls (``Planted.calls``)
+
         def __getattr__(self, name: str) -> Any:
             return getattr(functional, name)
 
-        @staticmethod
-        def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+        def scaled_dot_product_attention(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            self.calls += 1
             kwargs["is_causal"] = False
             return functional.scaled_dot_product_attention(*args, **kwargs)
 

@@ -139,3 +139,67 @@ def test_position_shift_changes_only_later_positions():
     assert np.array_equal(good.input_ids, bad.input_ids)
     changed = good.position_ids != bad.position_ids
     assert changed.any() and np.all(good.position_ids[changed] >= 8)
+
+
+def test_a_plant_counts_the_calls_of_its_broken_code():
+    """``Planted.calls``: what the acceptance kit reads to tell a plant its routes never ran
+    (no verdict) from one they ran and missed. A function plant counts its calls; the SDPA
+    plant (a stand-in ``torch.nn.functional``) counts its SDPA only, not the functions it
+    passes through."""
+    from megatron_hsp.runtime import backends, loss
+
+    (per_sample,) = by_name(["per-sample-loss"])
+    planted = per_sample.plant()
+    try:
+        assert planted.calls() == 0
+        out = torch.ones(1, 4)
+        loss.microbatch_loss(out, torch.ones(1, 4))
+        loss.microbatch_loss(out, torch.ones(1, 4))
+        assert planted.calls() == 2
+    finally:
+        planted()
+    (non_causal,) = by_name(["non-causal-attention"])
+    planted = non_causal.plant()
+    try:
+        backends.F.softmax(torch.ones(3), dim=0)  # passed through, not the broken code
+        assert planted.calls() == 0
+        q = torch.randn(1, 2, 4, 8)
+        backends.F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        assert planted.calls() == 1
+    finally:
+        planted()
+
+
+def test_kit_gives_no_verdict_on_a_plant_its_routes_never_ran(monkeypatch, capsys):
+    """A plant whose broken code ran on no rank (SDPA where bf16 attention runs the varlen
+    kernel, as on an H100, docs/gpu-validation.md) says nothing about the kit: no "missed it",
+    exit 2 and a line naming the plant; one that ran and was missed still says so."""
+    from megatron_hsp.testing import acceptance
+
+    def doc(calls: int, ok: bool) -> dict:
+        case = {
+            "name": "one-group-of-all", "dtype": "bf16", "backend": "torch", "tf32": False,
+            "loss_rel_diff": 0.0, "max_rel_grad_diff": 0.0, "group_sizes": [2],
+            "tolerances": {"loss_rel": 1e-2, "grad_rel": 5e-2}, "ok": ok, "step_s": 0.1,
+            "tokens_per_s": {}, "predicted_tokens_per_s": None, "routes": {"torch-varlen": 4},
+        }  # fmt: skip
+        kit = {
+            "world_size": 2, "backend": "nccl", "device": "H100", "torch": "2.9",
+            "transformer_engine": None, "reference": "fp32 stock", "tf32": {}, "seconds": 1.0,
+            "planted": "non-causal-attention", "planted_calls": calls,
+        }  # fmt: skip
+        return {"ok": ok, "kit": kit, "cases": [case]}
+
+    monkeypatch.setattr(acceptance, "fp32_without_tf32", lambda: {})
+    for calls, ok, code, says in (
+        (0, True, 2, "never ran"),
+        (5, True, 0, "missed it"),
+        (5, False, 1, "caught it"),
+    ):
+        made = doc(calls, ok)
+        monkeypatch.setattr(acceptance, "run_acceptance", lambda *a, made=made: made)
+        assert acceptance.main("bf16", "cpu", False, plant="non-causal-attention") == code
+        out = capsys.readouterr()
+        assert says in out.out
+        assert ("NO VERDICT" in out.out) == (calls == 0)
+        assert ("missed it" in out.out) == (calls > 0 and ok)

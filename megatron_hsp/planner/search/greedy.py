@@ -311,12 +311,8 @@ def build_groups(
     the cluster lets them tile (``place_groups`` has the final word). ``min_size``: no group
     smaller (pooled memory, see ``schedule_microbatch``).
 
-    ``same``: set to ``[lo, hi]``, targets for which this walk, and so its result, is the same.
-    The target enters the walk only through comparisons of a load with ``target - fixed``, each
-    monotone in the target: the walk stays as it is while every comparison it made keeps its
-    outcome, i.e. between the largest threshold (load + fixed) it met and the smallest it missed
-    (less a relative ``SAME_MARGIN`` for rounding). A bisection then asks the builder only for
-    targets outside the intervals it has seen (``_schedule_sorted``).
+    ``same``: set to ``[lo, hi]``, the targets whose walk, and so result, is this one's
+    (``_same_targets``).
     """
     ranks = inst.world_size if ranks is None else ranks
     sizes, times, fixed, lengths = inst.sizes, inst.times, inst.fixed, inst.lengths
@@ -458,9 +454,15 @@ SAME_MARGIN = 1e-9
 
 
 def _same_targets(target: float, met: float, missed: float) -> list[float]:
-    """``[lo, hi]``: the targets whose walk ``build_groups`` showed equal to ``target``'s (every
-    target comparison met at ``target`` is met from ``met`` up, every one missed is missed
-    below ``missed``; each holds on its side of ``target`` by monotonicity)."""
+    """``[lo, hi]``: the targets whose walk ``build_groups`` showed equal to ``target``'s.
+
+    The target enters the walk only through comparisons of a load with ``target - fixed``, each
+    monotone in the target: the walk stays as it is while every comparison it made keeps its
+    outcome. A comparison met at ``target`` stays met above it and, below it, down to its
+    threshold (load + fixed), the largest of which is ``met``; one missed stays missed below
+    ``target`` and, above it, up to its threshold, the smallest of which is ``missed``; each
+    less a relative ``SAME_MARGIN`` for rounding. A bisection then asks the builder only for
+    targets outside the intervals it has seen (``_schedule_sorted``)."""
     lo = min(target, met + SAME_MARGIN * abs(met)) if met > -math.inf else -math.inf
     hi = max(target, missed - SAME_MARGIN * abs(missed)) if missed < math.inf else math.inf
     return [lo, hi]

@@ -346,3 +346,46 @@ def dp_balanced_layout(
         else:
             i -= 1
     return [[(cp, p) for p in packs[m : m + dp]] for m in range(0, len(packs), dp)]
+
+
+def cheapest_homogeneous(
+    lengths: Sequence[int],
+    cost: CostModel,
+    cluster: Cluster,
+    sizes: Sequence[int],
+    pipelined: Callable[[Plan], Plan | None] | None = None,
+) -> tuple[float, str, Plan] | None:
+    """(price, name, plan) of the cheapest valid homogeneous layout (ties: by name), or None:
+    what ``solve`` never returns a plan worse than.
+
+    Without a pipeline each layout is priced without building its plan (``layout_step_ms``,
+    the plan's price to the bit), and plans are built and validated cheapest first until one
+    passes: a dozen layouts of hundreds of groups each were the largest part of this stage.
+    ``pipelined``: the plan priced under the solve's pipeline (None: a count its schedule
+    refuses); then each plan is built and priced by the schedule.
+    """
+    layouts = homogeneous_layouts(lengths, cost, cluster, sizes)
+    built: dict[str, Plan] = {}  # under a pipeline each is built to be priced
+    priced: list[tuple[float, str]] = []
+    for name, layout in layouts.items():
+        if pipelined is None:
+            ms = layout_step_ms(lengths, cost, cluster, layout)
+        else:
+            try:
+                built[name] = plan_from_layout(lengths, cost, cluster, layout, solver=name)
+            except InfeasibleError:
+                continue
+            piped = pipelined(built[name])
+            ms = None if piped is None else piped.est_step_ms
+        if ms is not None:
+            priced.append((ms, name))
+    checked = list(map(int, lengths))
+    for _, name in sorted(priced):
+        plan = built.get(name) or plan_from_layout(
+            lengths, cost, cluster, layouts[name], solver=name
+        )
+        if not plan.problems(checked, cost, cluster.world_size):
+            piped = plan if pipelined is None else pipelined(plan)
+            if piped is not None:
+                return piped.est_step_ms, name, piped
+    return None

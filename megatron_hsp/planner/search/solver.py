@@ -57,11 +57,7 @@ from megatron_hsp.planner.search.greedy import (
     place_groups,
     schedule_microbatch,
 )
-from megatron_hsp.planner.search.homogeneous import (
-    homogeneous_layouts,
-    layout_step_ms,
-    plan_from_layout,
-)
+from megatron_hsp.planner.search.homogeneous import cheapest_homogeneous
 from megatron_hsp.planner.search.improve import improve
 from megatron_hsp.planner.search.instance import GroupSpec, Instance, check_lengths, resolve_sizes
 from megatron_hsp.planner.search.milp import refine_microbatches, require_cbc
@@ -716,11 +712,14 @@ def _baselines(
     cap: Cap,
 ) -> Scored:
     """(price, name, plan) of the baselines ``solve`` never returns a plan worse than: the
-    cheapest valid homogeneous layout (``_cheapest_homogeneous``) and the ``flexsp-style`` plan
-    (``flexsp_search``, from ``_flexsp_style_start``), each validated with the cost model's
-    memory, executable at its split, and priced by the same function as the search's plan
-    (under a pipeline, ordered by the same schedule). Independent of hsp's own search."""
-    homogeneous = _cheapest_homogeneous(lengths, cost, cluster, sizes, pipe)
+    cheapest valid homogeneous layout (``homogeneous.cheapest_homogeneous``) and the
+    ``flexsp-style`` plan (``flexsp_search``, from ``_flexsp_style_start``), each validated
+    with the cost model's memory, executable at its split, and priced by the same function as
+    the search's plan (under a pipeline, ordered by the same schedule). Independent of hsp's
+    own search."""
+    homogeneous = cheapest_homogeneous(
+        lengths, cost, cluster, sizes, None if pipe is None else lambda p: _piped(p, cost, pipe)
+    )
     flexsp = _flexsp_style_plan(flexsp_search, cap)
     flexsp = None if flexsp is None else _piped(flexsp, cost, pipe)
     return [*([homogeneous] if homogeneous else []),
@@ -764,48 +763,6 @@ def _piped(plan: Plan, cost: CostModel, pipe: PipelineSpec | None) -> Plan | Non
         return price_plan(price(plan, cost, pipelined=True), pipe)
     except InputError:
         return None
-
-
-def _cheapest_homogeneous(
-    lengths: Sequence[int],
-    cost: CostModel,
-    cluster: Cluster,
-    sizes: Sequence[int],
-    pipe: PipelineSpec | None,
-) -> tuple[float, str, Plan] | None:
-    """(price, name, plan) of the cheapest valid homogeneous layout (ties: by name), or None.
-
-    Without a pipeline each layout is priced without building its plan
-    (``homogeneous.layout_step_ms``, the plan's price to the bit), and plans are built and
-    validated cheapest first until one passes: a dozen layouts of hundreds of groups each were
-    the largest part of this stage. Under a pipeline each plan is built and priced by the
-    schedule.
-    """
-    layouts = homogeneous_layouts(lengths, cost, cluster, sizes)
-    built: dict[str, Plan] = {}  # under a pipeline each is built to be priced
-    priced: list[tuple[float, str]] = []
-    for name, layout in layouts.items():
-        if pipe is None:
-            ms = layout_step_ms(lengths, cost, cluster, layout)
-        else:
-            try:
-                built[name] = plan_from_layout(lengths, cost, cluster, layout, solver=name)
-            except InfeasibleError:
-                continue
-            piped = _piped(built[name], cost, pipe)
-            ms = None if piped is None else piped.est_step_ms
-        if ms is not None:
-            priced.append((ms, name))
-    checked = list(map(int, lengths))
-    for _, name in sorted(priced):
-        plan = built.get(name) or plan_from_layout(
-            lengths, cost, cluster, layouts[name], solver=name
-        )
-        if not plan.problems(checked, cost, cluster.world_size):
-            piped = _piped(plan, cost, pipe)
-            if piped is not None:
-                return piped.est_step_ms, name, piped
-    return None
 
 
 def _first_id(groups: list[GroupSpec]) -> int:
