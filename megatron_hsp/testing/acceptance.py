@@ -537,7 +537,7 @@ def main(dtypes: str | None, device: str | None, as_json: bool, plant: str | Non
     if unknown:
         raise InputError(f"--dtype {','.join(unknown)}: choose from {', '.join(DTYPES)}")
     if plant is not None:
-        by_name([plant])  # an unknown name fails before any collective
+        refuse_unseen_plant(plant, int(os.environ.get("WORLD_SIZE", "1")))
     doc = run_acceptance(KitOptions(dtypes=chosen, device=dev, plant=plant), tf32)
     if doc is None:
         return 0
@@ -552,6 +552,24 @@ def main(dtypes: str | None, device: str | None, as_json: bool, plant: str | Non
     if not doc["ok"] and not as_json:
         print("megatron-hsp acceptance: FAILED", file=sys.stderr)
     return 0 if doc["ok"] else 1
+
+
+def refuse_unseen_plant(plant: str, world: int) -> None:
+    """Refuse, before any collective, a plant unknown or one that this run cannot see: a bug
+    between ranks on one rank, or one that only learned absolute position embeddings read on
+    the kit's RoPE models (``Mutation.unseen``). Passing it would say nothing about the kit,
+    and "missed it" would blame a correct install."""
+    from megatron_hsp.testing.mutations import MUTATIONS
+
+    (mutation,) = by_name([plant])
+    kind = ModelShape().position_embedding_type
+    why = mutation.unseen(world, kind)
+    if why is not None:
+        seen = [m.name for m in MUTATIONS if m.unseen(world, kind) is None]
+        raise InputError(
+            f"--plant {plant}: the kit cannot see it on {world} rank(s): {why}; plants it can "
+            f"see here: {', '.join(seen)}"
+        )
 
 
 def unexercised(doc: dict[str, Any]) -> bool:

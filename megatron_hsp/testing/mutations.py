@@ -45,6 +45,24 @@ class Mutation:
     where: str
     wrap: Callable[[Any], Any]  # original attribute -> broken replacement
     everywhere: bool = True  # also rebind ``from module import name`` copies in megatron_hsp
+    # The fewest ranks on which it changes anything (a bug between ranks, or in groups of two
+    # or more): below that the broken code runs and breaks nothing.
+    min_ranks: int = 1
+    # It breaks only what learned absolute position embeddings read (RoPE recomputes positions).
+    learned_positions_only: bool = False
+
+    def unseen(self, world: int, position_embedding_type: str) -> str | None:
+        """Why a run of ``world`` ranks on models with ``position_embedding_type`` cannot see
+        this bug (the acceptance kit refuses it up front: a pass would say nothing), or None."""
+        if world < self.min_ranks:
+            return f"it changes nothing on fewer than {self.min_ranks} ranks ({self.breaks})"
+        if self.learned_positions_only and position_embedding_type != "learned_absolute":
+            return (
+                f"only learned absolute position embeddings read what it breaks, and these "
+                f"models use {position_embedding_type} (`selftest --megatron --mutations` "
+                "catches it on its learned-absolute option set)"
+            )
+        return None
 
     def plant(self) -> Planted:
         """Rebind ``where`` (``module:attr`` or ``module:Class.attr``); returns the undo, which
@@ -321,6 +339,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the padding id) at the boundary between two ranks' slices",
         "megatron_hsp.runtime.dispatch:pack_group_slice",
         _token_lost_at_boundary,
+        min_ranks=2,
     ),
     Mutation(
         "per-sample-loss",
@@ -350,6 +369,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "megatron_hsp.runtime.attention:ring_position_tokens",
         _swapped_chunks,
         everywhere=False,
+        min_ranks=2,
     ),
     Mutation(
         "group-gradients-not-reduced",
@@ -364,6 +384,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "data x context group)",
         "megatron_hsp.runtime.loss:allreduce_gradients",
         _reduced_over_wrong_group,
+        min_ranks=2,
     ),
     Mutation(
         "position-ids-shifted",
@@ -371,12 +392,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "absolute position embeddings)",
         "megatron_hsp.runtime.dispatch:pack_group_slice",
         _position_ids_shifted,
+        learned_positions_only=True,
     ),
     Mutation(
         "one-rank-loss-normalisation",
         "rank 1 divides its slices' loss by one token more than they have (n + 1)",
         "megatron_hsp.runtime.loss:microbatch_loss",
         _one_rank_normalisation,
+        min_ranks=2,
     ),
     Mutation(
         "one-parameter-gradient-scaled",

@@ -203,3 +203,35 @@ def test_kit_gives_no_verdict_on_a_plant_its_routes_never_ran(monkeypatch, capsy
         assert says in out.out
         assert ("NO VERDICT" in out.out) == (calls == 0)
         assert ("missed it" in out.out) == (calls > 0 and ok)
+
+
+def test_kit_refuses_up_front_a_plant_it_cannot_see(monkeypatch):
+    """A bug between ranks on one rank, or one only learned absolute position embeddings read on
+    the kit's RoPE models, would pass and read as "missed it": refused before any run, with the
+    plants that do apply."""
+    from megatron_hsp.planner.errors import InputError
+    from megatron_hsp.testing import acceptance
+
+    def never(*args, **kwargs):
+        raise AssertionError("the kit ran a plant it cannot see")
+
+    monkeypatch.setattr(acceptance, "run_acceptance", never)
+    monkeypatch.setattr(acceptance, "fp32_without_tf32", lambda: {})
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(InputError, match="fewer than 2 ranks") as one:
+        acceptance.main("fp32", "cpu", False, plant="one-rank-loss-normalisation")
+    assert "per-sample-loss" in str(one.value)
+    assert "token-lost-at-group-boundary" not in str(one.value).split("see here:")[1]
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(InputError, match="learned absolute"):
+        acceptance.main("fp32", "cpu", False, plant="position-ids-shifted")
+    for name in ("one-rank-loss-normalisation", "token-lost-at-group-boundary"):
+        acceptance.refuse_unseen_plant(name, 2)  # seen from two ranks on
+    assert [m.name for m in MUTATIONS if m.unseen(1, "rope")] == [
+        "token-lost-at-group-boundary",
+        "wrong-ring-chunk-order",
+        "gradients-reduced-over-wrong-group",
+        "position-ids-shifted",
+        "one-rank-loss-normalisation",
+    ]
+    assert by_name(["position-ids-shifted"])[0].unseen(8, "learned_absolute") is None
