@@ -89,9 +89,9 @@ class SolverConfig:
     # a few hundredths of a percent of a step on the suite at several times the solve time:
     # docs/solver.md, "Solve time, 2026-11-27 (second)").
     milp_max_microbatches: int = 1
-    # Threads one solve may use: 2 runs the MILP stage (HiGHS, outside the GIL) beside the
-    # baselines' scoring (``search/concurrency.py``); 1 runs them in turn. Plans do not depend
-    # on it.
+    # Threads one solve may use: 2 gives it a helper thread for its MILPs (HiGHS, outside the
+    # GIL), the flexsp-style search's beside hsp's search and hsp's beside the baselines'
+    # scoring (``search/concurrency.py``); 1 runs everything in turn. Plans do not depend on it.
     workers: int = 2
     # The pipeline the plan runs under (None or pp 1: none); the cost model must be the stage
     # model built for it (``parallel.pipeline_spec_for`` checks, and supplies its backward share

@@ -98,6 +98,11 @@ def solve(
     turns this off (FlexSP's planner has no such fallback). ``bound``: compute the plan's
     ``lower_bound_ms`` (False: 0, for a plan scored only by its price).
     """
+    if config.workers not in (1, 2):
+        raise InputError(
+            f"SolverConfig.workers={config.workers!r}: use 1 (everything in the calling thread) "
+            "or 2 (the MILPs in one helper thread; the same plans)"
+        )
     with Helper(config.workers) as helper:
         return finish(_solve_steps(lengths, cost, cluster, config, helper, baselines, bound))
 

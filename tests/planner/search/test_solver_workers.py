@@ -102,3 +102,12 @@ def test_both_milps_run_in_the_helper_and_an_error_beside_them_leaves_no_thread(
         solve(lengths, cost, cluster, SolverConfig(time_budget_s=120.0, workers=2))
     assert calls == [1, 1]  # raised in hsp's search, the flexsp-style MILP with the helper
     assert threading.active_count() == before
+
+
+@pytest.mark.parametrize("workers", [0, -1, 3])
+def test_a_worker_count_other_than_one_or_two_is_refused(workers: int) -> None:
+    from megatron_hsp.planner.errors import InputError
+
+    cost = load_cost_model("llama3-8b-h100", world_size=32, max_seq_k=128)
+    with pytest.raises(InputError, match=f"SolverConfig.workers={workers}: use 1"):
+        solve(_batch(0, 32), cost, Cluster(32, 8), SolverConfig(workers=workers))
