@@ -10,6 +10,11 @@ alternate on one machine (docs/solver.md, "Solve time, 2026-11-27 (second)"):
     PYTHONPATH=<tree> python benchmarks/solve_time_rounds.py llama3-8b-h100 out.json
     PYTHONPATH=. python benchmarks/solve_time_rounds.py flexsp-gpt-7b w1.json \
         --config '{"workers": 1}'
+
+``--detail`` adds, per distribution and round, medians per solve of the group builder's runs
+(``greedy.build_groups``) and of the wall time in ``chunk_long_grouped`` and in the cheapest
+homogeneous layout's stage (docs/solver.md, "Solve time, 2026-11-27 (third)"); it wraps those
+functions by name, so it reads an older tree too (``PYTHONPATH=<tree>``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("out", help="JSON file to write")
     ap.add_argument("--rounds", type=int, default=1, help="passes over the six distributions")
     ap.add_argument("--config", default="{}", help="JSON of SolverConfig fields to override")
+    ap.add_argument("--detail", action="store_true", help="builder runs and stage times too")
     args = ap.parse_args(argv)
     if not Path(args.out).resolve().parent.is_dir():
         ap.error(f"{args.out}: its folder does not exist")
@@ -65,20 +71,56 @@ def main(argv: list[str]) -> int:
             setups[name] = (setup, config, batches)
     first = next(iter(setups.values()))
     solve(first[2][0], first[0].cost, first[0].cluster, first[1])  # warm: imports, first HiGHS
+    counts = _instrument() if args.detail else None
     out: dict[str, list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for name, (setup, config, batches) in setups.items():
-            plans = [solve(b, setup.cost, setup.cluster, config) for b in batches]
-            out.setdefault(name, []).append(
-                {
-                    "wall": float(np.median([p.solve_ms for p in plans])),
-                    "cpu": float(np.median([p.extra["cpu_ms"] for p in plans])),
-                    "total": float(sum(p.est_step_ms for p in plans)),
-                }
-            )
+            plans, seen = [], []
+            for b in batches:
+                if counts is not None:
+                    counts.clear()
+                plans.append(solve(b, setup.cost, setup.cluster, config))
+                seen.append(dict(counts or {}))
+            row = {
+                "wall": float(np.median([p.solve_ms for p in plans])),
+                "cpu": float(np.median([p.extra["cpu_ms"] for p in plans])),
+                "total": float(sum(p.est_step_ms for p in plans)),
+            }
+            for key in sorted({k for one in seen for k in one}):
+                row[key] = float(np.median([one.get(key, 0.0) for one in seen]))
+            out.setdefault(name, []).append(row)
             print(name, json.dumps(out[name][-1]), flush=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
+
+
+def _instrument() -> dict[str, float]:
+    """Wrap the builder (a count) and two stages (wall ms) by name; returns the counters."""
+    import time
+
+    from megatron_hsp.planner.search import greedy, solver
+
+    counts: dict[str, float] = {}
+
+    def wrap(module, name: str, key: str, timed: bool) -> None:
+        real = getattr(module, name)
+
+        def wrapped(*a, **k):
+            start = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                took = (time.perf_counter() - start) * 1e3 if timed else 1.0
+                counts[key] = counts.get(key, 0.0) + took
+
+        setattr(module, name, wrapped)
+
+    wrap(greedy, "build_groups", "builder_runs", False)
+    wrap(solver, "chunk_long_grouped", "long_grouped_ms", True)
+    for name in ("cheapest_homogeneous", "_cheapest_homogeneous"):  # this tree's, an older one's
+        if hasattr(solver, name):
+            wrap(solver, name, "homogeneous_ms", True)
+    return counts
 
 
 if __name__ == "__main__":
