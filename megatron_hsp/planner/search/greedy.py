@@ -67,7 +67,7 @@ def _assign_starts(sizes: Sequence[int], cluster: Cluster, n: int) -> list[int] 
     first-fit in what is left. ``PLACEMENT_SEARCH_STEPS`` bounds the blocks examined, each
     intra-node group a leaf places counting as one; past that, None.
     """
-    starts = _first_fit(sizes, cluster, n, bytearray(n))
+    starts = first_fit_starts(sizes, cluster, n, bytearray(n))
     if starts is not None:
         return starts
     width = cluster.node_width
@@ -86,7 +86,7 @@ def _assign_starts(sizes: Sequence[int], cluster: Cluster, n: int) -> list[int] 
             steps[0] -= len(small)
             if steps[0] < 0:
                 return None
-            rest = _first_fit(small, cluster, n, bytearray(used))
+            rest = first_fit_starts(small, cluster, n, bytearray(used))
             return None if rest is None else [*chosen, *rest]
         d = big[k]
         low = chosen[-1] + 1 if k and big[k - 1] == d else 0
@@ -109,8 +109,11 @@ def _assign_starts(sizes: Sequence[int], cluster: Cluster, n: int) -> list[int] 
     return dfs(0)
 
 
-def _first_fit(sizes: Sequence[int], cluster: Cluster, n: int, used: bytearray) -> list[int] | None:
-    """First free legal block for each size in order (marks ``used``); None if one has none."""
+def first_fit_starts(
+    sizes: Sequence[int], cluster: Cluster, n: int, used: bytearray
+) -> list[int] | None:
+    """First free legal block for each size in order (marks ``used``); None if one has none.
+    The one first-fit rule: the search's placement checks and the homogeneous layouts'."""
     cursor: dict[int, int] = {}
     starts: list[int] = []
     for k, d in enumerate(sizes):

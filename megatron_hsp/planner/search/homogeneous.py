@@ -20,6 +20,7 @@ from megatron_hsp.planner.cost.costcore import CostModel
 from megatron_hsp.planner.cost.execution import price, segment_increments
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
+from megatron_hsp.planner.search.greedy import first_fit_starts
 from megatron_hsp.planner.topology import Cluster
 
 FLEXSP_BIN_FILL = 0.9  # FlexSP packs bins to 90% of the memory-cap token capacity
@@ -214,19 +215,15 @@ def _place(
 
 
 def _first_free_blocks(sizes: tuple[int, ...], cluster: Cluster) -> tuple[int, ...] | None:
-    """Each size (largest first) at the lowest free aligned block; None where one finds none."""
-    free = bytearray(b"\x01") * cluster.world_size  # 1: the rank is free
-    out: list[int] = []
-    for size in sizes:
-        if not cluster.size_fits(size):
-            cluster.aligned_blocks(size)  # raises, naming the legal sizes
-        whole = b"\x01" * size
-        start = next((b for b in cluster.block_starts(size) if free[b : b + size] == whole), -1)
-        if start < 0:
-            return None
-        free[start : start + size] = bytes(size)
-        out.append(start)
-    return tuple(out)
+    """Each size (largest first) at the lowest free aligned block (``greedy.first_fit_starts``,
+    the search's rule); None where one finds none. An illegal size raises, naming the legal
+    ones, unless a size before it found no block."""
+    n = cluster.world_size
+    k = next((i for i, size in enumerate(sizes) if not cluster.size_fits(size)), len(sizes))
+    starts = first_fit_starts(sizes[:k], cluster, n, bytearray(n))
+    if starts is not None and k < len(sizes):
+        cluster.aligned_blocks(sizes[k])  # raises, naming the legal sizes
+    return None if starts is None else tuple(starts)
 
 
 def homogeneous_layouts(

@@ -131,7 +131,7 @@ def test_whole_batch_passes_equal_their_python_forms():
 
 
 def test_single_ranks_take_the_free_ranks_first_fit_gives_them():
-    """``_first_fit`` places trailing single-rank groups in one pass; the per-group walk (the
+    """``first_fit_starts`` places trailing single-rank groups in one pass; the per-group walk (the
     bulk branch switched off by a size list it does not recognise) gives the same starts."""
     rng = np.random.default_rng(3)
     for world in (16, 64, 1024):
@@ -142,14 +142,14 @@ def test_single_ranks_take_the_free_ranks_first_fit_gives_them():
             ones = int(rng.integers(0, world))
             sizes = [int(d) for d in big] + [1] * ones
             fast_used, walk_used = bytearray(used), bytearray(used)
-            fast = greedy._first_fit(sizes, cluster, world, fast_used)
+            fast = greedy.first_fit_starts(sizes, cluster, world, fast_used)
 
             class Walk(list):  # ``max(sizes[k:])`` is never 1: the walk places each one
                 def __getitem__(self, k):
                     got = list.__getitem__(self, k)
                     return [*got, 2] if isinstance(k, slice) else got
 
-            walk = greedy._first_fit(Walk(sizes), cluster, world, walk_used)
+            walk = greedy.first_fit_starts(Walk(sizes), cluster, world, walk_used)
             assert fast == walk
             if fast is not None:
                 assert fast_used == walk_used
