@@ -12,9 +12,11 @@ alternate on one machine (docs/solver.md, "Solve time, 2026-11-27 (second)"):
         --config '{"workers": 1}'
 
 ``--detail`` adds, per distribution and round, medians per solve of the group builder's runs
-(``greedy.build_groups``) and of the wall time in ``chunk_long_grouped`` and in the cheapest
-homogeneous layout's stage (docs/solver.md, "Solve time, 2026-11-27 (third)"); it wraps those
-functions by name, so it reads an older tree too (``PYTHONPATH=<tree>``).
+(``greedy.build_groups``), of the wall time in ``chunk_long_grouped`` and in the cheapest
+homogeneous layout's stage, and of each phase of the solve (``plan.extra["phase_end_ms"]``;
+``milp`` is the wait for the MILPs and the baselines beside them) (docs/solver.md, "Solve time,
+2026-11-27 (third)"); it wraps those functions by name, so it reads an older tree too
+(``PYTHONPATH=<tree>``).
 """
 
 from __future__ import annotations
@@ -81,6 +83,11 @@ def main(argv: list[str]) -> int:
                     counts.clear()
                 plans.append(solve(b, setup.cost, setup.cluster, config))
                 seen.append(dict(counts or {}))
+                if counts is not None:  # each phase's own ms (``extra["phase_end_ms"]``)
+                    before = 0.0
+                    for phase, end in plans[-1].extra["phase_end_ms"].items():
+                        seen[-1][f"{phase}_ms"] = end - before
+                        before = end
             row = {
                 "wall": float(np.median([p.solve_ms for p in plans])),
                 "cpu": float(np.median([p.extra["cpu_ms"] for p in plans])),
