@@ -10,6 +10,7 @@ from megatron_hsp.evaluation.baselines import (
     dp_balanced_layout,
     dp_balanced_plan,
     ring_group_ms,
+    thd_padded,
 )
 from megatron_hsp.planner.cost.costmodel import load_cost_model
 from megatron_hsp.planner.errors import InfeasibleError, InputError
@@ -35,7 +36,9 @@ def test_plan_valid_and_costed_as_ring():
     rng = np.random.default_rng(0)
     lens = rng.integers(500, cost.capacity(4) // 2, size=64)
     plan = dp_balanced_plan(lens, cost, cluster, 4)
-    plan.validate(lens.tolist(), cost, 16)
+    plan.validate(thd_padded(lens, 8).tolist(), cost, 16)  # THD: multiples of 2 * cp
+    assert plan.extra["thd_pad_divisor"] == 8
+    assert plan.extra["padding_tokens"] == int(thd_padded(lens, 8).sum() - lens.sum()) > 0
     g = max((g for mb in plan.microbatches for g in mb.groups), key=lambda g: g.est_ms)
     assert g.est_ms == pytest.approx(ring_group_ms(g.lengths, 4, cost, RingAssumptions()))
     exposed = dp_balanced_plan(lens, cost, cluster, 4, RingAssumptions(overlap="exposed"))
