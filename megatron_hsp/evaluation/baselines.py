@@ -316,7 +316,14 @@ def plan_from_scheduler(
         assume or RingAssumptions(),
         sequential=sequential,
         solver=method,
-        extra={"method": method, "scheduler_microbatches": len(sample_id_groups)},
+        extra={
+            "method": method,
+            "scheduler_microbatches": len(sample_id_groups),
+            # how many of the plan's passes each scheduler micro-batch runs, in order
+            "scheduler_passes": [
+                max((len(ids) for _, ids in mb), default=0) if sequential else 1 for mb in layout
+            ],
+        },
     )
 
 
