@@ -23,7 +23,9 @@ of a scheduler group into one THD sequence (one forward/backward per group, unli
 sequential sub-sample passes), so the whole pack must fit and a group pays its fixed cost once per
 pass (``ring_plan_from_layout(..., sequential=False)``); CP groups are ring attention priced by the
 same rule as ``megatron-dcp``'s (docs/baselines.md). ``max_seq_len_per_rank`` is the memory model's
-``tokens_per_rank``, as for ``megatron-dcp``.
+``tokens_per_rank``, as for ``megatron-dcp``. Lengths are padded first as dev's THD datasets pad
+them under dynamic CP (``baselines.thd_pad_divisor``). The plans are checked against dev's own
+outputs recorded from dev's code (``tests/fixtures/megatron_dev_schedules.json``).
 """
 
 from __future__ import annotations
