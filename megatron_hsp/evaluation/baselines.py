@@ -255,6 +255,13 @@ def thd_padded(lengths: Sequence[int] | np.ndarray, divisor: int) -> np.ndarray:
     return -(-lens // divisor) * divisor
 
 
+def trained_lengths(plan: Plan, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The lengths ``plan`` trains for the batch ``lengths``: padded where it is a Megatron THD
+    baseline (``extra['thd_pad_divisor']``), as given otherwise. What a plan is validated
+    against (``bench``, ``plan``, the benchmarks)."""
+    return thd_padded(lengths, int(plan.extra.get("thd_pad_divisor", 1)))
+
+
 def sequential_passes(
     layout: Sequence[Sequence[tuple[int, Sequence[int]]]],
 ) -> list[list[tuple[int, list[int]]]]:

@@ -38,7 +38,7 @@ from megatron_hsp.evaluation.baselines import (
     flexsp_style_plan,
     static_best_degree,
     static_plan,
-    thd_padded,
+    trained_lengths,
 )
 from megatron_hsp.planner import groupspace
 from megatron_hsp.planner.cost.costmodel import CostModel
@@ -182,9 +182,7 @@ class MethodResult:
 
 def _record(res: MethodResult, plan: Plan, lengths: np.ndarray, cost: CostModel, ms: float) -> None:
     # Megatron's THD baselines train each sequence padded as its dataset pads it.
-    divisor = int(plan.extra.get("thd_pad_divisor", 1))
-    checked = thd_padded(lengths, divisor) if divisor > 1 else lengths
-    problems = plan.problems(checked.tolist(), cost, plan.world_size)
+    problems = plan.problems(trained_lengths(plan, lengths).tolist(), cost, plan.world_size)
     heads = cost.head_space()
     not_runnable = [] if heads is None else groupspace.problems(plan, heads)
     res.step_ms.append(float(plan.est_step_ms))
