@@ -67,7 +67,6 @@ def test_fixture_records_devs_commit_and_command() -> None:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_dev_plan_holds_devs_micro_batches_groups_and_paddings(world: int) -> None:
-    pytest.importorskip("megatron.core")  # the dev module lives beside megatron-core users
     from megatron_hsp.evaluation.torch_side.dcp_dev_baseline import megatron_dcp_dev_plan
 
     cost, cluster = _cost(world), Cluster(world, 4)
