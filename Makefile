@@ -23,6 +23,8 @@ OLDEST_TORCH_TESTS := tests/runtime/test_torch_compat.py tests/runtime/test_atte
 	tests/testing/test_selftest.py::test_selftest_matches_single_device \
 	tests/testing/test_megatron_loop.py::test_megatron_train_step_with_hsp_matches_the_stock_path \
 	tests/testing/test_megatron_loop.py::test_dropless_moe_at_ep_1_and_2_matches_the_stock_path
+# megatron-dcp's plans against the oldest megatron-core's own BalancedCPScheduler (0.18.0).
+OLDEST_TORCH_TESTS += tests/evaluation/test_megatron_dcp_matches_scheduler.py
 # The fast tier: no test that starts a process or is marked slow (tests/conftest.py keeps the
 # `spawns` marker honest); README.md gives both tiers' durations.
 FAST_TESTS := -m "not spawns and not slow"

@@ -40,6 +40,7 @@ from megatron_hsp.evaluation.baselines import (
     RingAssumptions,
     dp_balanced_best_degree,
     static_best_degree,
+    trained_lengths,
 )
 from megatron_hsp.evaluation.bench import price_baseline
 from megatron_hsp.evaluation.torch_side.dcp_baseline import megatron_dcp_plan
@@ -150,7 +151,7 @@ def _best_pack(args: argparse.Namespace, steps: int, method: str) -> tuple[float
             except InputError:  # a count the interleaved schedule refuses
                 continue
             for p, b in zip(priced, batches, strict=True):
-                p.validate(b.tolist(), setup.cost, setup.cluster.world_size)
+                p.validate(trained_lengths(p, b).tolist(), setup.cost, setup.cluster.world_size)
             total = sum(p.est_step_ms for p in priced) / 1e3
             if best is None or total < best[0]:
                 best = (total, k, d)

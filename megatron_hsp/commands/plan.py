@@ -89,7 +89,9 @@ def make_plan(args: argparse.Namespace, setup: Setup | None = None) -> Plan:
         # Baselines run in the order their schedulers emit (evaluation/bench.py).
         plan = price_baseline(plan, cost, setup.pipeline)
     elapsed = (time.perf_counter() - t0) * 1e3
-    plan.validate(lengths.tolist(), cost, cluster.world_size)
+    from megatron_hsp.evaluation.baselines import trained_lengths  # padded for THD baselines
+
+    plan.validate(trained_lengths(plan, lengths).tolist(), cost, cluster.world_size)
     lb = plan.lower_bound_ms
     if not lb:
         fn = lower_bound_fn(cost, cluster, setup.sizes)

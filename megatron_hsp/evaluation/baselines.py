@@ -238,6 +238,30 @@ def ring_group_ms(
     return cost.group_ms(lengths, d, assume.split(d, cost), RING_OVERLAP[assume.overlap])
 
 
+def thd_pad_divisor(cp: int, world_size: int, dynamic: bool) -> int:
+    """What Megatron's THD datasets pad each sequence to a multiple of (dev's
+    ``SFTDataset._calculate_padding_divisor``, which ``MockVarlenDataset`` and ``VarlenDataset``
+    inherit): ``2 * dp * cp`` (every DPxCP rank, ``world_size`` here) under dynamic CP, ``2 * cp``
+    under static CP of ``cp > 1``, else 1 (sequence parallelism's factor is 1 without TP).
+    The schedulers see, pack and train the padded lengths, so the baselines price those."""
+    if dynamic:
+        return 2 * world_size
+    return 2 * cp if cp > 1 else 1
+
+
+def thd_padded(lengths: Sequence[int] | np.ndarray, divisor: int) -> np.ndarray:
+    """Each length rounded up to a multiple of ``divisor`` (``thd_pad_divisor``)."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    return -(-lens // divisor) * divisor
+
+
+def trained_lengths(plan: Plan, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The lengths ``plan`` trains for the batch ``lengths``: padded where it is a Megatron THD
+    baseline (``extra['thd_pad_divisor']``), as given otherwise. What a plan is validated
+    against (``bench``, ``plan``, the benchmarks)."""
+    return thd_padded(lengths, int(plan.extra.get("thd_pad_divisor", 1)))
+
+
 def sequential_passes(
     layout: Sequence[Sequence[tuple[int, Sequence[int]]]],
 ) -> list[list[tuple[int, list[int]]]]:
@@ -299,7 +323,14 @@ def plan_from_scheduler(
         assume or RingAssumptions(),
         sequential=sequential,
         solver=method,
-        extra={"method": method, "scheduler_microbatches": len(sample_id_groups)},
+        extra={
+            "method": method,
+            "scheduler_microbatches": len(sample_id_groups),
+            # how many of the plan's passes each scheduler micro-batch runs, in order
+            "scheduler_passes": [
+                max((len(ids) for _, ids in mb), default=0) if sequential else 1 for mb in layout
+            ],
+        },
     )
 
 
@@ -366,22 +397,34 @@ def dp_balanced_plan(
     cp: int,
     assume: RingAssumptions | None = None,
 ) -> Plan:
-    """``dp-balanced-<cp>``: static Megatron CP of ``cp`` with arrival-order sequence packing."""
+    """``dp-balanced-<cp>``: static Megatron CP of ``cp`` with arrival-order sequence packing,
+    as ``--sequence-packing-scheduler dp_balanced`` runs it: each sequence padded to a multiple of
+    ``2 * cp`` by the dataset (``thd_pad_divisor``), packs of ``tokens_per_rank * cp`` padded
+    tokens (its ``--max-seqlen-per-dp-cp-rank``), one THD forward/backward per pack, pure p2p
+    ring attention over the CP group (``cp - 1`` ring steps per layer and pass, priced with the
+    per-step latency and overhead of ``CostModel.fixed_ms`` and ``seq_ms``)."""
     if cp not in homogeneous_sizes(cost, cluster, [cp]):
         raise InputError(
             f"dp-balanced-{cp}: the CP size must divide --gpus {cluster.world_size}, be a legal "
             f"group size and be costed by the model; choose from {homogeneous_sizes(cost, cluster)}"
         )
-    layout = dp_balanced_layout(lengths, cost, cluster.world_size, cp)
+    divisor = thd_pad_divisor(cp, cluster.world_size, dynamic=False)
+    padded = thd_padded(lengths, divisor)
+    layout = dp_balanced_layout(padded, cost, cluster.world_size, cp)
     return ring_plan_from_layout(
-        lengths,
+        padded,
         cost,
         cluster,
         layout,
         assume or RingAssumptions(),
         sequential=False,
         solver=f"dp-balanced-{cp}",
-        extra={"method": f"dp-balanced-{cp}", "degree": cp},
+        extra={
+            "method": f"dp-balanced-{cp}",
+            "degree": cp,
+            "thd_pad_divisor": divisor,
+            "padding_tokens": int(padded.sum() - np.asarray(lengths, dtype=np.int64).sum()),
+        },
     )
 
 

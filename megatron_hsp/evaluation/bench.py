@@ -38,6 +38,7 @@ from megatron_hsp.evaluation.baselines import (
     flexsp_style_plan,
     static_best_degree,
     static_plan,
+    trained_lengths,
 )
 from megatron_hsp.planner import groupspace
 from megatron_hsp.planner.cost.costmodel import CostModel
@@ -180,7 +181,8 @@ class MethodResult:
 
 
 def _record(res: MethodResult, plan: Plan, lengths: np.ndarray, cost: CostModel, ms: float) -> None:
-    problems = plan.problems(lengths.tolist(), cost, plan.world_size)
+    # Megatron's THD baselines train each sequence padded as its dataset pads it.
+    problems = plan.problems(trained_lengths(plan, lengths).tolist(), cost, plan.world_size)
     heads = cost.head_space()
     not_runnable = [] if heads is None else groupspace.problems(plan, heads)
     res.step_ms.append(float(plan.est_step_ms))

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 from megatron_hsp.planner.cost.costcore import CostModel
-from megatron_hsp.planner.cost.execution import price
+from megatron_hsp.planner.cost.execution import price, step_wall_ms
 from megatron_hsp.planner.cost.refit import TERMS as REFIT_TERMS
 from megatron_hsp.planner.plan import Plan
 
@@ -49,8 +49,8 @@ def plan_ms(plan: Plan, model: CostModel) -> float:
 def predicted_step_ms(plan: Plan, model: Any) -> float:
     """What ``model`` predicts for the step that runs ``plan``: its micro-batches plus the
     model's per-step cost (``CostModel.step_overhead_ms``). The one pricing rule of every logged
-    prediction (the demo's JSON, the Megatron hooks' records)."""
-    return plan_ms(plan, model) + model.step_overhead_ms
+    prediction (the demo's JSON, the Megatron hooks' records): ``execution.step_wall_ms``."""
+    return step_wall_ms(price(plan, model), model)
 
 
 @dataclass

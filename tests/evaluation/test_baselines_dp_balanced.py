@@ -10,6 +10,7 @@ from megatron_hsp.evaluation.baselines import (
     dp_balanced_layout,
     dp_balanced_plan,
     ring_group_ms,
+    thd_padded,
 )
 from megatron_hsp.planner.cost.costmodel import load_cost_model
 from megatron_hsp.planner.errors import InfeasibleError, InputError
@@ -35,7 +36,9 @@ def test_plan_valid_and_costed_as_ring():
     rng = np.random.default_rng(0)
     lens = rng.integers(500, cost.capacity(4) // 2, size=64)
     plan = dp_balanced_plan(lens, cost, cluster, 4)
-    plan.validate(lens.tolist(), cost, 16)
+    plan.validate(thd_padded(lens, 8).tolist(), cost, 16)  # THD: multiples of 2 * cp
+    assert plan.extra["thd_pad_divisor"] == 8
+    assert plan.extra["padding_tokens"] == int(thd_padded(lens, 8).sum() - lens.sum()) > 0
     g = max((g for mb in plan.microbatches for g in mb.groups), key=lambda g: g.est_ms)
     assert g.est_ms == pytest.approx(ring_group_ms(g.lengths, 4, cost, RingAssumptions()))
     exposed = dp_balanced_plan(lens, cost, cluster, 4, RingAssumptions(overlap="exposed"))
@@ -121,3 +124,20 @@ def test_model_without_ring_figures_is_refused_not_priced_free():
     # the fully-hidden bound needs no ring figure
     hidden = dp_balanced_plan([1000] * 8, cost, Cluster(4, 4), 2, RingAssumptions("fully-hidden"))
     assert hidden.est_step_ms > 0
+
+
+def test_plan_and_bench_validate_it_against_the_padded_lengths(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The padded plan is valid where it is checked: ``plan`` and ``bench`` validate a THD
+    baseline against the lengths it trains (``baselines.trained_lengths``), not refuse it."""
+    from megatron_hsp.cli import main
+
+    lens = tmp_path / "lens.txt"
+    lens.write_text("\n".join(str(n) for n in np.random.default_rng(1).integers(99, 2801, 64)))
+    common = ["--flexsp-harness", "--lengths", str(lens), "--gpus", "16", "--max-seq", "3000",
+              "--cost-model", "llama3-8b-h100", "--global-batch", "64"]  # fmt: skip
+    assert main(["plan", *common, "--method", "dp-balanced-4"]) == 0
+    assert main(["bench", *common, "--steps", "1", "--methods", "dp-balanced-4"]) == 0
+    out = capsys.readouterr().out
+    assert "dp-balanced-4" in out and "invalid" not in out

@@ -90,9 +90,10 @@ def test_plan_holds_the_checkouts_groups_packed(tmp_path: Path) -> None:
     cost = load_cost_model("llama3-8b-h100", world_size=8)
     cluster = Cluster(8, 8)
     schedule = load_dev_scheduler(_checkout(tmp_path))
-    cap = cost.tokens_per_rank
-    lengths = np.array([3 * cap, 500, 400, 300, 200, 100, 90, 80, 70, 60], dtype=np.int64)
+    cap = cost.tokens_per_rank // 16 * 16  # lengths already padded: the plan holds them as is
+    lengths = np.array([3 * cap, 496, 400, 304, 208, 96, 80, 80, 64, 48], dtype=np.int64)
     plan = megatron_dcp_dev_plan(lengths, cost, cluster, schedule)
+    assert plan.extra["thd_pad_divisor"] == 16  # dynamic CP: multiples of 2 * dp * cp
     plan.validate(lengths.tolist(), cost, 8)  # packed: the whole group must fit, not one pass
     assert plan.extra["execution"] == "one-pass-per-group"
     assert plan.solver == "megatron-dcp-dev" and plan.extra["scheduler_microbatches"] == 2

@@ -20,7 +20,12 @@ What we adapt, and why it never makes the baseline look worse than it is:
   groups as aligned blocks (largest first), which never crosses a node boundary the original
   did not, so our a2a cost is at most what its own placement would pay.
 - Each sub-sample is its own pass (``baselines.sequential_passes``): each must fit its group's
-  memory, and each pays the pass's fixed cost.
+  memory, and each pays the pass's fixed cost. That is main's execution, not a choice of ours:
+  ``hybrid_context_parallel_forward_backward`` calls ``forward_step``/``backward_step`` once per
+  entry of ``sample_id_groups[j][rank]`` (in 0.18.0 and 0.19.2 alike), with a barrier after each
+  scheduler group; dev's packing scheduler is ``megatron-dcp-dev``.
+  ``tests/evaluation/test_megatron_dcp_matches_scheduler.py`` checks the plan against the
+  scheduler's output batch by batch.
 """
 
 from __future__ import annotations

@@ -23,12 +23,15 @@ of a scheduler group into one THD sequence (one forward/backward per group, unli
 sequential sub-sample passes), so the whole pack must fit and a group pays its fixed cost once per
 pass (``ring_plan_from_layout(..., sequential=False)``); CP groups are ring attention priced by the
 same rule as ``megatron-dcp``'s (docs/baselines.md). ``max_seq_len_per_rank`` is the memory model's
-``tokens_per_rank``, as for ``megatron-dcp``.
+``tokens_per_rank``, as for ``megatron-dcp``. Lengths are padded first as dev's THD datasets pad
+them under dynamic CP (``baselines.thd_pad_divisor``). The plans are checked against dev's own
+outputs recorded from dev's code (``tests/fixtures/megatron_dev_schedules.json``).
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import sys
 import types
@@ -37,7 +40,12 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_hsp.evaluation.baselines import RingAssumptions, plan_from_scheduler
+from megatron_hsp.evaluation.baselines import (
+    RingAssumptions,
+    plan_from_scheduler,
+    thd_pad_divisor,
+    thd_padded,
+)
 from megatron_hsp.planner.cost.costmodel import CostModel
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.plan import Plan
@@ -204,12 +212,18 @@ def megatron_dcp_dev_plan(
     schedule: Schedule,
     assume: RingAssumptions | None = None,
 ) -> Plan:
-    """Schedule one global batch with dev's ``DefaultDynamicCPScheduler`` (``schedule``)."""
-    lens = np.asarray(lengths, dtype=np.int64)
-    if lens.size == 0:
+    """Schedule one global batch with dev's ``DefaultDynamicCPScheduler`` (``schedule``).
+
+    The scheduler sees each sequence padded as dev's THD datasets pad it under dynamic CP
+    (``baselines.thd_pad_divisor``: a multiple of ``2 * dp * cp``), so the plan holds and prices
+    the padded lengths (``extra['padding_tokens']``)."""
+    raw = np.asarray(lengths, dtype=np.int64)
+    if raw.size == 0:
         raise InputError("the global batch is empty; nothing to plan")
     n = cluster.world_size
-    return plan_from_scheduler(
+    divisor = thd_pad_divisor(n, n, dynamic=True)
+    lens = thd_padded(raw, divisor)
+    plan = plan_from_scheduler(
         lens,
         cost,
         cluster,
@@ -219,3 +233,9 @@ def megatron_dcp_dev_plan(
         sequential=False,
         assume=assume,
     )
+    extra = {
+        **plan.extra,
+        "thd_pad_divisor": divisor,
+        "padding_tokens": int(lens.sum() - raw.sum()),
+    }
+    return dataclasses.replace(plan, extra=extra)

@@ -196,3 +196,11 @@ def balance_segments(plan: Plan, cost: CostModel) -> Plan:
             for m, mb in moved.items():
                 mbs[m] = mb
     return dataclasses.replace(plan, microbatches=tuple(mbs))
+
+
+def step_wall_ms(plan: Plan, cost: CostModel) -> float:
+    """A step's predicted wall time: the plan's price (``est_step_ms``, what ``price`` sets)
+    plus what the step pays once beyond its passes (``CostModel.step_overhead_ms``: gradient
+    reduction and optimizer step). The one rule of every prediction of a step's time, the
+    training loop's logged prediction (``step/observe.py``) and the benchmarks' alike."""
+    return float(plan.est_step_ms) + cost.step_overhead_ms

@@ -117,3 +117,32 @@ def test_balance_segments_spreads_heavy_groups_over_the_blocks(zero_stage: int) 
             (g.seq_ids, g.size, g.ulysses, g.ring) for g in after.groups
         }
         assert sorted(g.ranks for g in before.groups) == sorted(g.ranks for g in after.groups)
+
+
+def test_step_wall_ms_is_the_one_step_rule() -> None:
+    """A step's predicted time is the plan's price plus the per-step terms, for every method and
+    for the training loop's logged prediction alike; the gradient all-reduce moves fp32 main
+    grads (Megatron's default under --bf16), half that with --grad-reduce-in-bf16."""
+    import types
+
+    from megatron_hsp.megatron.model_cost import choose_hardware, default_cost_model_spec
+    from megatron_hsp.planner.cost.costmodel import load_cost_model
+    from megatron_hsp.planner.cost.execution import price, step_wall_ms
+    from megatron_hsp.planner.search.solver import solve
+    from megatron_hsp.planner.topology import Cluster
+    from megatron_hsp.step.observe import predicted_step_ms
+
+    flags = dict(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=1024, bf16=True)
+    hw = choose_hardware("h100-sxm")
+    fp32, _ = default_cost_model_spec(types.SimpleNamespace(**flags), hw, 1)
+    bf16, _ = default_cost_model_spec(
+        types.SimpleNamespace(**flags, grad_reduce_in_bf16=True), hw, 1
+    )
+    cost = load_cost_model(fp32, world_size=8, gpus_per_node=8)
+    half = load_cost_model(bf16, world_size=8, gpus_per_node=8)
+    reduce32 = cost.details["grad_reduce_ms_per_step"]
+    assert half.details["grad_reduce_ms_per_step"] == pytest.approx(reduce32 / 2)
+    plan = solve([900, 700, 500, 300, 200, 100, 100, 50], cost, Cluster(8, 8))
+    assert step_wall_ms(plan, cost) == pytest.approx(plan.est_step_ms + cost.step_overhead_ms)
+    assert cost.step_overhead_ms > 0
+    assert predicted_step_ms(plan, cost) == step_wall_ms(price(plan, cost), cost)
