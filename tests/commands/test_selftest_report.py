@@ -10,7 +10,7 @@ from megatron_hsp.commands import selftest
 
 
 def test_the_duration_is_the_commands_wall_time(monkeypatch):
-    """"in 46.0 s" was printed for a 4 min 41 s command: only the first suite was timed."""
+    """ "in 46.0 s" was printed for a 4 min 41 s command: only the first suite was timed."""
     now = time.monotonic()
     monkeypatch.setattr(selftest.time, "monotonic", lambda: now + 281.0)
     assert selftest._wall(now, 46.0) == "4 min 41 s"
