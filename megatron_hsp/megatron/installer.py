@@ -1,13 +1,17 @@
 """``megatron_hsp.megatron.installer``: switch HSP on inside a Megatron-LM training script.
 
-Three ways in, one mechanism:
+Three ways in, one mechanism (docs/integration.md, "Megatron-LM integration"):
 
-* patched ``pretrain_gpt.py`` (``patches/``): adds ``hsp_extra_args_provider`` to
-  ``parse_and_validate_args`` and calls ``install(args, provider, forward_step)`` right after it;
-* ``python -m megatron_hsp.launch pretrain_gpt.py ...``: ``install_entry_points()`` makes the
-  unchanged script do the same (``patches.apply_launcher_patches``);
-* own training loop: use the layer spec and ``pipeline.StepPipeline`` + ``runtime.schedule``
-  directly (as ``megatron-hsp demo`` does); ``install`` is not needed.
+* launcher, ``python -m megatron_hsp.launch pretrain_gpt.py ...``: ``install_entry_points()``
+  makes the unchanged script do what the patch does (``patches.apply_launcher_patches``);
+* patch (``patches/``): adds ``hsp_extra_args_provider`` to ``parse_and_validate_args`` and calls
+  ``install(args, provider, forward_step)`` right after it;
+* library: a script of your own that calls Megatron's ``pretrain()`` makes the same two calls;
+  ``install`` points ``--spec`` at ``layer_spec.hsp_layer_spec``, which is
+  ``spec.with_hsp_attention`` over your spec. A training loop of your own (no ``pretrain()``)
+  does not call ``install``: it builds its layer spec with ``with_hsp_attention`` and runs each
+  planned step with ``step.pipeline.build_training_step`` and ``runtime.schedule.run_step``
+  (``commands/demo_worker.py`` is the worked example).
 
 Without ``--hsp`` everything is returned unchanged and nothing is patched.
 """
