@@ -165,3 +165,24 @@ def test_under_torchrun_every_rank_refuses_and_the_user_sees_one_line(corpus, tm
     assert len(errors) == 1 and "--eod-mask-loss" in errors[0], out[-3000:]
     assert "HSPArgsError" not in out and "megatron_hsp/" not in out, out[-3000:]
     assert out.count("exitcode  : 2") + out.count("exitcode: 2") >= 1, out[-3000:]
+
+
+JOB = [
+    *("--nnodes", "1", "--nproc-per-node", "8", "--num-layers", "2", "--hidden-size", "512"),
+    *("--num-attention-heads", "8", "--seq-length", "4096", "--global-batch-size", "16"),
+]
+
+
+@pytest.mark.parametrize("command", ["bench", "plan"])
+def test_plan_and_bench_refuse_a_missing_prefix_as_training_does(command, corpus, capsys):
+    """``plan``/``bench`` read ``--data-path`` with the training run's own check
+    (``datasets.hsp_data_from_args``): the same one line, exit 2. (``--mock-data`` and
+    ``--eod-mask-loss`` are not read by them yet: issue 42 item 2.)"""
+    from megatron_hsp import cli
+
+    rc = cli.main([command, *JOB, "--data-path", f"{corpus}-missing"])
+    err = [line for line in capsys.readouterr().err.splitlines() if "Warning" not in line]
+    assert rc == 2
+    errors = [line for line in err if "error:" in line]
+    assert len(errors) == 1 and "--data-path" in errors[0] and "has no" in errors[0], err
+    assert not any("Traceback" in line for line in err)
