@@ -24,8 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_hsp.megatron import hooks, patches
-from megatron_hsp.megatron.config import validate_hsp_args
-from megatron_hsp.megatron.datasets import hsp_data_from_args
+from megatron_hsp.megatron.config import HSPConfig, validate_hsp_args
+from megatron_hsp.megatron.datasets import HSPData, hsp_data_from_args
 from megatron_hsp.megatron.model_cost import spec_label
 from megatron_hsp.megatron.refusals import exit_on_refusal, launch_rank
 
@@ -37,7 +37,7 @@ def _print0(msg: str) -> None:
         print(f"[megatron-hsp] {msg}", flush=True)
 
 
-def _checked_run_inputs(args: argparse.Namespace) -> tuple[Any, Any] | None:
+def _checked_run_inputs(args: argparse.Namespace) -> tuple[HSPConfig, HSPData] | None:
     """``validate_hsp_args`` then the data flags (unsupported ones refused naming the flag, the
     datasets' files checked, the splits resolved); None without ``--hsp``."""
     config = validate_hsp_args(args)
