@@ -553,3 +553,20 @@ def test_without_exit_duration_a_clean_exit_is_finished(tmp_path):
     run = run_sbatch(slurm_env(bin_dir, tmp_path), "pretrain_gpt.py", "--save", str(ck))
     assert run.returncode == 0 and "the ranks finished (status 0)" in run.stdout
     assert "requeue" not in control.read_text()
+
+
+def test_a_refused_flag_is_named_in_the_jobs_summary(tmp_path):
+    """Every rank refuses a flag at argument time (one line from rank 0, exit 2) and torchrun
+    exits 1 after its own failure summary: the job's summary names the refusal, not only the
+    status."""
+    line = "megatron-hsp: error: --hsp does not support --eod-mask-loss: ...; drop --eod-mask-loss"
+    logs = tmp_path / "logs"
+    err = logs / "node-node1.err"
+    body = f"echo '{line}' >> {err}\necho 'ChildFailedError' >> {err}\nexit 1\n"
+    bin_dir, _, _ = stand_ins(tmp_path, body)
+    run = run_sbatch(slurm_env(bin_dir, tmp_path), "pretrain_gpt.py", "--eod-mask-loss", "--hsp")
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-2:] == [
+        f"megatron-hsp: the ranks failed (status 1); see {logs}/node-<host>.err",
+        line,
+    ]
