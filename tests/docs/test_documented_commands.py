@@ -76,13 +76,18 @@ def _commands(words: list[str], where: str) -> list[Documented]:
                 current.pop(0)  # PYTHONPATH=... megatron-hsp ...
             if current and current[0].rsplit("/", 1)[-1] == "megatron-hsp" and len(current) > 1:
                 out.append(Documented(where, tuple(current[1:])))
+            elif "megatron_hsp.launch" in current:  # the launcher: its --hsp* flags
+                at = current.index("megatron_hsp.launch")
+                out.append(Documented(where, ("launch", *current[at + 1 :])))
             current = []
         else:
             current.append(w)
     return out
 
 
-COMMANDS = documented_commands()
+ALL = documented_commands()
+COMMANDS = [c for c in ALL if c.argv[0] != "launch"]
+LAUNCHES = [c for c in ALL if c.argv[0] == "launch"]
 
 
 def _subparser(command: str):
@@ -128,6 +133,35 @@ def test_every_command_not_run_here_says_why():
         for command in doc.argv[0].split("|"):
             assert command == "bench" or command in NOT_RUN, f"{doc.where}: {command}"
     assert all(len(why) > 40 for why in NOT_RUN.values())
+
+
+def test_the_docs_launch_commands_are_checked():
+    assert len(LAUNCHES) >= 2, LAUNCHES
+
+
+@pytest.mark.parametrize("doc", LAUNCHES, ids=lambda c: c.where)
+def test_a_documented_launch_names_only_hsp_flags_that_exist(doc):
+    """``torchrun ... -m megatron_hsp.launch pretrain_gpt.py <megatron args> --hsp ...``: the
+    Megatron flags are Megatron's to check; every ``--hsp*`` flag and its value must parse with
+    the flags Megatron's parser gains (``megatron/flags.add_hsp_args``)."""
+    import argparse
+
+    from megatron_hsp.megatron.flags import add_hsp_args
+
+    parser = add_hsp_args(argparse.ArgumentParser(allow_abbrev=False))
+    words = [w for w in doc.argv[1:] if not SYNOPSIS.search(w) and w != "..."]
+    hsp: list[str] = []
+    for i, word in enumerate(words):
+        if word.startswith("--hsp"):
+            hsp.append(word)
+            value = words[i + 1] if i + 1 < len(words) else None
+            if value is not None and not value.startswith("--"):
+                hsp.append(value)
+    try:
+        _, extras = parser.parse_known_args(hsp)
+    except SystemExit as stop:
+        pytest.fail(f"{doc.where}: {' '.join(hsp)} does not parse ({stop.code})")
+    assert not extras, f"{doc.where}: unknown {extras}"
 
 
 @pytest.mark.slow
