@@ -27,20 +27,32 @@ pytestmark = [
 ]
 
 
-def stand_ins(tmp_path: Path, srun_body: str = "") -> tuple[Path, Path, Path]:
+# The environment torchrun would inherit from srun, recorded by the stand-in.
+RECORDED_ENV = (
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "TORCH_NCCL_AVOID_RECORD_STREAMS",
+    "NCCL_NVLS_ENABLE",
+)
+
+
+def stand_ins(tmp_path: Path, srun_body: str = "", job: str = "") -> tuple[Path, Path, Path]:
     """(bin dir, srun record, scontrol record): ``srun`` writes its arguments and the
-    environment it inherited, then runs ``srun_body``; ``scontrol`` names one host."""
+    environment it inherited, then runs ``srun_body``; ``scontrol show hostnames`` names one
+    host, ``scontrol show job`` prints ``job`` (Slurm's ``Field=value`` form)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     record, control = tmp_path / "srun.txt", tmp_path / "scontrol.txt"
     (bin_dir / "srun").write_text(
         "#!/bin/bash\n"
         f'printf "%s\\n" "$@" > {record}\n'
-        f'echo "CUDA_DEVICE_MAX_CONNECTIONS=${{CUDA_DEVICE_MAX_CONNECTIONS:-unset}}" >> {record}\n'
+        + "".join(f'echo "{v}=${{{v}:-unset}}" >> {record}\n' for v in RECORDED_ENV)
         + srun_body
     )
     (bin_dir / "scontrol").write_text(
-        f'#!/bin/bash\necho "$@" >> {control}\nif [[ $1 == show ]]; then echo node1; fi\n'
+        f'#!/bin/bash\necho "$@" >> {control}\n'
+        "if [[ $1 == show && $2 == job ]]; then\n"
+        f"  printf '%s\\n' '{job}'\n"
+        "elif [[ $1 == show ]]; then echo node1; fi\n"
     )
     for f in bin_dir.iterdir():
         f.chmod(0o755)
@@ -85,7 +97,7 @@ def test_srun_gets_cpus_per_task_gpus_per_node_logs_and_megatron_env(tmp_path):
         "USR1",
         "--",
     ]
-    tail = lines[lines.index("megatron_hsp.launch") + 1 : -1]
+    tail = lines[lines.index("megatron_hsp.launch") + 1 : -len(RECORDED_ENV)]
     assert tail == ["pretrain_gpt.py", "--hsp", "--exit-signal-handler", "--exit-signal", "SIGUSR1"]
     assert "added --exit-signal-handler --exit-signal SIGUSR1" in run.stdout
     assert "no --save" in run.stdout  # said: a requeued job would start over
@@ -141,7 +153,8 @@ def test_the_signal_the_ranks_handle_is_the_one_delivered(tmp_path, flags, deliv
     if "--exit-signal-handler" in flags:
         assert f"the ranks checkpoint on SIG{delivered}" in run.stdout
     else:
-        assert lines[-3:-1] == ["--exit-signal", "SIGUSR1"]
+        end = len(lines) - len(RECORDED_ENV)
+        assert lines[end - 2 : end] == ["--exit-signal", "SIGUSR1"]
 
 
 @pytest.mark.parametrize(
@@ -406,3 +419,154 @@ def test_a_45s_checkpoint_on_megatrons_default_sigterm_completes_and_requeues(tm
     assert "the ranks checkpoint on SIGTERM" in out
     assert f"checkpoint completed (iteration 40 in {ck})" in out and "requeueing job 7" in out
     assert "requeue 7" in control.read_text().splitlines()
+
+
+# Issue 42: a real cluster's srun options, NCCL settings, exclusive nodes, and the checkpoint
+# lead time tied to Megatron's --exit-duration-in-mins.
+
+
+def test_srun_options_from_hsp_srun_args_follow_the_scripts_own(tmp_path):
+    """pyxis' container image and mounts and --mpi=pmix, as Megatron-LM's and Megatron-Bridge's
+    sbatch examples pass them, without editing the script; after the script's own options (a
+    later option wins), before the node script."""
+    bin_dir, record, _ = stand_ins(tmp_path)
+    extra = [
+        "--container-image=nvcr.io#nvidia/pytorch:25.01-py3",
+        "--container-mounts=/data:/data,/ckpt:/ckpt",
+        "--mpi=pmix",
+    ]
+    env = slurm_env(bin_dir, tmp_path, HSP_SRUN_ARGS=" ".join(extra))
+    run = run_sbatch(env, "pretrain_gpt.py", "--hsp")
+    assert run.returncode == 0, run.stderr
+    lines = record.read_text().splitlines()
+    at = lines.index(str(NODE_SCRIPT))
+    assert lines[at - 3 : at] == extra
+    assert lines.index("--cpus-per-task=12") < at - 3
+    assert "srun options from HSP_SRUN_ARGS: " + " ".join(extra) in run.stdout
+
+
+def test_without_hsp_srun_args_srun_gets_only_the_scripts_options(tmp_path):
+    bin_dir, record, _ = stand_ins(tmp_path)
+    run = run_sbatch(slurm_env(bin_dir, tmp_path), "pretrain_gpt.py")
+    lines = record.read_text().splitlines()
+    assert run.returncode == 0 and lines[: lines.index(str(NODE_SCRIPT))] == [
+        "--ntasks-per-node=1",
+        "--cpus-per-task=12",
+        "--kill-on-bad-exit=1",
+        "--open-mode=append",
+        f"--output={tmp_path / 'logs'}/node-%N.out",
+        f"--error={tmp_path / 'logs'}/node-%N.err",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("user", "expected"),
+    [
+        ({}, {"TORCH_NCCL_AVOID_RECORD_STREAMS": "1", "NCCL_NVLS_ENABLE": "0"}),
+        (
+            {"TORCH_NCCL_AVOID_RECORD_STREAMS": "0", "NCCL_NVLS_ENABLE": "1"},
+            {"TORCH_NCCL_AVOID_RECORD_STREAMS": "0", "NCCL_NVLS_ENABLE": "1"},
+        ),
+    ],
+)
+def test_nccl_defaults_reach_the_ranks_and_a_users_value_wins(tmp_path, user, expected):
+    bin_dir, record, _ = stand_ins(tmp_path)
+    run = run_sbatch(slurm_env(bin_dir, tmp_path, **user), "pretrain_gpt.py")
+    assert run.returncode == 0, run.stderr
+    lines = record.read_text().splitlines()
+    for name, value in expected.items():
+        assert f"{name}={value}" in lines
+
+
+JOB = "JobId=7 JobName=megatron-hsp RunTime=00:10:00 TimeLimit=04:00:00 OverSubscribe={shared}"
+
+
+@pytest.mark.parametrize(("shared", "said"), [("OK", True), ("NO", False)])
+def test_shared_nodes_are_said_with_what_keeps_them_to_the_job(tmp_path, shared, said):
+    bin_dir, _, _ = stand_ins(tmp_path, job=JOB.format(shared=shared))
+    run = run_sbatch(slurm_env(bin_dir, tmp_path), "pretrain_gpt.py")
+    assert run.returncode == 0, run.stderr
+    assert ("sbatch --exclusive keeps the nodes to this job" in run.stdout) is said
+
+
+@pytest.mark.parametrize(
+    ("minutes", "said", "stream"),
+    [
+        # 3 h 50 min left: 220 min ends 600 s before the limit, 300 s before the signal.
+        ("220", "checkpoint and exit 600 s before the time limit (13800 s left)", "stdout"),
+        ("--exit-duration-in-mins=225", "exit 300 s before the time limit", "stdout"),
+        ("229", "use --exit-duration-in-mins 225 or less", "stderr"),
+    ],
+)
+def test_exit_duration_is_compared_with_the_jobs_time_left(tmp_path, minutes, said, stream):
+    """Megatron's examples tie the checkpoint to --exit-duration-in-mins; the script reads the
+    job's time limit and time used (scontrol show job) and says which stop comes first."""
+    bin_dir, _, _ = stand_ins(tmp_path, job=JOB.format(shared="NO"))
+    flag = [minutes] if minutes.startswith("--") else ["--exit-duration-in-mins", minutes]
+    run = run_sbatch(slurm_env(bin_dir, tmp_path), "pretrain_gpt.py", *flag)
+    assert run.returncode == 0, run.stderr
+    assert said in getattr(run, stream), (run.stdout, run.stderr)
+
+
+def test_a_bad_exit_duration_is_refused_in_one_line(tmp_path):
+    bin_dir, record, _ = stand_ins(tmp_path)
+    run = run_sbatch(
+        slurm_env(bin_dir, tmp_path), "pretrain_gpt.py", "--exit-duration-in-mins", "2h"
+    )
+    assert run.returncode == 2 and not record.exists()
+    assert run.stderr.strip().splitlines() == [
+        "megatron-hsp: error: --exit-duration-in-mins 2h is not a whole number of minutes "
+        "(Megatron's flag is an integer)"
+    ]
+
+
+@pytest.mark.parametrize(("iteration", "requeued"), [("12", True), ("100", False)])
+def test_megatrons_own_stop_after_exit_duration_requeues_until_training_is_done(
+    tmp_path, iteration, requeued
+):
+    """The ranks save and exit 0 by themselves after --exit-duration-in-mins: before issue 42
+    the script said "the ranks finished" and never requeued. At --train-iters the training is
+    done, and the job ends."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "latest_checkpointed_iteration.txt").write_text("4")  # the checkpoint it resumed from
+    save = f"sleep 1; echo {iteration} > {ck}/latest_checkpointed_iteration.txt; exit 0\n"
+    bin_dir, _, control = stand_ins(tmp_path, save, job=JOB.format(shared="NO"))
+    argv = ["pretrain_gpt.py", "--save", str(ck), "--train-iters", "100"]
+    run = run_sbatch(slurm_env(bin_dir, tmp_path), *argv, "--exit-duration-in-mins", "200")
+    assert run.returncode == 0, run.stderr
+    requeue = "requeue 7" in control.read_text().splitlines()
+    assert requeue is requeued, (run.stdout, run.stderr)
+    if requeued:
+        assert (
+            f"checkpoint completed (iteration 12 in {ck}), ranks stopped (status 0) after "
+            "--exit-duration-in-mins 200; requeueing job 7"
+        ) in run.stdout
+    else:
+        assert "the ranks finished (status 0)" in run.stdout
+
+
+def test_without_exit_duration_a_clean_exit_is_finished(tmp_path):
+    ck = tmp_path / "ck"
+    save = f"mkdir -p {ck}; echo 12 > {ck}/latest_checkpointed_iteration.txt; exit 0\n"
+    bin_dir, _, control = stand_ins(tmp_path, save)
+    run = run_sbatch(slurm_env(bin_dir, tmp_path), "pretrain_gpt.py", "--save", str(ck))
+    assert run.returncode == 0 and "the ranks finished (status 0)" in run.stdout
+    assert "requeue" not in control.read_text()
+
+
+def test_a_refused_flag_is_named_in_the_jobs_summary(tmp_path):
+    """Every rank refuses a flag at argument time (one line from rank 0, exit 2) and torchrun
+    exits 1 after its own failure summary: the job's summary names the refusal, not only the
+    status."""
+    line = "megatron-hsp: error: --hsp does not support --eod-mask-loss: ...; drop --eod-mask-loss"
+    logs = tmp_path / "logs"
+    err = logs / "node-node1.err"
+    body = f"echo '{line}' >> {err}\necho 'ChildFailedError' >> {err}\nexit 1\n"
+    bin_dir, _, _ = stand_ins(tmp_path, body)
+    run = run_sbatch(slurm_env(bin_dir, tmp_path), "pretrain_gpt.py", "--eod-mask-loss", "--hsp")
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-2:] == [
+        f"megatron-hsp: the ranks failed (status 1); see {logs}/node-<host>.err",
+        line,
+    ]

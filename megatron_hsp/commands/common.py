@@ -82,11 +82,14 @@ def add_common_arguments(parser: argparse.ArgumentParser, harness: bool = True) 
         value = HARNESS_DEFAULTS.get(key)
         return text if value is None else f"{text} (default: {value})"
 
-    group.add_argument(
+    # --lengths works with and without --flexsp-harness (in place of --data-path): filed with
+    # the command's own options, not under the harness's group.
+    parser.add_argument(
         "--lengths",
         default=None,
-        help="text file (one length per line, .gz ok) or Megatron indexed dataset prefix; "
-        "default: the embedded Wikipedia 100k subset",
+        help="text file (one length per line, .gz ok) or Megatron indexed dataset prefix, "
+        "with or without --flexsp-harness (instead of --data-path); default: the embedded "
+        "Wikipedia 100k subset",
     )
     group.add_argument(
         "--gpus",

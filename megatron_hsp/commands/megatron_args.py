@@ -59,7 +59,8 @@ PLANNER_FLAGS: dict[str, str] = {
     "valid_data_path": "read for the data checks only",
     "test_data_path": "read for the data checks only",
     "per_split_data_args_path": "JSON file of the three splits' lists",
-    "mmap_bin_files": "read as Megatron reads it",
+    "mmap_bin_files": "read the datasets' .bin files with file reads instead of memory maps, "
+    "as Megatron does with this flag",
     "tensor_model_parallel_size": "HSP plans slots of this many GPUs",
     "pipeline_model_parallel_size": "every stage runs the same plan",
     "num_layers_per_virtual_pipeline_stage": "interleaved pipeline (virtual stages)",
@@ -207,6 +208,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.help and "default" in action.help:
             return action.help
+        if isinstance(action, argparse._StoreFalseAction):
+            # "--no-mmap-bin-files ... (default: True)" read as if the flag were on by default.
+            return f"{action.help} (default: not given)"
         return super()._get_help_string(action)
 
 

@@ -291,7 +291,7 @@ def validate_hsp_args(
     _settings_hsp_needs(args, notes)
     _check_planner_budgets(args)
     gbs = _global_batch(args, early, notes)
-    max_seq = _max_seq(args, early)
+    max_seq = _max_seq(args, early, notes)
     if args.hsp_log_interval < 0:
         raise HSPArgsError(f"--hsp-log-interval must be >= 0 (got {args.hsp_log_interval})")
     refit_out = _refit_out(args)
@@ -454,14 +454,25 @@ def _global_batch(args: argparse.Namespace, early: bool, notes: list[str]) -> in
     return gbs
 
 
-def _max_seq(args: argparse.Namespace, early: bool) -> int | None:
+def _max_seq(args: argparse.Namespace, early: bool, notes: list[str]) -> int | None:
     """The longest document the cost model is sized for: ``--hsp-max-seq``, else
     ``--seq-length`` (which Megatron's validate_args may derive: required on the full call
-    only), never past learned absolute positions."""
+    only), never past learned absolute positions. An ``--hsp-max-seq`` below ``--seq-length``
+    is noted: ``128k`` is 128000 tokens (docs/units.md), below a ``--seq-length 131072``, and
+    the documents between the two would follow ``--hsp-overlong`` where stock Megatron trains
+    them."""
     seq = arg_value(args, "seq_length", None) or arg_value(args, "max_position_embeddings", None)
     max_seq = args.hsp_max_seq or seq
     if not max_seq and not early:
         raise HSPArgsError("--hsp needs --hsp-max-seq or --seq-length to size the cost model")
+    seq_length = arg_value(args, "seq_length", None)
+    if args.hsp_max_seq and seq_length and int(args.hsp_max_seq) < int(seq_length):
+        notes.append(
+            f"--hsp-max-seq {args.hsp_max_seq} is below --seq-length {seq_length}: documents "
+            f"of {int(args.hsp_max_seq) + 1} to {seq_length} tokens follow --hsp-overlong "
+            f"{getattr(args, 'hsp_overlong', None) or 'error'} (a k is 1000 tokens, "
+            f"docs/units.md); --hsp-max-seq {seq_length} trains up to --seq-length"
+        )
     positions = _learned_positions(args)
     if positions is not None and max_seq and int(max_seq) > positions:
         raise HSPArgsError(

@@ -1,13 +1,17 @@
 """``megatron_hsp.megatron.installer``: switch HSP on inside a Megatron-LM training script.
 
-Three ways in, one mechanism:
+Three ways in, one mechanism (docs/integration.md, "Megatron-LM integration"):
 
-* patched ``pretrain_gpt.py`` (``patches/``): adds ``hsp_extra_args_provider`` to
-  ``parse_and_validate_args`` and calls ``install(args, provider, forward_step)`` right after it;
-* ``python -m megatron_hsp.launch pretrain_gpt.py ...``: ``install_entry_points()`` makes the
-  unchanged script do the same (``patches.apply_launcher_patches``);
-* own training loop: use the layer spec and ``pipeline.StepPipeline`` + ``runtime.schedule``
-  directly (as ``megatron-hsp demo`` does); ``install`` is not needed.
+* launcher, ``python -m megatron_hsp.launch pretrain_gpt.py ...``: ``install_entry_points()``
+  makes the unchanged script do what the patch does (``patches.apply_launcher_patches``);
+* patch (``patches/``): adds ``hsp_extra_args_provider`` to ``parse_and_validate_args`` and calls
+  ``install(args, provider, forward_step)`` right after it;
+* library: a script of your own that calls Megatron's ``pretrain()`` makes the same two calls;
+  ``install`` points ``--spec`` at ``layer_spec.hsp_layer_spec``, which is
+  ``spec.with_hsp_attention`` over your spec. A training loop of your own (no ``pretrain()``)
+  does not call ``install``: it builds its layer spec with ``with_hsp_attention`` and runs each
+  planned step with ``step.pipeline.build_training_step`` and ``runtime.schedule.run_step``
+  (``commands/demo_worker.py`` is the worked example).
 
 Without ``--hsp`` everything is returned unchanged and nothing is patched.
 """
@@ -15,23 +19,31 @@ Without ``--hsp`` everything is returned unchanged and nothing is patched.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from megatron_hsp.megatron import hooks, patches
-from megatron_hsp.megatron.config import validate_hsp_args
-from megatron_hsp.megatron.datasets import hsp_data_from_args
+from megatron_hsp.megatron.config import HSPConfig, validate_hsp_args
+from megatron_hsp.megatron.datasets import HSPData, hsp_data_from_args
 from megatron_hsp.megatron.model_cost import spec_label
-from megatron_hsp.megatron.refusals import exit_on_refusal
+from megatron_hsp.megatron.refusals import exit_on_refusal, launch_rank
 
 LAYER_SPEC = ["megatron_hsp.megatron.layer_spec", "hsp_layer_spec"]
 
 
 def _print0(msg: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launch_rank() == 0:
         print(f"[megatron-hsp] {msg}", flush=True)
+
+
+def _checked_run_inputs(args: argparse.Namespace) -> tuple[HSPConfig, HSPData] | None:
+    """``validate_hsp_args`` then the data flags (unsupported ones refused naming the flag, the
+    datasets' files checked, the splits resolved); None without ``--hsp``."""
+    config = validate_hsp_args(args)
+    if config is None:
+        return None
+    return config, hsp_data_from_args(args)
 
 
 def install(
@@ -47,12 +59,13 @@ def install(
     exit 2 (``refusals.exit_on_refusal``).
     """
     if args is not None and not getattr(args, "_hsp_installed", False):
-        config = exit_on_refusal(lambda: validate_hsp_args(args))
-        if config is None:
+        # The flags and Megatron's data flags, at argument time (before the model is built), in
+        # one refusal path: an unsupported flag or a missing dataset is one line and exit 2 on
+        # every rank, whichever check names it.
+        checked = exit_on_refusal(lambda: _checked_run_inputs(args))
+        if checked is None:
             return datasets_provider, forward_step
-        # Megatron's data flags, at argument time (before the model is built): unsupported ones
-        # refused naming the flag, the datasets' files checked, the splits resolved.
-        data = hsp_data_from_args(args)
+        config, data = checked
         spec = getattr(args, "spec", None)
         if spec and list(spec) != LAYER_SPEC:
             # The user's spec stays the base: layer_spec.py swaps HSP attention into it.
@@ -71,7 +84,7 @@ def install(
         from megatron_hsp.runtime.compat import untested_versions
 
         untested = untested_versions()
-        if untested and int(os.environ.get("RANK", "0")) == 0:
+        if untested and launch_rank() == 0:
             print(untested, file=sys.stderr, flush=True)
         hooks.set_run(hooks.HSPRun(config=config, data=data))
         patches.apply_training_patches()

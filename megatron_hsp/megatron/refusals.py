@@ -376,6 +376,18 @@ def exit_on_refusal(check: Callable[[], Any]) -> Any:
     try:
         return check()
     except InputError as exc:
-        if os.environ.get("RANK", "0") == "0":
+        if launch_rank() == 0:
             print(f"megatron-hsp: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def launch_rank(env: dict[str, str] | None = None) -> int:
+    """This process's global rank as its launcher set it, before torch.distributed exists:
+    torchrun's ``RANK``, else Slurm's ``SLURM_PROCID`` (``srun`` starting one rank per task, as
+    Megatron's own sbatch examples do), else 0 (one process)."""
+    env = os.environ if env is None else env
+    for name in ("RANK", "SLURM_PROCID"):
+        value = env.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0

@@ -24,6 +24,7 @@ import importlib.metadata
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -31,20 +32,44 @@ RANGE_CHECKED = ("torch", "megatron-core")
 
 
 def _installed_version(name: str) -> str | None:
-    """The distribution's version; megatron-core from a Megatron-LM checkout on PYTHONPATH has
-    no distribution, so its ``package_info`` is asked."""
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        pass
+    """The version of ``name`` that this process runs: the imported module's own version string
+    (``torch.__version__``, ``megatron.core.package_info.__version__``), not the installed
+    distribution's metadata. Why: with a Megatron-LM checkout on PYTHONPATH the checkout's
+    megatron-core runs (e.g. main's 0.20.0+d98e8a64dd) while the wheel's metadata still says
+    0.18.2, and a check or report must name what runs. The metadata is the fallback where the
+    module cannot be imported."""
+    if name == "torch":
+        return str(torch.__version__)
     if name == "megatron-core":
         try:
             from megatron.core.package_info import __version__
 
             return str(__version__)
         except Exception:
-            return None
-    return None
+            pass
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def running_versions() -> str:
+    """One line naming the torch and megatron-core this process runs and where each was imported
+    from (selftest's report; a checkout on PYTHONPATH shows its own path and version)."""
+    import importlib.util
+
+    parts = []
+    for name, module in (("torch", "torch"), ("megatron-core", "megatron.core")):
+        version = _installed_version(name) or "not importable"
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        where = ""
+        if spec is not None and spec.origin:
+            where = f" ({Path(spec.origin).parent})"
+        parts.append(f"{name} {version}{where}")
+    return ", ".join(parts)
 
 
 def untested_versions(
@@ -184,6 +209,8 @@ __all__ = [
     "SPLIT_GROUP_ARGS",
     "TorchFeatures",
     "can_split_groups",
+    "running_versions",
     "torch_features",
+    "untested_versions",
     "varlen_causal",
 ]

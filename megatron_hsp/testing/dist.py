@@ -262,21 +262,33 @@ def _output_to_log(rank: int) -> None:
     os.close(fd)
 
 
+@dataclass
+class RankLogs:
+    """What ``rank_output_logged`` does with the ranks' logs: ``passed`` set by the command when
+    it succeeded removes them; left False (a failure, an exception) keeps them and names them."""
+
+    passed: bool = False
+    directory: str | None = None
+
+
 @contextmanager
-def rank_output_logged(verbose: bool, command: str) -> Iterator[None]:
-    """Spawned ranks' output in log files, summarised in one stderr line, unless ``verbose``.
+def rank_output_logged(verbose: bool, command: str) -> Iterator[RankLogs]:
+    """Spawned ranks' output in log files, not on the terminal, unless ``verbose``.
 
     Why: Megatron's ranks log every dataset index, argument and iteration; ``selftest
-    --megatron`` wrote ~38,600 lines to stderr, burying the result table. The files stay for
-    reading; ``--verbose`` streams the output as before.
+    --megatron`` wrote ~38,600 lines to stderr, burying the result table. A passing run's logs
+    are removed (they left ~36,000 lines in /tmp per run); a failing run's are kept and named in
+    one stderr line. ``--verbose`` streams the output as before.
     """
+    logs_state = RankLogs()
     if verbose or os.environ.get(RANK_LOG_DIR_ENV):
-        yield
+        yield logs_state
         return
     directory = tempfile.mkdtemp(prefix=f"megatron-hsp-{command}-")
+    logs_state.directory = directory
     os.environ[RANK_LOG_DIR_ENV] = directory
     try:
-        yield
+        yield logs_state
     finally:
         del os.environ[RANK_LOG_DIR_ENV]
         logs = sorted(Path(directory).glob("rank*.log"))
@@ -284,10 +296,10 @@ def rank_output_logged(verbose: bool, command: str) -> Iterator[None]:
         for log in logs:
             with open(log, "rb") as fh:
                 lines += sum(1 for _ in fh)
-        if lines:
+        if lines and not logs_state.passed:
             print(
-                f"{command}: the ranks' output ({lines:,} lines) is in {directory}/rank*.log; "
-                "--verbose prints it instead",
+                f"{command}: the ranks' output ({lines:,} lines) is kept in "
+                f"{directory}/rank*.log; --verbose prints it instead",
                 file=sys.stderr,
             )
         else:

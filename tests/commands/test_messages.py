@@ -91,7 +91,7 @@ def test_selftest_puts_the_ranks_output_in_a_log_and_says_where(tmp_path, capfd)
     err = capfd.readouterr().err
     assert "rank 0 line 99" not in err
     (line,) = [x for x in err.splitlines() if "the ranks' output" in x]
-    directory = line.split(" is in ")[1].split("/rank*.log")[0]
+    directory = line.split(" is kept in ")[1].split("/rank*.log")[0]
     logs = sorted(Path(directory).glob("rank*.log"))
     assert [p.name for p in logs] == ["rank0.log", "rank1.log"]
     assert "rank 1 line 99" in logs[1].read_text()

@@ -108,8 +108,9 @@ def test_unsupported_data_flags_are_refused_in_one_line_naming_the_flag(two):
     assert any(n.startswith("--data-cache-path: nothing is cached") for n in noted.notes)
 
 
-def test_refused_at_argument_time_by_install(two, monkeypatch):
-    """``install`` (right after Megatron's validate_args, before the model) refuses --mock-data."""
+def test_refused_at_argument_time_by_install(two, monkeypatch, capsys):
+    """``install`` (right after Megatron's validate_args, before the model) refuses --mock-data:
+    one line, exit 2 (issue 42: it raised the ``HSPArgsError``, a traceback on every rank)."""
     from megatron_hsp.megatron import hooks, install, patches
 
     a, _ = two
@@ -122,8 +123,12 @@ def test_refused_at_argument_time_by_install(two, monkeypatch):
         world_size=2,
     )
     try:
-        with pytest.raises(HSPArgsError, match="--mock-data"):
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(SystemExit) as stop:
             install(args)
+        assert stop.value.code == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("megatron-hsp: error: --hsp does not support --mock-data")
         assert patches.applied() == [] and hooks.active_run() is None
     finally:
         patches.remove_patches()

@@ -95,3 +95,35 @@ def test_the_cli_prints_the_warning_and_runs_on(monkeypatch, capsys):
     monkeypatch.setattr(compat, "untested_versions", lambda: "megatron-hsp: warning: untested X")
     assert cli.missing_torch("selftest") is None
     assert capsys.readouterr().err == "megatron-hsp: warning: untested X\n"
+
+
+def test_the_megatron_core_that_runs_is_checked_not_the_installed_wheel(monkeypatch):
+    """Issue 42: with a Megatron-LM checkout on PYTHONPATH its megatron-core runs (main:
+    0.20.0+d98e8a64dd, or a newer one) while the wheel's metadata says 0.19.2; the check read
+    the metadata and stayed silent about a version outside the range."""
+    import sys
+    import types
+
+    import megatron.core  # noqa: F401  (the parent package, as a checkout's import makes it)
+
+    from megatron_hsp.runtime import compat
+
+    checkout = types.ModuleType("megatron.core.package_info")
+    checkout.__version__ = "0.21.0+d98e8a64dd"
+    monkeypatch.setitem(sys.modules, "megatron.core.package_info", checkout)
+    assert compat._installed_version("megatron-core") == "0.21.0+d98e8a64dd"
+    line = untested_versions(REQUIRES)
+    assert line is not None and "megatron-core 0.21.0+d98e8a64dd" in line
+    assert "megatron-core 0.21.0+d98e8a64dd" in compat.running_versions()
+
+
+def test_the_torch_that_runs_is_named(monkeypatch):
+    import torch
+
+    from megatron_hsp.runtime import compat
+
+    monkeypatch.setattr(torch, "__version__", "2.16.0a0+git1234")
+    assert compat._installed_version("torch") == "2.16.0a0+git1234"
+    line = untested_versions(REQUIRES)
+    assert line is not None and "torch 2.16.0a0+git1234" in line
+    assert compat.running_versions().startswith("torch 2.16.0a0+git1234 (")
