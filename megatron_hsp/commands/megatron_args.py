@@ -47,7 +47,8 @@ PLANNER_FLAGS: dict[str, str] = {
     "position_embedding_type": "learned_absolute limits documents to --max-position-embeddings",
     "global_batch_size": "documents per step under --hsp (default: --micro-batch-size x data "
     "parallel, as Megatron derives it)",
-    "micro_batch_size": "only to derive a missing --global-batch-size (HSP picks micro-batches)",
+    "micro_batch_size": "your stock run's samples per micro-batch (megatron-static-cp<N>) and a "
+    "missing --global-batch-size's derivation; HSP picks its own micro-batches",
     "seed": "the document sampler's and planner's seed (--hsp-seed overrides; default: 1234, "
     "Megatron's; 0 with --flexsp-harness)",
     "data_path": "indexed datasets: PREFIX, or weights and prefixes (W1 P1 W2 P2 ...), split by "
@@ -85,7 +86,23 @@ PLANNER_FLAGS: dict[str, str] = {
     "bf16": "precision",
     "fp16": "precision",
     "use_distributed_optimizer": "ZeRO-1 optimizer states (memory)",
-    "recompute_granularity": "full recompute (memory and time)",
+    "recompute_granularity": "full or selective recompute, priced in memory and time",
+    "recompute_method": "full recompute: uniform (every layer, chunks of --recompute-num-layers) "
+    "or block (the first --recompute-num-layers layers of each stage)",
+    "recompute_num_layers": "full recompute: layers per chunk (uniform) or recomputed (block)",
+    "recompute_modules": "selective recompute: core_attn (Megatron's default), layernorm, mlp "
+    "are priced; others are said in a note",
+    "recompute_activations": "selective recompute (Megatron's alias)",
+    "cp_comm_type": "your static CP's attention communication: p2p (ring, Megatron's default), "
+    "a2a, allgather or a2a+p2p (with --hierarchical-context-parallel-sizes); prices "
+    "megatron-static-cp<N>",
+    "hierarchical_context_parallel_sizes": "a2a+p2p: all-to-all over the first size, ring "
+    "across the rest",
+    "reset_attention_mask": "stock samples: the mask is reset at document ends, the attention "
+    "kernel still runs over the whole packed sample (priced so)",
+    "dataloader_inter_document_masking": "stock samples carry cu_seqlens: attention per "
+    "document piece (THD)",
+    "sft": "stock samples carry cu_seqlens: attention per document piece (THD)",
     "attention_dropout": "training under --hsp needs 0 (said in a note; it does not change the "
     "planned times)",
 }
