@@ -68,8 +68,10 @@ def test_bench_plans_the_job_on_its_indexed_blend_and_split(
 ) -> None:
     """Batches come from the training split of the blend (``--split 50,50,0``: the second half
     of each dataset, lengths 101 and 301, is validation and never drawn), by token shares
-    (0.25 / 0.75, within one document), GBS whole documents each; the cost model is the
-    model's first-principles one; the report compares hsp with the job's static CP 2."""
+    (0.25 / 0.75, within one document), whole documents up to the stock step's tokens
+    (--global-batch-size 8 x --seq-length 1024) each; the cost model is the model's
+    first-principles one; the report compares hsp with the job's static CP 2 as stock Megatron
+    runs it, at equal tokens, then with the per-document static rows."""
     pytest.importorskip("megatron.core")
     a = _dataset(tmp_path / "a", [100] * 20 + [101] * 20)
     b = _dataset(tmp_path / "b", [300] * 20 + [301] * 20)
@@ -83,17 +85,21 @@ def test_bench_plans_the_job_on_its_indexed_blend_and_split(
     lengths: list[np.ndarray] = []
     result = run_from_args(build_parser(argv).parse_args(argv), None, lengths)
     drawn = np.concatenate(lengths)
-    assert [len(x) for x in lengths] == [8] * 4
+    assert all(8192 - 300 < x.sum() <= 8192 for x in lengths), [x.sum() for x in lengths]
     assert set(drawn.tolist()) <= {100, 300}, sorted(set(drawn.tolist()))
     share = drawn[drawn == 300].sum() / drawn.sum()
     assert abs(drawn[drawn == 300].sum() - 0.75 * drawn.sum()) <= 300, share
     assert result["job"]["cost_model"].startswith("megatron-2x256-")
-    assert {"hsp", "static-2", "static-best"} <= set(result["methods"])
+    assert {"hsp", "megatron-static-cp2", "static-2", "static-best"} <= set(result["methods"])
+    assert result["summary"]["comparison"]["megatron-static-cp2"] == "equal tokens"
 
     rc, out, _ = _run(argv, capsys)
     assert rc == 0
     gain = [line for line in out.splitlines() if line.startswith("planned gain:")]
-    assert "than your static CP 2" in gain[0] and "than the best static" in gain[1], out
+    assert "than your static CP 2 as stock Megatron runs it" in gain[0], out
+    assert "equal tokens" in gain[0] and "static CP 2 packing whole documents" in gain[1], out
+    assert "than the best per-document static" in gain[2], out
+    assert "tokens per step:" in out and "stock step's" in out, out
 
 
 def test_plan_draws_whole_unpadded_documents_by_default(
