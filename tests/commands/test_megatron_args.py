@@ -205,3 +205,56 @@ def test_a_megatron_job_plans_without_torch() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_headline_is_equal_tokens_against_the_stock_run_of_the_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pasted stock flags (GBS 16, --seq-length 1024, CP 2) give a planned gain against stock
+    Megatron's run of those flags at equal tokens per step: every batch holds the stock step's
+    16 x 1024 tokens (whole documents, the one crossing the budget starts the next step), every
+    row trains them, and the report prints tokens per step (issue 43 items 1 and 2). Before, a
+    batch held 16 documents (some 3k tokens) and the gain was against FlexSP-packed static-2."""
+    lengths = tmp_path / "lengths.txt"
+    rng = np.random.default_rng(5)
+    lengths.write_text("\n".join(str(n) for n in rng.integers(40, 1000, size=400)) + "\n")
+    argv = ["bench", *MODEL, "--lengths", str(lengths), "--global-batch-size", "16",
+            "--context-parallel-size", "2", "--steps", "2", "--json", "-"]  # fmt: skip
+    rc, out, _ = _run(argv, capsys)
+    assert rc == 0
+    result = json.loads(out)
+    summary, job = result["summary"], result["job"]
+    assert job["stock_step_tokens"] == job["token_budget"] == 16 * 1024
+    tokens = summary["batches"]["tokens"]
+    assert all(16 * 1024 - 1000 < t <= 16 * 1024 for t in tokens), tokens
+    assert result["methods"]["megatron-static-cp2"]["tokens"] == tokens
+    assert summary["comparison"]["megatron-static-cp2"] == "equal tokens"
+    assert summary["speedup_vs_megatron_static_cp2"] == pytest.approx(
+        summary["total_step_s"]["megatron-static-cp2"] / summary["total_step_s"]["hsp"]
+    )
+    rc, out, _ = _run(argv[:-2], capsys)
+    assert rc == 0
+    gains = [line for line in out.splitlines() if line.startswith("planned gain:")]
+    assert "your static CP 2 as stock Megatron runs it" in gains[0], out
+    assert "equal tokens" in gains[0], out
+    assert any(
+        line.startswith("tokens per step:") and "16384" in line for line in out.splitlines()
+    ), out
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--cp-comm-type", "p2p", "a2a"], "bench prices one type for every layer"),
+        (["--cp-comm-type", "a2a+p2p"], "needs --hierarchical-context-parallel-sizes"),
+        (["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "4", "2"],
+         "product must be --context-parallel-size 2"),
+        (["--cp-comm-type", "ring"], "--cp-comm-type ring: choose one of"),
+    ],
+)  # fmt: skip
+def test_cp_comm_type_errors_are_one_line(
+    flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", *MODEL, "--global-batch-size", "8", "--context-parallel-size", "2", *flags]
+    rc, _, err = _run(argv, capsys)
+    assert rc == 2 and needle in err and err.count("\n") == 1, err
