@@ -258,3 +258,26 @@ def test_cp_comm_type_errors_are_one_line(
     argv = ["plan", *MODEL, "--global-batch-size", "8", "--context-parallel-size", "2", *flags]
     rc, _, err = _run(argv, capsys)
     assert rc == 2 and needle in err and err.count("\n") == 1, err
+
+
+def test_gains_say_when_a_step_is_not_the_stock_steps_tokens() -> None:
+    """A --hsp-token-budget other than --global-batch-size x --seq-length (or documents per
+    step) still compares equal tokens between the rows, but not the stock step's: said."""
+    from megatron_hsp.commands.megatron_args import gain_lines
+
+    result = {
+        "summary": {
+            "total_step_s": {"hsp": 10.0, "megatron-static-cp4": 15.0, "static-4": 12.0},
+            "tokens_per_step": {"hsp": 4000.0, "megatron-static-cp4": 4000.0},
+            "comparison": {"megatron-static-cp4": "equal tokens", "static-4": "equal tokens"},
+        },
+        "methods": {"hsp": {"step_ms": [1.0] * 2}, "megatron-static-cp4": {}, "static-4": {}},
+        "job": {"token_budget": 4096, "stock_step_tokens": 65536, "stock": {"per_document": True}},
+    }
+    lines = gain_lines(result, 4)
+    assert lines[0].startswith("tokens per step: 4000")
+    assert "NOT the stock step's 65536 tokens: --hsp-token-budget 4096" in lines[0]
+    assert lines[1].startswith("planned gain: hsp 1.50x faster than your static CP 4 as stock")
+    assert lines[2].startswith("planned gain: hsp 1.20x faster than static CP 4 packing")
+    result["job"]["token_budget"] = None
+    assert "--global-batch-size counts documents" in gain_lines(result, 4)[0]
