@@ -512,6 +512,15 @@ def megatron_setup(args: argparse.Namespace) -> Any:
     pipeline = pipeline_spec_for(cost, settings.pp, settings.vpp) if settings.pp > 1 else None
     stock = stock_cp_from_args(args, notes)
     gbs, seq = ns.global_batch_size, getattr(args, "seq_length", None)
+    if stock is not None and gbs:
+        dp = ns.world_size // (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size)
+        dp //= stock.cp
+        if gbs % (dp * stock.micro_batch_size):
+            notes.append(
+                f"--global-batch-size {gbs} is not a multiple of --micro-batch-size "
+                f"{stock.micro_batch_size} x {dp} data-parallel ranks: stock Megatron refuses "
+                "it; megatron-static-cpN deals the samples as if it ran"
+            )
     job = MegatronJob(
         world_size=ns.world_size,
         tp=ns.tensor_model_parallel_size,
