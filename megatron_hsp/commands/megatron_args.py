@@ -24,8 +24,10 @@ knows is an error naming it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,7 +49,8 @@ PLANNER_FLAGS: dict[str, str] = {
     "position_embedding_type": "learned_absolute limits documents to --max-position-embeddings",
     "global_batch_size": "documents per step under --hsp (default: --micro-batch-size x data "
     "parallel, as Megatron derives it)",
-    "micro_batch_size": "only to derive a missing --global-batch-size (HSP picks micro-batches)",
+    "micro_batch_size": "your stock run's samples per micro-batch (megatron-static-cp<N>) and a "
+    "missing --global-batch-size's derivation; HSP picks its own micro-batches",
     "seed": "the document sampler's and planner's seed (--hsp-seed overrides; default: 1234, "
     "Megatron's; 0 with --flexsp-harness)",
     "data_path": "indexed datasets: PREFIX, or weights and prefixes (W1 P1 W2 P2 ...), split by "
@@ -86,7 +89,23 @@ PLANNER_FLAGS: dict[str, str] = {
     "bf16": "precision",
     "fp16": "precision",
     "use_distributed_optimizer": "ZeRO-1 optimizer states (memory)",
-    "recompute_granularity": "full recompute (memory and time)",
+    "recompute_granularity": "full or selective recompute, priced in memory and time",
+    "recompute_method": "full recompute: uniform (every layer, chunks of --recompute-num-layers) "
+    "or block (the first --recompute-num-layers layers of each stage)",
+    "recompute_num_layers": "full recompute: layers per chunk (uniform) or recomputed (block)",
+    "recompute_modules": "selective recompute: core_attn (Megatron's default), layernorm, mlp "
+    "are priced; others are said in a note",
+    "recompute_activations": "selective recompute (Megatron's alias)",
+    "cp_comm_type": "your static CP's attention communication: p2p (ring, Megatron's default), "
+    "a2a, allgather or a2a+p2p (with --hierarchical-context-parallel-sizes); prices "
+    "megatron-static-cp<N>",
+    "hierarchical_context_parallel_sizes": "a2a+p2p: all-to-all over the first size, ring "
+    "across the rest",
+    "reset_attention_mask": "stock samples: the mask is reset at document ends, the attention "
+    "kernel still runs over the whole packed sample (priced so)",
+    "dataloader_inter_document_masking": "stock samples carry cu_seqlens: attention per "
+    "document piece (THD)",
+    "sft": "stock samples carry cu_seqlens: attention per document piece (THD)",
     "attention_dropout": "training under --hsp needs 0 (said in a note; it does not change the "
     "planned times)",
 }
@@ -479,6 +498,7 @@ def megatron_setup(args: argparse.Namespace) -> Any:
     cfg = validate_hsp_args(ns, env={})
     assert cfg is not None  # --hsp is on
     notes.extend(cfg.notes)
+    cfg = _equal_token_batches(cfg, ns, notes)
     cost = cfg.planner_spec().load_cost_model()
     cluster = Cluster(cfg.world_size, cfg.gpus_per_node)
     data, indices, described = _data_and_indices(ns)
@@ -494,6 +514,17 @@ def megatron_setup(args: argparse.Namespace) -> Any:
         ns.expert_model_parallel_size,
     )
     pipeline = pipeline_spec_for(cost, settings.pp, settings.vpp) if settings.pp > 1 else None
+    stock = stock_cp_from_args(args, notes)
+    gbs, seq = ns.global_batch_size, getattr(args, "seq_length", None)
+    if stock is not None and gbs:
+        dp = ns.world_size // (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size)
+        dp //= stock.cp
+        if gbs % (dp * stock.micro_batch_size):
+            notes.append(
+                f"--global-batch-size {gbs} is not a multiple of --micro-batch-size "
+                f"{stock.micro_batch_size} x {dp} data-parallel ranks: stock Megatron refuses "
+                "it; megatron-static-cpN deals the samples as if it ran"
+            )
     job = MegatronJob(
         world_size=ns.world_size,
         tp=ns.tensor_model_parallel_size,
@@ -504,6 +535,8 @@ def megatron_setup(args: argparse.Namespace) -> Any:
         max_length=max_length,
         data=described,
         notes=tuple(notes),
+        stock=stock,
+        stock_step_tokens=int(gbs) * int(seq) if gbs and seq else None,
     )
     return Setup(
         cluster,
@@ -516,9 +549,92 @@ def megatron_setup(args: argparse.Namespace) -> Any:
     )
 
 
+def _equal_token_batches(cfg: Any, ns: argparse.Namespace, notes: list[str]) -> Any:
+    """``cfg`` whose sampler draws the stock step's tokens per step: ``--global-batch-size x
+    --seq-length``, whole documents in sampler order, the one that would cross the budget
+    starting the next step (training's token-budget rule, ``step/sampler.py``).
+
+    Why: bench's gains must compare equal work, the tokens a stock step trains (issue 43); a
+    batch of ``--global-batch-size`` documents held 25-50x fewer. Where the training config
+    already sets a token budget (``--hsp-token-budget``, or training's own default) it is kept;
+    an explicit documents mode (``--hsp-batch-unit documents``) is kept too, and the report
+    then says its gains are not at the stock step's tokens."""
+    if cfg.token_budget is not None or getattr(ns, "hsp_batch_unit", "tokens") == "documents":
+        return cfg
+    gbs, seq = ns.global_batch_size, getattr(ns, "seq_length", None)
+    if not gbs or not seq:
+        return cfg
+    budget = int(gbs) * int(seq)
+    notes.append(
+        f"batches of at most {budget} tokens per step (--global-batch-size {gbs} x --seq-length "
+        f"{seq}, the stock step's tokens; whole documents in sampler order, the one that would "
+        "cross the budget starts the next step): every row below trains these same batches"
+    )
+    return dataclasses.replace(cfg, token_budget=budget, global_batch_docs=None)
+
+
+def stock_cp_from_args(args: argparse.Namespace, notes: list[str]) -> Any:
+    """How stock Megatron runs these flags (``baselines.StockCP``), or None without
+    ``--seq-length`` (said in a note): the ``megatron-static-cp<N>`` rows' job."""
+    from megatron_hsp.evaluation.baselines import StockCP
+
+    seq = getattr(args, "seq_length", None)
+    if not seq:
+        notes.append(
+            "no --seq-length: stock Megatron's packed samples (megatron-static-cpN) skipped"
+        )
+        return None
+    types = list(getattr(args, "cp_comm_type", None) or ["p2p"])
+    if len(set(types)) > 1:
+        raise InputError(
+            f"--cp-comm-type {' '.join(types)}: bench prices one type for every layer; give one "
+            "of p2p, a2a, allgather, a2a+p2p"
+        )
+    comm = types[0]
+    sizes = getattr(args, "hierarchical_context_parallel_sizes", None)
+    cp = int(args.context_parallel_size)
+    a2a = 1
+    if comm == "a2a+p2p":
+        if not sizes:
+            raise InputError(
+                "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes (e.g. 8 4: "
+                "all-to-all over 8, ring across 4), as Megatron requires"
+            )
+        if math.prod(sizes) != cp:
+            raise InputError(
+                f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: their "
+                f"product must be --context-parallel-size {cp}, as Megatron requires"
+            )
+        a2a = int(sizes[0])
+    per_doc = bool(
+        getattr(args, "dataloader_inter_document_masking", False) or getattr(args, "sft", False)
+    )
+    if getattr(args, "reset_attention_mask", False) and not per_doc:
+        notes.append(
+            "--reset-attention-mask: the stock run masks attention at document ends, but its "
+            "kernel still runs over the whole packed sample: megatron-static-cpN is priced so "
+            "(--dataloader-inter-document-masking makes it per document)"
+        )
+    if cp > 1 and seq % (2 * cp):
+        notes.append(
+            f"--seq-length {seq} is not a multiple of 2 x --context-parallel-size {cp}: stock "
+            "Megatron refuses it; megatron-static-cpN is priced as if it ran"
+        )
+    return StockCP(
+        cp=cp,
+        seq_length=int(seq),
+        micro_batch_size=int(getattr(args, "micro_batch_size", None) or 1),
+        comm=comm,
+        a2a_size=a2a,
+        per_document=per_doc,
+    )
+
+
 @dataclass(frozen=True)
 class MegatronJob:
-    """What the report says about the job: its parallel sizes, batch, data and the notes."""
+    """What the report says about the job: its parallel sizes, batch, data and the notes;
+    ``stock``: how stock Megatron runs these flags (``megatron-static-cp<N>``), and
+    ``stock_step_tokens`` the tokens its step trains (``--global-batch-size x --seq-length``)."""
 
     world_size: int
     tp: int
@@ -529,6 +645,8 @@ class MegatronJob:
     max_length: int
     data: str
     notes: tuple[str, ...]
+    stock: Any = None
+    stock_step_tokens: int | None = None
 
     def describe(self) -> str:
         batch = (
@@ -554,33 +672,80 @@ def print_notes(setup: Any, out: Any = None) -> None:
 
 
 def default_methods(setup: Any) -> list[str]:
-    """hsp against your static CP and the best static layout (and the lower bound)."""
-    return ["hsp", f"static-{setup.job.cp}", "static-best"]
+    """hsp against your static CP as stock Megatron runs it, the per-document static layouts of
+    your CP and the best one (and the lower bound)."""
+    stock = [f"megatron-static-cp{setup.job.cp}"] if setup.job.stock is not None else []
+    return ["hsp", *stock, f"static-{setup.job.cp}", "static-best"]
 
 
 def gain_lines(result: dict, cp: int) -> list[str]:
-    """The headline: hsp's planned step time against your static CP and the best static."""
-    totals = result["summary"]["total_step_s"]
+    """The headline and the further gains, each saying which comparison it is.
+
+    The headline is hsp against stock Megatron's run of your flags (``megatron-static-cp<N>``)
+    at equal tokens per step; then the per-document static rows (FlexSP's packing at your CP
+    and the best CP in hindsight). Every ratio is of summed whole step times
+    (``execution.step_wall_ms``: the passes plus the once-a-step gradient reduction and optimizer
+    every method pays), over the same batches."""
+    summ, methods = result["summary"], result["methods"]
+    totals = summ.get("total_step_wall_s") or summ["total_step_s"]
     hsp = totals.get("hsp")
     if not hsp:
         return []
-    out = []
-    mine = totals.get(f"static-{cp}")
-    methods = result["methods"]
-    if mine:
+    job = result.get("job") or {}
+    steps = len(methods["hsp"]["step_ms"])
+    out = [_tokens_line(summ, job)]
+    rows = [
+        (f"megatron-static-cp{cp}", f"your static CP {cp} as stock Megatron runs it"),
+        (f"static-{cp}", f"static CP {cp} packing whole documents (FlexSP's best-fit)"),
+        ("static-best", "the best per-document static CP"),
+    ]
+    for name, label in rows:
+        if name not in methods:
+            continue
+        total = totals.get(name)
+        if name == "static-best" and methods[name].get("degree"):
+            label += f" (CP {methods[name]['degree']})"
+        if not total:
+            reason = methods[name].get("infeasible_reason", "not plannable")
+            out.append(f"planned gain: {label} cannot train these batches ({reason})")
+            continue
+        which = summ.get("comparison", {}).get(name, "equal tokens")
         out.append(
-            f"planned gain: hsp {mine / hsp:.2f}x faster than your static CP {cp} "
-            f"({mine:.3g} s -> {hsp:.3g} s over {len(methods['hsp']['step_ms'])} steps)"
+            f"planned gain: hsp {total / hsp:.2f}x faster than {label} ({total:.3g} s -> "
+            f"{hsp:.3g} s over {steps} steps; {which})"
         )
-    elif f"static-{cp}" in methods:
-        reason = methods[f"static-{cp}"].get("infeasible_reason", "not plannable")
-        out.append(f"planned gain: your static CP {cp} cannot train these batches ({reason})")
-    best = totals.get("static-best")
-    if best:
-        degree = methods["static-best"].get("degree")
-        label = f" (CP {degree})" if degree else ""
-        out.append(f"planned gain: hsp {best / hsp:.2f}x faster than the best static{label}")
+        stock = job.get("stock") or {}
+        if name.startswith("megatron-static") and not stock.get("per_document", True):
+            out.append(
+                "  (stock attention is causal over each whole packed sample, across its "
+                "documents: work hsp's per-document attention does not do; with "
+                "--dataloader-inter-document-masking it is priced per document)"
+            )
     return out
+
+
+def _tokens_line(summ: dict, job: dict) -> str:
+    """Tokens per step of the rows, and how they relate to the stock step's."""
+    tokens = summ.get("tokens_per_step", {})
+    hsp = tokens.get("hsp", 0.0)
+    stock = job.get("stock_step_tokens")
+    line = f"tokens per step: {hsp:.0f} (mean) in every row"
+    unequal = [k for k, v in summ.get("comparison", {}).items() if v.startswith("NOT")]
+    if unequal:
+        line = f"tokens per step: hsp {hsp:.0f} (mean); not equal in {', '.join(unequal)}"
+    if not stock:
+        return line
+    budget = job.get("token_budget")
+    if budget == stock:
+        why = (
+            "whole documents up to the stock step's --global-batch-size x --seq-length = "
+            f"{stock} tokens ({hsp / stock:.1%} of it)"
+        )
+    elif budget:
+        why = f"NOT the stock step's {stock} tokens: --hsp-token-budget {budget}"
+    else:
+        why = f"NOT the stock step's {stock} tokens: --global-batch-size counts documents"
+    return f"{line}; {why}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from megatron_hsp.commands.megatron_args import (
     setup_from_args,
     unknown_flags_message,
 )
+from megatron_hsp.evaluation.baselines import trained_lengths
 from megatron_hsp.evaluation.bench import (
     hsp_plan_fn,
     lower_bound_fn,
@@ -32,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method",
         default="hsp",
-        help="hsp (default), static-N, batchada, flexsp-style, dp-balanced-N, megatron-dcp or "
+        help="hsp (default), megatron-static-cpN (stock Megatron's static CP N of your flags), "
+        "static-N, batchada, flexsp-style, dp-balanced-N, megatron-dcp or "
         "megatron-dcp-dev (needs $MEGATRON_HSP_DEV_CHECKOUT)",
     )
     parser.add_argument("--json", action="store_true", help="print the Plan as JSON")
@@ -77,6 +79,17 @@ def make_plan(args: argparse.Namespace, setup: Setup | None = None) -> Plan:
         from megatron_hsp.evaluation.baselines import static_plan
 
         plan = static_plan(lengths, cost, cluster, int(method.split("-")[1]))
+    elif method.startswith("megatron-static-cp"):
+        from megatron_hsp.evaluation.baselines import megatron_static_plan, stock_from_name
+
+        job = getattr(setup, "job", None)
+        if job is None or job.stock is None:
+            raise InputError(
+                f"--method {method}: stock Megatron's static CP is priced from a Megatron job's "
+                "flags (--seq-length, --micro-batch-size, --cp-comm-type); drop --flexsp-harness"
+            )
+        stock = dataclasses.replace(job.stock, cp=stock_from_name(method))
+        plan = megatron_static_plan(lengths, cost, cluster, stock)
     elif method.startswith("dp-balanced-"):
         from megatron_hsp.evaluation.baselines import dp_balanced_plan
 
@@ -87,10 +100,8 @@ def make_plan(args: argparse.Namespace, setup: Setup | None = None) -> Plan:
         )
     if setup.pipeline is not None and method != "hsp":
         # Baselines run in the order their schedulers emit (evaluation/bench.py).
-        plan = price_baseline(plan, cost, setup.pipeline)
+        plan = price_baseline(plan, cost, setup.pipeline, str(plan.extra.get("ring", "overlap")))
     elapsed = (time.perf_counter() - t0) * 1e3
-    from megatron_hsp.evaluation.baselines import trained_lengths  # padded for THD baselines
-
     plan.validate(trained_lengths(plan, lengths).tolist(), cost, cluster.world_size)
     lb = plan.lower_bound_ms
     if not lb:

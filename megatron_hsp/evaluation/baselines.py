@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -256,9 +257,14 @@ def thd_padded(lengths: Sequence[int] | np.ndarray, divisor: int) -> np.ndarray:
 
 
 def trained_lengths(plan: Plan, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
-    """The lengths ``plan`` trains for the batch ``lengths``: padded where it is a Megatron THD
-    baseline (``extra['thd_pad_divisor']``), as given otherwise. What a plan is validated
-    against (``bench``, ``plan``, the benchmarks)."""
+    """The lengths ``plan`` trains for the batch ``lengths``, what a plan is validated against
+    (``bench``, ``plan``, the benchmarks): for ``megatron-static-cp<N>`` the units of its packed
+    samples (``stock_units``); padded where it is a Megatron THD baseline
+    (``extra['thd_pad_divisor']``); as given otherwise."""
+    stock = plan.extra.get("stock")
+    if stock:
+        units = stock_units(np.asarray(lengths, dtype=np.int64), StockCP(**stock))
+        return np.asarray([n for u in units for n in u], dtype=np.int64)
     return thd_padded(lengths, int(plan.extra.get("thd_pad_divisor", 1)))
 
 
@@ -450,3 +456,193 @@ def dp_balanced_best_degree(
         )
     best = min(sorted(per_degree), key=lambda d: sum(p.est_step_ms for p in per_degree[d]))
     return best, per_degree
+
+
+# ---------------------------------------------------------------------- stock Megatron static CP
+# How ``pretrain_gpt.py`` runs the user's own flags with --context-parallel-size N: the
+# baseline a user means by "my static CP N" (issue 43), apart from the per-document ``static-N``
+# rows (FlexSP's packing) kept beside it.
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+_STOCK = re.compile(r"^megatron-static-cp(\d+)$")
+
+
+@dataclass(frozen=True)
+class StockCP:
+    """The flags that decide how stock Megatron trains a step with static CP.
+
+    cp: ``--context-parallel-size``; seq_length: ``--seq-length`` (every sample's tokens);
+    micro_batch_size: ``--micro-batch-size`` (samples per CP group per forward/backward);
+    comm: ``--cp-comm-type`` (one type for every layer); a2a_size: with ``a2a+p2p``, the first
+    of ``--hierarchical-context-parallel-sizes`` (all-to-all inside it, ring across);
+    per_document: the samples carry ``cu_seqlens`` (``--dataloader-inter-document-masking`` or
+    ``--sft``), so attention runs per document piece (THD) instead of causally over the whole
+    packed sample (Megatron's default; ``--reset-attention-mask`` changes the mask, not the
+    kernel's work, so it is priced as the default).
+    """
+
+    cp: int
+    seq_length: int
+    micro_batch_size: int = 1
+    comm: str = "p2p"
+    a2a_size: int = 1
+    per_document: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cp < 1 or self.seq_length < 1 or self.micro_batch_size < 1:
+            raise InputError(
+                f"megatron-static-cp{self.cp}: --context-parallel-size, --seq-length and "
+                "--micro-batch-size must be >= 1"
+            )
+        if self.comm not in CP_COMM_TYPES:
+            raise InputError(
+                f"--cp-comm-type {self.comm}: choose one of {', '.join(CP_COMM_TYPES)}"
+            )
+        if self.comm == "a2a+p2p" and (self.a2a_size < 1 or self.cp % self.a2a_size):
+            raise InputError(
+                f"--hierarchical-context-parallel-sizes: the all-to-all size {self.a2a_size} "
+                f"must divide --context-parallel-size {self.cp}"
+            )
+
+    @property
+    def name(self) -> str:
+        return f"megatron-static-cp{self.cp}"
+
+    @property
+    def attention(self) -> str:
+        return "per-document (THD)" if self.per_document else "causal over the packed sample"
+
+    def split(self, cost: CostModel) -> tuple[int, int]:
+        """(ulysses, ring) of a CP group: p2p and allgather move K/V around all ``cp`` ranks
+        (split (1, cp)); a2a is Ulysses over the group ((cp, 1)); a2a+p2p all-to-all over
+        ``a2a_size`` and ring across. Megatron refuses an all-to-all its query heads do not
+        divide; so does this."""
+        u = {"p2p": 1, "allgather": 1, "a2a": self.cp, "a2a+p2p": self.a2a_size}[self.comm]
+        if cost.heads is not None and u > 1 and cost.heads[0] % u:
+            raise InputError(
+                f"--cp-comm-type {self.comm}: all-to-all over {u} ranks needs the query heads "
+                f"per tensor-parallel rank ({cost.heads[0]}) divisible by {u}, as Megatron "
+                "requires; use p2p or another --context-parallel-size"
+            )
+        return u, self.cp // u
+
+    @property
+    def ring(self) -> str:
+        """``CostModel.seq_ms``'s ring rule: allgather gathers K/V before attention (NCCL's
+        ring all-gather, r - 1 steps, nothing overlapped); p2p overlaps each step."""
+        return "exposed" if self.comm == "allgather" else "overlap"
+
+    def describe(self) -> str:
+        comm = self.comm + (f" (a2a over {self.a2a_size})" if self.comm == "a2a+p2p" else "")
+        return (
+            f"{self.seq_length}-token packed samples, {self.micro_batch_size} per micro-batch "
+            f"per CP group, attention {self.attention}, --cp-comm-type {comm}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def stock_samples(lengths: Sequence[int] | np.ndarray, seq_length: int) -> list[list[int]]:
+    """The batch's documents concatenated in order and cut every ``seq_length`` tokens, as
+    megatron-core's ``GPTDataset`` builds samples (its sample index: consecutive
+    ``seq_length``-token windows over the document stream, a document split where a window
+    ends): each sample's document pieces. The last sample holds what is left (shorter), so the
+    samples hold exactly the batch's tokens."""
+    out: list[list[int]] = [[]]
+    room = seq_length
+    for n in (int(x) for x in lengths):
+        while n > 0:
+            take = min(n, room)
+            out[-1].append(take)
+            n -= take
+            room -= take
+            if room == 0:
+                out.append([])
+                room = seq_length
+    return [s for s in out if s]
+
+
+def stock_units(lengths: Sequence[int] | np.ndarray, stock: StockCP) -> list[list[int]]:
+    """Per sample, the lengths its attention runs over: the whole sample (causal) or its
+    document pieces (``per_document``)."""
+    samples = stock_samples(lengths, stock.seq_length)
+    return samples if stock.per_document else [[sum(s)] for s in samples]
+
+
+def stock_layout(
+    n_samples: int, units_per_sample: Sequence[int], stock: StockCP, world_size: int
+) -> list[list[tuple[int, list[int]]]]:
+    """Micro-batches of ``(cp, unit ids)`` per data-parallel rank, as Megatron's
+    ``MegatronPretrainingSampler`` deals samples: micro-batch m gives data-parallel rank r the
+    samples ``m * dp * mbs + r * mbs`` .. ``+ mbs - 1``; a rank past the last sample idles."""
+    dp = world_size // stock.cp
+    per_mb = dp * stock.micro_batch_size
+    first = np.concatenate([[0], np.cumsum(units_per_sample)]).astype(int)
+    layout = []
+    for start in range(0, n_samples, per_mb):
+        mb = []
+        for r in range(dp):
+            lo = start + r * stock.micro_batch_size
+            hi = min(lo + stock.micro_batch_size, n_samples)
+            ids = [u for s in range(lo, hi) for u in range(first[s], first[s + 1])]
+            mb.append((stock.cp, ids))
+        layout.append(mb)
+    return layout
+
+
+def megatron_static_plan(
+    lengths: Sequence[int] | np.ndarray, cost: CostModel, cluster: Cluster, stock: StockCP
+) -> Plan:
+    """``megatron-static-cp<N>``: the batch's tokens as stock Megatron trains them with the
+    user's flags (``StockCP``): packed ``--seq-length`` samples (``stock_samples``), the same
+    number per data-parallel rank and micro-batch, CP groups of N at ``StockCP.split``, priced
+    by the execution model like every plan (``execution.price``). Its plan covers the samples'
+    units (``stock_units``), not the documents: ``Plan.validate`` against those."""
+    if stock.cp not in homogeneous_sizes(cost, cluster, [stock.cp]):
+        raise InputError(
+            f"{stock.name}: --context-parallel-size {stock.cp} must divide the "
+            f"{cluster.world_size} sequence-parallel slots, be a legal group size and be costed "
+            f"by the model; choose from {homogeneous_sizes(cost, cluster)}"
+        )
+    units = stock_units(lengths, stock)
+    flat = [n for u in units for n in u]
+    layout = stock_layout(len(units), [len(u) for u in units], stock, cluster.world_size)
+    split = stock.split(cost)
+    if split[1] > 1 and stock.cp not in cost.ring_step_ms_per_token:
+        raise InputError(
+            f"{stock.name}: cost model {cost.name!r} has no ring_step_ms_per_token for groups of "
+            f"{stock.cp}, so Megatron's {stock.comm} attention cannot be priced; add "
+            f"coefficients.ring_step_ms_per_token or leave {stock.name} out of --methods"
+        )
+    for mb in layout:
+        for _, ids in mb:
+            tokens = sum(flat[i] for i in ids)
+            if ids and not cost.fits([flat[i] for i in ids], stock.cp):
+                raise InfeasibleError(
+                    f"{stock.name}: {stock.micro_batch_size} sample(s) of up to "
+                    f"{stock.seq_length} tokens ({tokens}) over a CP group of {stock.cp}: over "
+                    f"its memory cap of {cost.capacity(stock.cp)} tokens (the stock run would "
+                    "not fit; raise --context-parallel-size or recompute)"
+                )
+    return plan_from_layout(
+        flat,
+        cost,
+        cluster,
+        layout,
+        solver=stock.name,
+        extra={
+            "method": stock.name,
+            "degree": stock.cp,
+            "stock": stock.to_dict(),
+            "samples": len(units),
+            "ring": stock.ring,  # the ring rule every re-pricing keeps (bench's ``piped``)
+        },
+        split=lambda d: split,
+        ring=stock.ring,
+    )
+
+
+def stock_from_name(name: str) -> int | None:
+    """N of ``megatron-static-cp<N>``, else None."""
+    m = _STOCK.match(name)
+    return int(m.group(1)) if m else None

@@ -220,6 +220,76 @@ def _moe_active_ffn(args: Any, ffn: int, notes: list[str]) -> int:
     return max(active, ffn) if not every else active
 
 
+# Megatron's --recompute-modules whose time and memory the cost model prices
+# (``first_principles.RECOMPUTE_MODULES``); the others are said in a note and priced as not
+# recomputed (memory as if kept: conservative; time without their recompute: optimistic).
+_PRICED_MODULES = ("core_attn", "layernorm", "mlp")
+
+
+def recompute_training(args: Any, layers: int, notes: list[str]) -> dict[str, Any]:
+    """The cost-model spec's recompute keys from Megatron's recompute flags, as given.
+
+    Why: ``--recompute-method block --recompute-num-layers 4`` of 32 layers was priced as full
+    recompute of all 32 (the time of recomputing every layer, the memory of keeping none), so
+    plans were slower than the run and their memory too optimistic for the 28 layers that keep
+    their activations (issue 43). Megatron's own checks (``TransformerConfig.__post_init__``)
+    are applied here, each a one-line error naming the flag: ``full`` needs a method and a
+    layer count, ``selective`` takes neither; ``--recompute-activations`` is ``selective``.
+    """
+    granularity = getattr(args, "recompute_granularity", None)
+    if getattr(args, "recompute_activations", False):
+        granularity = "selective"  # Megatron's validate_args
+    method = getattr(args, "recompute_method", None)
+    count = getattr(args, "recompute_num_layers", None)
+    modules = getattr(args, "recompute_modules", None)
+    if granularity not in (None, "full", "selective"):
+        raise ValueError(f"--recompute-granularity {granularity}: choose full or selective")
+    if method not in (None, "uniform", "block"):
+        raise ValueError(f"--recompute-method {method}: choose uniform or block")
+    if granularity is None:
+        return {"recompute": False}
+    if granularity == "selective":
+        if method is not None or count is not None:
+            flag = "--recompute-method" if method is not None else "--recompute-num-layers"
+            raise ValueError(
+                f"{flag} is for --recompute-granularity full; selective recompute takes "
+                "--recompute-modules (Megatron refuses it too)"
+            )
+        given = list(modules) if modules is not None else ["core_attn"]  # Megatron's default
+        priced = [m for m in given if m in _PRICED_MODULES]
+        other = [m for m in given if m not in _PRICED_MODULES]
+        if other:
+            notes.append(
+                f"--recompute-modules {' '.join(other)}: not in the default cost model (MoE, MLA "
+                "and GatedDeltaNet parts are not priced apart): priced as not recomputed"
+            )
+        return {"recompute": False, "recompute_modules": priced}
+    if method is None or count is None:
+        missing = "--recompute-method uniform|block" if method is None else "--recompute-num-layers"
+        raise ValueError(
+            f"--recompute-granularity full needs {missing} (Megatron refuses it without: "
+            "uniform N recomputes every layer in chunks of N, block N the first N layers of "
+            "each pipeline stage)"
+        )
+    if int(count) < 1 or int(count) > layers:
+        raise ValueError(
+            f"--recompute-num-layers {count}: must be between 1 and the layers per pipeline "
+            f"stage ({layers} or fewer)"
+        )
+    return {"recompute": True, "recompute_method": method, "recompute_num_layers": int(count)}
+
+
+def _recompute_words(training: Mapping[str, Any]) -> str:
+    """How the start-up note names the recompute the model prices."""
+    if training.get("recompute"):
+        n, method = training["recompute_num_layers"], training["recompute_method"]
+        if method == "uniform":
+            return f", full recompute of every layer (uniform, chunks of {n})"
+        return f", full recompute of {n} layers per stage (block)"
+    mods = training.get("recompute_modules")
+    return f", selective recompute of {', '.join(mods)}" if mods else ""
+
+
 def default_cost_model_spec(
     args: Any, hardware: HardwareChoice, tp: int
 ) -> tuple[dict[str, Any], list[str]]:
@@ -262,7 +332,7 @@ def default_cost_model_spec(
         # Megatron's distributed optimizer shards fp32 master weights and Adam states over the
         # data-parallel ranks (ZeRO-1); the bf16 weights and fp32 main grads stay whole.
         "zero_stage": 1 if getattr(args, "use_distributed_optimizer", False) else 0,
-        "recompute": getattr(args, "recompute_granularity", None) == "full",
+        **recompute_training(args, layers, notes),
         "bytes_per_param": 2.0 if half else 4.0,
         "bytes_per_grad": 2.0 if getattr(args, "grad_reduce_in_bf16", False) else 4.0,
         "bytes_per_optimizer_state": 12.0 if half else 8.0,
@@ -295,7 +365,7 @@ def default_cost_model_spec(
         f"cost model {name}: first principles from Megatron's flags ({layers} layers, hidden "
         f"{hidden}, {heads} heads / {kv} KV, FFN {ffn}{' SwiGLU' if model['gated'] else ''}, "
         f"vocab {vocab}, {precision}, ZeRO-{training['zero_stage']}"
-        f"{', full recompute' if training['recompute'] else ''}) on {hardware.preset} "
+        f"{_recompute_words(training)}) on {hardware.preset} "
         f"({hardware.how})"
         + (
             f"; a slot of {tp} tensor-parallel GPUs priced as one device of {tp}x the GPU"

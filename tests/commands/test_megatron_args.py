@@ -68,8 +68,10 @@ def test_bench_plans_the_job_on_its_indexed_blend_and_split(
 ) -> None:
     """Batches come from the training split of the blend (``--split 50,50,0``: the second half
     of each dataset, lengths 101 and 301, is validation and never drawn), by token shares
-    (0.25 / 0.75, within one document), GBS whole documents each; the cost model is the
-    model's first-principles one; the report compares hsp with the job's static CP 2."""
+    (0.25 / 0.75, within one document), whole documents up to the stock step's tokens
+    (--global-batch-size 8 x --seq-length 1024) each; the cost model is the model's
+    first-principles one; the report compares hsp with the job's static CP 2 as stock Megatron
+    runs it, at equal tokens, then with the per-document static rows."""
     pytest.importorskip("megatron.core")
     a = _dataset(tmp_path / "a", [100] * 20 + [101] * 20)
     b = _dataset(tmp_path / "b", [300] * 20 + [301] * 20)
@@ -83,17 +85,21 @@ def test_bench_plans_the_job_on_its_indexed_blend_and_split(
     lengths: list[np.ndarray] = []
     result = run_from_args(build_parser(argv).parse_args(argv), None, lengths)
     drawn = np.concatenate(lengths)
-    assert [len(x) for x in lengths] == [8] * 4
+    assert all(8192 - 300 < x.sum() <= 8192 for x in lengths), [x.sum() for x in lengths]
     assert set(drawn.tolist()) <= {100, 300}, sorted(set(drawn.tolist()))
     share = drawn[drawn == 300].sum() / drawn.sum()
     assert abs(drawn[drawn == 300].sum() - 0.75 * drawn.sum()) <= 300, share
     assert result["job"]["cost_model"].startswith("megatron-2x256-")
-    assert {"hsp", "static-2", "static-best"} <= set(result["methods"])
+    assert {"hsp", "megatron-static-cp2", "static-2", "static-best"} <= set(result["methods"])
+    assert result["summary"]["comparison"]["megatron-static-cp2"] == "equal tokens"
 
     rc, out, _ = _run(argv, capsys)
     assert rc == 0
     gain = [line for line in out.splitlines() if line.startswith("planned gain:")]
-    assert "than your static CP 2" in gain[0] and "than the best static" in gain[1], out
+    assert "than your static CP 2 as stock Megatron runs it" in gain[0], out
+    assert "equal tokens" in gain[0] and "static CP 2 packing whole documents" in gain[1], out
+    assert "than the best per-document static" in gain[2], out
+    assert "tokens per step:" in out and "stock step's" in out, out
 
 
 def test_plan_draws_whole_unpadded_documents_by_default(
@@ -199,3 +205,79 @@ def test_a_megatron_job_plans_without_torch() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_headline_is_equal_tokens_against_the_stock_run_of_the_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pasted stock flags (GBS 16, --seq-length 1024, CP 2) give a planned gain against stock
+    Megatron's run of those flags at equal tokens per step: every batch holds the stock step's
+    16 x 1024 tokens (whole documents, the one crossing the budget starts the next step), every
+    row trains them, and the report prints tokens per step (issue 43 items 1 and 2). Before, a
+    batch held 16 documents (some 3k tokens) and the gain was against FlexSP-packed static-2."""
+    lengths = tmp_path / "lengths.txt"
+    rng = np.random.default_rng(5)
+    lengths.write_text("\n".join(str(n) for n in rng.integers(40, 1000, size=400)) + "\n")
+    argv = ["bench", *MODEL, "--lengths", str(lengths), "--global-batch-size", "16",
+            "--context-parallel-size", "2", "--steps", "2", "--json", "-"]  # fmt: skip
+    rc, out, _ = _run(argv, capsys)
+    assert rc == 0
+    result = json.loads(out)
+    summary, job = result["summary"], result["job"]
+    assert job["stock_step_tokens"] == job["token_budget"] == 16 * 1024
+    tokens = summary["batches"]["tokens"]
+    assert all(16 * 1024 - 1000 < t <= 16 * 1024 for t in tokens), tokens
+    assert result["methods"]["megatron-static-cp2"]["tokens"] == tokens
+    assert summary["comparison"]["megatron-static-cp2"] == "equal tokens"
+    assert summary["speedup_vs_megatron_static_cp2"] == pytest.approx(
+        summary["total_step_wall_s"]["megatron-static-cp2"] / summary["total_step_wall_s"]["hsp"]
+    )
+    rc, out, _ = _run(argv[:-2], capsys)
+    assert rc == 0
+    gains = [line for line in out.splitlines() if line.startswith("planned gain:")]
+    assert "your static CP 2 as stock Megatron runs it" in gains[0], out
+    assert "equal tokens" in gains[0], out
+    assert any(
+        line.startswith("tokens per step:") and "16384" in line for line in out.splitlines()
+    ), out
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--cp-comm-type", "p2p", "a2a"], "bench prices one type for every layer"),
+        (["--cp-comm-type", "a2a+p2p"], "needs --hierarchical-context-parallel-sizes"),
+        (["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "4", "2"],
+         "product must be --context-parallel-size 2"),
+        (["--cp-comm-type", "ring"], "--cp-comm-type ring: choose one of"),
+    ],
+)  # fmt: skip
+def test_cp_comm_type_errors_are_one_line(
+    flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", *MODEL, "--global-batch-size", "8", "--context-parallel-size", "2", *flags]
+    rc, _, err = _run(argv, capsys)
+    assert rc == 2 and needle in err and err.count("\n") == 1, err
+
+
+def test_gains_say_when_a_step_is_not_the_stock_steps_tokens() -> None:
+    """A --hsp-token-budget other than --global-batch-size x --seq-length (or documents per
+    step) still compares equal tokens between the rows, but not the stock step's: said."""
+    from megatron_hsp.commands.megatron_args import gain_lines
+
+    result = {
+        "summary": {
+            "total_step_s": {"hsp": 10.0, "megatron-static-cp4": 15.0, "static-4": 12.0},
+            "tokens_per_step": {"hsp": 4000.0, "megatron-static-cp4": 4000.0},
+            "comparison": {"megatron-static-cp4": "equal tokens", "static-4": "equal tokens"},
+        },
+        "methods": {"hsp": {"step_ms": [1.0] * 2}, "megatron-static-cp4": {}, "static-4": {}},
+        "job": {"token_budget": 4096, "stock_step_tokens": 65536, "stock": {"per_document": True}},
+    }
+    lines = gain_lines(result, 4)
+    assert lines[0].startswith("tokens per step: 4000")
+    assert "NOT the stock step's 65536 tokens: --hsp-token-budget 4096" in lines[0]
+    assert lines[1].startswith("planned gain: hsp 1.50x faster than your static CP 4 as stock")
+    assert lines[2].startswith("planned gain: hsp 1.20x faster than static CP 4 packing")
+    result["job"]["token_budget"] = None
+    assert "--global-batch-size counts documents" in gain_lines(result, 4)[0]

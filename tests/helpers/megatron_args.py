@@ -49,6 +49,10 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp16", action="store_true")
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--recompute-granularity", default=None)
+    p.add_argument("--recompute-method", default=None)
+    p.add_argument("--recompute-num-layers", type=int, default=None)
+    p.add_argument("--recompute-modules", nargs="*", default=None)
+    p.add_argument("--recompute-activations", action="store_true")
     p.add_argument("--hybrid-layer-pattern", default=None)
     # MoE (issue 17): Megatron's names and defaults.
     p.add_argument("--num-experts", type=int, default=None)

@@ -136,10 +136,13 @@ def test_training_flags_change_the_memory_model():
     fp32 = config(BASE).cost_model["training"]
     assert fp32["bytes_per_param"] == 4.0 and fp32["activation_bytes"] == 4.0
     assert fp32["zero_stage"] == 0 and fp32["recompute"] is False
-    full = config([*BASE, "--bf16", "--recompute-granularity", "full"]).cost_model["training"]
-    assert full["recompute"] is True and full["activation_bytes"] == 2.0
+    full_flags = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    full = config([*BASE, "--bf16", *full_flags, "--recompute-num-layers", "1"])
+    assert full.cost_model["training"]["recompute"] is True
+    assert full.cost_model["training"]["activation_bytes"] == 2.0
     sel = config([*BASE, "--recompute-granularity", "selective"]).cost_model["training"]
-    assert sel["recompute"] is False  # selective: attention only, which flash keeps no s^2 of
+    assert sel["recompute"] is False  # selective: Megatron's default module, core_attn
+    assert sel["recompute_modules"] == ["core_attn"]
 
 
 @pytest.mark.parametrize(

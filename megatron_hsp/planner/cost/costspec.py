@@ -224,6 +224,8 @@ def _ring_route(value: Any) -> dict[int, str]:
 # ------------------------------------------------------------------ validation
 # Spec leaves that are text or flags rather than numbers; every other leaf must be a finite number.
 _TEXT_KEYS = {"name", "preset", "source"}
+# Text leaves of the training section (Megatron's recompute flags; ``TrainingConfig`` checks them).
+_TRAINING_TEXT_KEYS = {"recompute_method", "recompute_modules"}
 # Sections whose leaves are text ({size: route name}); ``_ring_route`` checks them.
 _TEXT_SECTIONS = {"ring_route"}
 _BOOL_KEYS = {"gated", "tied_embeddings", "recompute", "pass_barrier"}
@@ -247,6 +249,7 @@ _MAY_BE_ZERO = {
     "host_call_overhead_us",
     "microbatch_overhead_ms",
     "zero_stage",
+    "recompute_num_layers",  # block recompute of 0 layers (TrainingConfig checks the method)
     "model_states_gb",
     "details",
 }
@@ -263,6 +266,8 @@ def _check_spec_numbers(data: Mapping[str, Any], where: str = "") -> None:
         path = f"{where}.{key}" if where else str(key)
         base = where.split(".")[0] if where else str(key)
         if str(key) == "name" or (not where and str(key) in _TEXT_KEYS):
+            continue
+        if where == "training" and str(key) in _TRAINING_TEXT_KEYS:
             continue
         if str(key) in _TEXT_SECTIONS and where:
             continue

@@ -103,7 +103,16 @@ class TrainingConfig:
     """How the model is trained: memory layout and what recomputation costs."""
 
     zero_stage: int = 3
-    recompute: bool = False  # full activation recomputation (Megatron --recompute-granularity full)
+    # Megatron's activation recomputation, as its flags give it (``recompute_shares``):
+    # ``recompute`` is ``--recompute-granularity full`` with ``--recompute-method`` and
+    # ``--recompute-num-layers`` (uniform: layers per recomputed chunk, every layer recomputed;
+    # block: this many layers of each pipeline stage recomputed, the rest keep their
+    # activations); ``recompute_modules`` is ``--recompute-granularity selective``'s
+    # ``--recompute-modules`` (the priced ones: ``RECOMPUTE_MODULES``).
+    recompute: bool = False
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    recompute_modules: tuple[str, ...] = ()
     bytes_per_param: float = 2.0  # bf16 weights
     bytes_per_grad: float = 4.0  # fp32 main grads (Megatron's default accumulation)
     bytes_per_optimizer_state: float = 12.0  # fp32 master weights + Adam m and v
@@ -120,6 +129,33 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
             raise InputError(f"training.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.recompute_method not in ("uniform", "block"):
+            raise InputError(
+                f"training.recompute_method must be uniform or block, got {self.recompute_method!r}"
+            )
+        low = 0 if self.recompute_method == "block" else 1
+        if isinstance(self.recompute_num_layers, bool) or int(self.recompute_num_layers) < low:
+            raise InputError(
+                f"training.recompute_num_layers must be an integer >= {low} with "
+                f"recompute_method {self.recompute_method}, got {self.recompute_num_layers!r}"
+            )
+        modules = (
+            (self.recompute_modules,)
+            if isinstance(self.recompute_modules, str)
+            else tuple(self.recompute_modules)
+        )
+        unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
+        if unknown:
+            raise InputError(
+                f"training.recompute_modules: {unknown} not priced; priced modules: "
+                f"{', '.join(RECOMPUTE_MODULES)}"
+            )
+        if modules and self.recompute:
+            raise InputError(
+                "training: recompute (full) and recompute_modules (selective) both set; Megatron "
+                "runs one --recompute-granularity"
+            )
+        object.__setattr__(self, "recompute_modules", tuple(dict.fromkeys(modules)))
 
     def pass_barrier(self, ranks: int) -> bool:
         """Whether every pass synchronises all ``ranks``: ZeRO-3 all-gathers the parameters and
@@ -143,6 +179,66 @@ class TrainingConfig:
             3: (p + g + o) / n,
         }[self.zero_stage]
         return params * per_param
+
+
+@dataclass(frozen=True)
+class RecomputeShares:
+    """What recomputation adds to a step, as shares of the layers (``recompute_shares``).
+
+    full: layers whose whole forward runs again (their linear layers, attention and its
+    communication, TP's collectives); attention: layers whose core attention (and the
+    sequence-parallel communication inside it) runs again; mlp: layers whose dense MLP alone
+    runs again (selective ``mlp``)."""
+
+    full: float = 0.0
+    attention: float = 0.0
+    mlp: float = 0.0
+
+    @property
+    def attention_passes(self) -> float:
+        """Forward + backward passes of attention and its collectives (3 with every layer's
+        attention recomputed, as before partial recompute was priced)."""
+        return 2.0 + self.attention
+
+
+def recompute_shares(training: TrainingConfig, layers: int) -> RecomputeShares:
+    """The shares of a stage of ``layers`` layers that ``training`` recomputes.
+
+    Megatron's ``TransformerBlock._checkpointed_forward``: ``uniform`` checkpoints chunks of
+    ``recompute_num_layers`` layers and recomputes every layer; ``block`` recomputes the first
+    ``recompute_num_layers`` layers of each pipeline stage and no other. ``selective`` recomputes
+    the named submodules in every layer: ``core_attn`` the core attention, ``mlp`` the dense MLP,
+    ``layernorm`` the two norms (no matmul: priced as free time)."""
+    n = max(1, int(layers))
+    if training.recompute:
+        k = n if training.recompute_method == "uniform" else min(n, training.recompute_num_layers)
+        share = k / n
+        return RecomputeShares(full=share, attention=share, mlp=0.0)
+    mods = training.recompute_modules
+    return RecomputeShares(
+        full=0.0,
+        attention=1.0 if "core_attn" in mods else 0.0,
+        mlp=1.0 if "mlp" in mods else 0.0,
+    )
+
+
+def linear_recompute_factor(
+    model: TransformerShape, training: TrainingConfig, pp: int = 1
+) -> float:
+    """Factor on the token-linear FLOPs (fwd + bwd = 3 forwards) that recomputation adds: a
+    recomputed layer's forward once more. Full recompute of every layer is 4/3 on the whole
+    linear term (the output layer included, as it was priced before partial recompute: a
+    conservative share of a few percent); selective ``mlp`` adds the MLPs' forward."""
+    shares = recompute_shares(training, sum(model.stage_layers(pp)))
+    extra = shares.full
+    if shares.mlp:
+        dense, _ = model.stage_layers(pp)
+        mlp = 6.0 * dense * model.dense_ffn_params()
+        extra += shares.mlp * mlp / model.linear_flops_per_token(pp)
+    return 1.0 + extra / 3.0
+
+
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 
 
 def activation_bytes_per_token(model: TransformerShape, training: TrainingConfig) -> float:
@@ -179,7 +275,7 @@ def ulysses_bytes_per_token(
     copies the runtime makes (``groupspace.kv_copies``) when ``u`` does not divide them.
     """
     kv = heads.kv_heads * heads.kv_copies(u)
-    passes = 3 if training.recompute else 2
+    passes = recompute_shares(training, layers).attention_passes
     return layers * passes * (heads.q_heads + kv) * (qk_dim + v_dim) * training.activation_bytes
 
 
@@ -192,7 +288,7 @@ def ring_kv_bytes_per_token(
     heads include the copies Ulysses over ``u`` ranks needs.
     """
     kv = heads.kv_heads * heads.kv_copies(u)
-    passes = 4 if training.recompute else 3
+    passes = 1.0 + recompute_shares(training, layers).attention_passes
     return layers * passes * kv * (qk_dim + v_dim) * training.activation_bytes
 
 
@@ -248,7 +344,10 @@ def grad_and_optimizer_ms(
 
 
 def attention_ms_per_token2(
-    attn_train_flops_per_token2: float, hardware: HardwareConfig, training: TrainingConfig
+    attn_train_flops_per_token2: float,
+    hardware: HardwareConfig,
+    training: TrainingConfig,
+    layers: int = 1,
 ) -> float:
     """a1 (ms per token^2) from the training FLOPs of causal core attention per token^2.
 
@@ -257,13 +356,13 @@ def attention_ms_per_token2(
     every first-principles builder uses (this module, ``parallel.py``'s stages)."""
     fwd = attn_train_flops_per_token2 / 3.0
     return (
-        fwd * (2.0 if training.recompute else 1.0) / hardware.attention_flops
+        fwd * (1.0 + recompute_shares(training, layers).attention) / hardware.attention_flops
         + ATTN_BACKWARD_FLOPS * fwd / hardware.attention_bwd_flops
     ) * 1e3
 
 
 def attention_calls_ms(
-    layers: int, passes: int, hardware: HardwareConfig, training: TrainingConfig
+    layers: int, passes: float, hardware: HardwareConfig, training: TrainingConfig
 ) -> float:
     """Fixed ms of one micro-batch's (or one ring step's) attention kernel calls: one per layer
     and pass, each paying the kernel's call overhead and the host's per-call overhead."""
@@ -326,7 +425,7 @@ def group_terms(
       (``hardware.ring_step_overhead_bytes_per_elem`` per output element at HBM bandwidth).
     """
     g = cluster.gpus_per_node
-    passes = 3 if training.recompute else 2
+    passes = recompute_shares(training, layers).attention_passes
     calls = 4 * layers * passes
     host_ms = training.host_call_overhead_us * 1e-3
     kernel_ms = attention_calls_ms(layers, passes, hardware, training)
@@ -373,9 +472,11 @@ def first_principles_cost_model(
     """Analytic cost model: FLOPs over achievable throughput, bytes over link bandwidth.
 
     - a1 (ms/token^2) = forward attention FLOPs per s^2 at the forward rate (twice with full
-      recompute) plus 2.5x them at the backward rate (``attention_bwd_fraction``, FlashAttention's
-      FLOP convention); a2 (ms/token) = linear FLOPs per token / (peak * achievable fraction),
-      times 4/3 with full recompute. Ulysses divides both by d (heads resp. tokens split d ways).
+      recompute, in the share of layers whose attention is recomputed: ``recompute_shares``) plus
+      2.5x them at the backward rate (``attention_bwd_fraction``, FlashAttention's FLOP
+      convention); a2 (ms/token) = linear FLOPs per token / (peak * achievable fraction), times
+      ``linear_recompute_factor`` (4/3 with full recompute of every layer). Ulysses divides
+      both by d (heads resp. tokens split d ways).
     - c_d (ms/token): each rank holds s/d tokens and sends 1/d of each to every peer, so a peer
       link carries ``bytes_per_token / d^2`` per token; intra-node peers (``min(d,G)-1``) share
       NVLink, inter-node peers (``d - min(d,G)``) the per-GPU NIC, the two running concurrently:
@@ -415,9 +516,9 @@ def first_principles_cost_model(
     g = gpus_per_node or hardware.gpus_per_node
     cluster = Cluster(world_size, g)
     cap_gb = hardware.hbm_gb * 0.9 if memory_cap_gb is None else float(memory_cap_gb)
-    recompute = 4.0 / 3.0 if training.recompute else 1.0
+    recompute = linear_recompute_factor(model, training)
     lin_flops = hardware.peak_tflops * 1e12 * hardware.achievable_fraction
-    a1 = attention_ms_per_token2(model.attn_flops_per_token2(), hardware, training)
+    a1 = attention_ms_per_token2(model.attn_flops_per_token2(), hardware, training, model.layers)
     a2 = model.linear_flops_per_token() * recompute / lin_flops * 1e3
 
     space = HeadSpace(model.heads, model.kv_heads)

@@ -52,11 +52,12 @@ from megatron_hsp.planner.cost.first_principles import (
     collective_ms,
     grad_and_optimizer_ms,
     group_terms,
+    linear_recompute_factor,
+    recompute_shares,
 )
 from megatron_hsp.planner.cost.moe import DEEPSEEK_V2_LITE_MOE, QWEN3_30B_A3B_MOE
 from megatron_hsp.planner.cost.pipeline import (
     BACKWARD_SHARE,
-    BACKWARD_SHARE_RECOMPUTE,
     PipelineSpec,
     microbatch_token_capacity,
 )
@@ -94,6 +95,13 @@ class ParallelConfig:
         return check_tp_in_node(gpus_per_node, self.tp)
 
 
+def _backward_share(training: TrainingConfig, layers: int) -> float:
+    """Backward share of a stage's forward+backward: forward 1, backward 2 plus the recomputed
+    forward's share of the layers (``BACKWARD_SHARE`` 2/3 without, 3/4 with every layer)."""
+    f = recompute_shares(training, layers).full
+    return (2.0 + f) / (3.0 + f)
+
+
 def _tp_and_expert_comm(
     a2: float,
     shape: TransformerShape,
@@ -105,7 +113,7 @@ def _tp_and_expert_comm(
     """(linear term with TP's and MoE dispatch's exposed traffic added, TP's and MoE's fixed
     latency per micro-batch) of one stage whose node holds ``gp`` slots (module docstring)."""
     tp, ep = parallel.tp, parallel.ep
-    passes = 3 if training.recompute else 2
+    passes = 2.0 + recompute_shares(training, sum(shape.stage_layers(parallel.pp))).full
     e = training.activation_bytes
     _, moe_l = shape.stage_layers(parallel.pp)
     n_layers = sum(shape.stage_layers(parallel.pp))
@@ -184,12 +192,13 @@ def model_parallel_cost_model(
         notes.append("ZeRO-3 is not combined with PP in Megatron: distributed optimizer (1)")
     spec = PipelineSpec(pp, parallel.vpp)
     cap_gb = hardware.hbm_gb * 0.9 if memory_cap_gb is None else float(memory_cap_gb)
-    recompute = 4.0 / 3.0 if training.recompute else 1.0
+    recompute = linear_recompute_factor(shape, training, pp)
     e = training.activation_bytes
     lin_flops = hardware.peak_tflops * 1e12 * hardware.achievable_fraction * tp
     # The same attention rule as first_principles_cost_model, over the stage's layers; TP's
     # tp GPUs share the heads.
-    a1 = attention_ms_per_token2(shape.attn_flops_per_token2(pp), hardware, training) / tp
+    stage = sum(shape.stage_layers(pp))
+    a1 = attention_ms_per_token2(shape.attn_flops_per_token2(pp), hardware, training, stage) / tp
     a2 = shape.linear_flops_per_token(pp) * recompute / lin_flops * 1e3
     dense_l, moe_l = shape.stage_layers(pp)
     n_layers = dense_l + moe_l
@@ -271,9 +280,7 @@ def model_parallel_cost_model(
                 "vpp": float(parallel.vpp),
                 "ep": float(ep),
                 "peak_in_flight": spec.peak_in_flight(),
-                "backward_share": (
-                    BACKWARD_SHARE_RECOMPUTE if training.recompute else BACKWARD_SHARE
-                ),
+                "backward_share": _backward_share(training, stage),
                 "pp_hop_ms": hop_ms,
                 **step,
             },

@@ -28,6 +28,9 @@ class ActivationLayout(Protocol):
 
     activation_bytes: float
     recompute: bool
+    recompute_method: str
+    recompute_num_layers: int
+    recompute_modules: tuple[str, ...]
 
 
 # The keys of a cost-model spec's ``model`` section (``load_cost_model``): a dense model whose
@@ -205,15 +208,39 @@ class TransformerShape:
         ``MoEConfig.activation_bytes_per_token``. With full recompute a layer keeps only its
         input h, plus one layer's full set (the largest) while it is recomputed. The head: the
         logits in bf16 and the fp32 softmax that Megatron's cross-entropy keeps (6 * vocab).
+
+        Partial recompute as Megatron's ``TransformerBlock._checkpointed_forward`` runs it:
+        ``uniform`` with chunks of N layers keeps each chunk's input and, while one chunk is
+        recomputed, its N layers' full sets; ``block`` with N keeps the input of the stage's
+        first N layers and the full sets of the others (whose backward frees them before the
+        first N are recomputed). Selective recompute drops, in every layer, what its modules
+        would keep: ``core_attn`` the attention's log-sum-exp (its Q/K/V and output stay alive
+        as the projections' saved tensors), ``layernorm`` the two norms' outputs, ``mlp`` the
+        FC1 and activation outputs.
         """
         e, h, f = training.activation_bytes, self.hidden, self.ffn_hidden
+        mods = getattr(training, "recompute_modules", ())
         qkv = self.heads * self.qk_dim + self.kv_heads * (self.qk_dim + self.v_dim)
-        attn = e * (h + h + qkv + self.heads * self.v_dim) + 4.0 * self.heads
-        dense_ffn = e * (h + h + f * (2 if self.gated else 1) + f)
+        norm = 0.0 if "layernorm" in mods else e * h
+        lse = 0.0 if "core_attn" in mods else 4.0 * self.heads
+        attn = e * h + norm + e * (qkv + self.heads * self.v_dim) + lse
+        fc = 0.0 if "mlp" in mods else e * (f * (2 if self.gated else 1) + f)
+        dense_ffn = e * h + norm + fc
         moe_ffn = self.moe.activation_bytes_per_token(h, e) if self.moe is not None else 0.0
         dense, moe = self.stage_layers(pp)
         head = 6.0 * self.vocab + e * h
-        if training.recompute:
-            biggest = attn + (moe_ffn if moe else dense_ffn)
-            return (dense + moe) * e * h + biggest, head
-        return dense * (attn + dense_ffn) + moe * (attn + moe_ffn), head
+        if not training.recompute:
+            return dense * (attn + dense_ffn) + moe * (attn + moe_ffn), head
+        full_dense, full_moe = attn + dense_ffn, attn + moe_ffn
+        biggest = full_moe if moe else full_dense
+        n = dense + moe
+        chunk = int(getattr(training, "recompute_num_layers", 1))
+        if getattr(training, "recompute_method", "uniform") == "uniform":
+            chunk = max(1, chunk)
+            return math.ceil(n / chunk) * e * h + min(chunk, n) * biggest, head
+        k = min(
+            max(0, chunk), n
+        )  # block: the stage's first k layers (MoE layers first, stage_layers)
+        k_moe = min(k, moe)
+        kept = k * e * h + (moe - k_moe) * full_moe + (dense - (k - k_moe)) * full_dense
+        return max(kept, k * e * h + biggest if k else 0.0), head
