@@ -41,6 +41,7 @@ import torch.distributed as dist
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import Cluster, HeadSpace, group_families
 from megatron_hsp.planner.run_spec import DimFlags, check_degrees
+from megatron_hsp.runtime.comm import comm
 from megatron_hsp.runtime.compat import can_split_groups
 
 log = logging.getLogger(__name__)
@@ -392,7 +393,7 @@ def _warm(group: dist.ProcessGroup, kind: str) -> None:
     if kind == "all-to-all":
         send = torch.full((n,), float(me), device=device)
         got = torch.empty_like(send)
-        dist.all_to_all_single(got, send, group=group)
+        comm().all_to_all_single(got, send, group)
         expected = list(range(n))
     else:
         from megatron_hsp.runtime.ring import ring_shift

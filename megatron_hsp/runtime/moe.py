@@ -42,6 +42,8 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
 from megatron.core.transformer.moe.router import TopKRouter
 
+from megatron_hsp.runtime.comm import comm
+
 
 @dataclass(frozen=True)
 class MoEMicroBatch:
@@ -86,7 +88,7 @@ def tokens_per_expert_per_document(routing_map: torch.Tensor, state: MoEMicroBat
     )
     counts.index_add_(0, state.documents[real], routing_map[real].to(torch.float32))
     if state.group is not None and state.group.size() > 1:
-        dist.all_reduce(counts, group=state.group)
+        comm().all_reduce(counts, state.group)
     return counts
 
 
