@@ -110,8 +110,8 @@ def _run(args: argparse.Namespace) -> int:
         return _launch_kit(args)
     if args.dtype is not None or args.device is not None or args.plant is not None:
         raise InputError(
-            "--dtype, --device and --plant apply under torchrun (the acceptance kit) or with "
-            "--ranks-share-gpu only"
+            "--dtype, --device and --plant apply under torchrun (the acceptance kit) only, or "
+            "with --ranks-share-gpu"
         )
     from megatron_hsp.testing.mutations import MUTATIONS
     from megatron_hsp.testing.selftest import build_cases, case_table, mutation_table, run_selftest
