@@ -6,6 +6,14 @@ and process-group state that must not be copied) builds the cost model once, the
 ``(step, lengths)`` requests in order. ``result(step)`` returns immediately when the plan is ready;
 when the planner is late the training step blocks, and the wait is logged and kept for reports.
 
+The child starts clean: ``spawn`` would re-import the parent's ``__main__`` from its path in the
+child (``multiprocessing/spawn.py``, ``_fixup_main_from_path``), and under ``megatron_hsp.launch``
+that is the user's ``pretrain_gpt.py``: its top-level code would run again and Megatron, TE and
+torch be imported in the planner (a second CUDA context on rank 0's GPU, possibly).
+``_start_without_main`` starts it with that fix-up disabled, so the child imports only the
+planner and what its factory needs (a factory must therefore live in an importable module, not
+in the script).
+
 Only the planning rank (rank 0) runs a service; the plan reaches the other ranks through the
 runtime's plan agreement, so every rank executes the same plan even when a time-limited solve is
 not reproducible.
@@ -21,7 +29,9 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,6 +162,20 @@ def _serve(spec: PlannerSpec, requests: Any, replies: Any, parent_pid: int | Non
             replies.put(("plan", step, _picklable(exc), time.perf_counter() - t0))
 
 
+def _start_without_main(proc: Any) -> None:
+    """Start a ``spawn`` process without its re-import of this process's ``__main__`` (module
+    docstring). ``spawn.get_preparation_data`` reads ``sys.modules['__main__']`` when the
+    process starts and asks the child to re-run it when it has a ``__file__`` or a module
+    spec; for the duration of ``start`` a bare stand-in with neither is put in its place, so
+    the child keeps its own empty ``__main__``."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        proc.start()
+    finally:
+        sys.modules["__main__"] = main
+
+
 @dataclass
 class PlanResult:
     step: int
@@ -209,7 +233,7 @@ class PlannerService:
                 name="megatron-hsp-planner",
                 daemon=True,
             )
-            self._proc.start()
+            _start_without_main(self._proc)
             self._start_timeout_s = start_timeout_s
             self._started = False
         else:
