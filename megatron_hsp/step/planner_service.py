@@ -64,6 +64,9 @@ class PlannerSpec:
     # {group size: attention route} of the ring and hybrid groups as the runtime runs them
     # (``runtime.backends.attention_routes_for_run``); None: the cost model's own.
     ring_routes: dict[int, str] | None = None
+    # {group size: document multiple} the runtime pads to (``routes.te_doc_multiples``: the
+    # groups Transformer Engine's context parallelism carries); None: no padding.
+    doc_multiples: dict[int, int] | None = None
     # "module:function" returning a planner ``(lengths) -> Plan`` for this spec.
     factory: str = DEFAULT_PLANNER
     options: dict[str, Any] = field(default_factory=dict)
@@ -80,6 +83,7 @@ class PlannerSpec:
             max_seq_k=tokens_to_k(self.max_seq),
             memory_cap_gb=self.memory_cap_gb,
             ring_routes=self.ring_routes,
+            doc_multiples=self.doc_multiples,
         )
 
 
