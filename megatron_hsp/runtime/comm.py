@@ -54,12 +54,13 @@ class DirectComm:
         dist.all_gather(outputs, input, group=group)
 
     def all_reduce(
-        self,
-        tensor: torch.Tensor,
-        group: dist.ProcessGroup | None = None,
-        op: Any = dist.ReduceOp.SUM,
+        self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: Any = None
     ) -> None:
-        dist.all_reduce(tensor, op=op, group=group)
+        """``op`` None: a sum (torch's default, called exactly as before the adapter)."""
+        if op is None:
+            dist.all_reduce(tensor, group=group)
+        else:
+            dist.all_reduce(tensor, op=op, group=group)
 
     def batch_isend_irecv(self, ops: Sequence[dist.P2POp]) -> list[Any]:
         return list(dist.batch_isend_irecv(list(ops)))
@@ -130,14 +131,11 @@ class HostStagedComm(DirectComm):
             _copy_back(out, host)
 
     def all_reduce(
-        self,
-        tensor: torch.Tensor,
-        group: dist.ProcessGroup | None = None,
-        op: Any = dist.ReduceOp.SUM,
+        self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: Any = None
     ) -> None:
         self.calls += 1
         host = _host_copy(tensor)
-        dist.all_reduce(host, op=op, group=group)
+        DirectComm.all_reduce(self, host, group, op)
         _copy_back(tensor, host)
 
     def batch_isend_irecv(self, ops: Sequence[dist.P2POp]) -> list[Any]:

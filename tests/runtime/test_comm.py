@@ -98,7 +98,7 @@ class _Counting(DirectComm):
         self.names.append("all_gather")
         HOST_STAGED.all_gather(outputs, input, group)
 
-    def all_reduce(self, tensor, group=None, op=torch.distributed.ReduceOp.SUM):
+    def all_reduce(self, tensor, group=None, op=None):
         self.names.append("all_reduce")
         HOST_STAGED.all_reduce(tensor, group, op)
 
