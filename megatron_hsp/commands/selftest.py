@@ -64,6 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "wrong-ring-merge) for the whole run; the kit must then report NOT ACCEPTED",
     )
     parser.add_argument(
+        "--ranks-share-gpu",
+        action="store_true",
+        help="many ranks on one GPU: the acceptance kit with every rank on cuda:0, gloo process "
+        "groups and the runtime's collectives staged through pinned host buffers (Ulysses, the "
+        "fused ring, hybrid groups, dispatch and loss across ranks on CUDA kernels; NCCL, "
+        "bandwidth and TE need a GPU per rank). Without torchrun it launches --nproc ranks "
+        "itself; with --device cpu the ranks run on the CPU through the same staged path",
+    )
+    parser.add_argument(
         "--timeout",
         type=float,
         default=600.0,
@@ -99,10 +108,18 @@ def _run(args: argparse.Namespace, started: float | None = None) -> int:
                 "--mutations and --megatron run on spawned CPU processes: run them without "
                 "torchrun (megatron-hsp selftest --nproc 4 --mutations --megatron)"
             )
-        return acceptance_main(args.dtype, args.device, args.json, args.plant)
+        return acceptance_main(args.dtype, args.device, args.json, args.plant, args.ranks_share_gpu)
+    if args.ranks_share_gpu:
+        if args.mutations or args.megatron:
+            raise InputError(
+                "--ranks-share-gpu runs the acceptance kit; --mutations and --megatron run the "
+                "CPU selftest: run them without --ranks-share-gpu"
+            )
+        return _launch_kit(args)
     if args.dtype is not None or args.device is not None or args.plant is not None:
         raise InputError(
-            "--dtype, --device and --plant apply under torchrun (the acceptance kit) only"
+            "--dtype, --device and --plant apply under torchrun (the acceptance kit) only, or "
+            "with --ranks-share-gpu"
         )
     from megatron_hsp.testing.mutations import MUTATIONS
     from megatron_hsp.testing.selftest import build_cases, case_table, mutation_table, run_selftest
@@ -183,6 +200,34 @@ def _wall(started: float | None, fallback_s: float) -> str:
     seconds = time.monotonic() - started if started is not None else fallback_s
     minutes, rest = divmod(seconds, 60.0)
     return f"{int(minutes)} min {rest:.0f} s" if minutes else f"{rest:.1f} s"
+
+
+def _launch_kit(args: argparse.Namespace) -> int:
+    """``selftest --ranks-share-gpu --nproc N``: the acceptance kit on N ranks launched here
+    by torchrun's own launcher (``torch.distributed.run --standalone``), exactly as a user would
+    start it, so there is one kit and one way its ranks start. The launcher dies with this
+    command (``lifetime.die_with_parent``'s signal), and takes its ranks with it."""
+    import functools
+    import os
+    import subprocess
+
+    from megatron_hsp.planner.errors import InputError
+    from megatron_hsp.runtime.lifetime import die_with_parent
+
+    if args.nproc < 1:
+        raise InputError(f"--nproc {args.nproc}: the kit needs at least one rank")
+    device = args.device or "cuda"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc-per-node={args.nproc}", "-m", "megatron_hsp.cli", "selftest"]
+    cmd += ["--ranks-share-gpu", "--device", device]
+    for flag, value in (("--dtype", args.dtype), ("--plant", args.plant)):
+        if value is not None:
+            cmd += [flag, value]
+    cmd += ["--json"] if args.json else []
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    tied = functools.partial(die_with_parent, watchdog=False)  # prctl only: no thread in a fork
+    return subprocess.run(cmd, env=env, preexec_fn=tied).returncode
 
 
 def _finite(value: Any) -> Any:

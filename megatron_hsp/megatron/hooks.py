@@ -123,7 +123,11 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         hsp_data_from_args,
         train_sampler,
     )
-    from megatron_hsp.runtime.backends import attention_routes_for_run, te_available
+    from megatron_hsp.runtime.backends import (
+        attention_routes_for_run,
+        te_available,
+        te_doc_multiples_for_run,
+    )
     from megatron_hsp.step.documents import BlendedDocumentReader, DocumentIndex
     from megatron_hsp.step.pipeline import build_training_step
 
@@ -156,6 +160,8 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         memory_cap_gb=cfg.memory_cap_gb,
         heads=heads,
         ring_routes=routes,
+        # TE's padding of the groups it carries (run.te_layout below): priced by the planner
+        doc_multiples=te_doc_multiples_for_run(splits, "auto", run.device.type),
     )
     run.registry = training.registry
     cost = training.spec.load_cost_model()

@@ -51,6 +51,31 @@ def te_carries_ring(ulysses: int, te_runs_a2a_p2p_thd: bool) -> bool:
     return ulysses == 1 or te_runs_a2a_p2p_thd
 
 
+def te_doc_multiple(size: int, ulysses: int, ring: int, te_runs_a2a_p2p_thd: bool) -> int:
+    """What each document of a group of ``size`` run as ``ulysses x ring`` is padded to when
+    Transformer Engine's backend runs it: ``2 x size`` where TE's THD context parallelism carries
+    the group (``te_carries_ring``: its CP rank ``c`` holds chunks ``c`` and ``2cp - 1 - c`` of
+    every sequence), 1 elsewhere -- Ulysses-only groups (TE's plain varlen attention after HSP's
+    all-to-all) and rings TE declines (HSP's own ring, which needs no padding). The one rule
+    dispatch pads by and the cost model prices by."""
+    if ring <= 1 or not te_carries_ring(ulysses, te_runs_a2a_p2p_thd):
+        return 1
+    return 2 * size
+
+
+def te_doc_multiples(
+    splits: Mapping[int, tuple[int, int]], *, te_version: str | None
+) -> dict[int, int]:
+    """``{group size: document multiple}`` of the sizes TE pads (``te_doc_multiple`` above 1)
+    for the installed TE ``te_version`` (None: TE does not run the attention, nothing padded):
+    what the cost model prices (``load_cost_model(doc_multiples=...)``)."""
+    if te_version is None:
+        return {}
+    hybrid = te_version_runs_a2a_p2p_thd(te_version)
+    out = {int(d): te_doc_multiple(int(d), u, r, hybrid) for d, (u, r) in splits.items()}
+    return {d: m for d, m in out.items() if m > 1}
+
+
 def attention_route(
     ulysses: int, ring: int, *, te_version: str | None, fused_ring: bool = False
 ) -> str:
@@ -104,5 +129,7 @@ __all__ = [
     "check_routes",
     "ring_routes",
     "te_carries_ring",
+    "te_doc_multiple",
+    "te_doc_multiples",
     "te_version_runs_a2a_p2p_thd",
 ]

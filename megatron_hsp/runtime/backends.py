@@ -27,6 +27,7 @@ from megatron_hsp.planner.routes import (
     TE_MIN_A2A_P2P_THD,
     ring_routes,
     te_carries_ring,
+    te_doc_multiples,
     te_version_runs_a2a_p2p_thd,
 )
 from megatron_hsp.planner.run_spec import ATTENTION_BACKENDS, AttentionBackendName
@@ -405,6 +406,20 @@ def attention_routes_for_run(
     return ring_routes(splits, te_version=version, fused_ring=fused)
 
 
+def te_doc_multiples_for_run(
+    splits: Mapping[int, tuple[int, int]], backend: str, device_type: str
+) -> dict[int, int]:
+    """``{group size: document multiple}`` this process's dispatch will pad to (``te_layout``
+    with the installed TE, ``routes.te_doc_multiples``): only where Transformer Engine runs the
+    attention and carries the group's ring. What the planner prices (``load_cost_model(
+    doc_multiples=...)``), so its time and memory see the padding."""
+    if device_type != "cuda":
+        return {}
+    if backend == "auto":
+        backend = "te" if te_available() else "torch"
+    return te_doc_multiples(splits, te_version=te_version() if backend == "te" else None)
+
+
 def make_backend(
     name: str, config: TransformerConfig, layer_number: int, dropout: float
 ) -> AttentionBackend:
@@ -432,6 +447,7 @@ __all__ = [
     "attention_routes_for_run",
     "make_backend",
     "te_available",
+    "te_doc_multiples_for_run",
     "te_p2p_hint",
     "te_thd_a2a_p2p_supported",
     "te_version",

@@ -33,6 +33,7 @@ import numpy as np
 
 from megatron_hsp.planner.errors import InputError, PlanError
 from megatron_hsp.planner.plan import Group, Plan
+from megatron_hsp.planner.routes import te_doc_multiple as routes_te_doc_multiple
 from megatron_hsp.runtime.layout import rank_tokens
 
 
@@ -316,11 +317,15 @@ def dispatch(
     pad_id: int = 0,
     te_layout: bool = False,
     pad_empty: bool = False,
+    te_hybrid: bool | None = None,
 ) -> list[PackedMicroBatch]:
     """This slot's packed share of every micro-batch of ``plan``, in plan order.
 
-    ``te_layout``: pad each document of a ring group as Transformer Engine's context parallelism
-    needs (``te_doc_multiple``), so its own route can run the group.
+    ``te_layout``: pad each document of a ring group that Transformer Engine's context
+    parallelism carries as it needs (``te_doc_multiple``), so its own route can run the group;
+    groups TE declines run HSP's ring and are not padded. ``te_hybrid``: whether the TE that
+    runs them carries hybrid (Ulysses x ring) groups in THD (None: the installed TE's answer,
+    ``backends.te_thd_a2a_p2p_supported``).
 
     Each group's token layout follows the ring degree the plan recorded (``Group.ring``; 0, i.e.
     unrecorded, means 1: ``agreement.resolve_splits`` records the registry's split first). The
@@ -328,6 +333,10 @@ def dispatch(
     """
     if not 0 <= slot < plan.world_size:
         raise InputError(f"slot {slot} is outside the plan's 0..{plan.world_size - 1}")
+    if te_layout and te_hybrid is None:
+        from megatron_hsp.runtime.backends import te_thd_a2a_p2p_supported
+
+        te_hybrid = te_thd_a2a_p2p_supported()
     return [
         pack_group_slice(
             batch,
@@ -337,19 +346,20 @@ def dispatch(
             local_multiple=local_multiple,
             pad_id=pad_id,
             ring=max(1, mb.group_of(slot).ring),
-            doc_multiple=te_doc_multiple(mb.group_of(slot)) if te_layout else 1,
+            doc_multiple=te_doc_multiple(mb.group_of(slot), bool(te_hybrid)) if te_layout else 1,
             pad_empty=pad_empty,
         )
         for m, mb in enumerate(plan.microbatches)
     ]
 
 
-def te_doc_multiple(group: Group) -> int:
+def te_doc_multiple(group: Group, te_hybrid: bool) -> int:
     """What each document of ``group`` is padded to for TE's THD context parallelism: ``2 x d``
-    for a group that runs ring attention (TE's CP rank ``c`` holds chunks ``c`` and
-    ``2cp - 1 - c`` of every sequence, ``layout.te_cp_arguments``), 1 otherwise (Ulysses-only
-    groups run TE's plain varlen attention after HSP's all-to-all, which needs no padding)."""
-    return 2 * group.size if group.ring > 1 else 1
+    where TE carries the group's ring (TE's CP rank ``c`` holds chunks ``c`` and ``2cp - 1 - c``
+    of every sequence, ``layout.te_cp_arguments``), 1 otherwise: Ulysses-only groups, and
+    hybrid groups on a TE without THD "a2a+p2p" (``te_hybrid`` False), which HSP's own ring
+    runs. The rule is ``routes.te_doc_multiple``, the one the cost model prices."""
+    return routes_te_doc_multiple(group.size, max(1, group.ulysses), group.ring, te_hybrid)
 
 
 def check_token_accounting(

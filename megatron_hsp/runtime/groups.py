@@ -29,9 +29,10 @@ data-parallel-with-context-parallel group. ``GroupRegistry`` maps ``(size, block
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import Cluster, HeadSpace, group_families
 from megatron_hsp.planner.run_spec import DimFlags, check_degrees
+from megatron_hsp.runtime.comm import comm
 from megatron_hsp.runtime.compat import can_split_groups
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,9 @@ class GroupRegistry:
     warm: bool = True
     # One ``split_group`` per family (NCCL) instead of one ``new_group`` per group.
     use_split: bool = False
+    # Bind the rank's device to the world group while creating groups, then unbind
+    # (``world_device_bound``): NCCL, groups of the world's backend.
+    bind_device: bool = False
     # Calls to ``split_group`` / ``new_group`` this rank made (collective over the world each).
     startup_calls: int = 0
     # Every global rank set created so far (the same on every rank) and this rank's groups.
@@ -131,9 +136,12 @@ class GroupRegistry:
         than the allowed sizes (whose communicators the planner's memory cap is charged for).
         """
         todo = sorted(self.pending.intersection(int(d) for d in sizes))
-        for size in todo:
-            _create_size(self, size)
-            self.pending.discard(size)
+        if not todo:
+            return todo
+        with world_device_bound(self.bind_device):
+            for size in todo:
+                _create_size(self, size)
+                self.pending.discard(size)
         return todo
 
     @property
@@ -237,9 +245,10 @@ def create_groups(
     (``HeadSpace.split``); a block with ring > 1 and Ulysses > 1 also gets its ``ring`` Ulysses
     sub-groups and ``ulysses`` ring sub-groups (pure ring reuses the block's own group), so every
     process group exists before the first step. ``Cluster.process_group_count`` bounds the blocks.
-    ``bind_device`` first binds this rank's CUDA device to the world group under NCCL
-    (``bind_world_device``), so these groups are communicator splits, not new communicators,
-    and each family is one ``split_group`` call where ``compat.can_split_groups`` allows it.
+    ``bind_device`` binds this rank's CUDA device to the world group under NCCL while HSP
+    creates its groups (``world_device_bound``), so these groups are communicator splits, not
+    new communicators, and each family is one ``split_group`` call where
+    ``compat.can_split_groups`` allows it; the world is left as it was afterwards.
     ``lazy`` creates nothing now: each size's groups are created by ``GroupRegistry.ensure`` the
     first time an agreed plan uses it (the step, every rank alike), so a run holds communicators
     only for the sizes its plans use.
@@ -256,8 +265,6 @@ def create_groups(
             f"group sizes {bad} do not tile {cluster.world_size} sequence-parallel slots in nodes "
             f"of {cluster.gpus_per_node}; legal sizes: {cluster.legal_sizes()}"
         )
-    if bind_device:
-        bind_world_device()
     reg = GroupRegistry(
         cluster=cluster,
         layout=layout,
@@ -270,10 +277,13 @@ def create_groups(
         reg.new_group_kwargs["backend"] = backend
     if timeout is not None:
         reg.new_group_kwargs["timeout"] = timeout
+    # Only groups of the world's own backend are split from it (a gloo group under NCCL is not).
+    reg.bind_device = bind_device and backend in (None, dist.get_backend())
     default = dist.distributed_c10d._get_default_group()
-    reg.use_split = backend in (None, dist.get_backend()) and can_split_groups(
-        dist.get_backend(), getattr(default, "bound_device_id", None)
-    )
+    with world_device_bound(reg.bind_device):
+        reg.use_split = backend in (None, dist.get_backend()) and can_split_groups(
+            dist.get_backend(), getattr(default, "bound_device_id", None)
+        )
     reg.pending = set(chosen)
     if not lazy:
         reg.ensure(chosen)
@@ -375,6 +385,32 @@ def bind_world_device() -> torch.device | None:
     return device
 
 
+@contextlib.contextmanager
+def world_device_bound(enabled: bool = True) -> Iterator[torch.device | None]:
+    """The world group bound to this rank's device (``bind_world_device``) while HSP creates
+    its groups, and as it was again afterwards.
+
+    Why unbind: while the world has a ``bound_device_id``, torch's ``new_group`` makes every
+    non-member of ANY later group join an NCCL split of the world
+    (``distributed_c10d._new_process_group_helper``: ``perform_nocolor_split``), whatever
+    backend the group asks for; members of a ``new_group(backend="gloo")`` made later by
+    Megatron or the user never split, so the non-members would wait in it for ever. Restored,
+    later ``new_group`` calls run as torch would have run them without HSP. HSP's own groups
+    keep their communicators (and split ones their own bound device). A world bound by the
+    user (``init_process_group(device_id=...)``) stays bound: torch already behaves that way.
+    """
+    if not enabled or not dist.is_initialized() or dist.get_backend() != "nccl":
+        yield None
+        return
+    world = dist.distributed_c10d._get_default_group()
+    before = world.bound_device_id
+    device = bind_world_device()
+    try:
+        yield device
+    finally:
+        world.bound_device_id = before
+
+
 def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Device collectives on ``group`` need: CUDA for NCCL, CPU otherwise."""
     if dist.get_backend(group) == "nccl":
@@ -392,7 +428,7 @@ def _warm(group: dist.ProcessGroup, kind: str) -> None:
     if kind == "all-to-all":
         send = torch.full((n,), float(me), device=device)
         got = torch.empty_like(send)
-        dist.all_to_all_single(got, send, group=group)
+        comm().all_to_all_single(got, send, group)
         expected = list(range(n))
     else:
         from megatron_hsp.runtime.ring import ring_shift

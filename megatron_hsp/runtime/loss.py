@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_hsp.runtime.comm import comm
+
 
 @dataclass
 class LossAccumulator:
@@ -70,7 +72,7 @@ def reduce_step_loss(
     t = torch.tensor(
         [acc.loss_sum, float(acc.num_tokens), acc.objective], dtype=torch.float64, device=device
     )
-    dist.all_reduce(t, group=group)
+    comm().all_reduce(t, group)
     return float(t[0]), round(float(t[1])), float(t[2])
 
 
@@ -90,7 +92,7 @@ def allreduce_gradients(
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
+    comm().all_reduce(flat, group)
     offset = 0
     for g in grads:
         n = g.numel()

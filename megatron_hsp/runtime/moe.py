@@ -42,6 +42,8 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
 from megatron.core.transformer.moe.router import TopKRouter
 
+from megatron_hsp.runtime.comm import comm
+
 
 @dataclass(frozen=True)
 class MoEMicroBatch:
@@ -58,6 +60,21 @@ class MoEMicroBatch:
     @property
     def padding(self) -> torch.Tensor:
         return self.documents < 0
+
+    def rows(self) -> torch.Tensor:
+        """Per local token, its row of a ``[num_documents + 1, ...]`` accumulator: its document,
+        or the extra last row for padding (dropped after the sum). Why: selecting the real
+        tokens with a boolean mask has a data-dependent shape, a device-to-host sync on CUDA in
+        every MoE layer of every micro-batch; a fixed-shape ``index_add`` into a spare row has
+        none."""
+        return torch.where(self.padding, self.num_documents, self.documents)
+
+
+def per_document_sum(values: torch.Tensor, state: MoEMicroBatch) -> torch.Tensor:
+    """``[num_documents, E]``: ``values`` ``[tokens, E]`` summed per document, padding left
+    out, with no data-dependent shape (``MoEMicroBatch.rows``)."""
+    out = values.new_zeros(state.num_documents + 1, values.shape[1])
+    return out.index_add(0, state.rows(), values)[: state.num_documents]
 
 
 _CURRENT: ContextVar[MoEMicroBatch | None] = ContextVar("hsp_moe_micro_batch", default=None)
@@ -80,13 +97,9 @@ def current_micro_batch() -> MoEMicroBatch | None:
 def tokens_per_expert_per_document(routing_map: torch.Tensor, state: MoEMicroBatch) -> torch.Tensor:
     """``[num_documents, experts]`` expert counts of each document over its whole group: the
     local counts summed over the plan group (the ranks that hold the document's tokens)."""
-    real = ~state.padding
-    counts = torch.zeros(
-        state.num_documents, routing_map.shape[1], dtype=torch.float32, device=routing_map.device
-    )
-    counts.index_add_(0, state.documents[real], routing_map[real].to(torch.float32))
+    counts = per_document_sum(routing_map.to(torch.float32), state)
     if state.group is not None and state.group.size() > 1:
-        dist.all_reduce(counts, group=state.group)
+        comm().all_reduce(counts, state.group)
     return counts
 
 
@@ -113,7 +126,6 @@ class HSPTopKRouter(TopKRouter):
         check_micro_batch(state, scores_for_aux_loss.shape[0], self.tp_cp_group)
         counts = tokens_per_expert_per_document(routing_map, state)  # [docs, E]
         lengths = counts.sum(dim=1) / self.topk  # each document's tokens, whole group
-        real = ~state.padding
         # Per document d of L_d tokens, megatron-core's switch loss is
         #   E x coeff / (k x L_d^2) x sum_e P[d, e] x f[d, e]
         # (P: the sum of its tokens' scores per expert, here only this rank's tokens, the part
@@ -121,13 +133,7 @@ class HSPTopKRouter(TopKRouter):
         # L_d. The sum over documents of that product is one switch loss over the flattened
         # [docs x E] terms P x f / L_d with unit counts and T = 1: megatron-core's own function
         # computes it, with no per-document host read of L_d (no device sync per layer).
-        local_scores = torch.zeros(
-            state.num_documents,
-            scores_for_aux_loss.shape[1],
-            dtype=scores_for_aux_loss.dtype,
-            device=scores_for_aux_loss.device,
-        )
-        local_scores = local_scores.index_add(0, state.documents[real], scores_for_aux_loss[real])
+        local_scores = per_document_sum(scores_for_aux_loss, state)
         inverse = torch.where(lengths > 0, 1.0 / lengths.clamp(min=1.0), 0.0)
         terms = (local_scores * counts * inverse[:, None]).reshape(1, -1)
         weighted = switch_load_balancing_loss_func(

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsp.planner.routes import RING_FUSED, RING_TILED
+from megatron_hsp.runtime.comm import comm
 from megatron_hsp.runtime.layout import _ranges, ring_position_tokens
 
 
@@ -73,7 +74,7 @@ def _shift(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor
         dist.P2POp(dist.isend, x.contiguous(), dst, group=group),
         dist.P2POp(dist.irecv, out, src, group=group),
     ]
-    for req in dist.batch_isend_irecv(ops):
+    for req in comm().batch_isend_irecv(ops):
         req.wait()
     return out
 
@@ -584,7 +585,7 @@ def _start_shift(x: torch.Tensor, group: dist.ProcessGroup) -> Callable[[], torc
             dist.P2POp(dist.isend, send, dst, group=group),
             dist.P2POp(dist.irecv, recv, src, group=group),
         ]
-        reqs = dist.batch_isend_irecv(ops)
+        reqs = comm().batch_isend_irecv(ops)
 
     def wait() -> torch.Tensor:
         for req in reqs:
@@ -603,7 +604,7 @@ def _gather_meta(meta: torch.Tensor, group: dist.ProcessGroup | None) -> list[np
     if group is None or group.size() == 1:
         return [meta.cpu().numpy()]
     metas = [torch.empty_like(meta) for _ in range(group.size())]
-    dist.all_gather(metas, meta.contiguous(), group=group)
+    comm().all_gather(metas, meta.contiguous(), group)
     return [m.cpu().numpy() for m in metas]
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_hsp.runtime.comm import comm
+
 
 def _seq_to_head(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """[T/d, H, D] (my tokens, all heads) -> [T, H/d, D] (all tokens, my heads)."""
@@ -18,7 +20,7 @@ def _seq_to_head(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     t, h, dim = x.shape
     send = x.reshape(t, d, h // d, dim).transpose(0, 1).contiguous()  # chunk j -> rank j
     recv = torch.empty_like(send)  # recv[j] = rank j's tokens of my head chunk
-    dist.all_to_all_single(recv, send, group=group)
+    comm().all_to_all_single(recv, send, group)
     return recv.reshape(d * t, h // d, dim)
 
 
@@ -28,7 +30,7 @@ def _head_to_seq(y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     total, hd, dim = y.shape
     send = y.reshape(d, total // d, hd, dim).contiguous()  # token chunk j -> rank j
     recv = torch.empty_like(send)  # recv[j] = my tokens of rank j's head chunk
-    dist.all_to_all_single(recv, send, group=group)
+    comm().all_to_all_single(recv, send, group)
     return recv.transpose(0, 1).reshape(total // d, d * hd, dim)
 
 

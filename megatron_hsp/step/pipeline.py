@@ -229,6 +229,7 @@ def build_training_step(
     memory_cap_gb: float | None = None,
     heads: HeadSpace | None = None,
     ring_routes: Mapping[int, str] | None = None,
+    doc_multiples: Mapping[int, int] | None = None,
 ) -> TrainingStep:
     """Collective: set up one run's training step from its run description.
 
@@ -244,7 +245,7 @@ def build_training_step(
     registry = create_groups_from_megatron(
         run.dims.slots_per_node, sizes=run.planner.sizes, heads=heads, lazy=True
     )
-    spec = planner_spec(run, cost_model, memory_cap_gb, ring_routes)
+    spec = planner_spec(run, cost_model, memory_cap_gb, ring_routes, doc_multiples)
     return TrainingStep(registry, spec, rank)
 
 
@@ -253,6 +254,7 @@ def planner_spec(
     cost_model: str | Mapping[str, Any],
     memory_cap_gb: float | None = None,
     ring_routes: Mapping[int, str] | None = None,
+    doc_multiples: Mapping[int, int] | None = None,
 ) -> PlannerSpec:
     """What the planner (its process in training, ``plan``/``bench`` offline) builds the cost
     model and plans from: the one place a run description becomes a ``PlannerSpec``."""
@@ -264,4 +266,5 @@ def planner_spec(
         memory_cap_gb=memory_cap_gb,
         settings=run.planner,
         ring_routes=dict(ring_routes) if ring_routes else None,
+        doc_multiples=dict(doc_multiples) if doc_multiples else None,
     )

@@ -6,6 +6,14 @@ and process-group state that must not be copied) builds the cost model once, the
 ``(step, lengths)`` requests in order. ``result(step)`` returns immediately when the plan is ready;
 when the planner is late the training step blocks, and the wait is logged and kept for reports.
 
+The child starts clean: ``spawn`` would re-import the parent's ``__main__`` from its path in the
+child (``multiprocessing/spawn.py``, ``_fixup_main_from_path``), and under ``megatron_hsp.launch``
+that is the user's ``pretrain_gpt.py``: its top-level code would run again and Megatron, TE and
+torch be imported in the planner (a second CUDA context on rank 0's GPU, possibly).
+``_start_without_main`` starts it with that fix-up disabled, so the child imports only the
+planner and what its factory needs (a factory must therefore live in an importable module, not
+in the script).
+
 Only the planning rank (rank 0) runs a service; the plan reaches the other ranks through the
 runtime's plan agreement, so every rank executes the same plan even when a time-limited solve is
 not reproducible.
@@ -21,7 +29,9 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +64,9 @@ class PlannerSpec:
     # {group size: attention route} of the ring and hybrid groups as the runtime runs them
     # (``runtime.backends.attention_routes_for_run``); None: the cost model's own.
     ring_routes: dict[int, str] | None = None
+    # {group size: document multiple} the runtime pads to (``routes.te_doc_multiples``: the
+    # groups Transformer Engine's context parallelism carries); None: no padding.
+    doc_multiples: dict[int, int] | None = None
     # "module:function" returning a planner ``(lengths) -> Plan`` for this spec.
     factory: str = DEFAULT_PLANNER
     options: dict[str, Any] = field(default_factory=dict)
@@ -70,6 +83,7 @@ class PlannerSpec:
             max_seq_k=tokens_to_k(self.max_seq),
             memory_cap_gb=self.memory_cap_gb,
             ring_routes=self.ring_routes,
+            doc_multiples=self.doc_multiples,
         )
 
 
@@ -152,6 +166,20 @@ def _serve(spec: PlannerSpec, requests: Any, replies: Any, parent_pid: int | Non
             replies.put(("plan", step, _picklable(exc), time.perf_counter() - t0))
 
 
+def _start_without_main(proc: Any) -> None:
+    """Start a ``spawn`` process without its re-import of this process's ``__main__`` (module
+    docstring). ``spawn.get_preparation_data`` reads ``sys.modules['__main__']`` when the
+    process starts and asks the child to re-run it when it has a ``__file__`` or a module
+    spec; for the duration of ``start`` a bare stand-in with neither is put in its place, so
+    the child keeps its own empty ``__main__``."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        proc.start()
+    finally:
+        sys.modules["__main__"] = main
+
+
 @dataclass
 class PlanResult:
     step: int
@@ -209,7 +237,7 @@ class PlannerService:
                 name="megatron-hsp-planner",
                 daemon=True,
             )
-            self._proc.start()
+            _start_without_main(self._proc)
             self._start_timeout_s = start_timeout_s
             self._started = False
         else:

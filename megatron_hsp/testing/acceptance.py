@@ -173,6 +173,10 @@ class KitOptions:
     # A bug from ``testing/mutations.py`` planted for the whole run: the kit must then FAIL.
     # How a user checks, on their own cluster, that the kit can fail at all.
     plant: str | None = None
+    # Many ranks on one GPU: every rank on cuda:0 (``comm.rank_device``), gloo groups, the
+    # runtime's collectives staged through host buffers (``runtime/comm.py``); with device "cpu"
+    # CPU ranks take the same staged path (how CI runs it).
+    ranks_share_device: bool = False
 
 
 def fp32_without_tf32() -> dict[str, Any]:
@@ -323,30 +327,41 @@ def run_acceptance(opts: KitOptions, tf32: dict[str, Any] | None = None) -> dict
     import torch
     import torch.distributed as dist
 
+    from megatron_hsp.runtime.comm import comm, rank_device
     from megatron_hsp.testing.dist import destroy_cpu_megatron, init_megatron
     from megatron_hsp.testing.selftest import _WorkerState, run_case
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if opts.device == "cuda":
+    shared = opts.ranks_share_device
+    device = rank_device(opts.device, local, shared)
+    if device.type == "cuda":
         if not torch.cuda.is_available():
             raise InputError("--device cuda: no CUDA device is visible to this process")
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
+        torch.cuda.set_device(device)
     cases = acceptance_cases(world)
     by_case = {c.name: c for c in cases}
     shape = ModelShape()
-    backends = ["torch"] + (["te"] if device.type == "cuda" and te_importable() else [])
+    # TE's context-parallel routes run TE's own NCCL p2p on the group: not on shared-device
+    # ranks' gloo groups (and its staging would not be ours), so those rows need a GPU per rank.
+    te = device.type == "cuda" and not shared and te_importable()
+    backends = ["torch"] + (["te"] if te else [])
     t0 = time.perf_counter()
-    init_megatron(rank, world, "env://", device=device if device.type == "cuda" else None)
+    init_megatron(
+        rank,
+        world,
+        "env://",
+        device=device if device.type == "cuda" else None,
+        ranks_share_device=shared,
+    )
     try:
         # bf16 rows (torch in bf16, or TE's, which run bf16 only) need the stock bf16 yardstick
         bf16 = "bf16" in opts.dtypes or "te" in backends
         reference = shared_reference(cases, shape, timeout_s=600.0, bf16_noise=bf16)
         rows: list[dict[str, Any]] = []
-        state = _WorkerState(rank, world, shape, reference["weights"], device=device)
+        state = _WorkerState(
+            rank, world, shape, reference["weights"], device=device, ranks_share_device=shared
+        )
         planted = by_name([opts.plant])[0].plant() if opts.plant else None
         for backend in backends:
             # TE's fused and flash kernels take 16-bit inputs only: TE rows run in bf16.
@@ -359,20 +374,22 @@ def run_acceptance(opts: KitOptions, tf32: dict[str, Any] | None = None) -> dict
                     row.update(dtype=dtype, backend=backend, routes=_routes(state.model))
                     row["tokens_per_s"] = _group_tokens_per_s(row, by_case[case.name])
                     rows.append(row)
+        staged_calls = getattr(comm(), "calls", 0)
         calls = None
         if planted is not None:
             calls = planted.calls()
             planted()
         everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, (rows, calls))
+        dist.all_gather_object(everyone, (rows, calls, staged_calls))
     finally:
         destroy_cpu_megatron()
     if rank != 0:
         return None
     doc = _verdict(
-        [r for r, _ in everyone], opts, world, device, time.perf_counter() - t0, tf32 or {}
+        [r for r, _, _ in everyone], opts, world, device, time.perf_counter() - t0, tf32 or {}
     )
-    doc["kit"]["planted_calls"] = None if calls is None else sum(c for _, c in everyone)
+    doc["kit"]["planted_calls"] = None if calls is None else sum(c for _, c, _ in everyone)
+    doc["kit"]["host_staged_collectives"] = [s for _, _, s in everyone]  # per rank
     return doc
 
 
@@ -435,7 +452,10 @@ def _verdict(
         "kit": {
             "world_size": world,
             "device": name,
-            "backend": "nccl" if device.type == "cuda" else "gloo",
+            "backend": "nccl" if device.type == "cuda" and not opts.ranks_share_device else "gloo",
+            # many ranks on one device: gloo groups, collectives staged through host buffers
+            "ranks_share_device": opts.ranks_share_device,
+            "comm": "host-staged" if opts.ranks_share_device else "direct",
             "dtypes": list(opts.dtypes),
             "torch": torch.__version__,
             "transformer_engine": te_version(),  # None: not importable
@@ -470,11 +490,23 @@ def _tf32_line(tf32: dict[str, Any]) -> str:
     return f"  TF32: {env}off for fp32 (matmul and cuDNN allow_tf32 False, precision highest)"
 
 
+def _shared_note(k: dict[str, Any]) -> str:
+    if not k.get("ranks_share_device"):
+        return ""
+    staged = k.get("host_staged_collectives") or [0]
+    return (
+        f" (all ranks on one device; {min(staged):,}-{max(staged):,} collectives per rank "
+        "staged through host buffers)"
+    )
+
+
 def render(doc: dict[str, Any]) -> str:
     k = doc["kit"]
     te = k.get("transformer_engine") or "not installed"
     lines = [
-        f"megatron-hsp acceptance: {k['world_size']} ranks, {k['backend']} on {k['device']}, "
+        f"megatron-hsp acceptance: {k['world_size']} ranks, {k['backend']} on {k['device']}"
+        + _shared_note(k)
+        + ", "
         f"torch {k['torch']}, Transformer Engine {te}, reference {k['reference']}",
         _tf32_line(k.get("tf32") or {}),
         f"  {'case':34} {'backend':7} {'dtype':5} {'loss rel':>9} {'grad rel':>9}  "
@@ -523,7 +555,13 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(dtypes: str | None, device: str | None, as_json: bool, plant: str | None = None) -> int:
+def main(
+    dtypes: str | None,
+    device: str | None,
+    as_json: bool,
+    plant: str | None = None,
+    ranks_share_device: bool = False,
+) -> int:
     """``selftest`` under torchrun: every process runs this; rank 0 prints."""
     import torch
 
@@ -538,7 +576,8 @@ def main(dtypes: str | None, device: str | None, as_json: bool, plant: str | Non
         raise InputError(f"--dtype {','.join(unknown)}: choose from {', '.join(DTYPES)}")
     if plant is not None:
         refuse_unseen_plant(plant, int(os.environ.get("WORLD_SIZE", "1")))
-    doc = run_acceptance(KitOptions(dtypes=chosen, device=dev, plant=plant), tf32)
+    opts = KitOptions(dtypes=chosen, device=dev, plant=plant, ranks_share_device=ranks_share_device)
+    doc = run_acceptance(opts, tf32)
     if doc is None:
         return 0
     print(json.dumps(doc, indent=2) if as_json else render(doc))

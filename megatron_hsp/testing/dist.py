@@ -73,6 +73,7 @@ def init_cpu_megatron(
     expert_model_parallel_size: int = 1,
     seed: int = 1234,
     gloo_process_groups: bool = False,
+    ranks_share_device: bool = False,
 ) -> None:
     """Initialise gloo torch.distributed and megatron ``parallel_state`` on the CPU.
 
@@ -80,7 +81,8 @@ def init_cpu_megatron(
     process: a second call with the process group already up only (re)initialises megatron.
     ``gloo_process_groups``: also megatron's gloo copies of its groups (what Megatron creates
     unless ``--disable-gloo-process-groups``; its legacy checkpoint format gathers the
-    distributed optimizer's state over them).
+    distributed optimizer's state over them). ``ranks_share_device``: the runtime's collectives
+    staged through host buffers, as ranks sharing one GPU run them (``init_megatron``).
     """
     init_megatron(
         rank,
@@ -92,6 +94,7 @@ def init_cpu_megatron(
         expert_model_parallel_size=expert_model_parallel_size,
         seed=seed,
         gloo_process_groups=gloo_process_groups,
+        ranks_share_device=ranks_share_device,
     )
 
 
@@ -107,6 +110,7 @@ def init_megatron(
     expert_model_parallel_size: int = 1,
     seed: int = 1234,
     gloo_process_groups: bool = False,
+    ranks_share_device: bool = False,
 ) -> None:
     """torch.distributed and megatron ``parallel_state`` on ``device`` (default: the CPU).
 
@@ -114,15 +118,23 @@ def init_megatron(
     at ``init_process_group`` (``device_id``), so the sub-groups HSP creates are split from the
     world communicator where torch supports it instead of each being a full new communicator, and
     megatron's own ``model_parallel_cuda_manual_seed``. Idempotent like ``init_cpu_megatron``.
+    ``ranks_share_device`` (many ranks on one GPU, or CPU ranks running that path): gloo groups
+    whatever the device, and the runtime's collectives staged through host buffers
+    (``runtime/comm.HOST_STAGED``, chosen here, once, with the world group).
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mpu_random
 
+    from megatron_hsp.runtime.comm import HOST_STAGED, use_comm
+
     cuda = device is not None and torch.device(device).type == "cuda"
+    nccl = cuda and not ranks_share_device
     if not dist.is_initialized():
-        kwargs: dict[str, Any] = {"device_id": torch.device(device)} if cuda else {}
+        kwargs: dict[str, Any] = {"device_id": torch.device(device)} if nccl else {}
+        if ranks_share_device:
+            use_comm(HOST_STAGED)
         dist.init_process_group(
-            "nccl" if cuda else "gloo",
+            "nccl" if nccl else "gloo",
             init_method=init_method,
             rank=rank,
             world_size=world_size,
@@ -221,10 +233,13 @@ def destroy_cpu_megatron() -> None:
     """Tear down megatron's groups and the default process group (safe to call twice)."""
     from megatron.core import parallel_state
 
+    from megatron_hsp.runtime.comm import DIRECT, use_comm
+
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    use_comm(DIRECT)
 
 
 # Set in each spawned rank by ``_worker``: where ``report_progress`` leaves its mark, and how long
@@ -316,6 +331,7 @@ def _worker(
     stack_dump_after_s: float,
     startup_dump_after_s: float,
     parent_pid: int,
+    ranks_share_device: bool = False,
 ) -> None:
     from megatron_hsp.runtime.lifetime import die_with_parent
 
@@ -334,6 +350,7 @@ def _worker(
             world_size,
             f"file://{os.path.join(tmpdir, 'rdzv')}",
             tensor_model_parallel_size=tensor_model_parallel_size,
+            ranks_share_device=ranks_share_device,
         )
         report_progress()  # started: spawn, imports and rendezvous are behind it
         result = fn(rank, world_size, *args)
@@ -374,6 +391,7 @@ def run_distributed(
     timeout_s: float = 300.0,
     max_total_s: float | None = None,
     startup_s: float | None = None,
+    ranks_share_device: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo CPU processes.
 
@@ -383,6 +401,8 @@ def run_distributed(
     started, so an ``fn`` that never reports has ``timeout_s`` in all), when no rank has started
     within ``max(startup_s, timeout_s)`` (``startup_s`` defaults to ``STARTUP_S``), or after
     ``max_total_s`` in any case (default: the startup allowance and ``4 * timeout_s``).
+    ``ranks_share_device``: the ranks' collectives take the host-staged path of ranks that
+    share one GPU (``runtime/comm.py``), here with CPU tensors.
     """
     startup_s = max(STARTUP_S if startup_s is None else startup_s, timeout_s)
     max_total_s = startup_s + 4.0 * timeout_s if max_total_s is None else max_total_s
@@ -399,6 +419,7 @@ def run_distributed(
                     _dump_after(timeout_s),
                     _dump_after(startup_s),
                     os.getpid(),
+                    ranks_share_device,
                 ),
                 nprocs=world_size,
                 join=False,

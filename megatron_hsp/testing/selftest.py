@@ -408,8 +408,9 @@ def load_full_weights(model, full: dict[str, Any]) -> None:
 def full_gradients(model) -> dict[str, Any]:
     """Every parameter's gradient, tensor-parallel shards gathered along ``partition_dim``."""
     import torch
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
+
+    from megatron_hsp.runtime.comm import comm
 
     out = {}
     tp = _tp_size()
@@ -417,7 +418,7 @@ def full_gradients(model) -> dict[str, Any]:
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         if _is_tp_sharded(p):
             parts = [torch.empty_like(g) for _ in range(tp)]
-            dist.all_gather(parts, g.contiguous(), group=ps.get_tensor_model_parallel_group())
+            comm().all_gather(parts, g.contiguous(), ps.get_tensor_model_parallel_group())
             g = torch.cat(parts, dim=p.partition_dim)
         out[name] = g.detach().float().cpu()  # compared with the fp32 host-CPU reference
     return out
@@ -499,6 +500,7 @@ class _WorkerState:
     device: Any = None  # None: the CPU (the selftest); a CUDA device under the acceptance kit
     dtype: str = "fp32"
     backend: str = "torch"  # HSP attention backend (the kit adds "te" where TE imports)
+    ranks_share_device: bool = False  # the kit's many-ranks-on-one-GPU mode (gloo, staged)
     registries: dict[tuple[int, HeadSpace, bool], Any] = field(default_factory=dict)
 
     def for_case(self, case: Case) -> None:
@@ -518,6 +520,7 @@ class _WorkerState:
                 "",
                 device=self.device,
                 tensor_model_parallel_size=case.tp,
+                ranks_share_device=self.ranks_share_device,
             )
         self.model = build_model(shape, self.device or "cpu", self.dtype, self.backend)
         load_full_weights(self.model, self.weights[shape])

@@ -236,13 +236,39 @@ def test_te_layout_pads_each_ring_document_to_twice_the_group(lengths, split):
     group = dataclasses.replace(mb.groups[0], ulysses=u, ring=r)
     plan = dataclasses.replace(plan, microbatches=(dataclasses.replace(mb, groups=(group,)),))
     batch = _batch(lengths)
-    packs = {s: dispatch(batch, plan, s, te_layout=True) for s in range(4)}
+    packs = {s: dispatch(batch, plan, s, te_layout=True, te_hybrid=True) for s in range(4)}
     cu = packs[0][0].cu_seqlens
     assert np.all(np.diff(cu) % 8 == 0)  # 2 x d, d = 4
     assert te_cp_arguments(cu, u, r) is not None
     assert packs[0][0].group_tokens == sum(lengths)
     assert sum(p[0].loss_mask.sum() for p in packs.values()) == sum(lengths) - len(lengths)
     check_token_accounting(batch, plan, packs)
+
+
+@pytest.mark.parametrize(
+    ("split", "te_hybrid", "padded"),
+    [
+        ((2, 2), False, False),  # TE <= 2.18 declines THD hybrid groups: HSP's ring, no padding
+        ((2, 2), True, True),  # TE >= 2.19 carries them: padded to 2d
+        ((1, 4), False, True),  # a pure ring: TE carries it on every supported version
+    ],
+)
+def test_te_layout_pads_only_the_groups_te_carries(split, te_hybrid, padded):
+    """Issue 41: every ring group's documents were padded to 2d under ``te_layout``, also where
+    TE then declined the group (hybrid groups on TE 2.14-2.18): padding for nothing."""
+    import dataclasses
+
+    lengths = [5, 3, 11]
+    plan = manual_plan(4, lengths, [[(4, [0, 1, 2])]])
+    (mb,) = plan.microbatches
+    group = dataclasses.replace(mb.groups[0], ulysses=split[0], ring=split[1])
+    plan = dataclasses.replace(plan, microbatches=(dataclasses.replace(mb, groups=(group,)),))
+    packs = dispatch(_batch(lengths), plan, 0, te_layout=True, te_hybrid=te_hybrid)
+    segments = np.diff(packs[0].cu_seqlens)
+    if padded:
+        assert segments.tolist() == [8, 8, 16]
+    else:
+        assert segments[:3].tolist() == lengths
 
 
 def test_te_layout_leaves_ulysses_groups_unpadded():
@@ -273,3 +299,10 @@ def test_empty_groups_pack_padding_under_expert_parallelism():
     assert with_docs.input_ids.tolist() == pack_group_slice(b, g, 0).input_ids.tolist()
     assert with_docs.document_index().tolist() == [0, 0, 0, 0, 0]
     assert pack_group_slice(b, g, 1).document_index().tolist() == [0, 1, 1, 1, 1]
+
+
+def test_off_cuda_the_runtime_declares_no_te_padding_to_the_planner():
+    from megatron_hsp.runtime.backends import te_doc_multiples_for_run
+
+    assert te_doc_multiples_for_run({4: (1, 4)}, "auto", "cpu") == {}
+    assert te_doc_multiples_for_run({4: (1, 4)}, "torch", "cuda") == {}

@@ -14,6 +14,12 @@ copy): the routes build theirs once per micro-batch. The Transformer Engine cont
 route runs through the TE argument capture (``testing/te_capture.py``, as the TE contract tests
 do): before issue 28 it read ``int(positions.max())`` twice and built (and copied, blocking)
 TE's boundary tensors once per layer.
+
+Data-dependent shapes are counted as reads too (issue 41): boolean-mask indexing
+(``x[mask]``, ``x[mask] = v``), ``nonzero``, ``masked_select``, ``argwhere``, ``unique`` and
+one-argument ``where`` must learn the result's size from the device before they can allocate it
+(a device-to-host copy and a stream sync on CUDA). The MoE router used three boolean-mask
+selections in every MoE layer.
 """
 
 from __future__ import annotations
@@ -34,6 +40,36 @@ SYNCS = {
     torch.Tensor.__bool__,
     torch.Tensor.__float__,
 }
+
+
+# Ops whose output size depends on tensor values (a sync on CUDA whatever their arguments).
+DATA_DEPENDENT_SHAPES = {
+    torch.nonzero,
+    torch.Tensor.nonzero,
+    torch.masked_select,
+    torch.Tensor.masked_select,
+    torch.argwhere,
+    torch.Tensor.argwhere,
+    torch.unique,
+    torch.Tensor.unique,
+    torch.unique_consecutive,
+}
+
+
+def _bool_mask_index(index) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
+
+
+def data_dependent(func, args, kwargs) -> bool:
+    """Whether this call's output shape comes from tensor values (a host read on CUDA)."""
+    if func in DATA_DEPENDENT_SHAPES:
+        return True
+    if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) > 1:
+        return _bool_mask_index(args[1])
+    if func in (torch.where, torch.Tensor.where):
+        return len(args) + len(kwargs or {}) == 1
+    return False
 
 
 class CountHostReads(torch.overrides.TorchFunctionMode):
@@ -58,7 +94,7 @@ class CountHostReads(torch.overrides.TorchFunctionMode):
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in SYNCS:
+        if func in SYNCS or data_dependent(func, args, kwargs):
             self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -165,3 +201,82 @@ def test_host_reads_do_not_grow_with_layers_on_the_te_context_parallel_route():
     ):
         assert cp_calls == 2 + 4, cp_calls  # every layer took TE's route (forward only)
         assert four == two, (two, four)
+
+
+def test_the_counter_sees_data_dependent_shapes():
+    x, mask = torch.arange(6.0), torch.tensor([True, False] * 3)
+    for op in (
+        lambda: x[mask],
+        lambda: x.__setitem__(mask, 0.0),
+        lambda: torch.nonzero(mask),
+        lambda: mask.nonzero(),
+        lambda: x.masked_select(mask),
+        lambda: torch.where(mask),
+        lambda: torch.unique(x),
+    ):
+        with CountHostReads() as counter:
+            op()
+        assert counter.count == 1
+    with CountHostReads() as counter:  # fixed shapes: no read
+        x[torch.tensor([0, 2])]
+        torch.where(mask, x, 0.0)
+        x.index_add(0, torch.tensor([1, 1]), torch.ones(2))
+    assert counter.count == 0
+
+
+@pytest.fixture
+def megatron_moe_cpu():
+    from megatron_hsp.testing.cpu_shims import cpu_megatron_training
+    from megatron_hsp.testing.dist import destroy_cpu_megatron, init_single_process_megatron
+
+    init_single_process_megatron()
+    with cpu_megatron_training():
+        yield
+    destroy_cpu_megatron()
+
+
+def _router_reads(cls, state) -> int:
+    """Host reads of one router forward and backward on a packed micro-batch of 20 tokens
+    (3 documents and padding), per-sequence aux loss and z-loss on."""
+    from megatron.core.transformer.moe.moe_layer import get_default_pg_collection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hsp.runtime.moe import micro_batch
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        num_moe_experts=4,
+        add_bias_linear=False,
+        moe_router_topk=2,
+        moe_router_load_balancing_type="seq_aux_loss",
+        moe_aux_loss_coeff=0.1,
+        moe_z_loss_coeff=0.01,
+        calculate_per_token_loss=True,
+        use_cpu_initialization=True,
+        moe_token_dispatcher_type="alltoall",
+    )
+    torch.manual_seed(0)
+    router = cls(config=config, pg_collection=get_default_pg_collection())
+    router.set_layer_number(1)
+    router.train()
+    x = torch.randn(20, 1, 8)
+    with CountHostReads() as counter, micro_batch(state):
+        probs, _ = router(x)
+        (probs * 0).sum().backward()
+    return counter.count
+
+
+def test_the_moe_router_adds_no_host_read_per_layer(megatron_moe_cpu):
+    """Issue 41: HSP's router reads the device no more than megatron-core's own router does on
+    the same tokens (before: three boolean-mask selections per MoE layer, three syncs)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_hsp.runtime.moe import HSPTopKRouter, MoEMicroBatch
+
+    docs = torch.tensor([0] * 7 + [1] * 5 + [2] * 6 + [-1] * 2)
+    stock = _router_reads(TopKRouter, None)
+    hsp = _router_reads(HSPTopKRouter, MoEMicroBatch(docs, 3, None))
+    print(f"router host reads: stock {stock}, HSP {hsp}")
+    assert hsp <= stock, (hsp, stock)

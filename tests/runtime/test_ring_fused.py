@@ -26,6 +26,10 @@ CASES = [
     ("ring-3", (0, 1, 2), 3, 3, [20, 5, 11, 3], "zigzag"),
     ("ring-4-mqa", (0, 1, 2, 3), 2, 1, [33, 2, 17, 12], "zigzag"),
     ("ring-4-whole-documents", (0, 1, 2, 3), 2, 2, [6, 6, 6, 6], "whole"),
+    # Issue 41: blocks whose runs are all one token (flash's single-query path under GQA), and
+    # documents shorter than 2d = 8, all of them tail tokens the zigzag layout deals one by one.
+    ("ring-4-gqa-length-1", (0, 1, 2, 3), 4, 2, [1] * 12, "zigzag"),
+    ("ring-4-gqa-shorter-than-2d", (0, 1, 2, 3), 4, 2, [1, 7, 2, 5, 3, 1, 6, 4, 1], "zigzag"),
 ]
 
 

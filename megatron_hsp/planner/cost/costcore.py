@@ -98,6 +98,11 @@ class CostModel:
     # The route HSP's runtime takes for its ring or hybrid group of each size ({size: route}, 0:
     # every size; ``routes.ring_routes`` builds it from the backend rule). Absent: ring-fused.
     ring_route: Mapping[int, str] = field(default_factory=dict)
+    # {group size: multiple} each document of a group of that size is padded to at run time
+    # (Transformer Engine's THD context parallelism: ``routes.te_doc_multiples``). Absent: none.
+    # Priced in time (``execution.pass_times``) and memory (``fits``): up to 2d - 1 tokens more
+    # per document, which near the memory cap decides what fits.
+    doc_multiple: Mapping[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tokens_per_rank <= 0:
@@ -265,18 +270,28 @@ class CostModel:
         """Most tokens a group of ``d`` ranks can hold in one micro-batch."""
         return self.tokens_per_rank * d
 
+    def padded(self, lengths: np.ndarray | Sequence[int], d: int) -> np.ndarray:
+        """``lengths`` as a group of ``d`` holds them: each rounded up to ``doc_multiple[d]``."""
+        s = np.asarray(lengths, dtype=np.int64)
+        m = int(self.doc_multiple.get(d, 1))
+        return s if m <= 1 else -(-s // m) * m
+
     def fits(self, lengths: Sequence[int], group_size: int) -> bool:
-        return sum(map(int, lengths)) <= self.capacity(group_size)
+        held = self.padded(list(map(int, lengths)), group_size)
+        return int(held.sum()) <= self.capacity(group_size)
 
     def min_group_size(self, length: int, sizes: Sequence[int]) -> int | None:
         """Smallest size in ``sizes`` whose group can hold one sequence of ``length``."""
         need = math.ceil(length / self.tokens_per_rank)
-        fitting = [d for d in sorted(sizes) if d >= need]
+        fitting = [d for d in sorted(sizes) if d >= need and self.fits([length], d)]
         return fitting[0] if fitting else None
 
     def max_trainable_length(self, sizes: Sequence[int] | None = None) -> int:
-        """Longest single sequence any group of ``sizes`` (default: all known sizes) can hold."""
-        return self.capacity(max(sizes if sizes else self.sizes))
+        """Longest single sequence any group of ``sizes`` (default: all known sizes) can hold
+        (padding included: a padded document must fit whole)."""
+        d = max(sizes if sizes else self.sizes)
+        cap, m = self.capacity(d), int(self.doc_multiple.get(d, 1))
+        return cap - cap % m
 
     # ------------------------------------------------------------------ serialisation
     def to_spec(self) -> dict[str, Any]:

@@ -93,6 +93,7 @@ def load_cost_model(
     max_seq_k: float = 192,
     memory_cap_gb: float | None = None,
     ring_routes: Mapping[int, str] | None = None,
+    doc_multiples: Mapping[int, int] | None = None,
 ) -> CostModel:
     """The one way to get a ``CostModel``: preset name, YAML/JSON file, or a mapping.
 
@@ -128,6 +129,9 @@ def load_cost_model(
     if ring_routes:
         routes = check_routes(ring_routes, "ring_routes")
         model = dataclasses.replace(model, ring_route={**model.ring_route, **routes})
+    if doc_multiples:  # what the runtime pads (``routes.te_doc_multiples``): priced
+        multiples = {int(d): int(m) for d, m in doc_multiples.items()}
+        model = dataclasses.replace(model, doc_multiple={**model.doc_multiple, **multiples})
     return validate_cost_model(model)
 
 

@@ -65,7 +65,7 @@ def pass_ms(group: Group, cost: CostModel, ring: str = "overlap") -> float:
     if not group.lengths:
         return 0.0
     split = (group.ulysses, group.ring) if group.ulysses else None
-    return cost.group_ms(group.lengths, group.size, split, ring)
+    return cost.group_ms(cost.padded(group.lengths, group.size), group.size, split, ring)
 
 
 def pass_times(groups: Sequence[Group], cost: CostModel, ring: str = "overlap") -> list[float]:
@@ -80,7 +80,8 @@ def pass_times(groups: Sequence[Group], cost: CostModel, ring: str = "overlap") 
     out = [0.0] * len(groups)
     for (d, split), ks in by_key.items():
         flat = [n for k in ks for n in groups[k].lengths]
-        per_seq = cost.seq_ms(np.asarray(flat, dtype=np.float64), d, split, ring)
+        # each document as the group holds it (TE's padding: ``CostModel.doc_multiple``)
+        per_seq = cost.seq_ms(cost.padded(flat, d).astype(np.float64), d, split, ring)
         fixed = cost.fixed_ms(d, split)
         at = 0
         for k in ks:
