@@ -14,7 +14,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Mapping
 
-from megatron_hsp.megatron.config import REFIT_FILE, validate_hsp_args
+from megatron_hsp.megatron.config import (
+    BATCH_UNITS,
+    REFIT_FILE,
+    check_plan_method,
+    validate_hsp_args,
+)
 from megatron_hsp.megatron.model_cost import HARDWARE_PRESETS
 from megatron_hsp.megatron.refusals import exit_on_refusal
 from megatron_hsp.planner import units
@@ -40,6 +45,14 @@ def parse_tokens(text: str) -> int:
     ``plan --max-seq``) lives in :func:`megatron_hsp.planner.units.parse_tokens`."""
     try:
         return units.parse_tokens(text, "value")
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_plan_method(text: str) -> str:
+    """argparse ``type`` for ``--hsp-plan-method`` (its grammar: ``config.check_plan_method``)."""
+    try:
+        return check_plan_method(text)
     except InputError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -154,8 +167,26 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--hsp-token-budget",
         type=parse_tokens,
         default=None,
-        help="Sample global batches by tokens (whole documents until the budget is reached) "
-        "instead of --global-batch-size documents.",
+        help="Tokens per global batch (e.g. 2097152; 64k = 64000). "
+        "Default: --global-batch-size x --seq-length, the tokens the stock step trains. Whole "
+        "documents in sampler order until the next one would cross it (that one starts the "
+        "next step).",
+    )
+    g.add_argument(
+        "--hsp-batch-unit",
+        choices=BATCH_UNITS,
+        default="tokens",
+        help="What a global batch counts: 'tokens' (default: the token budget above, as many "
+        "documents as fit) or 'documents' (--global-batch-size whole documents per step, the "
+        "mode before issue 43: a step then trains far fewer tokens than the stock step).",
+    )
+    g.add_argument(
+        "--hsp-plan-method",
+        type=parse_plan_method,
+        default="hsp",
+        metavar="hsp|static-N|static-best|batchada|megatron-dcp",
+        help="Whose plan each step trains: hsp (default), or a baseline on the same batches "
+        "through the same runtime, for an A/B measured with `megatron-hsp compare`.",
     )
     g.add_argument(
         "--hsp-plan-log",

@@ -193,6 +193,9 @@ def build_step_pipeline(
     )
 
 
+# The planner factory of a baseline plan method (``--hsp-plan-method``), by name: the step
+# pipeline does not import the evaluation package.
+METHOD_PLANNER = "megatron_hsp.evaluation.methods:planner_for_spec"
 _RUN_PLANNER: Any = object()  # ``TrainingStep.pipeline``'s default: the run's own planner
 
 
@@ -229,6 +232,7 @@ def build_training_step(
     memory_cap_gb: float | None = None,
     heads: HeadSpace | None = None,
     ring_routes: Mapping[int, str] | None = None,
+    method: str = "hsp",
 ) -> TrainingStep:
     """Collective: set up one run's training step from its run description.
 
@@ -244,7 +248,7 @@ def build_training_step(
     registry = create_groups_from_megatron(
         run.dims.slots_per_node, sizes=run.planner.sizes, heads=heads, lazy=True
     )
-    spec = planner_spec(run, cost_model, memory_cap_gb, ring_routes)
+    spec = planner_spec(run, cost_model, memory_cap_gb, ring_routes, method)
     return TrainingStep(registry, spec, rank)
 
 
@@ -253,9 +257,14 @@ def planner_spec(
     cost_model: str | Mapping[str, Any],
     memory_cap_gb: float | None = None,
     ring_routes: Mapping[int, str] | None = None,
+    method: str = "hsp",
 ) -> PlannerSpec:
     """What the planner (its process in training, ``plan``/``bench`` offline) builds the cost
-    model and plans from: the one place a run description becomes a ``PlannerSpec``."""
+    model and plans from: the one place a run description becomes a ``PlannerSpec``.
+
+    ``method`` other than hsp (``--hsp-plan-method``, an A/B on the same batches): the planner
+    process plans with that baseline (``evaluation.methods.planner_for_spec``)."""
+    factory = {} if method == "hsp" else {"factory": METHOD_PLANNER, "options": {"method": method}}
     return PlannerSpec(
         cost_model=cost_model,
         world_size=run.dims.slots,
@@ -264,4 +273,5 @@ def planner_spec(
         memory_cap_gb=memory_cap_gb,
         settings=run.planner,
         ring_routes=dict(ring_routes) if ring_routes else None,
+        **factory,
     )

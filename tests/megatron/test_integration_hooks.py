@@ -18,6 +18,7 @@ from megatron_hsp.megatron import hooks, install, patches
 from megatron_hsp.planner.errors import HSPError
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 from megatron_hsp.step.observe import StepObserver, StepRecord, group_imbalance
+from megatron_hsp.step.sampler import DocumentBatch, Piece
 from tests.helpers import FIXTURES
 from tests.helpers.megatron_args import parse
 
@@ -56,6 +57,13 @@ def stand_in_megatron_training(monkeypatch):
         return schedule
 
     training.get_forward_backward_func = get_forward_backward_func
+
+    def num_floating_point_operations(
+        args, batch_size, seqlen_squared_sum_in_batch=None, total_real_tokens_in_batch=None
+    ):
+        return -1.0  # the stand-in's count; the patch's own is tested in test_throughput.py
+
+    training.num_floating_point_operations = num_floating_point_operations
     pkg.training = training
     monkeypatch.setitem(sys.modules, "megatron.training", pkg)
     monkeypatch.setitem(sys.modules, "megatron.training.training", training)
@@ -138,6 +146,7 @@ def test_patched_step_counts_come_from_the_plan_only_in_the_schedule(
     assert patches.applied() == [
         "megatron.training.training.train_step",
         "megatron.training.training.get_forward_backward_func",
+        "megatron.training.training.num_floating_point_operations",
     ]
     run = hooks.active_run()
     out = io.StringIO()
@@ -145,7 +154,10 @@ def test_patched_step_counts_come_from_the_plan_only_in_the_schedule(
     run.pipeline = object()  # the step pipeline itself is covered by the demo and data tests
 
     def fake_begin(r):
-        r.current = types.SimpleNamespace(plan=plan2(), step=0, solve_s=0.003, wait_s=0.0)
+        batch = DocumentBatch(0, (Piece(4, 0, 100), Piece(7, 0, 30), Piece(9, 0, 10)))
+        r.current = types.SimpleNamespace(
+            plan=plan2(), step=0, solve_s=0.003, wait_s=0.0, batch=batch
+        )
 
     monkeypatch.setattr(hooks, "begin_step", fake_begin)
     assert training.get_num_microbatches() == 7  # outside a step: Megatron's own count
