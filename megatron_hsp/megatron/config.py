@@ -93,9 +93,7 @@ class HSPConfig:
         ``plan``/``bench`` (``commands/megatron_args.py``) build the cost model from."""
         from megatron_hsp.step.pipeline import planner_spec
 
-        return planner_spec(
-            self.run, self.cost_model, self.memory_cap_gb, method=self.plan_method
-        )
+        return planner_spec(self.run, self.cost_model, self.memory_cap_gb, method=self.plan_method)
 
     def batch_line(self, seq_length: int | None, global_batch: int | None) -> str:
         """What a global batch holds, in the start-up line's words (``hooks.build_pipeline``

@@ -243,8 +243,9 @@ def test_a_step_holds_the_stock_steps_tokens_by_default():
     assert "64 documents per step" in docs.batch_line(4096, 64)
     # An explicit budget replaces the product, and the note says what a sample then counts.
     own = validate_hsp_args(parse([*BASE, "--hsp", "--hsp-token-budget", "131072"]), env={})
-    assert own.token_budget == 131072 and any("a sample stands for 2048 tokens" in n for n in own.notes)
-    with pytest.raises(HSPArgsError, match="--hsp-token-budget 1000 .* --hsp-batch-unit"):
+    assert own.token_budget == 131072
+    assert any("a sample stands for 2048 tokens" in n for n in own.notes)
+    with pytest.raises(HSPArgsError, match=r"--hsp-token-budget 1000 .* --hsp-batch-unit"):
         validate_hsp_args(
             parse([*BASE, "--hsp", "--hsp-batch-unit", "documents", "--hsp-token-budget", "1000"]),
             env={},
