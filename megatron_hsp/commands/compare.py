@@ -197,9 +197,9 @@ def verdict(result: dict[str, Any]) -> str:
             f"measured: no difference between {b} and {a} beyond noise: the {spread} includes "
             f"1.00x; predicted {o['predicted_speedup']:.2f}x"
         )
-    faster = "faster" if o["measured_speedup"] > 1 else "slower"
+    slower = "" if o["measured_speedup"] > 1 else f", i.e. {b} is slower"
     return (
-        f"measured: {b} {o['measured_speedup']:.2f}x {faster} than {a} (total time over "
+        f"measured: speedup of {b} over {a} {o['measured_speedup']:.2f}x{slower} (total time over "
         f"{result['steps_compared']} steps; median per step {o['median_step_speedup']:.2f}x, "
         f"{spread}); predicted {o['predicted_speedup']:.2f}x"
         + ("" if o["predicted_inside_spread"] else ", outside the measured spread")
