@@ -15,6 +15,7 @@ import types
 import pytest
 
 from megatron_hsp.megatron import hooks, install, patches
+from megatron_hsp.megatron.config import validate_hsp_args
 from megatron_hsp.planner.errors import HSPError
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 from megatron_hsp.step.observe import StepObserver, StepRecord, group_imbalance
@@ -305,3 +306,50 @@ def test_an_idle_micro_batch_keeps_every_stage_boundary_connected():
     first = Stage(pre=True, post=False)
     out, _ = forward_microbatch(first, None)
     assert out.shape == (1, 1, 8) and out.requires_grad
+
+
+def test_static_best_is_resolved_on_the_runs_own_next_batches_and_the_sampler_put_back(capsys):
+    """--hsp-plan-method static-best: the degree is chosen over the batches the run is about
+    to train (lengths only), and the sampler then draws exactly those batches."""
+    from megatron_hsp.planner.search.settings import PlannerSettings
+    from megatron_hsp.step.pipeline import METHOD_PLANNER
+    from megatron_hsp.step.planner_service import PlannerSpec
+    from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
+
+    lengths = [200, 30, 30, 12, 7, 90, 60, 60, 60, 60, 5, 250, 8, 8, 8] * 3
+    sampler = GlobalBatchSampler(lengths, SamplerConfig(seed=1, max_length=256, token_budget=512))
+    settings = PlannerSettings(solver="greedy", sizes=(1, 2, 4))
+    cost_path = str(FIXTURES / "cost-model-tiny.yaml")
+    spec = PlannerSpec(
+        cost_path,
+        4,
+        4,
+        256,
+        settings=settings,
+        factory=METHOD_PLANNER,
+        options={"method": "static-best"},
+    )
+    before = sampler.state_dict()
+    args = types.SimpleNamespace(train_iters=5, iteration=0)
+    resolved = hooks._resolve_static_best(spec, sampler, spec.load_cost_model(), args)
+    assert sampler.state_dict() == before
+    assert resolved.options["method"].startswith("static-")
+    assert "chosen over the run's next 5 batches" in capsys.readouterr().out
+
+
+def test_start_up_line_says_tokens_and_expected_documents_per_step():
+    from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
+
+    args = parse(
+        [
+            *("--num-attention-heads", "8", "--global-batch-size", "8", "--seq-length", "64"),
+            *("--attention-dropout", "0", "--hsp"),
+        ]
+    )
+    cfg = validate_hsp_args(args, env={})
+    lengths = [16, 48, 32, 32] * 10  # mean 32 tokens: 512 / 32 = 16 documents per step
+    sampler = GlobalBatchSampler(lengths, SamplerConfig(seed=1, max_length=64, token_budget=512))
+    line = hooks.batch_line(cfg, args, sampler)
+    assert "at most 512 tokens per step (--global-batch-size 8 x --seq-length 64" in line
+    assert "expected 16.0 documents per step (mean sequence 32 tokens)" in line
+    assert "count 8 samples per step" in line
