@@ -101,9 +101,22 @@ def _ratio_spread(values: Sequence[float]) -> tuple[float, float]:
 
 def compare_logs(path_a: str, path_b: str, warmup: int = 1) -> dict[str, Any]:
     """The comparison of two plan logs (``run`` prints it); refuses differing batches."""
+    rep_a, rep_b = read_plan_log(path_a, "RUN_A"), read_plan_log(path_b, "RUN_B")
+    return compare_repeats(rep_a, rep_b, warmup, path_a, path_b)
+
+
+def compare_repeats(
+    rep_a: list[list[dict[str, Any]]],
+    rep_b: list[list[dict[str, Any]]],
+    warmup: int = 1,
+    path_a: str = "A",
+    path_b: str = "B",
+) -> dict[str, Any]:
+    """The comparison of two runs given as repeats of plan-log rows (``step``,
+    ``measured_ms``, ``planned_ms``, ``batch_fingerprint``, ``plan``): what ``compare`` reads
+    from two logs and the demo's side-by-side measures in memory."""
     if warmup < 0:
         raise InputError(f"--warmup must be >= 0 (got {warmup})")
-    rep_a, rep_b = read_plan_log(path_a, "RUN_A"), read_plan_log(path_b, "RUN_B")
     a, b = _by_step(rep_a, "RUN_A", path_a), _by_step(rep_b, "RUN_B", path_b)
     steps = sorted(set(a) & set(b))
     if not steps:
