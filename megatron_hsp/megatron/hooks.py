@@ -333,8 +333,10 @@ def check_and_record_data(args: Any, fingerprint: str) -> None:
                     f"--load {load}: its checkpoint was trained on other data or sampling flags "
                     f"(fingerprint {saved}, now {fingerprint}); resuming would replay other "
                     "batches. Resume with the same --data-path (or --train/valid/test-data-path) "
-                    "and weights, --split, --seed/--hsp-seed, --global-batch-size or "
-                    "--hsp-token-budget, --hsp-overlong and cost model"
+                    "and weights, --split, --seed/--hsp-seed, --global-batch-size, "
+                    "--seq-length, --hsp-token-budget and --hsp-batch-unit (a checkpoint "
+                    "written before issue 43 counted documents: --hsp-batch-unit documents), "
+                    "--hsp-overlong and cost model"
                 )
     if save and (not dist.is_initialized() or dist.get_rank() == 0):
         Path(save).mkdir(parents=True, exist_ok=True)
