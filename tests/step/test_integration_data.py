@@ -93,10 +93,13 @@ def test_batch_fingerprint_names_the_documents_in_order():
 
 
 def test_mean_sequence_tokens_gives_the_expected_documents_per_step():
+    """The start-up line's expected documents per step (budget / mean sequence) against the
+    documents the sampler actually puts in a step, over many steps."""
     s = GlobalBatchSampler(LENGTHS, cfg(global_batch_docs=None, token_budget=1000))
-    trainable = [n if n <= 100 else None for n in LENGTHS]  # split pieces count as sequences
-    assert s.mean_sequence_tokens == pytest.approx(np.mean(s.unit_length))
-    assert None in trainable and s.mean_sequence_tokens < 100
+    pieces = s.unit_length.tolist()  # split pieces count as sequences
+    assert s.mean_sequence_tokens == pytest.approx(sum(pieces) / len(pieces))
+    drawn = [len(s.next_batch().pieces) for _ in range(300)]
+    assert np.mean(drawn) == pytest.approx(1000 / s.mean_sequence_tokens, rel=0.1)
 
 
 def test_overlong_policies_are_counted():
@@ -235,3 +238,18 @@ def test_a_truncated_index_is_one_line_naming_the_file(tmp_path):
     idx.write_bytes(idx.read_bytes()[:20])
     with pytest.raises(InputError, match=r"docs\.idx: cannot be read \("):
         DocumentIndex(prefix)
+
+
+def test_a_blends_expected_documents_per_step_weights_each_datasets_mean():
+    from megatron_hsp.step.sampler import BlendComponent, BlendedBatchSampler
+
+    short = np.full(400, 10, dtype=np.int64)
+    long = np.full(100, 90, dtype=np.int64)
+    blend = BlendedBatchSampler(
+        [BlendComponent("a", 0.4, 0, short), BlendComponent("b", 0.6, 400, long)],
+        cfg(global_batch_docs=None, token_budget=900),
+    )
+    # 40% of the tokens in 10-token documents, 60% in 90-token ones: 1 / (0.4/10 + 0.6/90).
+    assert blend.mean_sequence_tokens == pytest.approx(1 / (0.4 / 10 + 0.6 / 90))
+    drawn = [len(blend.next_batch().pieces) for _ in range(200)]
+    assert np.mean(drawn) == pytest.approx(900 / blend.mean_sequence_tokens, rel=0.1)
