@@ -339,7 +339,7 @@ def validate_hsp_args(
     )
     # Said once the sizes are final, so notes never contradict each other.
     _note_ring_sizes(space, sizes, heads, layout.tp, notes)
-    _check_method_sizes(method, sizes, layout.slots)
+    _check_method_sizes(method, sizes, layout.slots, space)
     seed = args.hsp_seed if args.hsp_seed is not None else int(arg_value(args, "seed", 1234))
     planner = _planner_settings(args, sizes, cost, pp, seed, notes)
     run = RunSpec(
@@ -540,10 +540,27 @@ def _plan_method(args: argparse.Namespace) -> str:
         raise HSPArgsError(str(exc)) from None
 
 
-def _check_method_sizes(method: str, sizes: list[int], slots: int) -> None:
-    """A ``static-N`` plan needs groups of N that the run pre-creates and that tile the slots."""
+def _check_method_sizes(
+    method: str, sizes: list[int], slots: int, space: HeadSpace | None = None
+) -> None:
+    """A ``static-N`` plan needs groups of N that the run pre-creates and that tile the slots;
+    a ``megatron-dcp`` plan needs pure-ring groups.
+
+    Why the second: Megatron's dynamic CP runs ring attention (split 1 x d), and the runtime
+    pre-creates one split per group size, from the model's heads; a size whose heads split over
+    Ulysses would stop the run at its first plan, so it is refused before training starts."""
     from megatron_hsp.evaluation.methods import static_degree
 
+    if method == "megatron-dcp" and space is not None:
+        ulysses = {d: space.split(d) for d in sizes if d > 1 and space.split(d)[0] > 1}
+        if ulysses:
+            splits = ", ".join(f"{d} = {u} x {r}" for d, (u, r) in sorted(ulysses.items()))
+            raise HSPArgsError(
+                "--hsp-plan-method megatron-dcp: Megatron's dynamic CP runs pure ring groups, "
+                f"and this model's heads run group sizes {sorted(ulysses)} as Ulysses x ring "
+                f"({splits}); train it with --hsp-group-sizes of ring-only sizes, or compare "
+                "it offline with `megatron-hsp bench --methods megatron-dcp`"
+            )
     degree = static_degree(method)
     if degree is None:
         return
