@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_hsp.evaluation.methods import check_plan_method
 from megatron_hsp.megatron.model_cost import (
     HardwareUnknown,
     choose_hardware,
@@ -42,7 +41,9 @@ from megatron_hsp.planner.run_spec import (
     MEGATRON_FLAGS,
     GroupSizeRequest,
     ParallelDims,
+    check_plan_method,
     check_time_budget,
+    static_degree,
 )
 from megatron_hsp.planner.search.settings import PlannerSettings, RunSpec
 
@@ -65,7 +66,8 @@ class HSPConfig:
     token_budget: int | None
     seed: int
     # Whose plan each step trains (--hsp-plan-method): "hsp" or a baseline
-    # (``evaluation.methods``); "static-best" is resolved to one static-N at start-up.
+    # (``evaluation/torch_side/methods.py``); "static-best" is resolved to one static-N by the
+    # planner from the run's next batches.
     plan_method: str = "hsp"
     plan_log: str | None = None
     log_interval: int = 1
@@ -533,7 +535,7 @@ def _global_batch(
 
 
 def _plan_method(args: argparse.Namespace) -> str:
-    """``--hsp-plan-method`` (default hsp), in ``evaluation.methods``' grammar."""
+    """``--hsp-plan-method`` (default hsp), in ``run_spec.check_plan_method``'s grammar."""
     try:
         return check_plan_method(getattr(args, "hsp_plan_method", None) or "hsp")
     except InputError as exc:
@@ -549,8 +551,6 @@ def _check_method_sizes(
     Why the second: Megatron's dynamic CP runs ring attention (split 1 x d), and the runtime
     pre-creates one split per group size, from the model's heads; a size whose heads split over
     Ulysses would stop the run at its first plan, so it is refused before training starts."""
-    from megatron_hsp.evaluation.methods import static_degree
-
     if method == "megatron-dcp" and space is not None:
         ulysses = {d: space.split(d) for d in sizes if d > 1 and space.split(d)[0] > 1}
         if ulysses:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_hsp.megatron.config import HSPConfig
 from megatron_hsp.megatron.refusals import exit_on_refusal, kv_heads
-from megatron_hsp.planner.errors import InfeasibleError, InputError
+from megatron_hsp.planner.errors import InputError
 from megatron_hsp.step.mbclock import MicrobatchClock
 from megatron_hsp.step.observe import (
     MODEL_STATE,
@@ -180,7 +180,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     sampler.fast_forward(int(getattr(args, "iteration", 0) or 0))
     rank0 = rank == 0
     if rank0 and cfg.plan_method == "static-best":
-        training.spec = _resolve_static_best(training.spec, sampler, cost, args)
+        training.spec = _static_best_lookahead(training.spec, sampler, args)
     training.start_planner(background=cfg.background_planner, sync_flag="--hsp-sync-planner")
     planner = training.planner
     # Megatron's sequence parallelism splits each rank's tokens over the TP group again.
@@ -282,26 +282,23 @@ def _eval_budget(cfg: HSPConfig, args: Any, eval_batch: Any) -> int | None:
     return max(1, cfg.token_budget * int(eval_batch) // int(gbs))
 
 
-def _resolve_static_best(spec: Any, sampler: Any, cost: Any, args: Any) -> Any:
-    """``static-best`` as the one ``static-N`` with the least summed priced time over the run's
-    next batches (drawn from the sampler and put back: lengths only), printed once."""
-    import dataclasses
+# Batches ``static-best`` chooses its degree over (at most; fewer when --train-iters is less).
+STATIC_BEST_LOOKAHEAD = 64
 
-    from megatron_hsp.evaluation.methods import STATIC_BEST_LOOKAHEAD, resolve_static_best
-    from megatron_hsp.planner.topology import Cluster
+
+def _static_best_lookahead(spec: Any, sampler: Any, args: Any) -> Any:
+    """``spec`` with the lengths of the run's next batches (drawn from the sampler and put
+    back: lengths only) for ``--hsp-plan-method static-best``: the planner chooses the one
+    ``static-N`` with the least summed priced time over them (``evaluation/torch_side/
+    methods.planner_for_spec``) and prints its choice."""
+    import dataclasses
 
     iters = int(getattr(args, "train_iters", 0) or 0) - int(getattr(args, "iteration", 0) or 0)
     count = max(1, min(STATIC_BEST_LOOKAHEAD, iters if iters > 0 else STATIC_BEST_LOOKAHEAD))
     state = sampler.state_dict()
     batches = [sampler.next_batch().lengths for _ in range(count)]
     sampler.load_state_dict(state)
-    cluster = Cluster(spec.world_size, spec.gpus_per_node)
-    try:
-        method, line = resolve_static_best(batches, cost, cluster, spec.settings.sizes)
-    except (InputError, InfeasibleError) as exc:
-        raise InputError(f"--hsp-plan-method static-best: {exc}") from None
-    print(f"[megatron-hsp] {line}", flush=True)
-    return dataclasses.replace(spec, options={**spec.options, "method": method})
+    return dataclasses.replace(spec, options={**spec.options, "lookahead": batches})
 
 
 DATA_RECORD = "hsp_data.json"

@@ -195,7 +195,7 @@ def build_step_pipeline(
 
 # The planner factory of a baseline plan method (``--hsp-plan-method``), by name: the step
 # pipeline does not import the evaluation package.
-METHOD_PLANNER = "megatron_hsp.evaluation.methods:planner_for_spec"
+METHOD_PLANNER = "megatron_hsp.evaluation.torch_side.methods:planner_for_spec"
 _RUN_PLANNER: Any = object()  # ``TrainingStep.pipeline``'s default: the run's own planner
 
 
@@ -263,7 +263,7 @@ def planner_spec(
     model and plans from: the one place a run description becomes a ``PlannerSpec``.
 
     ``method`` other than hsp (``--hsp-plan-method``, an A/B on the same batches): the planner
-    process plans with that baseline (``evaluation.methods.planner_for_spec``)."""
+    process plans with that baseline (``evaluation/torch_side/methods.planner_for_spec``)."""
     factory = {} if method == "hsp" else {"factory": METHOD_PLANNER, "options": {"method": method}}
     return PlannerSpec(
         cost_model=cost_model,

@@ -308,33 +308,22 @@ def test_an_idle_micro_batch_keeps_every_stage_boundary_connected():
     assert out.shape == (1, 1, 8) and out.requires_grad
 
 
-def test_static_best_is_resolved_on_the_runs_own_next_batches_and_the_sampler_put_back(capsys):
-    """--hsp-plan-method static-best: the degree is chosen over the batches the run is about
-    to train (lengths only), and the sampler then draws exactly those batches."""
-    from megatron_hsp.planner.search.settings import PlannerSettings
-    from megatron_hsp.step.pipeline import METHOD_PLANNER
+def test_static_best_looks_ahead_at_the_runs_own_next_batches_and_puts_them_back():
+    """--hsp-plan-method static-best: the planner gets the lengths of the batches the run is
+    about to train, and the sampler then draws exactly those batches."""
     from megatron_hsp.step.planner_service import PlannerSpec
     from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
 
     lengths = [200, 30, 30, 12, 7, 90, 60, 60, 60, 60, 5, 250, 8, 8, 8] * 3
     sampler = GlobalBatchSampler(lengths, SamplerConfig(seed=1, max_length=256, token_budget=512))
-    settings = PlannerSettings(solver="greedy", sizes=(1, 2, 4))
-    cost_path = str(FIXTURES / "cost-model-tiny.yaml")
-    spec = PlannerSpec(
-        cost_path,
-        4,
-        4,
-        256,
-        settings=settings,
-        factory=METHOD_PLANNER,
-        options={"method": "static-best"},
-    )
+    spec = PlannerSpec("tiny", 4, 4, 256, options={"method": "static-best"})
     before = sampler.state_dict()
     args = types.SimpleNamespace(train_iters=5, iteration=0)
-    resolved = hooks._resolve_static_best(spec, sampler, spec.load_cost_model(), args)
+    out = hooks._static_best_lookahead(spec, sampler, args)
     assert sampler.state_dict() == before
-    assert resolved.options["method"].startswith("static-")
-    assert "chosen over the run's next 5 batches" in capsys.readouterr().out
+    ahead = out.options["lookahead"]
+    assert len(ahead) == 5 and out.options["method"] == "static-best"
+    assert [sampler.next_batch().lengths for _ in range(5)] == ahead
 
 
 def test_start_up_line_says_tokens_and_expected_documents_per_step():

@@ -8,41 +8,19 @@ every method. ``planner_for_spec`` is the planner process' factory (``PlannerSpe
 the background planner, its fallback and the plan agreement are the same for every method.
 
 ``static-best`` chooses its degree in hindsight over many batches; training cannot see the
-future, so ``hooks.build_pipeline`` resolves it at start-up from the run's own next batches
-(lengths only, drawn and put back: ``resolve_static_best``) and trains that ``static-N``.
+future, so the planner resolves it once from the run's own next batches (lengths only, drawn
+by ``hooks.build_pipeline`` and put back: ``planner_for_spec``) and trains that ``static-N``.
 
-The grammar (``check_plan_method``) imports nothing heavy: ``megatron/flags.py`` parses with it.
+The grammar of method names is ``planner/run_spec.check_plan_method`` (the flags parse with it).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from megatron_hsp.planner.errors import InputError
-
-TRAINING_METHODS = ("hsp", "static-N", "static-best", "batchada", "megatron-dcp")
-_STATIC = re.compile(r"^static-([1-9]\d*)$")
-# Batches ``static-best`` looks ahead over at start-up (at most; fewer when --train-iters is less).
-STATIC_BEST_LOOKAHEAD = 64
-
-
-def check_plan_method(text: str, flag: str = "--hsp-plan-method") -> str:
-    """``text`` if it names a method training can run, else an ``InputError`` naming ``flag``."""
-    name = str(text).strip()
-    if name in ("hsp", "static-best", "batchada", "megatron-dcp") or _STATIC.match(name):
-        return name
-    raise InputError(
-        f"{flag} {text!r}: choose hsp, static-N (e.g. static-4), static-best, batchada or "
-        "megatron-dcp"
-    )
-
-
-def static_degree(method: str) -> int | None:
-    """N of ``static-N``, else None."""
-    m = _STATIC.match(method)
-    return int(m.group(1)) if m else None
+from megatron_hsp.planner.errors import HSPError, InputError
+from megatron_hsp.planner.run_spec import check_plan_method, static_degree
 
 
 def method_plan_fn(
@@ -83,14 +61,30 @@ def method_plan_fn(
     return lambda lengths: price(fn(np.asarray(lengths, dtype=np.int64)), cost)
 
 
+# static-best's choice, once per planner process: a refit cost model rebuilds the planner,
+# and a static baseline must keep its degree for the whole run.
+_RESOLVED: dict[tuple[tuple[int, ...], ...], str] = {}
+
+
 def planner_for_spec(spec: Any) -> Callable[[Sequence[int]], Any]:
-    """``PlannerSpec.factory`` of a run whose ``options["method"]`` names its plan method."""
+    """``PlannerSpec.factory`` of a run whose ``options["method"]`` names its plan method.
+
+    ``static-best`` comes with ``options["lookahead"]``, the lengths of the run's next batches
+    (``hooks.build_pipeline`` draws them and puts them back): the degree is chosen over them with
+    the run's cost model the first time this process builds the planner, printed, and kept."""
     from megatron_hsp.planner.topology import Cluster
 
     cost = spec.load_cost_model()
     cluster = Cluster(spec.world_size, spec.gpus_per_node)
     sizes = spec.settings.sizes
-    return method_plan_fn(spec.options["method"], cost, cluster, spec.settings, sizes)
+    method = spec.options["method"]
+    if method == "static-best":
+        key = tuple(tuple(int(x) for x in b) for b in spec.options["lookahead"])
+        if key not in _RESOLVED:
+            _RESOLVED[key], line = resolve_static_best(key, cost, cluster, sizes)
+            print(f"[megatron-hsp] {line}", flush=True)
+        method = _RESOLVED[key]
+    return method_plan_fn(method, cost, cluster, spec.settings, sizes)
 
 
 def resolve_static_best(
@@ -100,7 +94,10 @@ def resolve_static_best(
     next batches): ``baselines.static_best_degree``, the least summed priced step time."""
     from megatron_hsp.evaluation.baselines import static_best_degree
 
-    degree, per_degree = static_best_degree(batches, cost, cluster, sizes)
+    try:
+        degree, per_degree = static_best_degree(batches, cost, cluster, sizes)
+    except HSPError as exc:
+        raise InputError(f"--hsp-plan-method static-best: {exc}") from None
     totals = ", ".join(
         f"static-{d} {sum(p.est_step_ms for p in plans):.0f} ms"
         for d, plans in sorted(per_degree.items())

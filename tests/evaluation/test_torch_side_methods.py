@@ -1,4 +1,5 @@
-"""``evaluation/methods.py``: the one name -> plan function ``--hsp-plan-method`` trains with."""
+"""``evaluation/torch_side/methods.py``: the one name -> plan function ``--hsp-plan-method``
+trains with."""
 
 from __future__ import annotations
 
@@ -6,15 +7,14 @@ import numpy as np
 import pytest
 
 from megatron_hsp.evaluation.baselines import batchada_plan, static_best_degree, static_plan
-from megatron_hsp.evaluation.methods import (
-    check_plan_method,
+from megatron_hsp.evaluation.torch_side.methods import (
     method_plan_fn,
     planner_for_spec,
     resolve_static_best,
-    static_degree,
 )
 from megatron_hsp.planner.cost.execution import price
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.run_spec import check_plan_method, static_degree
 from megatron_hsp.planner.search.settings import PlannerSettings
 from megatron_hsp.planner.topology import Cluster
 from megatron_hsp.step.planner_service import PlannerSpec
@@ -24,7 +24,7 @@ COST = str(FIXTURES / "cost-model-tiny.yaml")
 BATCHES = [[200, 30, 30, 12, 7, 90], [60, 60, 60, 60, 5], [250, 8, 8, 8]]
 
 
-def spec(method: str) -> PlannerSpec:
+def spec(method: str, **options) -> PlannerSpec:
     settings = PlannerSettings(solver="greedy", time_budget_s=1.0, sizes=(1, 2, 4))
     base = PlannerSpec(COST, 4, 4, 256, settings=settings)
     if method == "hsp":
@@ -32,7 +32,13 @@ def spec(method: str) -> PlannerSpec:
     from megatron_hsp.step.pipeline import METHOD_PLANNER
 
     return PlannerSpec(
-        COST, 4, 4, 256, settings=settings, factory=METHOD_PLANNER, options={"method": method}
+        COST,
+        4,
+        4,
+        256,
+        settings=settings,
+        factory=METHOD_PLANNER,
+        options={"method": method, **options},
     )
 
 
@@ -74,3 +80,15 @@ def test_static_best_is_the_hindsight_degree_over_the_given_batches():
     assert method == f"static-{degree}" and f"next {len(BATCHES)} batches" in line
     with pytest.raises(InputError, match="resolve it to static-N first"):
         method_plan_fn("static-best", cost, cluster, PlannerSettings())
+
+
+def test_the_planner_resolves_static_best_once_over_the_lookahead(capsys):
+    """The planner process chooses static-best's degree over the batches it was handed, prints
+    it, and keeps it when a refit cost model rebuilds the planner."""
+    s = spec("static-best", lookahead=BATCHES)
+    degree, _ = static_best_degree(BATCHES, s.load_cost_model(), Cluster(4, 4), (1, 2, 4))
+    plan = planner_for_spec(s)(BATCHES[0])
+    assert plan.extra["method"] == f"static-{degree}"
+    assert f"static-{degree} chosen over the run's next 3 batches" in capsys.readouterr().out
+    planner_for_spec(s)(BATCHES[1])  # rebuilt: the choice is kept, not printed again
+    assert capsys.readouterr().out == ""
