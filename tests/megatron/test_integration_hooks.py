@@ -342,3 +342,17 @@ def test_start_up_line_says_tokens_and_expected_documents_per_step():
     assert "at most 512 tokens per step (--global-batch-size 8 x --seq-length 64" in line
     assert "expected 16.0 documents per step (mean sequence 32 tokens)" in line
     assert "count 8 samples per step" in line
+
+
+def test_evaluation_batches_scale_the_token_budget_as_megatron_scales_its_batch():
+    args = parse(
+        [
+            *("--num-attention-heads", "8", "--global-batch-size", "8", "--seq-length", "64"),
+            *("--attention-dropout", "0", "--hsp"),
+        ]
+    )
+    cfg = validate_hsp_args(args, env={})
+    assert hooks._eval_budget(cfg, args, 8) == 512  # Megatron's default: the training batch
+    assert hooks._eval_budget(cfg, args, 4) == 256
+    args.hsp_batch_unit = "documents"
+    assert hooks._eval_budget(validate_hsp_args(args, env={}), args, 4) is None
