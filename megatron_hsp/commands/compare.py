@@ -180,6 +180,8 @@ def compare_repeats(
         "run_a": {"path": path_a, "method": _method(rep_a[0]), "repeats": len(rep_a)},
         "run_b": {"path": path_b, "method": _method(rep_b[0]), "repeats": len(rep_b)},
         "steps_compared": len(used),
+        # Steps one log has and the other not (a run stopped early): left out, and said.
+        "steps_left_out": sorted(set(a) ^ set(b)),
         "warmup_steps": len(rows) - len(used),
         "batches_identical": True,
         "steps": rows,
@@ -225,7 +227,12 @@ def report(result: dict[str, Any]) -> str:
         f"A: {a['path']} ({a['method']}, {a['repeats']} repeat(s)); B: {b['path']} "
         f"({b['method']}, {b['repeats']} repeat(s))",
         f"batches identical at all {len(result['steps'])} steps (fingerprints equal); "
-        f"{result['warmup_steps']} warm-up step(s) left out of the overall figures",
+        f"{result['warmup_steps']} warm-up step(s) left out of the overall figures"
+        + (
+            f"; steps {result['steps_left_out']} are in one log only and not compared"
+            if result.get("steps_left_out")
+            else ""
+        ),
         f"{'step':>5} {'A ms':>9} {'B ms':>9} {'measured':>9} {'predicted':>9}",
     ]
     for r in result["steps"]:

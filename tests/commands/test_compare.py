@@ -87,3 +87,11 @@ def test_unreadable_inputs_are_one_line_errors(tmp_path, capsys):
         compare_logs(a, str(old))
     with pytest.raises(InputError, match="--warmup 2 leaves none"):
         compare_logs(a, a, warmup=2)
+
+
+def test_steps_in_one_log_only_are_named(tmp_path, capsys):
+    a = write_log(tmp_path / "a.jsonl", [100, 100, 100, 100], [100] * 4)
+    b = write_log(tmp_path / "b.jsonl", [50, 50, 50], [50] * 3)
+    assert compare_logs(a, b)["steps_left_out"] == [3]
+    assert main(["compare", a, b]) == 0
+    assert "steps [3] are in one log only" in capsys.readouterr().out
