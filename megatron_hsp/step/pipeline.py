@@ -248,7 +248,7 @@ def build_training_step(
     registry = create_groups_from_megatron(
         run.dims.slots_per_node, sizes=run.planner.sizes, heads=heads, lazy=True
     )
-    spec = planner_spec(run, cost_model, memory_cap_gb, ring_routes, method)
+    spec = planner_spec(run, cost_model, memory_cap_gb, ring_routes, method=method)
     return TrainingStep(registry, spec, rank)
 
 
@@ -257,6 +257,7 @@ def planner_spec(
     cost_model: str | Mapping[str, Any],
     memory_cap_gb: float | None = None,
     ring_routes: Mapping[int, str] | None = None,
+    *,
     method: str = "hsp",
 ) -> PlannerSpec:
     """What the planner (its process in training, ``plan``/``bench`` offline) builds the cost
