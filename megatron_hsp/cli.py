@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "selftest": "check distributed loss and gradients against one process (gloo, CPU)",
     "demo": "train a small GPT on CPU ranks with adaptive groups (the main job)",
     "profile": "measure this machine and fit a cost model YAML for plan/bench/demo",
+    "compare": "measured vs predicted speedup of two training runs' plan logs (same batches)",
 }
 
 

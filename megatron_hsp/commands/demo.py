@@ -50,8 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compare-steps",
         type=int,
+        default=8,
+        help="batches re-run with static groups for the side-by-side (default 8; 0: skip)",
+    )
+    parser.add_argument(
+        "--compare-repeats",
+        type=int,
         default=3,
-        help="batches re-run with static groups for the side-by-side (default 3; 0: skip)",
+        help="times each side-by-side batch runs per layout, for the measured spread (default 3)",
     )
     parser.add_argument("--solver", choices=SOLVERS, default=DEFAULT_SOLVER.value)
     parser.add_argument(
@@ -136,6 +142,7 @@ def _run(args: argparse.Namespace) -> int:
 
     check_range(args.steps, "--steps", low=1, high=10**6)
     check_range(args.compare_steps, "--compare-steps", low=0)
+    check_range(args.compare_repeats, "--compare-repeats", low=1)
     check_range(args.seed, "--seed", low=0)
     check_range(args.stall_timeout, "--stall-timeout", low=0, low_open=True)
     # 0 is not "use the default": a zero budget or batch cannot train anything.
@@ -187,6 +194,7 @@ def _run(args: argparse.Namespace) -> int:
         global_batch=args.global_batch,
         seed=args.seed,
         compare_steps=min(args.compare_steps, args.steps),
+        compare_repeats=args.compare_repeats,
         planner=PlannerSettings(solver=args.solver, time_budget_s=DEMO_TIME_BUDGET_S),
         cache_dir=args.cache_dir,
         corpus_prefix=str(corpus.prefix),

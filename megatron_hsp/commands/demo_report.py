@@ -88,7 +88,14 @@ def render(result: dict[str, Any], elapsed_s: float) -> str:
                 b = r[s_name]
                 row += f"  {b['measured_s'] * 1e3:>8.0f} ms / {b['predicted_ms']:>6.0f} ms"
             lines.append(row)
-        if s_name:
+        if s_name and comp.get("compare"):
+            from megatron_hsp.commands.compare import verdict
+
+            lines.append(
+                f"  medians of {comp.get('repeats', 1)} runs per batch and layout; "
+                + verdict(comp["compare"])
+            )
+        elif s_name:
             lines.append(
                 f"  speedup of adaptive over {s_name}: measured "
                 f"{comp['speedup_measured']:.2f}x, predicted {comp['speedup_predicted']:.2f}x"

@@ -150,7 +150,9 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any] |
     if final_spec[0] is not None:
         priced = load_cost_model(final_spec[0], world_size=world_size, gpus_per_node=world_size)
 
-    comparison = _side_by_side(model, kept, index, registry, priced, sizes, device)
+    comparison = _side_by_side(
+        model, kept, index, registry, priced, sizes, device, cfg.compare_repeats
+    )
     model.zero_grad(set_to_none=True)
     if rank != 0:
         return None
@@ -215,15 +217,21 @@ def _side_by_side(
     priced: Any,
     sizes: Any,
     device: Any,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     """The kept batches re-run with their adaptive plans and with the smallest static degree that
-    fits all of them, measured and priced by ``priced`` (the model the run ended on).
+    fits all of them, measured and priced by ``priced`` (the model the run ended on), then
+    compared by ``megatron-hsp compare``'s own rule (``compare.compare_repeats``).
 
     Same batches, same weights: no optimizer step in between, so both layouts see identical
-    parameters (the model is warm from training). Collective: every rank calls it.
+    parameters (the model is warm from training). Each batch runs ``repeats`` times per layout,
+    the layouts alternating, so that a machine shared with other work slows both alike; one
+    unmeasured pass of each layout first creates the process groups a static degree may not
+    have used yet. Collective: every rank calls it.
     """
     import torch.distributed as dist
 
+    from megatron_hsp.commands.compare import compare_repeats
     from megatron_hsp.evaluation.baselines import static_plan
     from megatron_hsp.planner.errors import HSPError
     from megatron_hsp.runtime.schedule import run_step
@@ -242,19 +250,46 @@ def _side_by_side(
             break
         except HSPError:
             continue
-    rows = []
+    s_name = None if degree is None else f"static-{degree}"
+    layouts = []
     for batch, adaptive in kept:
-        row: dict[str, Any] = {"step": batch.step, "tokens": batch.tokens}
         plans = {"adaptive": adaptive}
-        if degree is not None:
-            plans[f"static-{degree}"] = static_plan(batch.lengths, priced, registry.cluster, degree)
-        for name, plan in plans.items():
-            docs = reader.batch_for_rank(batch, plan, registry.slot)
-            dist.barrier()
-            t0 = time.perf_counter()
-            run_step(model, plan, docs, registry, grad_group=None, device=device)
-            row[name] = {
-                "measured_s": _max_over_ranks(time.perf_counter() - t0),
+        if s_name is not None:
+            plans[s_name] = static_plan(batch.lengths, priced, registry.cluster, degree)
+        layouts.append((batch, plans))
+
+    def timed(batch: Any, plan: Any) -> float:
+        docs = reader.batch_for_rank(batch, plan, registry.slot)
+        dist.barrier()
+        t0 = time.perf_counter()
+        run_step(model, plan, docs, registry, grad_group=None, device=device)
+        return _max_over_ranks(time.perf_counter() - t0)
+
+    for plan in layouts[0][1].values():
+        timed(layouts[0][0], plan)  # warm-up: group creation, first touches
+    names = list(layouts[0][1])
+    measured: dict[str, list[list[dict[str, Any]]]] = {n: [] for n in names}
+    for _ in range(max(1, repeats)):
+        for n in names:
+            measured[n].append([])
+        for batch, plans in layouts:
+            for n in names:
+                measured[n][-1].append(
+                    {
+                        "step": batch.step,
+                        "measured_ms": 1e3 * timed(batch, plans[n]),
+                        "planned_ms": plan_ms(plans[n], priced),
+                        "batch_fingerprint": batch.fingerprint,
+                        "plan": {"extra": {"method": n}},
+                    }
+                )
+    rows = []
+    for i, (batch, plans) in enumerate(layouts):
+        row: dict[str, Any] = {"step": batch.step, "tokens": batch.tokens}
+        for n, plan in plans.items():
+            times = sorted(r[i]["measured_ms"] for r in measured[n])
+            row[n] = {
+                "measured_s": times[len(times) // 2] / 1e3,  # the median over the repeats
                 # Both layouts priced by the one model the run ended on (the adaptive plan
                 # was made under an earlier one while the refit settled).
                 "predicted_ms": plan_ms(plan, priced),
@@ -262,15 +297,12 @@ def _side_by_side(
                 "group_sizes": [mb.group_sizes for mb in plan.microbatches],
             }
         rows.append(row)
-    comparison: dict[str, Any] = {"static_degree": degree, "batches": rows}
-    if degree is not None:
-        s = f"static-{degree}"
-        tot = {
-            k: (sum(r[k]["measured_s"] for r in rows), sum(r[k]["predicted_ms"] for r in rows))
-            for k in ("adaptive", s)
-        }
-        comparison["speedup_measured"] = tot[s][0] / tot["adaptive"][0]
-        comparison["speedup_predicted"] = tot[s][1] / max(tot["adaptive"][1], 1e-9)
+    comparison: dict[str, Any] = {"static_degree": degree, "batches": rows, "repeats": repeats}
+    if s_name is not None:
+        result = compare_repeats(measured[s_name], measured["adaptive"], 0, s_name, "adaptive")
+        comparison["compare"] = result
+        comparison["speedup_measured"] = result["overall"]["measured_speedup"]
+        comparison["speedup_predicted"] = result["overall"]["predicted_speedup"]
     return comparison
 
 

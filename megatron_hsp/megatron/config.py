@@ -41,7 +41,9 @@ from megatron_hsp.planner.run_spec import (
     MEGATRON_FLAGS,
     GroupSizeRequest,
     ParallelDims,
+    check_plan_method,
     check_time_budget,
+    static_degree,
 )
 from megatron_hsp.planner.search.settings import PlannerSettings, RunSpec
 
@@ -57,9 +59,16 @@ class HSPConfig:
     # document, planner settings (their sizes always set here: the ones the run plans with).
     run: RunSpec
     memory_cap_gb: float | None
+    # Exactly one is set: ``token_budget`` (the default, --hsp-batch-unit tokens: tokens per
+    # global batch, --hsp-token-budget or --global-batch-size x --seq-length) or
+    # ``global_batch_docs`` (--hsp-batch-unit documents: --global-batch-size documents).
     global_batch_docs: int | None
     token_budget: int | None
     seed: int
+    # Whose plan each step trains (--hsp-plan-method): "hsp" or a baseline
+    # (``evaluation/torch_side/methods.py``); "static-best" is resolved to one static-N by the
+    # planner from the run's next batches.
+    plan_method: str = "hsp"
     plan_log: str | None = None
     log_interval: int = 1
     background_planner: bool = True
@@ -86,7 +95,27 @@ class HSPConfig:
         ``plan``/``bench`` (``commands/megatron_args.py``) build the cost model from."""
         from megatron_hsp.step.pipeline import planner_spec
 
-        return planner_spec(self.run, self.cost_model, self.memory_cap_gb)
+        return planner_spec(self.run, self.cost_model, self.memory_cap_gb, method=self.plan_method)
+
+    def batch_line(self, seq_length: int | None, global_batch: int | None) -> str:
+        """What a global batch holds, in the start-up line's words (``hooks.build_pipeline``
+        adds the documents per step the data gives)."""
+        if self.token_budget is None:
+            return (
+                f"{self.global_batch_docs} documents per step (--hsp-batch-unit documents): "
+                "tokens per step vary with the documents drawn"
+            )
+        stock = (seq_length or 0) * (global_batch or 0)
+        source = (
+            f"--global-batch-size {global_batch} x --seq-length {seq_length}, the tokens the "
+            "stock step trains"
+            if self.token_budget == stock
+            else "--hsp-token-budget"
+        )
+        return (
+            f"at most {self.token_budget} tokens per step ({source}): whole documents in "
+            "sampler order, the one that would cross the budget starts the next step"
+        )
 
 
 def _launcher_flags(message: str) -> str:
@@ -290,7 +319,8 @@ def validate_hsp_args(
     heads, space = _head_space(args, layout.tp, sizes, notes)
     _settings_hsp_needs(args, notes)
     _check_planner_budgets(args)
-    gbs = _global_batch(args, early, notes)
+    gbs, token_budget = _global_batch(args, early, notes)
+    method = _plan_method(args)
     max_seq = _max_seq(args, early, notes)
     if args.hsp_log_interval < 0:
         raise HSPArgsError(f"--hsp-log-interval must be >= 0 (got {args.hsp_log_interval})")
@@ -311,6 +341,7 @@ def validate_hsp_args(
     )
     # Said once the sizes are final, so notes never contradict each other.
     _note_ring_sizes(space, sizes, heads, layout.tp, notes)
+    _check_method_sizes(method, sizes, layout.slots, space)
     seed = args.hsp_seed if args.hsp_seed is not None else int(arg_value(args, "seed", 1234))
     planner = _planner_settings(args, sizes, cost, pp, seed, notes)
     run = RunSpec(
@@ -325,9 +356,10 @@ def validate_hsp_args(
         cost_model=spec,
         run=run,
         memory_cap_gb=memory_cap_gb,
-        global_batch_docs=None if args.hsp_token_budget else int(gbs),
-        token_budget=args.hsp_token_budget,
+        global_batch_docs=None if token_budget is not None else int(gbs or 0),
+        token_budget=token_budget,
         seed=seed,
+        plan_method=method,
         plan_log=args.hsp_plan_log,
         log_interval=args.hsp_log_interval,
         background_planner=not args.hsp_sync_planner,
@@ -435,23 +467,110 @@ def _check_planner_budgets(args: argparse.Namespace) -> None:
         raise HSPArgsError(f"--hsp-memory-cap-gb must be > 0 (got {args.hsp_memory_cap_gb})")
 
 
-def _global_batch(args: argparse.Namespace, early: bool, notes: list[str]) -> int | None:
-    """``--global-batch-size`` (documents per step); a token budget takes its place.
+BATCH_UNITS = ("tokens", "documents")
+
+
+def _global_batch(
+    args: argparse.Namespace, early: bool, notes: list[str]
+) -> tuple[int | None, int | None]:
+    """(``--global-batch-size``, the token budget per step; None in the documents mode).
+
+    By default (``--hsp-batch-unit tokens``) a global batch holds the tokens the user's stock
+    step trains, ``--global-batch-size x --seq-length`` (or ``--hsp-token-budget``): why, a run
+    switched to ``--hsp`` with unchanged flags trained 25-50x fewer tokens per step when
+    ``--global-batch-size`` counted documents (issue 43), and its learning rate and batch-size
+    hyper-parameters no longer meant what they meant. Megatron's own counters are left to
+    Megatron: ``consumed_train_samples`` grows by ``--global-batch-size`` per step, so a sample
+    is ``--seq-length`` tokens of the budget and ``--train-samples``, ``--lr-warmup-samples`` and
+    ``--lr-decay-samples`` mean what they mean in the stock run (docs/integration.md, "A step as
+    large as the stock step"). ``--hsp-batch-unit documents`` keeps the old mode, in which a
+    sample is a document.
 
     Megatron's validate_args derives a missing --global-batch-size (micro-batch x data
-    parallel): checked on the full call only."""
+    parallel) and --seq-length may come from elsewhere: the budget is checked on the full call
+    only."""
     gbs = getattr(args, "global_batch_size", None)
-    if args.hsp_token_budget is None and not gbs and not early:
+    unit = getattr(args, "hsp_batch_unit", "tokens") or "tokens"
+    budget = getattr(args, "hsp_token_budget", None)
+    if getattr(args, "rampup_batch_size", None):
         raise HSPArgsError(
-            "--hsp needs a global batch: give --global-batch-size (documents per step) or "
-            "--hsp-token-budget (tokens per step)"
+            "--rampup-batch-size: under --hsp every step draws the same budget, so Megatron's "
+            "ramped sample count would not describe the batches trained; drop "
+            "--rampup-batch-size (or ramp the learning rate with --lr-warmup-*)"
         )
-    if args.hsp_token_budget is not None and gbs:
-        notes.append(
-            f"--hsp-token-budget {args.hsp_token_budget} sets the batch; --global-batch-size "
-            f"{gbs} is ignored by the sampler"
+    if unit == "documents":
+        if budget is not None:
+            raise HSPArgsError(
+                f"--hsp-token-budget {budget} sets tokens per step and --hsp-batch-unit "
+                "documents counts --global-batch-size documents per step; drop one of them"
+            )
+        if not gbs and not early:
+            raise HSPArgsError(
+                "--hsp-batch-unit documents needs --global-batch-size (documents per step)"
+            )
+        return gbs, None
+    if unit != "tokens":
+        raise HSPArgsError(f"--hsp-batch-unit must be one of {', '.join(BATCH_UNITS)}")
+    if budget is not None:
+        if budget < 1:
+            raise HSPArgsError(f"--hsp-token-budget must be >= 1 (got {budget})")
+        seq = arg_value(args, "seq_length", None)
+        if gbs and seq and budget != gbs * seq:
+            notes.append(
+                f"--hsp-token-budget {budget} tokens per step, not the stock step's "
+                f"--global-batch-size {gbs} x --seq-length {seq} = {gbs * seq}; Megatron still "
+                f"counts {gbs} samples per step (consumed_train_samples, the learning-rate "
+                f"schedule), so a sample stands for {budget / gbs:g} tokens"
+            )
+        return gbs, int(budget)
+    if early:
+        return gbs, None
+    seq = arg_value(args, "seq_length", None)
+    if not gbs or not seq:
+        raise HSPArgsError(
+            "--hsp needs a global batch: give --global-batch-size and --seq-length (tokens "
+            "per step = their product, as the stock step), or --hsp-token-budget"
         )
-    return gbs
+    return gbs, int(gbs) * int(seq)
+
+
+def _plan_method(args: argparse.Namespace) -> str:
+    """``--hsp-plan-method`` (default hsp), in ``run_spec.check_plan_method``'s grammar."""
+    try:
+        return check_plan_method(getattr(args, "hsp_plan_method", None) or "hsp")
+    except InputError as exc:
+        raise HSPArgsError(str(exc)) from None
+
+
+def _check_method_sizes(
+    method: str, sizes: list[int], slots: int, space: HeadSpace | None = None
+) -> None:
+    """A ``static-N`` plan needs groups of N that the run pre-creates and that tile the slots;
+    a ``megatron-dcp`` plan needs pure-ring groups.
+
+    Why the second: Megatron's dynamic CP runs ring attention (split 1 x d), and the runtime
+    pre-creates one split per group size, from the model's heads; a size whose heads split over
+    Ulysses would stop the run at its first plan, so it is refused before training starts."""
+    if method == "megatron-dcp" and space is not None:
+        ulysses = {d: space.split(d) for d in sizes if d > 1 and space.split(d)[0] > 1}
+        if ulysses:
+            splits = ", ".join(f"{d} = {u} x {r}" for d, (u, r) in sorted(ulysses.items()))
+            raise HSPArgsError(
+                "--hsp-plan-method megatron-dcp: Megatron's dynamic CP runs pure ring groups, "
+                f"and this model's heads run group sizes {sorted(ulysses)} as Ulysses x ring "
+                f"({splits}); train it with --hsp-group-sizes of ring-only sizes, or compare "
+                "it offline with `megatron-hsp bench --methods megatron-dcp`"
+            )
+    degree = static_degree(method)
+    if degree is None:
+        return
+    if degree not in sizes or slots % degree:
+        fit = [d for d in sizes if slots % d == 0]
+        raise HSPArgsError(
+            f"--hsp-plan-method {method}: groups of {degree} must be among the run's group "
+            f"sizes {sorted(sizes)} and divide its {slots} sequence-parallel slots; choose "
+            f"static-N with N in {fit}"
+        )
 
 
 def _max_seq(args: argparse.Namespace, early: bool, notes: list[str]) -> int | None:

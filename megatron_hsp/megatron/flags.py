@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Mapping
 
-from megatron_hsp.megatron.config import REFIT_FILE, validate_hsp_args
+from megatron_hsp.megatron.config import BATCH_UNITS, REFIT_FILE, validate_hsp_args
 from megatron_hsp.megatron.model_cost import HARDWARE_PRESETS
 from megatron_hsp.megatron.refusals import exit_on_refusal
 from megatron_hsp.planner import units
@@ -26,6 +26,7 @@ from megatron_hsp.planner.run_spec import (
     OVERLONG_POLICIES,
     SOLVERS,
     GroupSizeRequest,
+    check_plan_method,
 )
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -40,6 +41,14 @@ def parse_tokens(text: str) -> int:
     ``plan --max-seq``) lives in :func:`megatron_hsp.planner.units.parse_tokens`."""
     try:
         return units.parse_tokens(text, "value")
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_plan_method(text: str) -> str:
+    """argparse ``type`` for ``--hsp-plan-method`` (its grammar: ``run_spec.check_plan_method``)."""
+    try:
+        return check_plan_method(text)
     except InputError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -150,13 +159,7 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(default), drop them, or split them into trainable pieces. Drops and splits are "
         "counted and logged.",
     )
-    g.add_argument(
-        "--hsp-token-budget",
-        type=parse_tokens,
-        default=None,
-        help="Sample global batches by tokens (whole documents until the budget is reached) "
-        "instead of --global-batch-size documents.",
-    )
+    _add_batch_args(g)
     g.add_argument(
         "--hsp-plan-log",
         default=None,
@@ -195,6 +198,36 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Seed of the document sampler and the planner; default --seed.",
     )
     return parser
+
+
+def _add_batch_args(g: argparse._ArgumentGroup) -> None:
+    """What a global batch holds (issue 43: by default the stock step's tokens) and whose plan
+    trains it."""
+    g.add_argument(
+        "--hsp-token-budget",
+        type=parse_tokens,
+        default=None,
+        help="Tokens per global batch (e.g. 2097152; 64k = 64000). "
+        "Default: --global-batch-size x --seq-length, the tokens the stock step trains. Whole "
+        "documents in sampler order until the next one would cross it (that one starts the "
+        "next step).",
+    )
+    g.add_argument(
+        "--hsp-batch-unit",
+        choices=BATCH_UNITS,
+        default="tokens",
+        help="What a global batch counts: 'tokens' (default: the token budget above, as many "
+        "documents as fit) or 'documents' (--global-batch-size whole documents per step, the "
+        "mode before issue 43: a step then trains far fewer tokens than the stock step).",
+    )
+    g.add_argument(
+        "--hsp-plan-method",
+        type=parse_plan_method,
+        default="hsp",
+        metavar="hsp|static-N|static-best|batchada|megatron-dcp",
+        help="Whose plan each step trains: hsp (default), or a baseline on the same batches "
+        "through the same runtime, for an A/B measured with `megatron-hsp compare`.",
+    )
 
 
 def hsp_extra_args_provider(user_provider: ExtraArgsProvider | None = None) -> ExtraArgsProvider:

@@ -162,6 +162,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         ring_routes=routes,
         # TE's padding of the groups it carries (run.te_layout below): priced by the planner
         doc_multiples=te_doc_multiples_for_run(splits, "auto", run.device.type),
+        method=cfg.plan_method,
     )
     run.registry = training.registry
     cost = training.spec.load_cost_model()
@@ -177,12 +178,15 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     sampler, line = train_sampler(data, indices, cfg, max_length, why)
     if rank == 0:
         print(f"[megatron-hsp] {line}", flush=True)
+        print(f"[megatron-hsp] {batch_line(cfg, args, sampler)}", flush=True)
     # Resume: Megatron restored args.iteration from the checkpoint; replaying that many batches
     # reads only lengths and lands on exactly the next unseen batch, if the data and sampling
     # flags are those the checkpoint trained with (checked against --load's record).
     check_and_record_data(args, data_fingerprint(data, indices) + "/" + sampler.fingerprint)
     sampler.fast_forward(int(getattr(args, "iteration", 0) or 0))
     rank0 = rank == 0
+    if rank0 and cfg.plan_method == "static-best":
+        training.spec = _static_best_lookahead(training.spec, sampler, args)
     training.start_planner(background=cfg.background_planner, sync_flag="--hsp-sync-planner")
     planner = training.planner
     # Megatron's sequence parallelism splits each rank's tokens over the TP group again.
@@ -217,14 +221,20 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
 
     run.evaluation = {}
     eval_iters = getattr(args, "eval_iters", 0) or 0
-    eval_batch = getattr(args, "eval_global_batch_size", None) or cfg.global_batch_docs
+    # Megatron's evaluation batch in its samples (documents, or --seq-length tokens of budget).
+    eval_batch = getattr(args, "eval_global_batch_size", None) or getattr(
+        args, "global_batch_size", None
+    )
     for key, split in enumerate(("valid", "test"), start=1):
         if eval_iters <= 0:
             break
         # Its own sampler over its own documents, its own state: evaluation never draws from,
-        # or moves, the training sampler. By count: Megatron's eval global batch.
+        # or moves, the training sampler. By count: Megatron's eval global batch; by tokens:
+        # the training budget, scaled as Megatron's eval batch is to its training batch.
         split_config = replace(
-            sampler.config, global_batch_docs=None if cfg.token_budget else int(eval_batch)
+            sampler.config,
+            global_batch_docs=None if cfg.token_budget else int(eval_batch),
+            token_budget=_eval_budget(cfg, args, eval_batch),
         )
         split_sampler = build_split_sampler(data, split, indices, split_config)
         if split_sampler is None:
@@ -245,6 +255,56 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
             run, split, training.pipeline(split_sampler, reader, split_planner)
         )
     return training.pipeline(sampler, reader)
+
+
+def batch_line(cfg: HSPConfig, args: Any, sampler: Any) -> str:
+    """The start-up line on the global batch: tokens per step and documents per step (expected:
+    the budget over the training split's mean sequence), what Megatron's samples count."""
+    gbs = getattr(args, "global_batch_size", None)
+    seq = getattr(args, "seq_length", None)
+    mean = sampler.mean_sequence_tokens
+    if cfg.token_budget is None:
+        tokens = cfg.global_batch_docs * mean
+        return (
+            f"global batch: {cfg.batch_line(seq, gbs)}; expected {tokens:.0f} tokens per step "
+            f"(mean sequence {mean:.0f} tokens); Megatron's samples count documents"
+        )
+    return (
+        f"global batch: {cfg.batch_line(seq, gbs)}; expected {cfg.token_budget / mean:.1f} "
+        f"documents per step (mean sequence {mean:.0f} tokens); Megatron's consumed samples "
+        f"and learning-rate schedule count {gbs} samples per step"
+    )
+
+
+def _eval_budget(cfg: HSPConfig, args: Any, eval_batch: Any) -> int | None:
+    """Tokens per evaluation batch under a token budget: the training budget times Megatron's
+    eval global batch over its global batch (equal by default), so an evaluation batch is as
+    large as the stock one."""
+    if cfg.token_budget is None:
+        return None
+    gbs = getattr(args, "global_batch_size", None)
+    if not gbs or not eval_batch or int(eval_batch) == int(gbs):
+        return cfg.token_budget
+    return max(1, cfg.token_budget * int(eval_batch) // int(gbs))
+
+
+# Batches ``static-best`` chooses its degree over (at most; fewer when --train-iters is less).
+STATIC_BEST_LOOKAHEAD = 64
+
+
+def _static_best_lookahead(spec: Any, sampler: Any, args: Any) -> Any:
+    """``spec`` with the lengths of the run's next batches (drawn from the sampler and put
+    back: lengths only) for ``--hsp-plan-method static-best``: the planner chooses the one
+    ``static-N`` with the least summed priced time over them (``evaluation/torch_side/
+    methods.planner_for_spec``) and prints its choice."""
+    import dataclasses
+
+    iters = int(getattr(args, "train_iters", 0) or 0) - int(getattr(args, "iteration", 0) or 0)
+    count = max(1, min(STATIC_BEST_LOOKAHEAD, iters if iters > 0 else STATIC_BEST_LOOKAHEAD))
+    state = sampler.state_dict()
+    batches = [sampler.next_batch().lengths for _ in range(count)]
+    sampler.load_state_dict(state)
+    return dataclasses.replace(spec, options={**spec.options, "lookahead": batches})
 
 
 DATA_RECORD = "hsp_data.json"
@@ -276,8 +336,10 @@ def check_and_record_data(args: Any, fingerprint: str) -> None:
                     f"--load {load}: its checkpoint was trained on other data or sampling flags "
                     f"(fingerprint {saved}, now {fingerprint}); resuming would replay other "
                     "batches. Resume with the same --data-path (or --train/valid/test-data-path) "
-                    "and weights, --split, --seed/--hsp-seed, --global-batch-size or "
-                    "--hsp-token-budget, --hsp-overlong and cost model"
+                    "and weights, --split, --seed/--hsp-seed, --global-batch-size, "
+                    "--seq-length, --hsp-token-budget and --hsp-batch-unit (a checkpoint "
+                    "written before issue 43 counted documents: --hsp-batch-unit documents), "
+                    "--hsp-overlong and cost model"
                 )
     if save and (not dist.is_initialized() or dist.get_rank() == 0):
         Path(save).mkdir(parents=True, exist_ok=True)
@@ -541,20 +603,78 @@ def around_finalize(run: HSPRun, config: Any) -> Any:
 
 def end_step(run: HSPRun, loss: float | None = None) -> None:
     refit_step(run)
+    # After the refit's all-gather: a cost HSP adds to every step belongs to its measured time.
+    measured_s = time.perf_counter() - run.step_started
     if run.current is None or run.observer is None:
         return
     p = run.current
+    flops, gpus = _step_flops(run)
     rec = StepRecord.from_plan(
         p.step,
         p.plan,
         loss=loss,
-        measured_s=time.perf_counter() - run.step_started,
+        measured_s=measured_s,
         solve_s=p.solve_s if p.solve_s else None,
         wait_s=p.wait_s,
         step_overhead_ms=run.step_overhead_ms,
         model=run.predict_model,  # None (refit off): the plan's own estimate
+        batch_fingerprint=p.batch.fingerprint,
+        model_flops=flops,
+        gpus=gpus,
     )
     run.observer.record(rec, p.plan)
+
+
+def trained_lengths(run: HSPRun | None) -> list[int] | None:
+    """The lengths of the sequences the current (just trained) step holds, or None outside
+    an ``--hsp`` step: what the throughput patch counts (``patches.py``)."""
+    if run is None or run.pipeline is None or run.current is None:
+        return None
+    return run.current.batch.lengths
+
+
+def document_flops(count: Any, args: Any, lengths: list[int]) -> float:
+    """Megatron's model FLOPs of one step that trained the sequences ``lengths``.
+
+    ``count`` is Megatron's own ``num_floating_point_operations``: given the sum of lengths and
+    of squared lengths (megatron-core releases that count packed THD batches take them), each
+    sequence's attention is causal over that sequence alone, as HSP trains it; an older
+    release without them is asked once per distinct length, as a batch of such samples.
+    """
+    import argparse
+    import inspect
+    from collections import Counter
+
+    params = inspect.signature(count).parameters
+    if "seqlen_squared_sum_in_batch" in params and "total_real_tokens_in_batch" in params:
+        return float(
+            count(
+                args,
+                len(lengths),
+                seqlen_squared_sum_in_batch=float(sum(x * x for x in lengths)),
+                total_real_tokens_in_batch=float(sum(lengths)),
+            )
+        )
+    total = 0.0
+    for length, n in Counter(lengths).items():
+        one = argparse.Namespace(**{**vars(args), "seq_length": int(length)})
+        total += n * float(count(one, 1))
+    return total
+
+
+def _step_flops(run: HSPRun) -> tuple[float | None, int]:
+    """(model FLOPs of the step just trained, GPUs of the job): Megatron's count through the
+    throughput patch, so the console line and Megatron's ``--log-throughput`` agree."""
+    try:
+        import torch.distributed as dist
+        from megatron.training import get_args
+        from megatron.training import training as mt
+
+        args = get_args()
+        gpus = dist.get_world_size() if dist.is_initialized() else 1
+        return float(mt.num_floating_point_operations(args, args.global_batch_size)), gpus
+    except Exception:  # no Megatron args (a library user's loop): no FLOPs column
+        return None, 1
 
 
 def refit_step(run: HSPRun) -> None:

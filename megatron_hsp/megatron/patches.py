@@ -31,6 +31,19 @@ replaced attribute                                 why
                                                    ``eval_global_batch_size / (mbs x dp)``.
                                                    Any other iterator (training: ``train_step``'s
                                                    patch) passes through unchanged.
+``megatron.training.training.``                    ``--log-throughput`` and the FLOPs total
+``num_floating_point_operations``                   ``train()`` keeps count Megatron's model FLOPs
+                                                   of a step with ``batch_size x --seq-length``
+                                                   tokens, each sample one causal sequence of
+                                                   ``--seq-length``; an ``--hsp`` step trains
+                                                   other documents (their number and lengths
+                                                   vary), so its TFLOP/s/GPU was wrong. Under
+                                                   ``--hsp``, after a step, the count is
+                                                   Megatron's own formula on the documents that
+                                                   step trained (sum of lengths, sum of squared
+                                                   lengths: causal attention per document,
+                                                   ``hooks.document_flops``); otherwise, and
+                                                   outside a step, unchanged.
 ``megatron.training.arguments.parse_and_validate_args``  launcher only (unchanged scripts): adds the
                                                    ``--hsp*`` flags to the script's own
                                                    ``extra_args_provider`` and validates them after
@@ -130,6 +143,11 @@ TRAINING_PATCHES = (
         "get_forward_backward_func",
         "per-evaluation-batch hook: plan, dispatch, the plan's micro-batch count",
     ),
+    Patch(
+        "megatron.training.training",
+        "num_floating_point_operations",
+        "--log-throughput and the FLOPs total: count the documents the step trained",
+    ),
 )
 LAUNCHER_PATCHES = (
     Patch(
@@ -154,6 +172,7 @@ REQUIRED_PARAMETERS: dict[str, tuple[str, ...]] = {
     "train_step": ("forward_backward_func",),
     "pretrain": ("train_valid_test_dataset_provider", "forward_step_func"),
     "parse_and_validate_args": ("extra_args_provider",),
+    "num_floating_point_operations": ("args", "batch_size"),
 }
 
 
@@ -304,6 +323,18 @@ def apply_training_patches() -> None:
         return get_forward_backward_func
 
     _apply(TRAINING_PATCHES[1], make_get_forward_backward_func)
+
+    def make_num_floating_point_operations(original, sig):
+        def num_floating_point_operations(*a, **kw):
+            lengths = hooks.trained_lengths(hooks.active_run())
+            if lengths is None:
+                return original(*a, **kw)
+            args = sig.bind(*a, **kw).arguments["args"]
+            return hooks.document_flops(original, args, lengths)
+
+        return num_floating_point_operations
+
+    _apply(TRAINING_PATCHES[2], make_num_floating_point_operations)
 
 
 def apply_launcher_patches(install_fn: Callable[..., Any]) -> None:

@@ -16,6 +16,7 @@ On the planner's ground floor (no torch, nothing above ``groupspace``): the cost
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -81,6 +82,30 @@ def parse_choice[E: StrEnum](kind: type[E], value: str | E, flag: str) -> E:
 DEFAULT_TIME_BUDGET_S = 5.0
 # An hour per plan is far past any step it would plan: a larger value is a typo (ms for s).
 MAX_TIME_BUDGET_S = 3600.0
+
+
+# Whose plan a training step runs (``--hsp-plan-method``): hsp, or a baseline on the same
+# batches (``evaluation/torch_side/methods.py`` plans each; ``static-best`` is resolved to one
+# ``static-N`` before training starts).
+PLAN_METHODS: tuple[str, ...] = ("hsp", "static-N", "static-best", "batchada", "megatron-dcp")
+_STATIC_METHOD = re.compile(r"^static-([1-9]\d*)$")
+
+
+def check_plan_method(text: str, flag: str = "--hsp-plan-method") -> str:
+    """``text`` if it names a method training can run, else an ``InputError`` naming ``flag``."""
+    name = str(text).strip()
+    if name in ("hsp", "static-best", "batchada", "megatron-dcp") or _STATIC_METHOD.match(name):
+        return name
+    raise InputError(
+        f"{flag} {text!r}: choose hsp, static-N (e.g. static-4), static-best, batchada or "
+        "megatron-dcp"
+    )
+
+
+def static_degree(method: str) -> int | None:
+    """N of ``static-N``, else None."""
+    m = _STATIC_METHOD.match(method)
+    return int(m.group(1)) if m else None
 
 
 def check_time_budget(seconds: float, flag: str) -> float:

@@ -71,7 +71,28 @@ class StepRecord:
     # The plan's own estimate (``est_step_ms`` + the per-step cost of the model the plan was made
     # with); ``predicted_ms`` re-prices the plan with the newest model when the step starts.
     planned_ms: float = 0.0
+    # The global batch's identity (``DocumentBatch.fingerprint``): ``megatron-hsp compare``
+    # checks two runs trained the same batches step by step.
+    batch_fingerprint: str = ""
+    # Megatron's model FLOPs of the documents trained (``hooks.document_flops``) and the GPUs
+    # they ran on: the line's TFLOP/s per GPU. None where no Megatron args exist.
+    model_flops: float | None = None
+    gpus: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Measured tokens per second of the step (every GPU together)."""
+        if not self.measured_ms:
+            return None
+        return self.tokens / (self.measured_ms / 1e3)
+
+    @property
+    def tflops_per_gpu(self) -> float | None:
+        """Measured model TFLOP/s per GPU, as Megatron's ``--log-throughput`` defines it."""
+        if not self.measured_ms or self.model_flops is None:
+            return None
+        return self.model_flops / (self.measured_ms / 1e3 * 1e12 * max(1, self.gpus))
 
     @classmethod
     def from_plan(
@@ -85,6 +106,9 @@ class StepRecord:
         wait_s: float = 0.0,
         step_overhead_ms: float = 0.0,
         model: Any = None,
+        batch_fingerprint: str = "",
+        model_flops: float | None = None,
+        gpus: int = 1,
         **extra: Any,
     ) -> StepRecord:
         """``step_overhead_ms``: the per-step cost of the model the plan was made with (goes to
@@ -115,6 +139,9 @@ class StepRecord:
             status=plan.status,
             solver=plan.solver,
             planned_ms=planned,
+            batch_fingerprint=batch_fingerprint,
+            model_flops=model_flops,
+            gpus=gpus,
             extra=dict(extra),
         )
 
@@ -125,10 +152,15 @@ class StepRecord:
         measured = "-" if self.measured_ms is None else f"{self.measured_ms:.0f}"
         loss = "" if self.loss is None else f"loss {self.loss:.4f}  "
         wait = f"  waited {self.planner_wait_ms:.0f} ms" if self.planner_wait_ms >= 1 else ""
+        rate = ""
+        if self.tokens_per_s is not None:
+            rate = f"  {self.tokens_per_s:.0f} tok/s"
+            if self.tflops_per_gpu is not None:
+                rate += f" {self.tflops_per_gpu:.3g} TFLOP/s/GPU"
         return (
             f"step {self.step:>4}  {loss}{self.num_sequences} seqs {self.tokens} tok  "
             f"{self.microbatches} mb {mb_txt} ({size_txt})  pred {self.predicted_ms:.0f} ms  "
-            f"meas {measured} ms  imbal {self.imbalance:.0%}  solve {self.solve_ms:.0f} ms "
+            f"meas {measured} ms{rate}  imbal {self.imbalance:.0%}  solve {self.solve_ms:.0f} ms "
             f"[{self.status}]{wait}"
         )
 
@@ -182,6 +214,10 @@ class StepObserver:
             "hsp/max_group_size": max((s for mb in rec.group_sizes for s in mb), default=0),
             "hsp/tokens": rec.tokens,
         }
+        if rec.tokens_per_s is not None:
+            scalars["hsp/tokens_per_s"] = rec.tokens_per_s
+        if rec.tflops_per_gpu is not None:
+            scalars["hsp/tflops_per_gpu"] = rec.tflops_per_gpu
         if rec.measured_ms is not None:
             scalars["hsp/measured_step_ms"] = rec.measured_ms
             if rec.predicted_ms > 0:

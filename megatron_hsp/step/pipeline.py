@@ -193,6 +193,9 @@ def build_step_pipeline(
     )
 
 
+# The planner factory of a baseline plan method (``--hsp-plan-method``), by name: the step
+# pipeline does not import the evaluation package.
+METHOD_PLANNER = "megatron_hsp.evaluation.torch_side.methods:planner_for_spec"
 _RUN_PLANNER: Any = object()  # ``TrainingStep.pipeline``'s default: the run's own planner
 
 
@@ -230,6 +233,7 @@ def build_training_step(
     heads: HeadSpace | None = None,
     ring_routes: Mapping[int, str] | None = None,
     doc_multiples: Mapping[int, int] | None = None,
+    method: str = "hsp",
 ) -> TrainingStep:
     """Collective: set up one run's training step from its run description.
 
@@ -245,7 +249,7 @@ def build_training_step(
     registry = create_groups_from_megatron(
         run.dims.slots_per_node, sizes=run.planner.sizes, heads=heads, lazy=True
     )
-    spec = planner_spec(run, cost_model, memory_cap_gb, ring_routes, doc_multiples)
+    spec = planner_spec(run, cost_model, memory_cap_gb, ring_routes, doc_multiples, method=method)
     return TrainingStep(registry, spec, rank)
 
 
@@ -255,9 +259,15 @@ def planner_spec(
     memory_cap_gb: float | None = None,
     ring_routes: Mapping[int, str] | None = None,
     doc_multiples: Mapping[int, int] | None = None,
+    *,
+    method: str = "hsp",
 ) -> PlannerSpec:
     """What the planner (its process in training, ``plan``/``bench`` offline) builds the cost
-    model and plans from: the one place a run description becomes a ``PlannerSpec``."""
+    model and plans from: the one place a run description becomes a ``PlannerSpec``.
+
+    ``method`` other than hsp (``--hsp-plan-method``, an A/B on the same batches): the planner
+    process plans with that baseline (``evaluation/torch_side/methods.planner_for_spec``)."""
+    factory = {} if method == "hsp" else {"factory": METHOD_PLANNER, "options": {"method": method}}
     return PlannerSpec(
         cost_model=cost_model,
         world_size=run.dims.slots,
@@ -267,4 +277,5 @@ def planner_spec(
         settings=run.planner,
         ring_routes=dict(ring_routes) if ring_routes else None,
         doc_multiples=dict(doc_multiples) if doc_multiples else None,
+        **factory,
     )

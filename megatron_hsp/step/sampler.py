@@ -46,6 +46,15 @@ class DocumentBatch:
     def tokens(self) -> int:
         return sum(p.length for p in self.pieces)
 
+    @property
+    def fingerprint(self) -> str:
+        """The batch's identity: a hash of its (document, offset, length) pieces in order.
+
+        Why: an A/B of two plan methods is only a comparison when both runs trained the same
+        batches; ``megatron-hsp compare`` checks this value step by step in the plan logs."""
+        rows = np.asarray([(p.doc, p.offset, p.length) for p in self.pieces], dtype=np.int64)
+        return hashlib.sha256(rows.tobytes()).hexdigest()[:16]
+
 
 @dataclass
 class SamplerState:
@@ -66,8 +75,12 @@ class SamplerConfig:
 
     A training sequence is a whole document, or one piece of an overlong document under the
     ``split`` policy (pieces are then sampled independently, like documents). By count, a batch
-    holds ``global_batch_docs`` sequences; by token budget, sequences are added whole until the
-    next one would exceed the budget (a batch always holds at least one).
+    holds ``global_batch_docs`` sequences; by token budget (``--hsp``'s default: the stock
+    step's ``--global-batch-size x --seq-length``), sequences are added whole in sampler order
+    until the next one would exceed the budget: that document is neither cut nor dropped, it
+    starts the next batch. So a batch never holds more than the budget, holds less by under
+    one document (a batch always holds at least one), and no document is lost or trained
+    twice; the number of documents per batch varies.
     """
 
     seed: int
@@ -195,6 +208,12 @@ class GlobalBatchSampler(BatchSampling):
     @property
     def num_sequences(self) -> int:
         return len(self.unit_doc)
+
+    @property
+    def mean_sequence_tokens(self) -> float:
+        """Mean tokens of a trainable sequence: a token budget's expected documents per step is
+        the budget over it (the start-up line)."""
+        return float(self.unit_length.mean())
 
     def _fingerprint(self) -> str:
         h = hashlib.sha256(self.lengths.tobytes())
@@ -344,6 +363,15 @@ class BlendedBatchSampler(BatchSampling):
     @property
     def num_sequences(self) -> int:
         return sum(s.num_sequences for s in self.samplers)
+
+    @property
+    def mean_sequence_tokens(self) -> float:
+        """Mean tokens of a drawn sequence: datasets supply tokens by weight, so the mean is
+        the weights' harmonic mean of the datasets' means."""
+        per_token = sum(
+            w / s.mean_sequence_tokens for w, s in zip(self.weights, self.samplers, strict=True)
+        )
+        return float(1.0 / per_token)
 
     def _fingerprint(self) -> str:
         h = hashlib.sha256()

@@ -35,7 +35,9 @@ def test_demo_json_contract(tmp_path, monkeypatch, capfd):
             "--global-batch",
             "4",
             "--compare-steps",
-            "1",
+            "2",
+            "--compare-repeats",
+            "2",
             "--cache-dir",
             str(tmp_path),
             "--json",
@@ -58,6 +60,12 @@ def test_demo_json_contract(tmp_path, monkeypatch, capfd):
     comp = result["comparison"]
     assert comp["batches"][0]["adaptive"]["measured_s"] > 0
     assert "speedup_predicted" in comp
+    # The side-by-side goes through compare's rule: same batches, repeats, a spread.
+    ab = comp["compare"]
+    assert ab["run_a"]["repeats"] == ab["run_b"]["repeats"] == 2 and ab["steps_compared"] == 2
+    assert ab["overall"]["repeat_range"] is not None
+    assert ab["overall"]["measured_speedup"] == comp["speedup_measured"]
     printed, err = capfd.readouterr()  # the ranks' output too (forked: file descriptors)
     assert "loss curve" in printed and "adaptive vs static groups" in printed
+    assert "medians of 2 runs per batch and layout; measured" in printed
     assert "IS DEPRECATED" not in err, err  # megatron-core's GPTModel notice (issue 32)

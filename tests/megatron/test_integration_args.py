@@ -73,7 +73,8 @@ def test_full_config_and_forced_per_token_loss():
         and cfg.run.planner.solver == "cbc"
         and cfg.run.overlong == "split"
     )
-    assert cfg.global_batch_docs == 64 and cfg.token_budget is None
+    # The stock step's tokens: --global-batch-size 64 x --seq-length 4096 (issue 43).
+    assert cfg.token_budget == 64 * 4096 and cfg.global_batch_docs is None
     assert cfg.seed == 1234
     assert args.calculate_per_token_loss is True
     assert any("--calculate-per-token-loss forced on" in n for n in cfg.notes)
@@ -226,6 +227,56 @@ def test_token_budget_sampling_and_missing_batch():
                 ]
             ),
             env={},
+        )
+
+
+def test_a_step_holds_the_stock_steps_tokens_by_default():
+    """Issue 43: --global-batch-size x --seq-length tokens per step, not that many documents;
+    the old mode stays behind --hsp-batch-unit documents."""
+    cfg = validate_hsp_args(parse([*BASE, "--hsp"]), env={})
+    assert (cfg.token_budget, cfg.global_batch_docs) == (64 * 4096, None)
+    line = cfg.batch_line(4096, 64)
+    assert "262144 tokens per step" in line and "--global-batch-size 64 x --seq-length 4096" in line
+    assert "starts the next step" in line  # what happens to the crossing document is said
+    docs = validate_hsp_args(parse([*BASE, "--hsp", "--hsp-batch-unit", "documents"]), env={})
+    assert (docs.token_budget, docs.global_batch_docs) == (None, 64)
+    assert "64 documents per step" in docs.batch_line(4096, 64)
+    # An explicit budget replaces the product, and the note says what a sample then counts.
+    own = validate_hsp_args(parse([*BASE, "--hsp", "--hsp-token-budget", "131072"]), env={})
+    assert own.token_budget == 131072
+    assert any("a sample stands for 2048 tokens" in n for n in own.notes)
+    with pytest.raises(HSPArgsError, match=r"--hsp-token-budget 1000 .* --hsp-batch-unit"):
+        validate_hsp_args(
+            parse([*BASE, "--hsp", "--hsp-batch-unit", "documents", "--hsp-token-budget", "1000"]),
+            env={},
+        )
+    with pytest.raises(HSPArgsError, match="--rampup-batch-size"):
+        args = parse([*BASE, "--hsp"])
+        args.rampup_batch_size = [16, 16, 1000]
+        validate_hsp_args(args, env={})
+
+
+def test_plan_method_flag():
+    """--hsp-plan-method: the grammar at parse time, static-N's sizes after the sizes are known."""
+    cfg = validate_hsp_args(parse([*BASE, "--hsp", "--hsp-plan-method", "static-2"]), env={})
+    assert cfg.plan_method == "static-2"
+    assert cfg.planner_spec().factory.endswith("methods:planner_for_spec")
+    assert cfg.planner_spec().options == {"method": "static-2"}
+    assert validate_hsp_args(parse([*BASE, "--hsp"]), env={}).planner_spec().options == {}
+    with pytest.raises(SystemExit):
+        parse([*BASE, "--hsp", "--hsp-plan-method", "static"])
+    # 8 heads split over groups of 2 and 4 as Ulysses: Megatron's ring-only DCP cannot run there.
+    with pytest.raises(HSPArgsError, match=r"megatron-dcp: .* group sizes \[2, 4\]"):
+        validate_hsp_args(
+            parse(
+                [*BASE, "--hsp", "--hsp-plan-method", "megatron-dcp", "--hsp-group-sizes", "1,2,4"]
+            ),
+            env={},
+        )
+    with pytest.raises(HSPArgsError, match="--hsp-plan-method static-3: groups of 3"):
+        validate_hsp_args(
+            parse([*BASE, "--hsp", "--hsp-plan-method", "static-3", "--hsp-group-sizes", "1,2"]),
+            env={"WORLD_SIZE": "4"},
         )
 
 
@@ -515,4 +566,4 @@ def test_what_megatron_derives_is_not_refused_early(monkeypatch):
     with pytest.raises(HSPArgsError, match="--global-batch-size"):
         validate_hsp_args(args, env={})
     args.global_batch_size = 8  # what validate_args derives on 8 data-parallel ranks
-    assert validate_hsp_args(args, env={}).global_batch_docs == 8
+    assert validate_hsp_args(args, env={}).token_budget == 8 * 4096

@@ -15,9 +15,11 @@ import types
 import pytest
 
 from megatron_hsp.megatron import hooks, install, patches
+from megatron_hsp.megatron.config import validate_hsp_args
 from megatron_hsp.planner.errors import HSPError
 from megatron_hsp.planner.plan import Group, MicroBatch, Plan
 from megatron_hsp.step.observe import StepObserver, StepRecord, group_imbalance
+from megatron_hsp.step.sampler import DocumentBatch, Piece
 from tests.helpers import FIXTURES
 from tests.helpers.megatron_args import parse
 
@@ -56,6 +58,13 @@ def stand_in_megatron_training(monkeypatch):
         return schedule
 
     training.get_forward_backward_func = get_forward_backward_func
+
+    def num_floating_point_operations(
+        args, batch_size, seqlen_squared_sum_in_batch=None, total_real_tokens_in_batch=None
+    ):
+        return -1.0  # the stand-in's count; the patch's own is tested in test_throughput.py
+
+    training.num_floating_point_operations = num_floating_point_operations
     pkg.training = training
     monkeypatch.setitem(sys.modules, "megatron.training", pkg)
     monkeypatch.setitem(sys.modules, "megatron.training.training", training)
@@ -138,6 +147,7 @@ def test_patched_step_counts_come_from_the_plan_only_in_the_schedule(
     assert patches.applied() == [
         "megatron.training.training.train_step",
         "megatron.training.training.get_forward_backward_func",
+        "megatron.training.training.num_floating_point_operations",
     ]
     run = hooks.active_run()
     out = io.StringIO()
@@ -145,7 +155,10 @@ def test_patched_step_counts_come_from_the_plan_only_in_the_schedule(
     run.pipeline = object()  # the step pipeline itself is covered by the demo and data tests
 
     def fake_begin(r):
-        r.current = types.SimpleNamespace(plan=plan2(), step=0, solve_s=0.003, wait_s=0.0)
+        batch = DocumentBatch(0, (Piece(4, 0, 100), Piece(7, 0, 30), Piece(9, 0, 10)))
+        r.current = types.SimpleNamespace(
+            plan=plan2(), step=0, solve_s=0.003, wait_s=0.0, batch=batch
+        )
 
     monkeypatch.setattr(hooks, "begin_step", fake_begin)
     assert training.get_num_microbatches() == 7  # outside a step: Megatron's own count
@@ -293,3 +306,53 @@ def test_an_idle_micro_batch_keeps_every_stage_boundary_connected():
     first = Stage(pre=True, post=False)
     out, _ = forward_microbatch(first, None)
     assert out.shape == (1, 1, 8) and out.requires_grad
+
+
+def test_static_best_looks_ahead_at_the_runs_own_next_batches_and_puts_them_back():
+    """--hsp-plan-method static-best: the planner gets the lengths of the batches the run is
+    about to train, and the sampler then draws exactly those batches."""
+    from megatron_hsp.step.planner_service import PlannerSpec
+    from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
+
+    lengths = [200, 30, 30, 12, 7, 90, 60, 60, 60, 60, 5, 250, 8, 8, 8] * 3
+    sampler = GlobalBatchSampler(lengths, SamplerConfig(seed=1, max_length=256, token_budget=512))
+    spec = PlannerSpec("tiny", 4, 4, 256, options={"method": "static-best"})
+    before = sampler.state_dict()
+    args = types.SimpleNamespace(train_iters=5, iteration=0)
+    out = hooks._static_best_lookahead(spec, sampler, args)
+    assert sampler.state_dict() == before
+    ahead = out.options["lookahead"]
+    assert len(ahead) == 5 and out.options["method"] == "static-best"
+    assert [sampler.next_batch().lengths for _ in range(5)] == ahead
+
+
+def test_start_up_line_says_tokens_and_expected_documents_per_step():
+    from megatron_hsp.step.sampler import GlobalBatchSampler, SamplerConfig
+
+    args = parse(
+        [
+            *("--num-attention-heads", "8", "--global-batch-size", "8", "--seq-length", "64"),
+            *("--attention-dropout", "0", "--hsp"),
+        ]
+    )
+    cfg = validate_hsp_args(args, env={})
+    lengths = [16, 48, 32, 32] * 10  # mean 32 tokens: 512 / 32 = 16 documents per step
+    sampler = GlobalBatchSampler(lengths, SamplerConfig(seed=1, max_length=64, token_budget=512))
+    line = hooks.batch_line(cfg, args, sampler)
+    assert "at most 512 tokens per step (--global-batch-size 8 x --seq-length 64" in line
+    assert "expected 16.0 documents per step (mean sequence 32 tokens)" in line
+    assert "count 8 samples per step" in line
+
+
+def test_evaluation_batches_scale_the_token_budget_as_megatron_scales_its_batch():
+    args = parse(
+        [
+            *("--num-attention-heads", "8", "--global-batch-size", "8", "--seq-length", "64"),
+            *("--attention-dropout", "0", "--hsp"),
+        ]
+    )
+    cfg = validate_hsp_args(args, env={})
+    assert hooks._eval_budget(cfg, args, 8) == 512  # Megatron's default: the training batch
+    assert hooks._eval_budget(cfg, args, 4) == 256
+    args.hsp_batch_unit = "documents"
+    assert hooks._eval_budget(validate_hsp_args(args, env={}), args, 4) is None

@@ -67,6 +67,41 @@ def test_token_budget_keeps_documents_whole():
         assert all(p.offset == 0 and p.length == LENGTHS[p.doc] for p in b.pieces)
 
 
+def test_the_document_that_crosses_the_budget_starts_the_next_batch():
+    """Issue 43's stated rule: in sampler order, whole documents until the next would cross the
+    budget; that one is neither cut nor dropped but opens the next batch, so documents per batch
+    vary, no batch exceeds the budget, and every document is trained exactly once."""
+    lengths = [60, 50, 30, 70, 10, 40]
+    s = GlobalBatchSampler(
+        lengths, cfg(global_batch_docs=None, token_budget=120, max_length=100, shuffle=False)
+    )
+    batches = [[p.doc for p in s.next_batch().pieces] for _ in range(3)]
+    # 60 + 50 = 110; + 30 would be 140 > 120: document 2 starts batch 2 (30 + 70 + 10 = 110;
+    # + 40 would be 150), document 5 starts batch 3.
+    assert batches == [[0, 1], [2, 3, 4], [5, 0]]
+    assert s.state.consumed_tokens == 110 + 110 + 100
+
+
+def test_batch_fingerprint_names_the_documents_in_order():
+    a = GlobalBatchSampler(LENGTHS, cfg()).next_batch()
+    b = GlobalBatchSampler(LENGTHS, cfg()).next_batch()
+    assert a.fingerprint == b.fingerprint and len(a.fingerprint) == 16
+    other = GlobalBatchSampler(LENGTHS, cfg(seed=4)).next_batch()
+    assert other.fingerprint != a.fingerprint
+    swapped = type(a)(a.step, tuple(reversed(a.pieces)))
+    assert swapped.fingerprint != a.fingerprint  # order is part of the batch
+
+
+def test_mean_sequence_tokens_gives_the_expected_documents_per_step():
+    """The start-up line's expected documents per step (budget / mean sequence) against the
+    documents the sampler actually puts in a step, over many steps."""
+    s = GlobalBatchSampler(LENGTHS, cfg(global_batch_docs=None, token_budget=1000))
+    pieces = s.unit_length.tolist()  # split pieces count as sequences
+    assert s.mean_sequence_tokens == pytest.approx(sum(pieces) / len(pieces))
+    drawn = [len(s.next_batch().pieces) for _ in range(300)]
+    assert np.mean(drawn) == pytest.approx(1000 / s.mean_sequence_tokens, rel=0.1)
+
+
 def test_overlong_policies_are_counted():
     with pytest.raises(InputError, match=r"2 documents .*first: document 4, 300 tokens"):
         GlobalBatchSampler(LENGTHS, cfg(overlong="error"))
@@ -203,3 +238,18 @@ def test_a_truncated_index_is_one_line_naming_the_file(tmp_path):
     idx.write_bytes(idx.read_bytes()[:20])
     with pytest.raises(InputError, match=r"docs\.idx: cannot be read \("):
         DocumentIndex(prefix)
+
+
+def test_a_blends_expected_documents_per_step_weights_each_datasets_mean():
+    from megatron_hsp.step.sampler import BlendComponent, BlendedBatchSampler
+
+    short = np.full(400, 10, dtype=np.int64)
+    long = np.full(100, 90, dtype=np.int64)
+    blend = BlendedBatchSampler(
+        [BlendComponent("a", 0.4, 0, short), BlendComponent("b", 0.6, 400, long)],
+        cfg(global_batch_docs=None, token_budget=900),
+    )
+    # 40% of the tokens in 10-token documents, 60% in 90-token ones: 1 / (0.4/10 + 0.6/90).
+    assert blend.mean_sequence_tokens == pytest.approx(1 / (0.4 / 10 + 0.6 / 90))
+    drawn = [len(blend.next_batch().pieces) for _ in range(200)]
+    assert np.mean(drawn) == pytest.approx(900 / blend.mean_sequence_tokens, rel=0.1)

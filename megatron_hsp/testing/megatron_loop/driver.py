@@ -24,7 +24,7 @@ from megatron_hsp.testing.megatron_loop.checks import (
     worst_check,
 )
 from megatron_hsp.testing.megatron_loop.corpus import BLEND_CHOICES, write_corpus
-from megatron_hsp.testing.megatron_loop.hsp_side import _run_hsp
+from megatron_hsp.testing.megatron_loop.hsp_side import _run_hsp, plan_log_path
 from megatron_hsp.testing.megatron_loop.models import _initial_weights
 from megatron_hsp.testing.megatron_loop.options import DEFAULT_OPTIONS, STEPS, LoopOptions
 from megatron_hsp.testing.megatron_loop.plants import PLANT_RUNS, PLANTED, PLANTS
@@ -141,6 +141,8 @@ def _worker(
                 "consumed_samples_ref": r["consumed_samples"],
                 "consumed_samples_megatron": m["consumed_samples"],
                 "documents_hsp": h["documents"],
+                "fingerprint": h["fingerprint"],
+                "plan_method": h["plan_method"],
                 "samples_megatron": m["samples"],
                 "grad_norm_hsp": h["grad_norm"],
                 "grad_norm_ref": r["grad_norm"],
@@ -239,8 +241,12 @@ def _run_loops(
         per_rank = raise_rank_errors(
             run_distributed(_worker_all, nproc, prefixes, tuple(spawned), timeout_s=timeout_s)
         )
-        for (opt, _, _), result in zip(runs, per_rank[0], strict=True):
+        for (opt, cost_path, _, _), result in zip(spawned, per_rank[0], strict=True):
             entry = {"options": opt.as_dict(), **result}
+            if opt.plan_log:  # the rows the last rank's observer wrote (the dir goes away)
+                log = plan_log_path(cost_path)
+                with open(log) as fh:
+                    entry["plan_log"] = [json.loads(line) for line in fh if line.strip()]
             entry["failures"] = check(entry["steps"], entry["max_rel_weight_diff_after"])
             entry["failures"] += check_data(entry)
             entry["ok"] = not entry["failures"]

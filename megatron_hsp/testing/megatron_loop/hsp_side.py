@@ -36,6 +36,12 @@ from megatron_hsp.testing.megatron_loop.plants import PLANTS
 NO_REFIT = "--hsp-no-refit"
 
 
+def plan_log_path(cost_path: str) -> str:
+    """Where an option set with ``plan_log`` writes its ``--hsp-plan-log`` (beside its cost
+    model file, in the run's temporary directory; the driver returns its rows)."""
+    return cost_path + ".plans.jsonl"
+
+
 def _hsp_argv(
     options: LoopOptions, prefixes: Sequence[str], cost_path: str, nproc: int
 ) -> list[str]:
@@ -50,6 +56,7 @@ def _hsp_argv(
         *("--hsp-cost-model", cost_path),
         *options.hsp_flags(),
         *options.data_flags(prefixes),
+        *(["--hsp-plan-log", plan_log_path(cost_path)] if options.plan_log else []),
     ]
     return [*MODEL_FLAGS, *options.flags(), *options.pipeline_flags(), *hsp_flags]
 
@@ -237,6 +244,8 @@ def _run_hsp(
             # What the schedule ran: the plan's count, padded under interleaving (hooks._prepare)
             rec["schedule_microbatches"] = hooks.current_num_microbatches(run)
             rec["documents"] = len(run.current.batch.pieces)
+            rec["fingerprint"] = run.current.batch.fingerprint
+            rec["plan_method"] = str(plan.extra.get("method", "hsp"))
             rec["layouts"] = [
                 [_layout(g, heads) for g in mb.groups if g.seq_ids] for mb in plan.microbatches
             ]

@@ -90,6 +90,12 @@ class LoopOptions:
     moe_dispatcher: str = "alltoall"
     seq_aux_loss: float = 0.0
     z_loss: float = 0.0
+    # Whose plan the HSP side trains (--hsp-plan-method: hsp or a baseline on the same
+    # batches); an A/B of two option sets differing only here trains identical batches, and
+    # their plan logs (``plan_log``: --hsp-plan-log, returned in the entry) feed
+    # ``megatron-hsp compare``.
+    plan_method: str = "hsp"
+    plan_log: bool = False
 
     def moe_flags(self) -> list[str]:
         """Megatron's MoE flags of this option set (none for a dense model)."""
@@ -142,10 +148,18 @@ class LoopOptions:
         return out
 
     def hsp_flags(self) -> list[str]:
-        """``--hsp*`` flags beyond the data and cost model (HSP side only)."""
+        """``--hsp*`` flags beyond the data and cost model (HSP side only).
+
+        ``--hsp-batch-unit documents``: the stock side trains each document as its own
+        micro-batch, ``--global-batch-size`` of them per step, a count Megatron fixes; with the
+        default token budget the documents per step vary (the sampler and config tests cover
+        that rule; the runtime the loop checks is the same for both)."""
+        out = ["--hsp-batch-unit", "documents"]
+        if self.plan_method != "hsp":
+            out += ["--hsp-plan-method", self.plan_method]
         if self.group_sizes is None:
-            return []
-        return ["--hsp-group-sizes", ",".join(map(str, self.group_sizes))]
+            return out
+        return [*out, "--hsp-group-sizes", ",".join(map(str, self.group_sizes))]
 
     def data_flags(self, prefixes: Sequence[str]) -> list[str]:
         """Megatron's data flags (HSP side: its provider reads them): one dataset, or the blend
@@ -202,6 +216,8 @@ class LoopOptions:
             "moe_dispatcher": self.moe_dispatcher if self.num_experts else None,
             "seq_aux_loss": self.seq_aux_loss,
             "z_loss": self.z_loss,
+            "plan_method": self.plan_method,
+            "plan_log": self.plan_log,
         }
 
     @property
@@ -228,6 +244,8 @@ class LoopOptions:
                 parts.append(f"seqaux {self.seq_aux_loss:g}")
             if self.z_loss:
                 parts.append(f"z {self.z_loss:g}")
+        if self.plan_method != "hsp":
+            parts.append(f"plan {self.plan_method}")
         return " ".join(parts) or "ddp"
 
 
