@@ -26,6 +26,8 @@ NOT_RUN: dict[str, str] = {
     ".py and test_reliability_demo.py",
     "profile": "measures this machine for about a minute; run by tests/commands/"
     "test_profile_command.py",
+    "compare": "reads two training runs' plan logs, which only a training run writes; run on "
+    "real plan logs by tests/commands/test_compare.py and tests/testing/test_megatron_loop.py",
     "plan": "documented as a synopsis with the bench command's job flags (the bench below runs "
     "here); run by tests/commands/test_cli_plan_bench.py",
 }
