@@ -217,8 +217,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.json == "-":
             print(text)
         else:
-            with open(args.json, "w") as fh:
-                fh.write(text + "\n")
+            from megatron_hsp.planner.paths import atomic_write
+
+            atomic_write(args.json, text + "\n", flag="--json")
     if plot_path is not None:
         from megatron_hsp.commands.plots import plot_demo
 

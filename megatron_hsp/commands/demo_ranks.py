@@ -51,8 +51,9 @@ def _rank_main(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:
             )
     finally:
         destroy_cpu_megatron()
-    with open(out, "wb") as fh:
-        pickle.dump(result, fh)
+    from megatron_hsp.planner.paths import atomic_write
+
+    atomic_write(out, pickle.dumps(result))  # the parent never reads half a result
 
 
 HEARTBEAT_S = 1.0

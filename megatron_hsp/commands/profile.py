@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from megatron_hsp.planner.paths import atomic_write
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from megatron_hsp.commands.demo_config import DEMO_MODEL
@@ -324,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     load_cost_model(spec, world_size=args.nproc)  # refuses anything the planner cannot use
-    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    atomic_write(out, yaml.safe_dump(spec, sort_keys=False), flag="--out")
     print(f"{'fit':<16} {'samples':>7} {'R^2':>7} {'median err':>10} {'max err':>8}  coefficients")
     fits = [
         ("compute", compute),

@@ -255,7 +255,6 @@ def check_and_record_data(args: Any, fingerprint: str) -> None:
     directory without the record (written before it existed) is resumed without the check.
     """
     import json
-    import os
     from pathlib import Path
 
     import torch.distributed as dist
@@ -278,10 +277,10 @@ def check_and_record_data(args: Any, fingerprint: str) -> None:
         # Written aside and renamed over the record: with --save and --load the same directory,
         # the other ranks may be reading it for the check above right now, and a write in place
         # lets them read it empty (JSONDecodeError; the likely cause of one crashed rank seen in
-        # selftest --megatron).
-        aside = Path(save) / f".{DATA_RECORD}.{os.getpid()}"
-        aside.write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
-        os.replace(aside, Path(save) / DATA_RECORD)
+        # selftest --megatron). The one atomic writer does exactly that (planner/paths.py).
+        from megatron_hsp.planner.paths import atomic_write
+
+        atomic_write(Path(save) / DATA_RECORD, json.dumps({"fingerprint": fingerprint}) + "\n")
 
 
 class _SplitPlanner:

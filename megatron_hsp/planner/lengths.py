@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.paths import atomic_open, atomic_write
 from megatron_hsp.planner.run_spec import OverlongPolicy, parse_choice
 from megatron_hsp.planner.units import MAX_TOKENS, parse_tokens
 
@@ -160,7 +161,7 @@ def write_indexed_dataset_index(prefix: str | Path, doc_lengths: Sequence[Sequen
     doc_idx = np.concatenate([[0], np.cumsum([len(doc) for doc in doc_lengths])]).astype(np.int64)
     pointers = np.concatenate([[0], np.cumsum(np.asarray(seqs, dtype=np.int64) * 4)[:-1]])
     idx = Path(str(prefix) + ".idx")
-    with open(idx, "wb") as fh:
+    with atomic_open(idx, "wb") as fh:
         fh.write(_IDX_HEADER)
         fh.write(struct.pack("<Q", 1))
         fh.write(struct.pack("<B", 4))
@@ -169,7 +170,7 @@ def write_indexed_dataset_index(prefix: str | Path, doc_lengths: Sequence[Sequen
         fh.write(np.asarray(seqs, dtype=np.int32).tobytes())
         fh.write(np.asarray(pointers, dtype=np.int64).tobytes())
         fh.write(doc_idx.tobytes())
-    Path(str(prefix) + ".bin").write_bytes(b"")
+    atomic_write(Path(str(prefix) + ".bin"), b"")
     return idx
 
 

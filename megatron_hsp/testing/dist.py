@@ -329,8 +329,9 @@ def _worker(
     except BaseException as exc:  # carried back to the parent, never swallowed
         result = RankError(rank, type(exc).__name__, str(exc), traceback.format_exc())
     finally:
-        with open(os.path.join(tmpdir, f"result_{rank}.pkl"), "wb") as fh:
-            pickle.dump(result, fh)
+        from megatron_hsp.planner.paths import atomic_write
+
+        atomic_write(os.path.join(tmpdir, f"result_{rank}.pkl"), pickle.dumps(result))
         destroy_cpu_megatron()
 
 

@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from megatron_hsp.planner.paths import atomic_write
 from megatron_hsp.testing.megatron_loop.checks import (
     _data_checks,
     _worst,
@@ -231,8 +232,7 @@ def _run_loops(
         spawned = []
         for i, (opt, steps, plant) in enumerate(runs):
             cost_path = f"{prefix}.cost-{i}.json"
-            with open(cost_path, "w") as fh:
-                json.dump(opt.cost_model(), fh)
+            atomic_write(cost_path, json.dumps(opt.cost_model()))
             spawned.append((opt, cost_path, steps, plant))
         # One spawn for all runs: starting 4 processes that import torch and Megatron is most
         # of the cost on a small machine.
