@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 from megatron_hsp.commands.common import add_verbose_argument, import_warnings_summarised
 from megatron_hsp.commands.demo_config import (
@@ -157,8 +156,9 @@ def _run(args: argparse.Namespace) -> int:
         from megatron_hsp.step.corpus import default_cache_dir
 
         if args.refit_out is None:
-            folder = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-            folder.mkdir(parents=True, exist_ok=True)
+            from megatron_hsp.planner.paths import check_folder
+
+            folder = check_folder(args.cache_dir or default_cache_dir(), "--cache-dir")
         refit_out = check_output_path(
             "--refit-out", args.refit_out or str(folder / "demo-refit.yaml")
         )

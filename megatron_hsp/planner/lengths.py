@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gzip
 import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -96,6 +97,14 @@ def read_text_lengths(path: str | Path) -> np.ndarray:
                         f"{p}:{lineno}: {text[:40]!r} is not an integer length "
                         "(expected one positive integer per line, digits 0-9 only)"
                     )
+                # Counted before int(): a 5,000-digit line exceeds Python's conversion limit
+                # (ValueError) and any length this tool plans.
+                if len(digits.lstrip("0")) > len(str(MAX_TOKENS)):
+                    raise InputError(
+                        f"{p}:{lineno}: length {text[:40]}{'...' if len(text) > 40 else ''} "
+                        f"({len(digits)} digits) is larger than {MAX_TOKENS:.0e} tokens; "
+                        "expected one document length per line"
+                    )
                 n = int(text)
                 if n <= 0:
                     raise InputError(f"{p}:{lineno}: length {n} is not positive")
@@ -105,9 +114,8 @@ def read_text_lengths(path: str | Path) -> np.ndarray:
                         "tokens; expected one document length per line"
                     )
                 out.append(n)
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
-        if isinstance(exc, InputError):
-            raise
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
+        # zlib.error: a corrupt (not truncated) .gz; gzip.BadGzipFile is an OSError.
         raise InputError(f"--lengths {str(p)!r} cannot be read: {exc}") from None
     if not out:
         raise InputError(f"--lengths {str(p)!r} holds no lengths")
