@@ -42,6 +42,11 @@ DEFAULT_LENGTHS = "wikipedia_lengths_100k.txt.gz"
 FLEXSP_PAD_MULTIPLE = 128  # 2 * world_size with FlexSP's hard-wired world_size = 64
 SAMPLING_MODES = ("sequential", "random")
 _IDX_HEADER = b"MMIDIDX\x00\x00"
+#: Sequences one global batch may hold after --overlong split (the planner's search is about
+#: linear in them; 8192 plan in about 3 s): more pieces are refused before any is built.
+MAX_BATCH_SEQUENCES = 65536
+#: Sequences a lengths input may hold after --overlong split under --sampling sequential.
+MAX_CORPUS_SEQUENCES = 10**8
 
 
 # ---------------------------------------------------------------------- reading
@@ -258,12 +263,21 @@ class BatchSampler:
             corpus = np.delete(padded, over)
         else:
             piece = (limit // m) * m
+            # Counted before any piece is built: one 1e12-token document is 5 million pieces.
+            pieces = int(np.sum((raw[over] + piece - 1) // piece))
+            if padded.size - over.size + pieces > MAX_CORPUS_SEQUENCES:
+                raise InputError(
+                    f"--overlong split: {over.size} document(s) would become {pieces} pieces of "
+                    f"at most {piece} tokens, over the {MAX_CORPUS_SEQUENCES} sequences a "
+                    "lengths input may hold; use --overlong drop or a larger --max-seq"
+                )
             parts: list[np.ndarray] = []
             prev = 0
             for i in over.tolist():
                 full, rest = divmod(int(raw[i]), piece)
-                cut = [piece] * full + ([((rest - 1) // m + 1) * m] if rest else [])
-                parts += [padded[prev:i], np.asarray(cut, dtype=np.int64)]
+                tail = [((rest - 1) // m + 1) * m] if rest else []
+                cut = np.concatenate([np.full(full, piece, dtype=np.int64), tail]).astype(np.int64)
+                parts += [padded[prev:i], cut]
                 self.harness_pieces += len(cut)
                 prev = i + 1
             parts.append(padded[prev:])
@@ -344,6 +358,14 @@ class BatchSampler:
                     f"{limit}); the batch is empty"
                 )
             return GlobalBatch(step, lengths[keep], ids[keep], dropped=int(over.size))
+        counted = int(np.sum((lengths[over] + limit - 1) // limit))  # before any piece is built
+        if lengths.size - over.size + counted > MAX_BATCH_SEQUENCES:
+            raise InputError(
+                f"batch {step}: --overlong split would cut {over.size} sequence(s) into "
+                f"{counted} pieces of at most {limit} tokens, over the {MAX_BATCH_SEQUENCES} "
+                "sequences one batch is planned with; use --overlong drop, more GPUs, a larger "
+                "--memory-cap-gb or --max-seq"
+            )
         out_len: list[int] = []
         out_ids: list[int] = []
         pieces = 0
