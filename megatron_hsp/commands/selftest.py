@@ -73,11 +73,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_hsp.testing.dist import rank_output_logged
 
+    from megatron_hsp.planner.errors import HSPError
+
     with (
         import_warnings_summarised(args.verbose, "selftest", children=True),
         rank_output_logged(args.verbose, "selftest"),
     ):
-        return _run(args)
+        try:
+            return _run(args)
+        except TimeoutError as exc:  # every rank was stopped (testing/dist.py): one line
+            first = str(exc).split("; rank ")[0].splitlines()[0]
+            raise HSPError(
+                f"{first}; every rank was stopped (--timeout {args.timeout:g})"
+            ) from None
 
 
 def _run(args: argparse.Namespace) -> int:
