@@ -71,9 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hsp.testing.dist import rank_output_logged
-
     from megatron_hsp.planner.errors import HSPError
+    from megatron_hsp.testing.dist import rank_output_logged
 
     with (
         import_warnings_summarised(args.verbose, "selftest", children=True),
