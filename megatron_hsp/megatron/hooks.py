@@ -177,7 +177,11 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     check_and_record_data(args, data_fingerprint(data, indices) + "/" + sampler.fingerprint)
     sampler.fast_forward(int(getattr(args, "iteration", 0) or 0))
     rank0 = rank == 0
-    training.start_planner(background=cfg.background_planner, sync_flag="--hsp-sync-planner")
+    training.start_planner(
+        background=cfg.background_planner,
+        sync_flag="--hsp-sync-planner",
+        plan_timeout_s=cfg.plan_timeout_s,
+    )
     planner = training.planner
     # Megatron's sequence parallelism splits each rank's tokens over the TP group again.
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)

@@ -167,7 +167,7 @@ def test_a_killed_rank_or_planner_is_one_line_not_a_traceback(tmp_path, cache):
     for child in _children(pids[0]):  # rank 0's planner process
         os.kill(child, signal.SIGKILL)
     _, err = proc.communicate(timeout=90)
-    assert proc.returncode == 2, err[-2000:]
-    assert "planner process exited" in err and "Traceback" not in err, err[-2000:]
-    assert "--hsp-sync-planner" not in err  # the demo has no such flag
+    # Issue 40: a dead planner is replaced; its step trains on the fallback plan, exactly.
+    assert proc.returncode == 0, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
     shutil.rmtree(planner_run, ignore_errors=True)
