@@ -117,7 +117,7 @@ def _bounded(work: Any, timeout_s: float, what: str) -> None:
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "timed out"
         raise PlanningFailedError(
             f"rank {dist.get_rank()}: {what} did not complete within {timeout_s:.0f} s ({first}); "
-            "the planning rank is stopped, wedged or gone. Stopping this rank"
+            "the planning rank or a peer is stopped, wedged or gone. Stopping this rank"
         ) from None
 
 
@@ -139,11 +139,36 @@ def _broadcast_json(
     return json.loads(bytes(buf.cpu().numpy().tobytes()).decode())  # src too: one form
 
 
+#: Bytes of each rank's first problem carried by ``agree_no_problems`` (a sentence or two).
+PROBLEM_BYTES = 1024
+
+
+def _all_gather_text(text: str, group: dist.ProcessGroup | None, timeout_s: float) -> list[str]:
+    """Every rank's ``text`` (cut to ``PROBLEM_BYTES``), one fixed-size tensor all-gather
+    waited for at most ``timeout_s``."""
+    device = _device(group)
+    data = text.encode()[: PROBLEM_BYTES - 2]
+    buf = torch.zeros(PROBLEM_BYTES, dtype=torch.uint8, device=device)
+    buf[0], buf[1] = len(data) // 256, len(data) % 256
+    if data:
+        buf[2 : 2 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(out, buf, group=group, async_op=True)
+    _bounded(work, timeout_s, "the plan check")
+    texts = []
+    for t in out:
+        raw = t.cpu().numpy().tobytes()
+        n = raw[0] * 256 + raw[1]
+        texts.append(raw[2 : 2 + n].decode(errors="replace"))
+    return texts
+
+
 def agree_no_problems(
     problems: Sequence[str],
     *,
     what: str = "the plan does not fit the batch",
     group: dist.ProcessGroup | None = None,
+    timeout_s: float = DEFAULT_PLAN_TIMEOUT_S + PLAN_EXCHANGE_MARGIN_S,
 ) -> None:
     """Raise ``BatchMismatchError`` on EVERY rank when any rank reports a problem.
 
@@ -151,9 +176,7 @@ def agree_no_problems(
     one rank alone (its batch differs from the one the plan was made for) would make that rank
     raise while the others enter the step's collectives and hang until the NCCL timeout.
     """
-    mine = str(problems[0]) if problems else ""
-    everyone: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = _all_gather_text(str(problems[0]) if problems else "", group, timeout_s)
     ranks = dist.get_process_group_ranks(group) if group is not None else range(len(everyone))
     bad = [(r, p) for r, p in zip(ranks, everyone, strict=True) if p]
     if bad:
