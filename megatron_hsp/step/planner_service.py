@@ -230,6 +230,7 @@ class PlannerService:
         )
         self._proc.start()
         self._started = False
+        self._proc_started_at = time.monotonic()
 
     def _stop_process(self) -> None:
         """The planner process and anything below it stopped in any state (a SIGSTOPped or
@@ -356,8 +357,11 @@ class PlannerService:
                 if self.plan_deadline_s is not None and now - t_wait >= self.plan_deadline_s:
                     result = self._use_fallback(step, t0, "no plan")
                     # A planner this late may be stopped or wedged: replace it, so that the
-                    # next steps do not each wait out the deadline again.
-                    self._restart(f"gave no plan within {self.plan_deadline_s:.0f} s")
+                    # next steps do not each wait out the deadline again. One still starting
+                    # (imports) is left to start, up to its start timeout.
+                    starting = time.monotonic() - self._proc_started_at < self._start_timeout_s
+                    if self._started or not starting:
+                        self._restart(f"gave no plan within {self.plan_deadline_s:.0f} s")
                     return result
             payload, solve_s = self._ready.pop(step)
         else:
