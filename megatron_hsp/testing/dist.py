@@ -354,6 +354,9 @@ def cuda_hidden() -> Iterator[None]:
 
 # Seconds the ranks may take to start (spawn, imports, rendezvous) before their first report.
 STARTUP_S = 300.0
+# The shortest silence of a rank's heartbeat thread read as stopped or wedged: a loaded shared
+# host can hold a runnable process off the CPU for seconds (an import holding the GIL too).
+MIN_STALL_S = 30.0
 
 
 def run_distributed(
@@ -423,7 +426,7 @@ def _watch(
     heartbeat (stopped or wedged: ``stall_s``) or the total bound; the caller stops the ranks."""
     start = time.time()  # wall clock: progress marks are file modification times
     # A rank whose heartbeat thread has not run for this long is stopped or wedged, not slow.
-    stall_s = max(5.0, min(timeout_s, 120.0))
+    stall_s = max(MIN_STALL_S, min(timeout_s, 120.0))
     progress = [os.path.join(tmpdir, f"progress_{rank}") for rank in range(world_size)]
     beats = [os.path.join(tmpdir, f"heartbeat_{rank}") for rank in range(world_size)]
     while True:

@@ -65,8 +65,8 @@ def test_a_stopped_rank_ends_the_run_within_its_timeout_and_nothing_survives(tmp
     assert "stalled: rank 1" in str(err.value), str(err.value)[:500]
     rank1, grandchild = _wait_for(tmp_path / "rank1"), _wait_for(tmp_path / "grandchild")
     assert not alive(rank1) and not alive(grandchild)
-    # The heartbeat bound (10 s) plus the tree's 5 s grace, with room for a loaded host.
-    assert took < 60, took
+    # The heartbeat bound (MIN_STALL_S, 30 s) plus the tree's 5 s grace, on a loaded host.
+    assert took < 90, took
 
 
 def test_stop_tree_ends_a_stopped_process_and_its_stopped_child():
