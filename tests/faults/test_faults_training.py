@@ -114,3 +114,23 @@ def test_a_megatron_loop_with_its_planner_stopped_mid_run_equals_the_stock_path(
     assert entry["ok"], entry["failures"]
     assert faults["fallbacks"] and faults["restarts"] >= 1, faults
     assert faults["max_wait_s"] < FAULT_PLAN_TIMEOUT_S + 10, faults
+
+
+def test_the_plan_timeout_flag_is_bounded_by_the_distributed_timeout():
+    """--hsp-plan-timeout-s: its default and any value must leave the exchange's margin under
+    Megatron's --distributed-timeout-minutes, so a late planner never meets the watchdog."""
+    from megatron_hsp.megatron.config import validate_hsp_args
+    from megatron_hsp.megatron.refusals import HSPArgsError
+    from megatron_hsp.planner.search.settings import DEFAULT_PLAN_TIMEOUT_S, PLAN_EXCHANGE_MARGIN_S
+    from tests.helpers.megatron_args import parse
+    from tests.megatron.test_integration_args import BASE
+
+    cfg = validate_hsp_args(parse([*BASE, "--hsp"]), env={})
+    assert cfg.plan_timeout_s == DEFAULT_PLAN_TIMEOUT_S
+    assert DEFAULT_PLAN_TIMEOUT_S + PLAN_EXCHANGE_MARGIN_S < 10 * 60  # Megatron's default
+    assert validate_hsp_args(parse([*BASE, "--hsp", "--hsp-plan-timeout-s", "5"]), env={})
+    for bad, minutes in (("0", 10), ("-1", 10), ("nan", 10), ("600", 10), ("100", 2)):
+        args = parse([*BASE, "--hsp", "--hsp-plan-timeout-s", bad])
+        args.distributed_timeout_minutes = minutes
+        with pytest.raises(HSPArgsError, match="--hsp-plan-timeout-s"):
+            validate_hsp_args(args, env={})
