@@ -95,6 +95,12 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def stopped(pid: int) -> bool:
+    """Stopped by a signal (SIGSTOP, SIGTSTP) or a tracer: it runs no code until continued."""
+    st = _stat(pid)
+    return st is not None and st[0] in ("T", "t")
+
+
 def alive(pid: int) -> bool:
     """Running or stopped, not a zombie (a zombie has exited: only its parent's wait remains)."""
     st = _stat(pid)
@@ -165,4 +171,4 @@ def start_heartbeat(path: str, every_s: float = 1.0) -> None:
     threading.Thread(target=beat, name="hsp-heartbeat", daemon=True).start()
 
 
-__all__ = ["alive", "descendants", "die_with_parent", "start_heartbeat", "stop_tree"]
+__all__ = ["alive", "descendants", "die_with_parent", "start_heartbeat", "stop_tree", "stopped"]

@@ -427,18 +427,28 @@ def _watch(
     start = time.time()  # wall clock: progress marks are file modification times
     # A rank whose heartbeat thread has not run for this long is stopped or wedged, not slow.
     stall_s = max(MIN_STALL_S, min(timeout_s, 120.0))
+    from megatron_hsp.runtime.lifetime import stopped
+
     progress = [os.path.join(tmpdir, f"progress_{rank}") for rank in range(world_size)]
     beats = [os.path.join(tmpdir, f"heartbeat_{rank}") for rank in range(world_size)]
+    # Since when each rank has been seen stopped (SIGSTOP): also before its heartbeat starts,
+    # i.e. while it still imports, where only the start-up allowance bounded it.
+    stopped_since: dict[int, float] = {}
     while True:
         marks = [os.path.getmtime(p) for p in progress if os.path.exists(p)]
         allowed = timeout_s if marks else startup_s
         deadline = min(max([start, *marks]) + allowed, start + max_total_s)
         now = time.time()
+        for r, p in enumerate(ctx.processes):
+            if p.pid and stopped(p.pid):
+                stopped_since.setdefault(r, now)
+            else:
+                stopped_since.pop(r, None)
         silent = [
             (r, now - t)
             for r, t in enumerate(_mtime(b) for b in beats)
             if t is not None and now - t > stall_s and ctx.processes[r].is_alive()
-        ]
+        ] + [(r, now - t) for r, t in stopped_since.items() if now - t > stall_s]
         if now >= deadline or silent:
             from megatron_hsp.runtime.lifetime import stop_tree
 
