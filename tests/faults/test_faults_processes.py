@@ -69,6 +69,38 @@ def test_a_stopped_rank_ends_the_run_within_its_timeout_and_nothing_survives(tmp
     assert took < 90, took
 
 
+@pytest.mark.dist
+def test_a_rank_stopped_while_it_starts_ends_the_run_without_the_startup_allowance(tmp_path):
+    """Stopped before its heartbeat starts (still importing), a rank was bounded only by the
+    300 s start-up allowance; it is now seen stopped in /proc."""
+    from megatron_hsp.testing.dist import MIN_STALL_S, run_distributed
+
+    caught: list[int] = []
+    stopped_at: list[float] = []
+
+    def stop_first_rank() -> None:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and not caught:
+            for pid in descendants(os.getpid()):
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                if b"spawn_main" in cmd:
+                    os.kill(pid, signal.SIGSTOP)
+                    caught.append(pid)
+                    stopped_at.append(time.monotonic())
+                    return
+            time.sleep(0.05)
+
+    threading.Thread(target=stop_first_rank, daemon=True).start()
+    with bounded(400), pytest.raises(TimeoutError) as err:
+        run_distributed(busy_rank, 2, str(tmp_path), timeout_s=10.0)
+    assert caught and "stalled" in str(err.value), str(err.value)[:500]
+    assert time.monotonic() - stopped_at[0] < MIN_STALL_S + 60
+    assert not alive(caught[0])
+
+
 def test_stop_tree_ends_a_stopped_process_and_its_stopped_child():
     code = "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"
     parent = subprocess.Popen([sys.executable, "-c", code])
