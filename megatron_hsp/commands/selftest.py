@@ -107,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
     from megatron_hsp.testing.mutations import MUTATIONS
     from megatron_hsp.testing.selftest import build_cases, case_table, mutation_table, run_selftest
 
-    # A wall-clock bound: 0, negative or NaN would mean "never" or "at once" (issue 40).
+    # A wall-clock bound: 0, negative or NaN would mean "never" or "at once".
     check_range(args.timeout, "--timeout", low=0, low_open=True, high=86400)
     build_cases(args.nproc)  # validates --nproc before anything is spawned
     mutations = [m.name for m in MUTATIONS] if args.mutations else None

@@ -43,7 +43,7 @@ FLEXSP_PAD_MULTIPLE = 128  # 2 * world_size with FlexSP's hard-wired world_size 
 SAMPLING_MODES = ("sequential", "random")
 _IDX_HEADER = b"MMIDIDX\x00\x00"
 #: Sequences one global batch may hold after --overlong split (the planner's search is about
-#: linear in them; 8192 plan in about 3 s): more pieces are refused before any is built.
+#: linear in them; figures: docs/reliability.md): more pieces are refused before any is built.
 MAX_BATCH_SEQUENCES = 65536
 #: Sequences a lengths input may hold after --overlong split under --sampling sequential.
 MAX_CORPUS_SEQUENCES = 10**8

@@ -61,7 +61,7 @@ def agree_on_plan(
     for at most ``timeout_s``: the planning rank answers within its plan deadline (a late plan
     is replaced by the fallback plan, ``step/planner_service.py``), so a rank still waiting past
     that bound names the planning rank as stopped or wedged and stops, in one line, instead of
-    waiting in an object collective until Megatron's distributed timeout (issue 40).
+    waiting in an object collective until Megatron's distributed timeout.
     """
     if mode == "broadcast":
         box: list[Any] = [None]

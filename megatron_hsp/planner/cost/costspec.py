@@ -392,7 +392,7 @@ def _check_prices(model: CostModel) -> None:
     ``MAX_PRICE_MS``; otherwise it is refused naming the coefficient and the price it makes.
 
     Why: a finite but huge coefficient (1e308) passes every sign check yet overflows to inf in
-    ``seq_ms``; the search then compares infinities and ran for minutes (issue 40).
+    ``seq_ms``; the search then compares infinities and ran for minutes.
     """
     tpr = float(model.tokens_per_rank)
     sizes = sorted({1, *model.a2a_ms_per_token, *model.group_fixed_ms} - {0}) or [1]

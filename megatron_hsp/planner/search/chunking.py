@@ -37,8 +37,8 @@ from megatron_hsp.planner.search.instance import Instance, longest_first_ids
 from megatron_hsp.planner.topology import Cluster
 
 #: The most micro-batches one step is planned in. Planning time grows about linearly with them
-#: (2048 full-cluster micro-batches: 6 s on a laptop core); a batch whose memory floor is above
-#: it is refused up front rather than planned for minutes (issue 40).
+#: (figures: docs/reliability.md); a batch whose memory floor is above it is refused up front
+#: rather than planned for minutes.
 MAX_MICROBATCHES = 4096
 
 

@@ -166,7 +166,7 @@ def _worker(
         "max_rel_weight_diff_after": wworst,
         "worst_weight_param": wname,
         "planted_param": PLANTED.get("param"),
-        "faults": PLANTED.get("faults"),  # megatron_loop/faults.py (issue 40)
+        "faults": PLANTED.get("faults"),  # megatron_loop/faults.py
         "pipeline": hsp["pipeline"],
         "moe": hsp["moe"],
         # Expert parameters compared per parameter (each rank's own experts; 0 when dense).
@@ -220,7 +220,7 @@ def _run_loops(
     """Each (option set, steps, plant) of ``runs``, all in one spawn of ``nproc`` processes."""
     from megatron_hsp.testing.megatron_loop.faults import FAULTS
 
-    for _, _, plant in runs:  # faults (issue 40) go through the plant seam but must pass
+    for _, _, plant in runs:  # faults go through the plant seam but must pass
         if plant is not None and plant not in PLANTS and plant not in FAULTS:
             raise ValueError(f"unknown plant {plant!r}; known: {sorted(PLANTS)}")
     from megatron_hsp.testing.dist import raise_rank_errors, run_distributed

@@ -1,4 +1,4 @@
-"""Faults run under the loop's machinery (issue 40): unlike ``plants``, the comparison must
+"""Faults run under the loop's machinery: unlike ``plants``, the comparison must
 still PASS, since a fault HSP handles must not change what trains.
 
 ``planner-stopped-after-step-1``: the HSP side plans in the background (as users run it,
