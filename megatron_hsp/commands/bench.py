@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -20,7 +19,7 @@ from megatron_hsp.commands.megatron_args import (
 )
 from megatron_hsp.evaluation.bench import DEFAULT_METHODS, PlanFn, parse_methods, run_bench
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.paths import STDOUT, check_output_path
+from megatron_hsp.planner.paths import STDOUT, atomic_write, check_output_path
 from megatron_hsp.planner.plan import Plan
 
 
@@ -239,7 +238,7 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=1))
         return 0 if result["summary"]["all_plans_valid"] else 1
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        atomic_write(args.json, json.dumps(result, indent=1), flag="--json")
         print(f"bench: wrote {args.json}", file=sys.stderr)
     print(format_bench(result))
     return 0 if result["summary"]["all_plans_valid"] else 1

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -245,30 +243,19 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _atomic_path(path: Path) -> tuple[int, str]:
-    return tempfile.mkstemp(dir=str(path.parent or Path(".")), prefix=f".{path.name}.")
-
-
 def write_json(result: dict[str, Any], path: str) -> None:
-    """``result`` as JSON at ``path`` (written aside and renamed: never half a file)."""
+    """``result`` as JSON at ``path``, through the one atomic writer (``planner.paths``)."""
     if path == STDOUT:
         print(json.dumps(result, indent=1))
         return
-    out = Path(path)
-    fd, tmp = _atomic_path(out)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(result, fh, indent=1)
-            fh.write("\n")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    from megatron_hsp.planner.paths import atomic_write
+
+    atomic_write(path, json.dumps(result, indent=1) + "\n", flag="--json")
 
 
 def plot_compare(result: dict[str, Any], path: str) -> None:
     """Per-step measured and predicted speedups, the spread as a band (matplotlib, lazily)."""
-    from megatron_hsp.commands.plots import _pyplot, check_png_path
+    from megatron_hsp.commands.plots import _pyplot, _save, check_png_path
 
     out = check_png_path(path)
     plt = _pyplot()
@@ -284,15 +271,10 @@ def plot_compare(result: dict[str, Any], path: str) -> None:
     ax.set_ylabel(f"{result['run_a']['method']} time / {result['run_b']['method']} time")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fd, tmp = _atomic_path(out)
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, out)
+        _save(fig, out)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 from megatron_hsp.commands.common import add_verbose_argument, import_warnings_summarised
 from megatron_hsp.commands.demo_config import (
@@ -164,8 +163,9 @@ def _run(args: argparse.Namespace) -> int:
         from megatron_hsp.step.corpus import default_cache_dir
 
         if args.refit_out is None:
-            folder = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-            folder.mkdir(parents=True, exist_ok=True)
+            from megatron_hsp.planner.paths import check_folder
+
+            folder = check_folder(args.cache_dir or default_cache_dir(), "--cache-dir")
         refit_out = check_output_path(
             "--refit-out", args.refit_out or str(folder / "demo-refit.yaml")
         )
@@ -225,8 +225,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.json == "-":
             print(text)
         else:
-            with open(args.json, "w") as fh:
-                fh.write(text + "\n")
+            from megatron_hsp.planner.paths import atomic_write
+
+            atomic_write(args.json, text + "\n", flag="--json")
     if plot_path is not None:
         from megatron_hsp.commands.plots import plot_demo
 

@@ -51,8 +51,9 @@ def _rank_main(rank: int, cfg: DemoConfig, rdzv: str, out: str) -> None:
             )
     finally:
         destroy_cpu_megatron()
-    with open(out, "wb") as fh:
-        pickle.dump(result, fh)
+    from megatron_hsp.planner.paths import atomic_write
+
+    atomic_write(out, pickle.dumps(result))  # the parent never reads half a result
 
 
 HEARTBEAT_S = 1.0
@@ -91,22 +92,16 @@ def _stalled_rank(outs: list[str], since: float, limit_s: float) -> tuple[int, f
 
 
 def _stop(procs: list[Any]) -> None:
-    """Terminate every live rank, then kill what is left after 5 s (a stopped rank ignores
-    SIGTERM until continued, so it is continued too). Ranks never started (a signal during the
-    start loop) are skipped: joining one raised "can only join a started process"."""
+    """Stop every rank and everything below it (the planner process rank 0 started), in any
+    state: continued, terminated, killed after 5 s (``runtime.lifetime.stop_tree``). Ranks never
+    started (a signal during the start loop) are skipped: joining one raised "can only join a
+    started process"."""
+    from megatron_hsp.runtime.lifetime import stop_tree
+
     procs = [p for p in procs if p.pid is not None]
+    stop_tree([p.pid for p in procs], grace_s=5.0)
     for p in procs:
-        if p.is_alive():
-            p.terminate()
-            with contextlib.suppress(ProcessLookupError, TypeError):
-                os.kill(p.pid, signal.SIGCONT)
-    end = time.monotonic() + 5
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+        p.join(1)
 
 
 def _is_error(path: str) -> bool:

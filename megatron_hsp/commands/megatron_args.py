@@ -767,7 +767,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "arguments.py): dest, values taken, type, default (JSON), option strings.\n"
         "# Written by: python -m megatron_hsp.commands.megatron_args --regenerate\n"
     )
-    path.write_text(head + "\n".join(flag_rows(parser)) + "\n")
+    from megatron_hsp.planner.paths import atomic_write
+
+    atomic_write(path, head + "\n".join(flag_rows(parser)) + "\n")
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

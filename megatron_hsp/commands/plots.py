@@ -20,7 +20,10 @@ from megatron_hsp.planner.plan import Plan
 
 def check_png_path(path: str, flag: str = "--plot") -> Path:
     """The output path, or InputError naming ``flag`` when it cannot be a writable PNG file."""
+    from megatron_hsp.planner.paths import refuse_link
+
     p = Path(path)
+    refuse_link(p, flag)
     if p.suffix.lower() != ".png":
         raise InputError(f"{flag} {path}: the picture is a PNG; give a file name ending in .png")
     parent = p.parent if str(p.parent) else Path(".")
@@ -29,6 +32,14 @@ def check_png_path(path: str, flag: str = "--plot") -> Path:
     if p.is_dir() or not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise InputError(f"{flag} {path}: cannot write there; choose a writable file path")
     return p
+
+
+def _save(fig: Any, path: str | Path) -> None:
+    """The picture through the one atomic writer (``planner.paths.atomic_open``)."""
+    from megatron_hsp.planner.paths import atomic_open
+
+    with atomic_open(path, "wb", flag="--plot") as fh:
+        fig.savefig(fh, format="png", dpi=120)
 
 
 def _pyplot() -> Any:
@@ -107,7 +118,7 @@ def plot_plan(plan: Plan, path: Path, tokens_per_rank: int) -> None:
         "labels: sequences, memory used"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
     plt.close(fig)
 
 
@@ -152,7 +163,7 @@ def plot_bench(
     right.set_ylabel("sequences")
     right.set_title("length histogram, coloured by the group size hsp chose")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
     plt.close(fig)
 
 
@@ -190,5 +201,5 @@ def plot_demo(result: Mapping[str, Any], path: Path) -> None:
         right.text(0.5, 0.5, "no comparison steps (--compare-steps 0)", ha="center")
         right.set_axis_off()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
     plt.close(fig)

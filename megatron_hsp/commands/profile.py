@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from megatron_hsp.planner.paths import atomic_write
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from megatron_hsp.commands.demo_config import DEMO_MODEL
@@ -255,7 +257,15 @@ def run(args: argparse.Namespace) -> int:
 
     for key, value in QUIET_CHILD_ENV.items():  # Megatron's import-time warnings, once per process
         os.environ.setdefault(key, value)
-    results = raise_rank_errors(run_distributed(_profile_worker, args.nproc, cfg, timeout_s=3600.0))
+    try:
+        results = raise_rank_errors(
+            run_distributed(_profile_worker, args.nproc, cfg, timeout_s=3600.0)
+        )
+    except TimeoutError as exc:  # a stopped or wedged rank: every rank was stopped (dist.py)
+        from megatron_hsp.planner.errors import HSPError
+
+        first = str(exc).split("; rank ")[0].splitlines()[0]
+        raise HSPError(f"{first}; every measuring rank was stopped") from None
     res = results[0]
     samples = res["compute"]
     # Measured, not fitted: a longer single sequence timed more than 10% faster than a shorter
@@ -324,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     load_cost_model(spec, world_size=args.nproc)  # refuses anything the planner cannot use
-    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    atomic_write(out, yaml.safe_dump(spec, sort_keys=False), flag="--out")
     print(f"{'fit':<16} {'samples':>7} {'R^2':>7} {'median err':>10} {'max err':>8}  coefficients")
     fits = [
         ("compute", compute),

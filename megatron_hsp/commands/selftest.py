@@ -84,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The ranks' logs are removed when every check passed and kept (and named) otherwise."""
+    from megatron_hsp.planner.errors import HSPError
     from megatron_hsp.testing.dist import rank_output_logged
 
     started = _process_started()
@@ -91,7 +92,13 @@ def run(args: argparse.Namespace) -> int:
         import_warnings_summarised(args.verbose, "selftest", children=True),
         rank_output_logged(args.verbose, "selftest") as logs,
     ):
-        rc = _run(args, started)
+        try:
+            rc = _run(args, started)
+        except TimeoutError as exc:  # every rank was stopped (testing/dist.py): one line
+            first = str(exc).split("; rank ")[0].splitlines()[0]
+            raise HSPError(
+                f"{first}; every rank was stopped (--timeout {args.timeout:g})"
+            ) from None
         logs.passed = rc == 0
         return rc
 
@@ -121,9 +128,12 @@ def _run(args: argparse.Namespace, started: float | None = None) -> int:
             "--dtype, --device and --plant apply under torchrun (the acceptance kit) only, or "
             "with --ranks-share-gpu"
         )
+    from megatron_hsp.planner.units import check_range
     from megatron_hsp.testing.mutations import MUTATIONS
     from megatron_hsp.testing.selftest import build_cases, case_table, mutation_table, run_selftest
 
+    # A wall-clock bound: 0, negative or NaN would mean "never" or "at once".
+    check_range(args.timeout, "--timeout", low=0, low_open=True, high=86400)
     build_cases(args.nproc)  # validates --nproc before anything is spawned
     mutations = [m.name for m in MUTATIONS] if args.mutations else None
     result = run_selftest(args.nproc, timeout_s=args.timeout, mutations=mutations)

@@ -45,7 +45,13 @@ from megatron_hsp.planner.run_spec import (
     check_time_budget,
     static_degree,
 )
-from megatron_hsp.planner.search.settings import PlannerSettings, RunSpec
+from megatron_hsp.planner.search.settings import (
+    DEFAULT_PLAN_TIMEOUT_S,
+    PLAN_EXCHANGE_MARGIN_S,
+    PlannerSettings,
+    RunSpec,
+)
+from megatron_hsp.planner.units import check_range
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class HSPConfig:
     plan_log: str | None = None
     log_interval: int = 1
     background_planner: bool = True
+    plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S  # --hsp-plan-timeout-s
     refit: bool = True  # online refit of the cost model (--hsp-no-refit turns it off)
     refit_out: str | None = None  # where the refit model is written (--hsp-refit-out)
     notes: tuple[str, ...] = field(default=(), compare=False)
@@ -363,6 +370,7 @@ def validate_hsp_args(
         plan_log=args.hsp_plan_log,
         log_interval=args.hsp_log_interval,
         background_planner=not args.hsp_sync_planner,
+        plan_timeout_s=float(getattr(args, "hsp_plan_timeout_s", DEFAULT_PLAN_TIMEOUT_S)),
         refit=not getattr(args, "hsp_no_refit", False),
         refit_out=refit_out,
         notes=tuple(notes),
@@ -461,6 +469,7 @@ def _check_planner_budgets(args: argparse.Namespace) -> None:
     """``--hsp-time-budget-s`` and ``--hsp-memory-cap-gb`` must be positive."""
     try:
         check_time_budget(args.hsp_time_budget_s, "--hsp-time-budget-s")
+        _check_plan_timeout(args)
     except InputError as exc:
         raise HSPArgsError(str(exc)) from None
     if args.hsp_memory_cap_gb is not None and args.hsp_memory_cap_gb <= 0:
@@ -752,3 +761,12 @@ def _refit_out(args: argparse.Namespace) -> str | None:
         return check_output_path("--hsp-refit-out", out)
     save = arg_value(args, "save", None)
     return str(Path(save) / REFIT_FILE) if save else None
+
+
+def _check_plan_timeout(args: argparse.Namespace) -> None:
+    """``--hsp-plan-timeout-s`` > 0 and, with the exchange's margin, under Megatron's
+    ``--distributed-timeout-minutes``: otherwise a late planner would still meet the watchdog."""
+    value = getattr(args, "hsp_plan_timeout_s", DEFAULT_PLAN_TIMEOUT_S)
+    minutes = getattr(args, "distributed_timeout_minutes", None) or 10
+    high = max(1.0, 60.0 * float(minutes) - PLAN_EXCHANGE_MARGIN_S)
+    check_range(value, "--hsp-plan-timeout-s", low=0, low_open=True, high=high)

@@ -28,6 +28,7 @@ from megatron_hsp.planner.run_spec import (
     GroupSizeRequest,
     check_plan_method,
 )
+from megatron_hsp.planner.search.settings import DEFAULT_PLAN_TIMEOUT_S
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -176,6 +177,15 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--hsp-sync-planner",
         action="store_true",
         help="Plan in the training process instead of a background process (debugging).",
+    )
+    g.add_argument(
+        "--hsp-plan-timeout-s",
+        type=float,
+        default=DEFAULT_PLAN_TIMEOUT_S,
+        help="Seconds a step waits for its background plan; a later plan (or a dead planner) is "
+        "replaced by the fallback plan (greedy, exact like any plan), the run logs it and the "
+        "planner process is restarted. Keep it well under --distributed-timeout-minutes. "
+        f"Default: {DEFAULT_PLAN_TIMEOUT_S:g}.",
     )
     g.add_argument(
         "--hsp-no-refit",

@@ -187,7 +187,11 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
     rank0 = rank == 0
     if rank0 and cfg.plan_method == "static-best":
         training.spec = _static_best_lookahead(training.spec, sampler, args)
-    training.start_planner(background=cfg.background_planner, sync_flag="--hsp-sync-planner")
+    training.start_planner(
+        background=cfg.background_planner,
+        sync_flag="--hsp-sync-planner",
+        plan_timeout_s=cfg.plan_timeout_s,
+    )
     planner = training.planner
     # Megatron's sequence parallelism splits each rank's tokens over the TP group again.
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
@@ -321,7 +325,6 @@ def check_and_record_data(args: Any, fingerprint: str) -> None:
     directory without the record (written before it existed) is resumed without the check.
     """
     import json
-    import os
     from pathlib import Path
 
     import torch.distributed as dist
@@ -346,10 +349,10 @@ def check_and_record_data(args: Any, fingerprint: str) -> None:
         # Written aside and renamed over the record: with --save and --load the same directory,
         # the other ranks may be reading it for the check above right now, and a write in place
         # lets them read it empty (JSONDecodeError; the likely cause of one crashed rank seen in
-        # selftest --megatron).
-        aside = Path(save) / f".{DATA_RECORD}.{os.getpid()}"
-        aside.write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
-        os.replace(aside, Path(save) / DATA_RECORD)
+        # selftest --megatron). The one atomic writer does exactly that (planner/paths.py).
+        from megatron_hsp.planner.paths import atomic_write
+
+        atomic_write(Path(save) / DATA_RECORD, json.dumps({"fingerprint": fingerprint}) + "\n")
 
 
 class _SplitPlanner:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gzip
 import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -33,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.paths import atomic_open, atomic_write
 from megatron_hsp.planner.run_spec import OverlongPolicy, parse_choice
 from megatron_hsp.planner.units import MAX_TOKENS, parse_tokens
 
@@ -40,6 +42,11 @@ DEFAULT_LENGTHS = "wikipedia_lengths_100k.txt.gz"
 FLEXSP_PAD_MULTIPLE = 128  # 2 * world_size with FlexSP's hard-wired world_size = 64
 SAMPLING_MODES = ("sequential", "random")
 _IDX_HEADER = b"MMIDIDX\x00\x00"
+#: Sequences one global batch may hold after --overlong split (the planner's search is about
+#: linear in them; figures: docs/reliability.md): more pieces are refused before any is built.
+MAX_BATCH_SEQUENCES = 65536
+#: Sequences a lengths input may hold after --overlong split under --sampling sequential.
+MAX_CORPUS_SEQUENCES = 10**8
 
 
 # ---------------------------------------------------------------------- reading
@@ -95,6 +102,14 @@ def read_text_lengths(path: str | Path) -> np.ndarray:
                         f"{p}:{lineno}: {text[:40]!r} is not an integer length "
                         "(expected one positive integer per line, digits 0-9 only)"
                     )
+                # Counted before int(): a 5,000-digit line exceeds Python's conversion limit
+                # (ValueError) and any length this tool plans.
+                if len(digits.lstrip("0")) > len(str(MAX_TOKENS)):
+                    raise InputError(
+                        f"{p}:{lineno}: length {text[:40]}{'...' if len(text) > 40 else ''} "
+                        f"({len(digits)} digits) is larger than {MAX_TOKENS:.0e} tokens; "
+                        "expected one document length per line"
+                    )
                 n = int(text)
                 if n <= 0:
                     raise InputError(f"{p}:{lineno}: length {n} is not positive")
@@ -104,9 +119,8 @@ def read_text_lengths(path: str | Path) -> np.ndarray:
                         "tokens; expected one document length per line"
                     )
                 out.append(n)
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
-        if isinstance(exc, InputError):
-            raise
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
+        # zlib.error: a corrupt (not truncated) .gz; gzip.BadGzipFile is an OSError.
         raise InputError(f"--lengths {str(p)!r} cannot be read: {exc}") from None
     if not out:
         raise InputError(f"--lengths {str(p)!r} holds no lengths")
@@ -160,7 +174,7 @@ def write_indexed_dataset_index(prefix: str | Path, doc_lengths: Sequence[Sequen
     doc_idx = np.concatenate([[0], np.cumsum([len(doc) for doc in doc_lengths])]).astype(np.int64)
     pointers = np.concatenate([[0], np.cumsum(np.asarray(seqs, dtype=np.int64) * 4)[:-1]])
     idx = Path(str(prefix) + ".idx")
-    with open(idx, "wb") as fh:
+    with atomic_open(idx, "wb") as fh:
         fh.write(_IDX_HEADER)
         fh.write(struct.pack("<Q", 1))
         fh.write(struct.pack("<B", 4))
@@ -169,7 +183,7 @@ def write_indexed_dataset_index(prefix: str | Path, doc_lengths: Sequence[Sequen
         fh.write(np.asarray(seqs, dtype=np.int32).tobytes())
         fh.write(np.asarray(pointers, dtype=np.int64).tobytes())
         fh.write(doc_idx.tobytes())
-    Path(str(prefix) + ".bin").write_bytes(b"")
+    atomic_write(Path(str(prefix) + ".bin"), b"")
     return idx
 
 
@@ -249,12 +263,21 @@ class BatchSampler:
             corpus = np.delete(padded, over)
         else:
             piece = (limit // m) * m
+            # Counted before any piece is built: one 1e12-token document is 5 million pieces.
+            pieces = int(np.sum((raw[over] + piece - 1) // piece))
+            if padded.size - over.size + pieces > MAX_CORPUS_SEQUENCES:
+                raise InputError(
+                    f"--overlong split: {over.size} document(s) would become {pieces} pieces of "
+                    f"at most {piece} tokens, over the {MAX_CORPUS_SEQUENCES} sequences a "
+                    "lengths input may hold; use --overlong drop or a larger --max-seq"
+                )
             parts: list[np.ndarray] = []
             prev = 0
             for i in over.tolist():
                 full, rest = divmod(int(raw[i]), piece)
-                cut = [piece] * full + ([((rest - 1) // m + 1) * m] if rest else [])
-                parts += [padded[prev:i], np.asarray(cut, dtype=np.int64)]
+                tail = [((rest - 1) // m + 1) * m] if rest else []
+                cut = np.concatenate([np.full(full, piece, dtype=np.int64), tail]).astype(np.int64)
+                parts += [padded[prev:i], cut]
                 self.harness_pieces += len(cut)
                 prev = i + 1
             parts.append(padded[prev:])
@@ -335,6 +358,14 @@ class BatchSampler:
                     f"{limit}); the batch is empty"
                 )
             return GlobalBatch(step, lengths[keep], ids[keep], dropped=int(over.size))
+        counted = int(np.sum((lengths[over] + limit - 1) // limit))  # before any piece is built
+        if lengths.size - over.size + counted > MAX_BATCH_SEQUENCES:
+            raise InputError(
+                f"batch {step}: --overlong split would cut {over.size} sequence(s) into "
+                f"{counted} pieces of at most {limit} tokens, over the {MAX_BATCH_SEQUENCES} "
+                "sequences one batch is planned with; use --overlong drop, more GPUs, a larger "
+                "--memory-cap-gb or --max-seq"
+            )
         out_len: list[int] = []
         out_ids: list[int] = []
         pieces = 0

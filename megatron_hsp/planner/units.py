@@ -59,12 +59,18 @@ def check_range(
 
     Raises :class:`InputError` with one line naming ``flag`` and the accepted range.
     """
-    v = float(value)
     rng = (
         f"{'>' if low_open else '>='} {low:g}" if low is not None else "",
         f"<= {high:g}" if high is not None else "",
     )
     want = " and ".join(x for x in rng if x) or "a finite number"
+    try:
+        v = float(value)
+    except OverflowError:  # an int with hundreds of digits: far outside any range we accept
+        shown = str(value)
+        raise InputError(f"{flag} must be {want}, got a {len(shown)}-digit number") from None
+    except (TypeError, ValueError):
+        raise InputError(f"{flag} must be a number ({want}), got {value!r}") from None
     if not math.isfinite(v):
         raise InputError(f"{flag} must be finite ({want}), got {value!r}")
     if low is not None and (v <= low if low_open else v < low):

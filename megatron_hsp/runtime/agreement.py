@@ -11,16 +11,20 @@ same error on a mismatch or an unexecutable plan.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import defaultdict
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from megatron_hsp.planner import groupspace
 from megatron_hsp.planner.errors import HSPError, InputError, PlanError
 from megatron_hsp.planner.groupspace import HeadSpace
 from megatron_hsp.planner.plan import Plan
+from megatron_hsp.planner.search.settings import DEFAULT_PLAN_TIMEOUT_S, PLAN_EXCHANGE_MARGIN_S
 from megatron_hsp.runtime.groups import GroupRegistry
 
 
@@ -42,6 +46,7 @@ def agree_on_plan(
     mode: str = "verify",
     src: int = 0,
     group: dist.ProcessGroup | None = None,
+    timeout_s: float = DEFAULT_PLAN_TIMEOUT_S + PLAN_EXCHANGE_MARGIN_S,
 ) -> Plan:
     """Return the plan all ranks of ``group`` (default: world) will execute.
 
@@ -51,6 +56,12 @@ def agree_on_plan(
     rank is left waiting in the broadcast for a plan that never comes.
     ``verify``: every rank passes its own plan; fingerprints are all-gathered and compared;
     on a mismatch every rank raises ``PlanMismatchError`` naming the ranks that disagree.
+
+    The broadcast is two tensor broadcasts (length, then the plan's JSON bytes), each waited
+    for at most ``timeout_s``: the planning rank answers within its plan deadline (a late plan
+    is replaced by the fallback plan, ``step/planner_service.py``), so a rank still waiting past
+    that bound names the planning rank as stopped or wedged and stops, in one line, instead of
+    waiting in an object collective until Megatron's distributed timeout.
     """
     if mode == "broadcast":
         box: list[Any] = [None]
@@ -58,7 +69,7 @@ def agree_on_plan(
             box = [{"__error__": f"{type(plan).__name__}: {plan}"}]
         elif dist.get_rank() == src and plan is not None:
             box = [plan.to_dict()]
-        dist.broadcast_object_list(box, src=src, group=group)
+        box = [_broadcast_json(box[0], src=src, group=group, timeout_s=timeout_s)]
         if box[0] is None:
             raise PlanMismatchError(f"rank {src} had no plan to broadcast")
         if "__error__" in box[0]:
@@ -90,11 +101,74 @@ def agree_on_plan(
     return plan
 
 
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a collective's tensors live: the current GPU under NCCL, else the CPU."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _bounded(work: Any, timeout_s: float, what: str) -> None:
+    """Wait for an async collective at most ``timeout_s``; past it, one line naming what."""
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "timed out"
+        raise PlanningFailedError(
+            f"rank {dist.get_rank()}: {what} did not complete within {timeout_s:.0f} s ({first}); "
+            "the planning rank or a peer is stopped, wedged or gone. Stopping this rank"
+        ) from None
+
+
+def _broadcast_json(
+    value: Any, *, src: int, group: dist.ProcessGroup | None, timeout_s: float
+) -> Any:
+    """``value`` (JSON-able, meaningful on ``src`` only) on every rank: its length, then its
+    UTF-8 bytes, as tensors, each broadcast waited for at most ``timeout_s``."""
+    device = _device(group)
+    mine = dist.get_rank() == src
+    data = json.dumps(value).encode() if mine else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    _bounded(dist.broadcast(size, src=src, group=group, async_op=True), timeout_s, "the plan")
+    if mine:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    _bounded(dist.broadcast(buf, src=src, group=group, async_op=True), timeout_s, "the plan")
+    return json.loads(bytes(buf.cpu().numpy().tobytes()).decode())  # src too: one form
+
+
+#: Bytes of each rank's first problem carried by ``agree_no_problems`` (a sentence or two).
+PROBLEM_BYTES = 1024
+
+
+def _all_gather_text(text: str, group: dist.ProcessGroup | None, timeout_s: float) -> list[str]:
+    """Every rank's ``text`` (cut to ``PROBLEM_BYTES``), one fixed-size tensor all-gather
+    waited for at most ``timeout_s``."""
+    device = _device(group)
+    data = text.encode()[: PROBLEM_BYTES - 2]
+    buf = torch.zeros(PROBLEM_BYTES, dtype=torch.uint8, device=device)
+    buf[0], buf[1] = len(data) // 256, len(data) % 256
+    if data:
+        buf[2 : 2 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(out, buf, group=group, async_op=True)
+    _bounded(work, timeout_s, "the plan check")
+    texts = []
+    for t in out:
+        raw = t.cpu().numpy().tobytes()
+        n = raw[0] * 256 + raw[1]
+        texts.append(raw[2 : 2 + n].decode(errors="replace"))
+    return texts
+
+
 def agree_no_problems(
     problems: Sequence[str],
     *,
     what: str = "the plan does not fit the batch",
     group: dist.ProcessGroup | None = None,
+    timeout_s: float = DEFAULT_PLAN_TIMEOUT_S + PLAN_EXCHANGE_MARGIN_S,
 ) -> None:
     """Raise ``BatchMismatchError`` on EVERY rank when any rank reports a problem.
 
@@ -102,9 +176,7 @@ def agree_no_problems(
     one rank alone (its batch differs from the one the plan was made for) would make that rank
     raise while the others enter the step's collectives and hang until the NCCL timeout.
     """
-    mine = str(problems[0]) if problems else ""
-    everyone: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = _all_gather_text(str(problems[0]) if problems else "", group, timeout_s)
     ranks = dist.get_process_group_ranks(group) if group is not None else range(len(everyone))
     bad = [(r, p) for r, p in zip(ranks, everyone, strict=True) if p]
     if bad:

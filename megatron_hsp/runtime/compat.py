@@ -41,16 +41,50 @@ def _installed_version(name: str) -> str | None:
     if name == "torch":
         return str(torch.__version__)
     if name == "megatron-core":
-        try:
-            from megatron.core.package_info import __version__
-
-            return str(__version__)
-        except Exception:
-            pass
+        version = _megatron_core_version()
+        if version is not None:
+            return version
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def _megatron_core_version() -> str | None:
+    """The importable megatron-core's version, read without importing ``megatron.core``: its
+    ``__init__`` imports torch, Transformer Engine probes and optimizer fallbacks (seconds, and
+    warnings on stderr), which every command's start-up check must not pay. An already imported
+    ``package_info`` is used as it is (it adds a checkout's git hash); else the release fields
+    of the ``package_info.py`` that ``import megatron.core`` would load."""
+    import re
+    import sys
+
+    loaded = sys.modules.get("megatron.core.package_info")
+    if loaded is not None:
+        return str(getattr(loaded, "__version__", "")) or None
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("megatron.core")  # imports the namespace "megatron" only
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        info = Path(folder) / "package_info.py"
+        try:
+            text = info.read_text()
+        except OSError:
+            continue
+        fields = {
+            k: m.group(1)
+            for k in ("MAJOR", "MINOR", "PATCH", "PRE_RELEASE")
+            if (m := re.search(rf"^{k}\s*=\s*['\"]?([^'\"\n]*)['\"]?\s*$", text, re.M))
+        }
+        if {"MAJOR", "MINOR", "PATCH"} <= fields.keys():
+            base = ".".join(fields[k].strip() for k in ("MAJOR", "MINOR", "PATCH"))
+            return base + fields.get("PRE_RELEASE", "").strip()
+    return None
 
 
 def running_versions() -> str:

@@ -11,16 +11,19 @@ import ast
 import hashlib
 import itertools
 import os
+import shutil
 import sys
 import sysconfig
+import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from megatron_hsp.planner.errors import InputError
+from megatron_hsp.planner.paths import WriteError, check_folder, refuse_link
 
 # --------------------------------------------------------------------------------- demo corpus
 BYTE_VOCAB = 256
@@ -108,8 +111,7 @@ def build_stdlib_corpus(
             time.sleep(0.5)
     if ready():
         return Corpus(prefix, -1, source)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".tmp-{os.getpid()}-{prefix.name}"
+    check_folder(out, "--cache-dir")
 
     def docs() -> Iterator[np.ndarray]:
         for p in files:
@@ -117,8 +119,40 @@ def build_stdlib_corpus(
                 data = np.frombuffer(chunk, dtype=np.uint8).astype(np.int64)
                 yield np.append(data, EOD_TOKEN)
 
-    n = write_indexed_dataset(tmp, docs())
-    # Atomic publish: concurrent builders (several ranks, two demos) never see half a file.
-    os.replace(str(tmp) + ".bin", str(prefix) + ".bin")
-    os.replace(str(tmp) + ".idx", str(prefix) + ".idx")
+    n = publish_indexed_dataset(prefix, lambda tmp: write_indexed_dataset(tmp, docs()))
     return Corpus(prefix, n, source, built=True)
+
+
+def publish_indexed_dataset(prefix: Path, write: Callable[[Path], int]) -> int:
+    """``write(tmp_prefix)`` into a fresh private folder beside ``prefix``, both files fsynced,
+    then renamed over ``PREFIX.bin`` and ``PREFIX.idx`` (``.idx`` last: readers test for it).
+
+    Why: concurrent builders (several ranks, two demos) never see half a file; a full disk
+    leaves the previous files as they were and ends in one line naming the path
+    (``WriteError``); a link planted at either name is refused, not written through.
+    """
+    targets = [Path(f"{prefix}{ext}") for ext in (".bin", ".idx")]
+    for target in targets:
+        refuse_link(target, "--cache-dir")
+    work = None
+    try:
+        work = Path(tempfile.mkdtemp(prefix=f".{prefix.name}.", dir=prefix.parent))
+        n = write(work / "data")
+        for target in targets:
+            part = work / f"data{target.suffix}"
+            fd = os.open(part, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            refuse_link(target, "--cache-dir")
+            os.replace(part, target)
+        return n
+    except OSError as exc:
+        raise WriteError(
+            f"--cache-dir: {prefix}.bin/.idx could not be written ({exc.strerror or exc}); the "
+            "previous files, if any, are unchanged"
+        ) from None
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)

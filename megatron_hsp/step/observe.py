@@ -18,6 +18,7 @@ from typing import Any, TextIO
 from megatron_hsp.planner.cost.costcore import CostModel
 from megatron_hsp.planner.cost.execution import price, step_wall_ms
 from megatron_hsp.planner.cost.refit import TERMS as REFIT_TERMS
+from megatron_hsp.planner.paths import AppendLog
 from megatron_hsp.planner.plan import Plan
 
 
@@ -179,7 +180,7 @@ class StepObserver:
     ) -> None:
         self.log_interval = log_interval
         self.stream = stream if stream is not None else sys.stdout
-        self.plan_log = open(plan_log, "a") if plan_log else None  # noqa: SIM115 - kept open
+        self.plan_log = AppendLog(plan_log) if plan_log else None
         self.tb = tensorboard_writer
         self.wandb = wandb_writer
         self.records: list[StepRecord] = []
@@ -410,8 +411,9 @@ class StepRefitter:
         if result.accepted and self.out:
             import yaml
 
-            with open(self.out, "w") as fh:
-                yaml.safe_dump(result.spec, fh, sort_keys=False)
+            from megatron_hsp.planner.paths import atomic_write
+
+            atomic_write(self.out, yaml.safe_dump(result.spec, sort_keys=False))
         return result
 
     def summary_line(self) -> str:

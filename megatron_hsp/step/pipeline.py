@@ -165,6 +165,7 @@ def build_step_pipeline(
     *,
     rank: int,
     planner: PlannerService | None,
+    exchange_timeout_s: float | None = None,
 ) -> StepPipeline:
     """The step pipeline of one rank of a distributed run (every rank calls it, alike).
 
@@ -188,7 +189,9 @@ def build_step_pipeline(
         world_size=registry.layout.num_slots,
         planner=planner if planning else None,
         is_planning_rank=planning,
-        agree=partial(agree_on_plan, mode="broadcast"),
+        agree=partial(agree_on_plan, mode="broadcast")
+        if exchange_timeout_s is None
+        else partial(agree_on_plan, mode="broadcast", timeout_s=exchange_timeout_s),
         registry=registry,
     )
 
@@ -208,12 +211,44 @@ class TrainingStep:
     spec: PlannerSpec
     rank: int
     planner: PlannerService | None = None
+    # How long a step waits for its plan (--hsp-plan-timeout-s; -1: the service's default);
+    # known on every rank, which bound their wait in the plan exchange by it.
+    plan_timeout_s: float = -1.0
 
-    def start_planner(self, *, background: bool = True, sync_flag: str | None = None) -> None:
+    def start_planner(
+        self,
+        *,
+        background: bool = True,
+        sync_flag: str | None = None,
+        plan_timeout_s: float | None = None,
+    ) -> None:
         """Start the planner on global rank 0 (the others receive its plans); late, so that
-        the checks before it (data, samplers) stop a run before any process is started."""
+        the checks before it (data, samplers) stop a run before any process is started. Every
+        rank calls it: ``plan_timeout_s`` is recorded on each."""
+        if plan_timeout_s is not None:
+            self.plan_timeout_s = plan_timeout_s
         if self.rank == 0 and self.planner is None:
-            self.planner = PlannerService(self.spec, background=background, sync_flag=sync_flag)
+            self.planner = PlannerService(
+                self.spec,
+                background=background,
+                sync_flag=sync_flag,
+                plan_deadline_s=self.plan_timeout_s,
+            )
+
+    @property
+    def exchange_timeout_s(self) -> float:
+        """The ranks' bound on the plan exchange: the plan deadline plus its margin."""
+        from megatron_hsp.step.planner_service import (
+            default_plan_deadline_s,
+            plan_exchange_timeout_s,
+        )
+
+        deadline = (
+            default_plan_deadline_s(self.spec)
+            if self.plan_timeout_s == -1.0
+            else self.plan_timeout_s
+        )
+        return plan_exchange_timeout_s(deadline)
 
     def pipeline(
         self, sampler: GlobalBatchSampler, reader: DocumentReader, planner: Any = _RUN_PLANNER
@@ -221,7 +256,14 @@ class TrainingStep:
         """A pipeline over ``sampler``, planned by ``planner`` (default: the run's; an
         evaluation split passes its own view of it, None off rank 0)."""
         chosen = self.planner if planner is _RUN_PLANNER else planner
-        return build_step_pipeline(sampler, reader, self.registry, rank=self.rank, planner=chosen)
+        return build_step_pipeline(
+            sampler,
+            reader,
+            self.registry,
+            rank=self.rank,
+            planner=chosen,
+            exchange_timeout_s=self.exchange_timeout_s,
+        )
 
 
 def build_training_step(

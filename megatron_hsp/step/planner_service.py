@@ -38,7 +38,11 @@ from typing import Any
 
 from megatron_hsp.planner.errors import HSPError
 from megatron_hsp.planner.plan import Plan
-from megatron_hsp.planner.search.settings import PlannerSettings
+from megatron_hsp.planner.search.settings import (
+    DEFAULT_PLAN_TIMEOUT_S,
+    PLAN_EXCHANGE_MARGIN_S,
+    PlannerSettings,
+)
 from megatron_hsp.planner.units import tokens_to_k
 
 log = logging.getLogger("megatron_hsp.planner_service")
@@ -118,8 +122,16 @@ def fallback_spec(spec: PlannerSpec) -> PlannerSpec:
 
 
 def default_plan_deadline_s(spec: PlannerSpec) -> float:
-    """Default wait for a background plan before the fallback: 20 budgets, at least 30 s."""
-    return max(30.0, 20.0 * spec.settings.time_budget_s)
+    """Default wait for a background plan before the fallback: 20 budgets, at least 30 s, at
+    most ``DEFAULT_PLAN_TIMEOUT_S`` (the flag's default)."""
+    return min(DEFAULT_PLAN_TIMEOUT_S, max(30.0, 20.0 * spec.settings.time_budget_s))
+
+
+def plan_exchange_timeout_s(plan_deadline_s: float | None) -> float:
+    """How long a rank waits in the plan exchange (``runtime.agreement``): the planning rank's
+    deadline plus ``PLAN_EXCHANGE_MARGIN_S`` (the default deadline when None)."""
+    deadline = DEFAULT_PLAN_TIMEOUT_S if plan_deadline_s is None else plan_deadline_s
+    return deadline + PLAN_EXCHANGE_MARGIN_S
 
 
 def _picklable(exc: BaseException) -> BaseException:
@@ -227,21 +239,54 @@ class PlannerService:
         self._pending: dict[int, Sequence[int]] = {}
         self._ready: dict[int, tuple[Any, float]] = {}
         self._proc: Any = None
+        self.restarts = 0  # planner processes started again after a late or dead one
         if background:
-            ctx = mp.get_context("spawn")
-            self._requests = ctx.Queue()
-            self._replies = ctx.Queue()
-            self._proc = ctx.Process(
-                target=_serve,
-                args=(spec, self._requests, self._replies, os.getpid()),
-                name="megatron-hsp-planner",
-                daemon=True,
-            )
-            _start_without_main(self._proc)
             self._start_timeout_s = start_timeout_s
-            self._started = False
+            self._start_process()
         else:
             self._planner = build_planner(spec)
+
+    def _start_process(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._requests = ctx.Queue()
+        self._replies = ctx.Queue()
+        self._proc = ctx.Process(
+            target=_serve,
+            args=(self.spec, self._requests, self._replies, os.getpid()),
+            name="megatron-hsp-planner",
+            daemon=True,
+        )
+        _start_without_main(self._proc)
+        self._started = False
+        self._proc_started_at = time.monotonic()
+
+    def _stop_process(self) -> None:
+        """The planner process and anything below it stopped in any state (a SIGSTOPped or
+        wedged planner ignores SIGTERM: ``runtime.lifetime.stop_tree``)."""
+        from megatron_hsp.runtime.lifetime import stop_tree
+
+        if self._proc is None:
+            return
+        if self._proc.pid is not None:
+            stop_tree([self._proc.pid], grace_s=2.0)
+        self._proc.join(timeout=1)
+        for q in (self._requests, self._replies):
+            with contextlib.suppress(Exception):
+                q.cancel_join_thread()  # a queue whose reader is gone must not block our exit
+                q.close()
+        self._proc = None
+
+    def _restart(self, why: str) -> None:
+        """A late or dead planner is replaced by a fresh process, which gets the current cost
+        model and every plan still pending (their old requests died with the old process)."""
+        self._stop_process()
+        self.restarts += 1
+        self._abandoned.clear()  # their replies went with the old queues
+        self._ready.clear()
+        self._start_process()
+        for step, lengths in self._pending.items():
+            self._requests.put((step, lengths))
+        log.warning("planner process %s; restarted it (restarts so far: %d)", why, self.restarts)
 
     # ------------------------------------------------------------------ protocol
     def use_cost_model(self, cost_model: str | dict[str, Any]) -> None:
@@ -308,12 +353,19 @@ class PlannerService:
             raise HSPError(f"planner: no plan was submitted for step {step}")
         t0 = time.perf_counter()
         if self.background:
-            if not self._started:
+            if not self._started and not self.restarts:
                 self._wait_started()
-            t_wait = time.perf_counter()  # the deadline excludes the one-time process start
+            # The deadline excludes the one-time first start; a restarted planner's start counts.
+            t_wait = time.perf_counter()
             next_log = t_wait + self.late_log_s
             while step not in self._ready:
-                self._check_alive()
+                if self._proc is None or not self._proc.is_alive():
+                    # A dead planner (killed, out of memory) is no reason to stop training: this
+                    # step trains on the fallback plan and a fresh planner takes the next ones.
+                    code = None if self._proc is None else self._proc.exitcode
+                    result = self._use_fallback(step, t0, f"planner process died (code {code})")
+                    self._restart(f"died (code {code})")
+                    return result
                 with contextlib.suppress(queue.Empty):
                     self._receive(timeout=min(1.0, self.late_log_s))
                 now = time.perf_counter()
@@ -331,7 +383,14 @@ class PlannerService:
                     )
                     next_log = now + self.late_log_s
                 if self.plan_deadline_s is not None and now - t_wait >= self.plan_deadline_s:
-                    return self._use_fallback(step, t0)
+                    result = self._use_fallback(step, t0, "no plan")
+                    # A planner this late may be stopped or wedged: replace it, so that the
+                    # next steps do not each wait out the deadline again. One still starting
+                    # (imports) is left to start, up to its start timeout.
+                    starting = time.monotonic() - self._proc_started_at < self._start_timeout_s
+                    if self._started or not starting:
+                        self._restart(f"gave no plan within {self.plan_deadline_s:.0f} s")
+                    return result
             payload, solve_s = self._ready.pop(step)
         else:
             s0 = time.perf_counter()
@@ -355,7 +414,7 @@ class PlannerService:
             )
         return PlanResult(step, Plan.from_json(payload), solve_s, wait_s)
 
-    def _use_fallback(self, step: int, t0: float) -> PlanResult:
+    def _use_fallback(self, step: int, t0: float, why: str = "no plan") -> PlanResult:
         """Plan ``step`` in-process with the safe fallback; the late plan is discarded."""
         if self._fallback is None:
             self._fallback = build_planner(fallback_spec(self.spec))
@@ -367,26 +426,27 @@ class PlannerService:
         wait_s = time.perf_counter() - t0
         self.waits.append(wait_s)
         log.warning(
-            "step %d: no plan after %.1f s (deadline %.1f s); trained with the fallback plan "
+            "step %d: %s after %.1f s (deadline %s s); trained with the fallback plan "
             "(greedy, solved in %.1f ms); fallbacks so far: %d",
             step,
+            why,
             wait_s,
-            self.plan_deadline_s,
+            "none" if self.plan_deadline_s is None else f"{self.plan_deadline_s:.1f}",
             solve_s * 1e3,
             len(self.fallbacks),
         )
         return PlanResult(step, Plan.from_json(plan.to_json()), solve_s, wait_s)
 
     def close(self) -> None:
+        """Ask the planner to stop; one that does not within 10 s (stopped, wedged) is stopped
+        with its whole tree."""
         if self._proc is not None:
             try:
-                self._requests.put(None)
-                self._proc.join(timeout=10)
-            finally:
                 if self._proc.is_alive():
-                    self._proc.terminate()
-                    self._proc.join(timeout=5)
-            self._proc = None
+                    self._requests.put(None)
+                    self._proc.join(timeout=10)
+            finally:
+                self._stop_process()
 
     def __enter__(self) -> PlannerService:
         return self

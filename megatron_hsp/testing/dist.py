@@ -333,10 +333,11 @@ def _worker(
     parent_pid: int,
     ranks_share_device: bool = False,
 ) -> None:
-    from megatron_hsp.runtime.lifetime import die_with_parent
+    from megatron_hsp.runtime.lifetime import die_with_parent, start_heartbeat
 
     global _progress_file, _stack_dump_after_s
     die_with_parent(parent=parent_pid)  # a killed test runner (or command) leaves no rank behind
+    start_heartbeat(os.path.join(tmpdir, f"heartbeat_{rank}"))  # a stopped rank stops beating
     _output_to_log(rank)
     # A stuck rank prints every thread's stack to stderr shortly before the parent gives up.
     _progress_file = os.path.join(tmpdir, f"progress_{rank}")
@@ -358,8 +359,9 @@ def _worker(
     except BaseException as exc:  # carried back to the parent, never swallowed
         result = RankError(rank, type(exc).__name__, str(exc), traceback.format_exc())
     finally:
-        with open(os.path.join(tmpdir, f"result_{rank}.pkl"), "wb") as fh:
-            pickle.dump(result, fh)
+        from megatron_hsp.planner.paths import atomic_write
+
+        atomic_write(os.path.join(tmpdir, f"result_{rank}.pkl"), pickle.dumps(result))
         destroy_cpu_megatron()
 
 
@@ -381,6 +383,9 @@ def cuda_hidden() -> Iterator[None]:
 
 # Seconds the ranks may take to start (spawn, imports, rendezvous) before their first report.
 STARTUP_S = 300.0
+# The shortest silence of a rank's heartbeat thread read as stopped or wedged: a loaded shared
+# host can hold a runnable process off the CPU for seconds (an import holding the GIL too).
+MIN_STALL_S = 30.0
 
 
 def run_distributed(
@@ -425,44 +430,91 @@ def run_distributed(
                 join=False,
                 start_method="spawn",
             )
-        start = time.time()  # wall clock: progress marks are file modification times
-        progress = [os.path.join(tmpdir, f"progress_{rank}") for rank in range(world_size)]
-        while True:
-            marks = [os.path.getmtime(p) for p in progress if os.path.exists(p)]
-            allowed = timeout_s if marks else startup_s
-            deadline = min(max([start, *marks]) + allowed, start + max_total_s)
-            now = time.time()
-            if now >= deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.terminate()
-                reported = []
-                for rank in range(world_size):
-                    path = os.path.join(tmpdir, f"result_{rank}.pkl")
-                    if os.path.exists(path):
-                        with open(path, "rb") as fh:
-                            reported.append(f"rank {rank}: {pickle.load(fh)!r}"[:2000])
-                    else:
-                        reported.append(f"rank {rank}: no result (stuck)")
-                why = (
-                    f"did not finish within {max_total_s:.0f}s"
-                    if now >= start + max_total_s
-                    else f"made no progress for {allowed:.0f}s (likely a hang)"
-                    if marks
-                    else f"did not start within {allowed:.0f}s"
-                )
-                raise TimeoutError(
-                    f"distributed test {why}, after {now - start:.0f}s in all; "
-                    + "; ".join(reported)
-                )
-            # Short waits, so a progress report moves the deadline on.
-            if ctx.join(timeout=max(0.1, min(deadline - now, 5.0))):
-                break
-        results = []
-        for rank in range(world_size):
-            with open(os.path.join(tmpdir, f"result_{rank}.pkl"), "rb") as fh:
-                results.append(pickle.load(fh))
-        return results
+        try:
+            return _watch(ctx, tmpdir, world_size, timeout_s, startup_s, max_total_s)
+        finally:  # whatever happened (a timeout, ^C, an error): no rank or its child survives
+            from megatron_hsp.runtime.lifetime import stop_tree
+
+            stop_tree([p.pid for p in ctx.processes if p.pid], grace_s=5.0)
+            for p in ctx.processes:
+                p.join(1)
+
+
+def _mtime(path: str) -> float | None:
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return None
+
+
+def _watch(
+    ctx: Any,
+    tmpdir: str,
+    world_size: int,
+    timeout_s: float,
+    startup_s: float,
+    max_total_s: float,
+) -> list[Any]:
+    """``run_distributed``'s wait: results, or TimeoutError on no progress, a rank without
+    heartbeat (stopped or wedged: ``stall_s``) or the total bound; the caller stops the ranks."""
+    start = time.time()  # wall clock: progress marks are file modification times
+    # A rank whose heartbeat thread has not run for this long is stopped or wedged, not slow.
+    stall_s = max(MIN_STALL_S, min(timeout_s, 120.0))
+    from megatron_hsp.runtime.lifetime import stopped
+
+    progress = [os.path.join(tmpdir, f"progress_{rank}") for rank in range(world_size)]
+    beats = [os.path.join(tmpdir, f"heartbeat_{rank}") for rank in range(world_size)]
+    # Since when each rank has been seen stopped (SIGSTOP): also before its heartbeat starts,
+    # i.e. while it still imports, where only the start-up allowance bounded it.
+    stopped_since: dict[int, float] = {}
+    while True:
+        marks = [os.path.getmtime(p) for p in progress if os.path.exists(p)]
+        allowed = timeout_s if marks else startup_s
+        deadline = min(max([start, *marks]) + allowed, start + max_total_s)
+        now = time.time()
+        for r, p in enumerate(ctx.processes):
+            if p.pid and stopped(p.pid):
+                stopped_since.setdefault(r, now)
+            else:
+                stopped_since.pop(r, None)
+        silent = [
+            (r, now - t)
+            for r, t in enumerate(_mtime(b) for b in beats)
+            if t is not None and now - t > stall_s and ctx.processes[r].is_alive()
+        ] + [(r, now - t) for r, t in stopped_since.items() if now - t > stall_s]
+        if now >= deadline or silent:
+            from megatron_hsp.runtime.lifetime import stop_tree
+
+            stop_tree([p.pid for p in ctx.processes if p.pid], grace_s=5.0)
+            reported = []
+            for rank in range(world_size):
+                path = os.path.join(tmpdir, f"result_{rank}.pkl")
+                if os.path.exists(path):
+                    with open(path, "rb") as fh:
+                        reported.append(f"rank {rank}: {pickle.load(fh)!r}"[:2000])
+                else:
+                    reported.append(f"rank {rank}: no result (stuck)")
+            why = (
+                f"stalled: rank {silent[0][0]} has not run for {silent[0][1]:.0f}s "
+                "(stopped or wedged)"
+                if silent
+                else f"did not finish within {max_total_s:.0f}s"
+                if now >= start + max_total_s
+                else f"made no progress for {allowed:.0f}s (likely a hang)"
+                if marks
+                else f"did not start within {allowed:.0f}s"
+            )
+            raise TimeoutError(
+                f"distributed test {why}, after {now - start:.0f}s in all; " + "; ".join(reported)
+            )
+        # Short waits, so a progress report moves the deadline on.
+        if ctx.join(timeout=max(0.1, min(deadline - now, 1.0))):
+            break
+    results = []
+    for rank in range(world_size):
+        with open(os.path.join(tmpdir, f"result_{rank}.pkl"), "rb") as fh:
+            results.append(pickle.load(fh))
+    return results
 
 
 def _dump_after(allowed_s: float) -> float:

@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from megatron_hsp.planner.paths import atomic_write
+
 # Variables of the launcher (torchrun, Slurm) the child must not take as its own rendezvous.
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
@@ -42,7 +44,7 @@ def reference_in_child(
     env["CUDA_VISIBLE_DEVICES"] = ""
     with tempfile.TemporaryDirectory(prefix="hsp_reference_") as tmp:
         src, dst = Path(tmp, "cases.pkl"), Path(tmp, "reference.pt")
-        src.write_bytes(pickle.dumps((cases, shape, bf16_noise)))
+        atomic_write(src, pickle.dumps((cases, shape, bf16_noise)))
         cmd = [sys.executable, "-m", "megatron_hsp.testing.reference_child", str(src), str(dst)]
         try:
             done = subprocess.run(
@@ -79,7 +81,10 @@ def main(argv: list[str]) -> int:
         reference = compute_reference(cases, shape, bf16_noise)
     finally:
         destroy_cpu_megatron()
-    torch.save(reference, dst)
+    from megatron_hsp.planner.paths import atomic_open
+
+    with atomic_open(dst, "wb") as fh:  # the parent never reads half a reference
+        torch.save(reference, fh)
     return 0
 
 

@@ -8,7 +8,6 @@ samples whole documents with the blend weights honoured by tokens;
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -255,7 +254,7 @@ def test_the_resume_record_is_never_seen_half_written(tmp_path, monkeypatch):
     (JSONDecodeError; the likely cause of one crashed rank in selftest --megatron's full run). A
     reader in the middle of the write must find a whole record."""
     import json
-    from pathlib import Path
+    import os
 
     from megatron_hsp.megatron.hooks import DATA_RECORD, check_and_record_data
 
@@ -263,13 +262,15 @@ def test_the_resume_record_is_never_seen_half_written(tmp_path, monkeypatch):
     record = ckpt / DATA_RECORD
     check_and_record_data(argparse.Namespace(save=str(ckpt), load=None, iteration=0), "aaa/1")
     seen = []
+    real_fsync = os.fsync
 
-    def slow_write(self: Path, data: str, *a, **kw) -> int:
-        with open(self, "w") as fh:  # truncated, not yet written: another rank reads now
-            seen.append(record.read_text())
-            return fh.write(data)
+    def slow_fsync(fd: int) -> None:
+        # The new record is written but not yet renamed over the old one (the one atomic
+        # writer, planner/paths.py): another rank reads now.
+        seen.append(record.read_text())
+        real_fsync(fd)
 
-    monkeypatch.setattr(Path, "write_text", slow_write)
+    monkeypatch.setattr(os, "fsync", slow_fsync)
     check_and_record_data(argparse.Namespace(save=str(ckpt), load=str(ckpt), iteration=5), "aaa/1")
     assert seen and all(json.loads(text)["fingerprint"] == "aaa/1" for text in seen)
     assert json.loads(record.read_text())["fingerprint"] == "aaa/1"

@@ -123,22 +123,26 @@ def test_late_plan_is_logged_then_replaced_by_the_counted_fallback(caplog):
         assert svc.result(2).plan.num_sequences == 2
 
 
-@pytest.mark.parametrize("flag", [None, "--hsp-sync-planner"])
-def test_a_killed_planner_names_the_callers_in_process_flag_only(flag):
-    """Issue 18: the message suggested --hsp-sync-planner in every command, the demo included,
-    which has no such flag."""
+def test_a_killed_planner_is_replaced_and_its_step_trains_on_the_fallback(caplog):
+    """Issue 40 (was issue 18's one-line error): a dead planner is no reason to stop training;
+    the step trains on the fallback plan, a fresh planner process serves the next steps."""
     import os
     import signal
 
-    svc = PlannerService(spec(), sync_flag=flag)
+    from tests.helpers.planners import one_group_per_rank
+
+    svc = PlannerService(spec(), fallback=one_group_per_rank(spec()))
     try:
         svc.submit(0, [10, 20, 30, 40])
         svc.result(0)  # started
-        os.kill(svc._proc.pid, signal.SIGKILL)
-        svc._proc.join(10)
+        dead = svc._proc.pid
+        os.kill(dead, signal.SIGKILL)
         svc.submit(1, [10, 20, 30, 40])
-        with pytest.raises(HSPError, match="planner process exited") as err:
-            svc.result(1)
-        assert ("--hsp-sync-planner" in str(err.value)) == (flag is not None)
+        with caplog.at_level(logging.WARNING, logger="megatron_hsp.planner_service"):
+            svc.result(1).plan.validate([10, 20, 30, 40], world_size=4)
+        assert svc.fallbacks == [1] and svc.restarts == 1 and svc._proc.pid != dead
+        assert "planner process died" in caplog.text and "restarted" in caplog.text
+        svc.submit(2, [5, 6])
+        assert svc.result(2).plan.num_sequences == 2 and svc.fallbacks == [1]
     finally:
         svc.close()

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from megatron_hsp.planner.cost.costcore import RING_AND_LATENCY_KEYS, CostModel
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import HeadSpace
@@ -36,6 +38,47 @@ _TOP_KEYS = {
 
 # A cost model is a few hundred bytes; this bounds what a hostile file can make the parser do.
 MAX_SPEC_BYTES = 1 << 20
+# Nesting of a cost model is 3-4 levels; PyYAML's flow parser is super-linear in bracket depth
+# (80 KB of nested brackets ran for minutes), so depth is counted before any parser runs.
+MAX_SPEC_NESTING = 16
+# Leading spaces on a line: block nesting, bounded for the same reason.
+MAX_SPEC_INDENT = 64
+#: The most a cost model may price one group of a micro-batch holding its full capacity
+#: (about 31 years): far above any real figure, low enough that sums over a step stay finite and
+#: the solvers' tolerances meaningful. A coefficient that prices above it (1e308: overflow to
+#: inf) is refused, naming it.
+MAX_PRICE_MS = 1e12
+
+
+def _check_nesting(text: str) -> None:
+    """Bracket depth (outside quotes) and indentation bounded in one pass, before parsing."""
+    depth = worst = 0
+    quote = ""
+    for ch in text:
+        if quote:
+            if ch == quote:
+                quote = ""
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+            worst = max(worst, depth)
+            if worst > MAX_SPEC_NESTING:
+                raise InputError(
+                    f"brackets nested deeper than {MAX_SPEC_NESTING} levels; a cost model "
+                    "needs 3 or 4"
+                )
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "\n":
+            quote = ""  # an unclosed quote ends with its line (YAML flow scalars aside)
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        indent = len(line) - len(line.lstrip(" \t"))
+        if indent > MAX_SPEC_INDENT and line.strip():
+            raise InputError(
+                f"line {lineno} is indented {indent} columns (nesting); a cost model needs at "
+                f"most {MAX_SPEC_INDENT}"
+            )
 
 
 def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict:
@@ -83,8 +126,12 @@ def _read_spec_file(path: Path) -> Mapping[str, Any]:
             f"--cost-model file {str(path)!r} is {path.stat().st_size} bytes; a cost model is "
             f"at most {MAX_SPEC_BYTES} bytes"
         )
-    text = path.read_text()
     try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"--cost-model file {str(path)!r} cannot be read: {exc}") from None
+    try:
+        _check_nesting(text)
         data = _strict_json(text) if path.suffix == ".json" else _strict_yaml(text)
     except InputError as exc:
         raise InputError(f"--cost-model file {str(path)!r}: {exc}") from None
@@ -341,7 +388,50 @@ def validate_cost_model(model: CostModel) -> CostModel:
         raise bad("a2a_ms_per_token", model.a2a_ms_per_token, "a {size: ms per token} mapping")
     if not 0 < int(model.tokens_per_rank) <= MAX_TOKENS:
         raise bad("tokens_per_rank", model.tokens_per_rank, f"between 1 and {MAX_TOKENS:.0e}")
+    _check_prices(model)
     return model
+
+
+def _check_prices(model: CostModel) -> None:
+    """Every coefficient times the most a group can hold of its unit stays finite and within
+    ``MAX_PRICE_MS``; otherwise it is refused naming the coefficient and the price it makes.
+
+    Why: a finite but huge coefficient (1e308) passes every sign check yet overflows to inf in
+    ``seq_ms``; the search then compares infinities and ran for minutes.
+    """
+    tpr = float(model.tokens_per_rank)
+    sizes = sorted({1, *model.a2a_ms_per_token, *model.group_fixed_ms} - {0}) or [1]
+    top = float(max(sizes))
+    factor = max([1.0, *(float(v) for v in model.attn_route_factor.values())])
+    terms: list[tuple[str, float, float]] = [  # (name, coefficient, its largest multiplier)
+        ("attn_ms_per_token2", float(model.attn_ms_per_token2), factor * tpr * tpr * top),
+        ("linear_ms_per_token", float(model.linear_ms_per_token), tpr),
+        ("details.step_ms", float(model.details.get("step_ms", 0.0) or 0.0), 1.0),
+    ]
+    per_size = (
+        ("group_fixed_ms", model.group_fixed_ms, lambda d: 1.0),
+        ("a2a_ms_per_token", model.a2a_ms_per_token, lambda d: tpr * d),
+        ("ring_step_ms_per_token", model.ring_step_ms_per_token, lambda d: tpr * d * (d - 1)),
+        ("a2a_fixed_ms", model.a2a_fixed_ms, lambda d: 1.0),
+        ("ring_step_fixed_ms", model.ring_step_fixed_ms, lambda d: max(1.0, d - 1.0)),
+        (
+            "ring_step_extra_ms_per_token",
+            model.ring_step_extra_ms_per_token,
+            lambda d: tpr * d * max(1.0, d - 1.0),
+        ),
+    )
+    for field_, mapping, mult in per_size:
+        for d, v in mapping.items():
+            terms.append((f"{field_}[{d}]", float(v), mult(float(max(d, 1) if d else top))))
+    for name_, coefficient, multiplier in terms:
+        with np.errstate(over="ignore"):
+            priced = float(np.float64(coefficient) * np.float64(multiplier))
+        if not math.isfinite(priced) or priced > MAX_PRICE_MS:
+            raise InputError(
+                f"cost model {model.name!r}: {name_} = {coefficient!r} prices a full group at "
+                f"{priced:.3g} ms (tokens_per_rank {model.tokens_per_rank}); at most "
+                f"{MAX_PRICE_MS:.0e} ms is plannable: check the coefficient's unit"
+            )
 
 
 def _heads(value: Any) -> tuple[int, int] | None:

@@ -46,7 +46,7 @@ Interface (for the observer, the demo and the Megatron hooks; wired by them, not
     )
     if result.accepted:
         planner_cost = result.model                      # plan the next steps with it
-        yaml.safe_dump(result.spec, open(path, "w"))     # --hsp-cost-model reads it next run
+        atomic_write(path, yaml.safe_dump(result.spec))  # planner/paths.py; read next run
 
 ``refit_cost_model(model, groups, steps=..., base=...)`` is the same single update as a pure
 function. ``result.spec`` is an explicit-coefficients spec (``CostModel.to_spec``) that

@@ -30,16 +30,35 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.search.budget import Cap
 from megatron_hsp.planner.search.greedy import RankTiler
 from megatron_hsp.planner.search.instance import Instance, longest_first_ids
 from megatron_hsp.planner.topology import Cluster
+
+#: The most micro-batches one step is planned in. Planning time grows about linearly with them
+#: (figures: docs/reliability.md); a batch whose memory floor is above it is refused up front
+#: rather than planned for minutes.
+MAX_MICROBATCHES = 4096
 
 
 def min_microbatches(inst: Instance) -> int:
     """Memory floor on the micro-batch count: every token needs a rank slot."""
     total = sum(inst.lengths)
     return max(1, math.ceil(total / (inst.world_size * inst.cap)))
+
+
+def check_microbatch_floor(inst: Instance) -> None:
+    """Refuse, before any search, a batch that needs more than ``MAX_MICROBATCHES`` micro-batches
+    under the memory cap, naming the figures and what would help."""
+    floor = min_microbatches(inst)
+    if floor > MAX_MICROBATCHES:
+        raise InputError(
+            f"this batch holds {sum(inst.lengths)} tokens; {inst.world_size} ranks of "
+            f"{inst.cap} tokens each need at least {floor} micro-batches, more than the "
+            f"{MAX_MICROBATCHES} one step is planned in: use a smaller batch, --overlong drop, "
+            "more GPUs or a larger memory cap"
+        )
 
 
 def candidate_counts(inst: Instance, extra: int) -> list[int]:

@@ -38,6 +38,13 @@ from megatron_hsp.planner.run_spec import (
 # The fallback planner's budget when a background plan is late (greedy only, so it answers in
 # about this long whatever made the full search slow).
 FALLBACK_TIME_BUDGET_S = 0.2
+#: ``--hsp-plan-timeout-s``'s default: how long a training step waits for its background plan
+#: before it trains on the fallback plan. Well under Megatron's --distributed-timeout-minutes
+#: (10 min), so a late or wedged planner never holds the ranks until the watchdog aborts them.
+DEFAULT_PLAN_TIMEOUT_S = 60.0
+#: What the ranks that do not plan wait in the plan exchange beyond the planning rank's
+#: deadline: the fallback search (a fraction of a second) and the exchange, on a loaded host.
+PLAN_EXCHANGE_MARGIN_S = 60.0
 
 BACKENDS = MILP_SOLVERS
 # The solver's candidate chunkings (``chunking.py``): every kind by default.

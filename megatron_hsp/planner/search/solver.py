@@ -45,6 +45,7 @@ from megatron_hsp.planner.search.bounds import instance_lower_bound
 from megatron_hsp.planner.search.budget import Cap
 from megatron_hsp.planner.search.chunking import (
     candidate_counts,
+    check_microbatch_floor,
     chunk_contiguous,
     chunk_long_grouped,
     chunk_long_sized,
@@ -139,6 +140,7 @@ def _solve_steps(
     checked = check_lengths(lengths, cost, sizes)
     pipe = _pipeline(config, cost, len(checked))
     inst = Instance.build(checked, cost, cluster, sizes)
+    check_microbatch_floor(inst)
     lower = instance_lower_bound(inst, deadline=cap) if bound else 0.0
 
     phases = {"setup": time.perf_counter() - start}

@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from megatron_hsp.planner.paths import atomic_write
 from megatron_hsp.testing.megatron_loop.checks import (
     _data_checks,
     _worst,
@@ -167,6 +168,7 @@ def _worker(
         "max_rel_weight_diff_after": wworst,
         "worst_weight_param": wname,
         "planted_param": PLANTED.get("param"),
+        "faults": PLANTED.get("faults"),  # megatron_loop/faults.py
         "pipeline": hsp["pipeline"],
         "moe": hsp["moe"],
         # Expert parameters compared per parameter (each rank's own experts; 0 when dense).
@@ -218,8 +220,10 @@ def _run_loops(
     nproc: int, runs: Sequence[tuple[LoopOptions, int, str | None]], timeout_s: float
 ) -> list[dict[str, Any]]:
     """Each (option set, steps, plant) of ``runs``, all in one spawn of ``nproc`` processes."""
-    for _, _, plant in runs:
-        if plant is not None and plant not in PLANTS:
+    from megatron_hsp.testing.megatron_loop.faults import FAULTS
+
+    for _, _, plant in runs:  # faults go through the plant seam but must pass
+        if plant is not None and plant not in PLANTS and plant not in FAULTS:
             raise ValueError(f"unknown plant {plant!r}; known: {sorted(PLANTS)}")
     from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
@@ -233,8 +237,7 @@ def _run_loops(
         spawned = []
         for i, (opt, steps, plant) in enumerate(runs):
             cost_path = f"{prefix}.cost-{i}.json"
-            with open(cost_path, "w") as fh:
-                json.dump(opt.cost_model(), fh)
+            atomic_write(cost_path, json.dumps(opt.cost_model()))
             spawned.append((opt, cost_path, steps, plant))
         # One spawn for all runs: starting 4 processes that import torch and Megatron is most
         # of the cost on a small machine.

@@ -194,7 +194,7 @@ def _run_hsp(
     args, provider, forward_step = _start_hsp(argv)
     with contextlib.ExitStack() as stack:
         stack.callback(_close_hsp_run, hooks, patches)
-        hook = PLANTS[plant](stack) if plant is not None else None
+        hook = _plant_or_fault(plant)(stack) if plant is not None else None
         chunks = _hsp_model(args)
         _load_weights(chunks, init)
         model, optimizer, scheduler, config = _wrap(args, chunks)
@@ -456,3 +456,10 @@ def _resume_record(
         "weights_restored": bool(same.item()),
         "guard_record": os.path.isfile(os.path.join(args.load, DATA_RECORD)),
     }
+
+
+def _plant_or_fault(name: str) -> Any:
+    """A planted bug (``plants.PLANTS``) or a fault HSP must absorb (``faults.FAULTS``)."""
+    from megatron_hsp.testing.megatron_loop.faults import FAULTS
+
+    return PLANTS[name] if name in PLANTS else FAULTS[name]

@@ -159,9 +159,9 @@ def refit_worker(
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     cost_path = os.path.join(workdir, "cost.json")
     if rank == 0:
-        with open(cost_path + ".tmp", "w") as fh:
-            json.dump(OPTIONS.cost_model(), fh)
-        os.replace(cost_path + ".tmp", cost_path)
+        from megatron_hsp.planner.paths import atomic_write
+
+        atomic_write(cost_path, json.dumps(OPTIONS.cost_model()))
     import torch.distributed as dist
 
     dist.barrier()
