@@ -498,6 +498,53 @@ SAMPLER_MUTATIONS: tuple[Mutation, ...] = (
 )
 
 
+# ------------------------------------------------------------------ ring kernel plants
+# Bugs inside one ring block's kernel that only show when a block spans several query tiles
+# (``ring.TILE_ELEMENTS``). The ring exactness test ``tests/runtime/test_ring_tiles.py`` runs
+# several query tiles, ring steps and skipped and unskipped blocks against a float64 dense
+# reference and must catch them. Not in ``MUTATIONS`` (the selftest's sizes fit in one tile).
+
+
+def _tile_accumulation_assigned(block_backward: Callable) -> Callable:
+    """dK/dV written ``dk = ...`` instead of ``dk += ...`` in the query-tile loop: only the last
+    query tile's contribution survives (dQ is per tile and stays right)."""
+
+    def last_tile_only(dout, q, k, v, lse, delta, q_index, q_doc, k_index, k_doc, scale):
+        from megatron_hsp.runtime import ring
+
+        dq, dk, dv = block_backward(
+            dout, q, k, v, lse, delta, q_index, q_doc, k_index, k_doc, scale
+        )
+        tiles = ring._tiles(q.size(0), q.size(1), k.size(0))
+        a = tiles[-1] if len(tiles) else 0
+        _, dk, dv = block_backward(
+            dout[a:],
+            q[a:],
+            k,
+            v,
+            lse[:, a:],
+            delta[:, a:],
+            q_index[a:],
+            q_doc[a:],
+            k_index,
+            k_doc,
+            scale,
+        )
+        return dq, dk, dv
+
+    return last_tile_only
+
+
+RING_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "tile-accumulation-assigned",
+        "the block backward assigns each query tile's dK/dV instead of accumulating them",
+        "megatron_hsp.runtime.ring:_block_backward",
+        _tile_accumulation_assigned,
+    ),
+)
+
+
 def by_name(names: list[str] | None = None) -> list[Mutation]:
     """The mutations named (all when None), in table order."""
     if names is None:
