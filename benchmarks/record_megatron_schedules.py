@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,10 +38,23 @@ STEPS = {"default": 20, "skewed": 4}
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkout", type=Path, required=True)
+    ap.add_argument(
+        "--checkout",
+        type=Path,
+        default=os.environ.get("MEGATRON_HSP_DEV_CHECKOUT") or None,
+        help="Megatron-LM dev checkout (default: $MEGATRON_HSP_DEV_CHECKOUT)",
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--commit", help="the checkout's commit when it is no git work tree")
+    ap.add_argument(
+        "--skip-if-missing", action="store_true", help="exit 0 saying so when no checkout is given"
+    )
     a = ap.parse_args()
+    if a.checkout is None or not Path(a.checkout).is_dir():
+        line = "no Megatron-LM dev checkout (--checkout or $MEGATRON_HSP_DEV_CHECKOUT)"
+        print(f"record_megatron_schedules: {line}{': skipped' if a.skip_if_missing else ''}")
+        return 0 if a.skip_if_missing else 2
+    a.checkout = Path(a.checkout)
     commit = subprocess.run(
         ["git", "-C", str(a.checkout), "rev-parse", "HEAD"], capture_output=True, text=True
     ).stdout.strip() or (a.commit or "unknown (not a git work tree)")

@@ -63,6 +63,14 @@ def commands(out: Path) -> dict[str, list[str]]:
             "--json-dir", tempfile.gettempdir(),
         ],
         "pipeline_order": [py, str(HERE / "pipeline_order.py")],
+        # Megatron's published dynamic-CP benchmark replayed (dev's schedules from the fixture).
+        "dcp_published": [py, str(HERE / "dcp_published.py"), "--steps", "2"],
+        # Needs a Megatron-LM dev checkout ($MEGATRON_HSP_DEV_CHECKOUT); writes to the temp dir,
+        # never over the committed fixture.
+        "record_megatron_schedules": [
+            py, str(HERE / "record_megatron_schedules.py"), "--skip-if-missing",
+            "--out", str(Path(tempfile.gettempdir()) / "megatron_dev_schedules.json"),
+        ],
         # Needs a Megatron-LM dev checkout ($MEGATRON_HSP_DEV_CHECKOUT); says so if absent.
         "dp_balanced_source_check": [
             py, str(HERE / "dp_balanced_source_check.py"), "--steps", "1", "--skip-if-missing",
