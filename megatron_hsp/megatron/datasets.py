@@ -111,10 +111,16 @@ class HSPData:
         return "; ".join(parts)
 
 
-def _refuse_and_note(args: argparse.Namespace, notes: list[str]) -> None:
+def refuse_data_flags(args: argparse.Namespace) -> None:
+    """The data options of ``_REFUSED_DATA_ARGS``: the training run refuses them when it reads
+    its data flags (``hsp_data_from_args``), and ``plan``/``bench`` with or without data."""
     for attr, flag, why, instead in _REFUSED_DATA_ARGS:
         if getattr(args, attr, None) not in (None, False, 0, ""):
             raise HSPArgsError(f"--hsp does not support {flag}: {why}; {instead}")
+
+
+def _refuse_and_note(args: argparse.Namespace, notes: list[str]) -> None:
+    refuse_data_flags(args)
     for attr, flag, note in _NOTED_DATA_ARGS:
         if getattr(args, attr, None) not in (None, False, 0, ""):
             notes.append(f"{flag}: {note}")

@@ -109,12 +109,12 @@ def test_plan_draws_whole_unpadded_documents_by_default(
     make a batch (the FlexSP harness padded 1001 to 1024 and took 512 sequences)."""
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(str(1001 + i) for i in range(20)) + "\n")
-    argv = ["plan", *MODEL, "--lengths", str(lengths), "--global-batch-size", "6", "--json"]
+    argv = ["plan", *MODEL, "--lengths", str(lengths), "--global-batch-size", "8", "--json"]
     rc, out, _ = _run(argv, capsys)
     assert rc == 0
     plan = json.loads(out)
     planned = sorted(n for mb in plan["microbatches"] for g in mb["groups"] for n in g["lengths"])
-    assert len(planned) == 6 and set(planned) <= set(range(1001, 1021)), planned
+    assert len(planned) == 8 and set(planned) <= set(range(1001, 1021)), planned
 
 
 def test_unknown_flag_is_one_line_naming_it_and_megatron_flags_are_ignored(
@@ -296,7 +296,7 @@ def test_bench_splits_documents_past_seq_length_by_default(
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(["500"] * 30 + ["3000"] * 3) + "\n")
     argv = ["bench", *DEFAULT_OVERLONG_MODEL, "--lengths", str(lengths),
-            "--global-batch-size", "4", "--steps", "1"]  # fmt: skip
+            "--global-batch-size", "8", "--steps", "1"]  # fmt: skip
     rc, out, err = _run(argv, capsys)
     assert rc == 0, err
     assert (
@@ -314,7 +314,7 @@ def test_overlong_error_bound_by_seq_length_suggests_only_seq_length(
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(["500"] * 30 + ["3000"] * 3) + "\n")
     argv = ["bench", *DEFAULT_OVERLONG_MODEL, "--lengths", str(lengths),
-            "--global-batch-size", "4", "--steps", "1", "--hsp-overlong", "error"]  # fmt: skip
+            "--global-batch-size", "8", "--steps", "1", "--hsp-overlong", "error"]  # fmt: skip
     rc, _, err = _run(argv, capsys)
     assert rc == 2 and err.count("\n") == 1, err
     assert "3 documents are longer than the longest trainable length 1024" in err, err
