@@ -211,8 +211,7 @@ def _add_world_and_hsp_arguments(parser: argparse.ArgumentParser) -> None:
     from megatron_hsp.megatron.flags import add_hsp_args
 
     world = parser.add_argument_group("world size (as torchrun or Slurm give it)")
-    # Defaults None, resolved in ``_megatron_namespace``: a --world-size that disagrees with
-    # both given is refused, not silently preferred.
+    # Defaults None (resolved in ``_megatron_namespace``): a --world-size against both is refused.
     world.add_argument("--nnodes", type=int, default=None, help="nodes (default: 1)")
     world.add_argument(
         "--nproc-per-node", type=int, default=None, help="GPUs per node (default: 8)"
@@ -524,9 +523,7 @@ def megatron_setup(args: argparse.Namespace) -> Any:
         )
     notes: list[str] = []
     ns = _megatron_namespace(args, notes)
-    # What the training run refuses when it reads its data flags, refused here with or
-    # without data (the same check, datasets.refuse_data_flags).
-    refuse_data_flags(ns)
+    refuse_data_flags(ns)  # training's own check of its data flags, with or without data
     cfg = validate_hsp_args(ns, env={})
     assert cfg is not None  # --hsp is on
     notes.extend(cfg.notes)
