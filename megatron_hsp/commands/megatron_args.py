@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_hsp.megatron.megatron_checks import check_as_megatron_validates
 from megatron_hsp.planner.errors import InputError
 
 MEGATRON_FLAGS_FILE = "megatron_flags.tsv"
@@ -210,8 +211,11 @@ def _add_world_and_hsp_arguments(parser: argparse.ArgumentParser) -> None:
     from megatron_hsp.megatron.flags import add_hsp_args
 
     world = parser.add_argument_group("world size (as torchrun or Slurm give it)")
-    world.add_argument("--nnodes", type=int, default=1, help="nodes")
-    world.add_argument("--nproc-per-node", type=int, default=8, help="GPUs per node")
+    # Defaults None (resolved in ``_megatron_namespace``): a --world-size against both is refused.
+    world.add_argument("--nnodes", type=int, default=None, help="nodes (default: 1)")
+    world.add_argument(
+        "--nproc-per-node", type=int, default=None, help="GPUs per node (default: 8)"
+    )
     world.add_argument(
         "--world-size",
         type=int,
@@ -350,10 +354,20 @@ def _megatron_namespace(args: argparse.Namespace, notes: list[str]) -> argparse.
     ns.hsp = True
     if ns.seed is None:
         ns.seed = megatron_defaults()["seed"]
+    typed = ns.nnodes is not None and ns.nproc_per_node is not None
+    ns.nnodes = 1 if ns.nnodes is None else ns.nnodes
+    ns.nproc_per_node = 8 if ns.nproc_per_node is None else ns.nproc_per_node
     for flag, dest in (("--nnodes", "nnodes"), ("--nproc-per-node", "nproc_per_node")):
         if getattr(ns, dest) < 1:
             raise InputError(f"{flag} must be >= 1 (got {getattr(ns, dest)})")
-    world = ns.world_size if ns.world_size is not None else ns.nnodes * ns.nproc_per_node
+    given = ns.nnodes * ns.nproc_per_node
+    if typed and ns.world_size is not None and ns.world_size != given:
+        raise InputError(
+            f"--world-size {ns.world_size} disagrees with --nnodes {ns.nnodes} x "
+            f"--nproc-per-node {ns.nproc_per_node} = {given} GPUs; give --nnodes and "
+            "--nproc-per-node as torchrun does, or only --world-size"
+        )
+    world = ns.world_size if ns.world_size is not None else given
     if world < 1:
         raise InputError(f"--world-size must be >= 1 (got {world})")
     ns.world_size = world
@@ -366,12 +380,8 @@ def _megatron_namespace(args: argparse.Namespace, notes: list[str]) -> argparse.
                     ("--expert-model-parallel-size", ns.expert_model_parallel_size)):  # fmt: skip
         if v < 1:
             raise InputError(f"{flag} must be >= 1 (got {v})")
-    if world % (tp * pp * cp):
-        raise InputError(
-            f"world size {world} is not a multiple of --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} (Megatron "
-            "requires it); fix the sizes or --nnodes/--nproc-per-node/--world-size"
-        )
+    # The stock job as given must pass Megatron's own checks (its CP and micro-batch size).
+    check_as_megatron_validates(ns, "your job as given")
     if cp > 1:
         notes.append(
             f"--context-parallel-size {cp}: the static baseline (static-{cp}); under --hsp the "
@@ -392,6 +402,12 @@ def _megatron_namespace(args: argparse.Namespace, notes: list[str]) -> argparse.
             f"--global-batch-size not given: {ns.global_batch_size} documents per step "
             f"(--micro-batch-size {mbs} x {dp} data-parallel ranks, as Megatron derives it)"
         )
+    if (ns.micro_batch_size or 1) != 1:
+        notes.append(
+            f"--micro-batch-size {ns.micro_batch_size}: the static baseline's; training under "
+            "--hsp needs --micro-batch-size 1 (the planner chooses the micro-batches), which "
+            "hsp's rows assume"
+        )
     ns.micro_batch_size = 1
     if ns.attention_dropout:
         notes.append(
@@ -405,6 +421,9 @@ def _megatron_namespace(args: argparse.Namespace, notes: list[str]) -> argparse.
     if vpp is None and layers_per_vstage and ns.num_layers:
         vpp = (ns.num_layers // pp) // layers_per_vstage
     ns.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
+    # The same job under --hsp (CP 1, micro-batch 1: every GPU a data-parallel rank) passes
+    # Megatron's checks too, or the training run would stop where this plans.
+    check_as_megatron_validates(ns, "the same job under --hsp (CP 1, micro-batch 1)")
     return ns
 
 
@@ -487,14 +506,24 @@ def megatron_setup(args: argparse.Namespace) -> Any:
     run's ``HSPConfig`` (cost model, slots, group sizes, planner settings) and its sampler."""
     from megatron_hsp.commands.common import Setup, check_numeric_flags_of_command
     from megatron_hsp.megatron.config import document_length_limit, validate_hsp_args
-    from megatron_hsp.megatron.datasets import train_sampler
+    from megatron_hsp.megatron.datasets import refuse_data_flags, train_sampler
     from megatron_hsp.planner.cost.parallel import ParallelConfig, pipeline_spec_for
     from megatron_hsp.planner.topology import Cluster
 
     refuse_harness_flags(args)
     check_numeric_flags_of_command(args)
+    if not getattr(args, "seq_length", None) and not getattr(args, "hsp_max_seq", None):
+        # Said as what the command needs: the user may not have typed --hsp at all.
+        command = getattr(args, "command", None) or "bench"
+        raise InputError(
+            f"{command} needs your Megatron job's flags, --seq-length first (the longest "
+            "sample), with --num-layers, --hidden-size, --num-attention-heads, "
+            "--global-batch-size and the world size (--nnodes, --nproc-per-node); paste your "
+            "pretrain_gpt.py flags (README, 'Ask whether your job gains')"
+        )
     notes: list[str] = []
     ns = _megatron_namespace(args, notes)
+    refuse_data_flags(ns)  # training's own check of its data flags, with or without data
     cfg = validate_hsp_args(ns, env={})
     assert cfg is not None  # --hsp is on
     notes.extend(cfg.notes)
@@ -516,15 +545,6 @@ def megatron_setup(args: argparse.Namespace) -> Any:
     pipeline = pipeline_spec_for(cost, settings.pp, settings.vpp) if settings.pp > 1 else None
     stock = stock_cp_from_args(args, notes)
     gbs, seq = ns.global_batch_size, getattr(args, "seq_length", None)
-    if stock is not None and gbs:
-        dp = ns.world_size // (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size)
-        dp //= stock.cp
-        if gbs % (dp * stock.micro_batch_size):
-            notes.append(
-                f"--global-batch-size {gbs} is not a multiple of --micro-batch-size "
-                f"{stock.micro_batch_size} x {dp} data-parallel ranks: stock Megatron refuses "
-                "it; megatron-static-cpN deals the samples as if it ran"
-            )
     job = MegatronJob(
         world_size=ns.world_size,
         tp=ns.tensor_model_parallel_size,

@@ -38,6 +38,7 @@ from megatron_hsp.planner import units
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import DEFAULT_MAX_COMMUNICATORS, HeadSpace
 from megatron_hsp.planner.run_spec import (
+    DEFAULT_OVERLONG,
     MEGATRON_FLAGS,
     GroupSizeRequest,
     ParallelDims,
@@ -598,7 +599,7 @@ def _max_seq(args: argparse.Namespace, early: bool, notes: list[str]) -> int | N
         notes.append(
             f"--hsp-max-seq {args.hsp_max_seq} is below --seq-length {seq_length}: documents "
             f"of {int(args.hsp_max_seq) + 1} to {seq_length} tokens follow --hsp-overlong "
-            f"{getattr(args, 'hsp_overlong', None) or 'error'} (a k is 1000 tokens, "
+            f"{getattr(args, 'hsp_overlong', None) or DEFAULT_OVERLONG.value} (a k is 1000 tokens, "
             f"docs/units.md); --hsp-max-seq {seq_length} trains up to --seq-length"
         )
     positions = _learned_positions(args)
@@ -719,9 +720,23 @@ def document_length_limit(
     limits = [(int(max_seq), flag)]
     positions = _learned_positions(args)
     if positions is not None:
-        limits.append((positions, "--max-position-embeddings (learned absolute positions)"))
-    limits.append((int(memory_length), "what the largest group's memory holds"))
+        limits.append((positions, LIMIT_POSITIONS))
+    limits.append((int(memory_length), LIMIT_MEMORY))
     return min(limits, key=lambda limit: limit[0])
+
+
+LIMIT_POSITIONS = "--max-position-embeddings (learned absolute positions)"
+LIMIT_MEMORY = "what the largest group's memory holds"
+# What can lengthen the longest trainable length, per limit (``document_length_limit``'s
+# ``why``): only the flag that binds. Memory flags cannot help a --seq-length limit.
+LIMIT_REMEDIES: dict[str, str] = {
+    "--seq-length": "a larger --seq-length (or --hsp-max-seq) trains them whole",
+    "--hsp-max-seq": "a larger --hsp-max-seq (up to --seq-length) trains them whole",
+    LIMIT_POSITIONS: "a larger --max-position-embeddings, or --position-embedding-type rope, "
+    "trains them whole",
+    LIMIT_MEMORY: "a larger --hsp-memory-cap-gb, larger --hsp-group-sizes or more GPUs "
+    "train them whole",
+}
 
 
 def overlong_line(split: str, count: int, total: int, limit: int, why: str, policy: str) -> str:

@@ -111,10 +111,16 @@ class HSPData:
         return "; ".join(parts)
 
 
-def _refuse_and_note(args: argparse.Namespace, notes: list[str]) -> None:
+def refuse_data_flags(args: argparse.Namespace) -> None:
+    """The data options of ``_REFUSED_DATA_ARGS``: the training run refuses them when it reads
+    its data flags (``hsp_data_from_args``), and ``plan``/``bench`` with or without data."""
     for attr, flag, why, instead in _REFUSED_DATA_ARGS:
         if getattr(args, attr, None) not in (None, False, 0, ""):
             raise HSPArgsError(f"--hsp does not support {flag}: {why}; {instead}")
+
+
+def _refuse_and_note(args: argparse.Namespace, notes: list[str]) -> None:
+    refuse_data_flags(args)
     for attr, flag, note in _NOTED_DATA_ARGS:
         if getattr(args, attr, None) not in (None, False, 0, ""):
             notes.append(f"{flag}: {note}")
@@ -298,7 +304,7 @@ def train_sampler(
     ``why``), the run's seed, batch and overlong policy. The one place the training run
     (``hooks.build_pipeline``) and ``plan``/``bench`` (``commands/megatron_args.py``) build it,
     so both draw the same batches."""
-    from megatron_hsp.megatron.config import overlong_line
+    from megatron_hsp.megatron.config import LIMIT_REMEDIES, overlong_line
     from megatron_hsp.planner.errors import InputError
     from megatron_hsp.step.sampler import SamplerConfig
 
@@ -312,7 +318,10 @@ def train_sampler(
     try:
         sampler = build_split_sampler(data, "train", indices, base)
     except InputError as exc:  # --hsp-overlong error: say which limit the documents pass
-        raise InputError(f"{exc} (the limit, {max_length} tokens, is {why})") from None
+        remedy = LIMIT_REMEDIES.get(why)
+        raise InputError(
+            f"{exc} (the limit, {max_length} tokens, is {why}" + (f"; {remedy})" if remedy else ")")
+        ) from None
     if sampler is None:
         raise InputError(
             "the training split has no documents: --split gives it a share of 0 or the "

@@ -21,6 +21,7 @@ from megatron_hsp.planner import units
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import DEFAULT_MAX_COMMUNICATORS
 from megatron_hsp.planner.run_spec import (
+    DEFAULT_OVERLONG,
     DEFAULT_SOLVER,
     DEFAULT_TIME_BUDGET_S,
     OVERLONG_POLICIES,
@@ -155,10 +156,12 @@ def add_hsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--hsp-overlong",
         choices=OVERLONG_POLICIES,
-        default="error",
-        help="Documents longer than the largest group can train: stop with an error "
-        "(default), drop them, or split them into trainable pieces. Drops and splits are "
-        "counted and logged.",
+        default=DEFAULT_OVERLONG.value,
+        help="Documents longer than the longest trainable length (the least of --hsp-max-seq "
+        "or --seq-length, learned absolute positions' --max-position-embeddings and what the "
+        "largest group's memory holds): split them into pieces of that length (default, as "
+        "stock Megatron cuts documents at --seq-length), drop them, or stop with an error. "
+        "The count is said at start-up.",
     )
     _add_batch_args(g)
     g.add_argument(

@@ -63,6 +63,10 @@ SOLVERS: tuple[str, ...] = tuple(s.value for s in Solver)
 MILP_SOLVERS: tuple[str, ...] = tuple(s.value for s in Solver if s.uses_milp)
 ATTENTION_BACKENDS: tuple[str, ...] = tuple(b.value for b in AttentionBackendName)
 DEFAULT_SOLVER = Solver.HIGHS
+# Stock Megatron cuts documents at --seq-length (its GPTDataset packs them into --seq-length
+# samples; a long document spans several), so a Megatron run under --hsp does the same by
+# default: documents past the longest trainable length are split into pieces of that length.
+DEFAULT_OVERLONG = OverlongPolicy.SPLIT
 
 
 def parse_choice[E: StrEnum](kind: type[E], value: str | E, flag: str) -> E:

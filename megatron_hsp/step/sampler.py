@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.run_spec import OverlongPolicy, parse_choice
+from megatron_hsp.planner.run_spec import DEFAULT_OVERLONG, OverlongPolicy, parse_choice
 
 
 # -------------------------------------------------------------------------------------- sampler
@@ -87,7 +87,7 @@ class SamplerConfig:
     max_length: int  # longest trainable sequence (the cost model's, for the allowed sizes)
     global_batch_docs: int | None = None
     token_budget: int | None = None
-    overlong: str = "error"
+    overlong: str = DEFAULT_OVERLONG.value
     shuffle: bool = True
     min_length: int = 2  # a sequence needs >= 2 tokens to give one next-token target
     # Which random stream the permutations come from: None is the lone dataset's; a blend gives
@@ -172,10 +172,9 @@ class GlobalBatchSampler(BatchSampling):
             first = int(np.flatnonzero(over)[0])
             raise InputError(
                 f"{self.overlong_docs} documents are longer than the longest trainable length "
-                f"{cap} under this cost model and memory cap (first: document {first}, "
-                f"{int(self.lengths[first])} tokens); pass --hsp-overlong split (cut them into "
-                "trainable pieces) or drop, raise --hsp-memory-cap-gb, or allow larger "
-                "--hsp-group-sizes"
+                f"{cap} (first: document {first}, {int(self.lengths[first])} tokens) under "
+                f"--hsp-overlong error; --hsp-overlong split (the default) trains them as "
+                f"pieces of {cap} tokens, drop leaves them out"
             )
         whole = np.flatnonzero(~short & ~over)
         if config.overlong == "drop" or not self.overlong_docs:

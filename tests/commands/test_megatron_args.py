@@ -109,12 +109,12 @@ def test_plan_draws_whole_unpadded_documents_by_default(
     make a batch (the FlexSP harness padded 1001 to 1024 and took 512 sequences)."""
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(str(1001 + i) for i in range(20)) + "\n")
-    argv = ["plan", *MODEL, "--lengths", str(lengths), "--global-batch-size", "6", "--json"]
+    argv = ["plan", *MODEL, "--lengths", str(lengths), "--global-batch-size", "8", "--json"]
     rc, out, _ = _run(argv, capsys)
     assert rc == 0
     plan = json.loads(out)
     planned = sorted(n for mb in plan["microbatches"] for g in mb["groups"] for n in g["lengths"])
-    assert len(planned) == 6 and set(planned) <= set(range(1001, 1021)), planned
+    assert len(planned) == 8 and set(planned) <= set(range(1001, 1021)), planned
 
 
 def test_unknown_flag_is_one_line_naming_it_and_megatron_flags_are_ignored(
@@ -281,3 +281,42 @@ def test_gains_say_when_a_step_is_not_the_stock_steps_tokens() -> None:
     assert lines[2].startswith("planned gain: hsp 1.20x faster than static CP 4 packing")
     result["job"]["token_budget"] = None
     assert "--global-batch-size counts documents" in gain_lines(result, 4)[0]
+
+
+# MODEL without its --hsp-overlong: the default is what these tests check.
+DEFAULT_OVERLONG_MODEL = MODEL[: MODEL.index("--hsp-overlong")]
+
+
+def test_bench_splits_documents_past_seq_length_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 42: a corpus with documents past --seq-length plans with no overlong flag; they are
+    cut into --seq-length pieces (stock Megatron cuts them into --seq-length samples) and the
+    start-up line says how many (the old default, error, stopped on every real corpus)."""
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(["500"] * 30 + ["3000"] * 3) + "\n")
+    argv = ["bench", *DEFAULT_OVERLONG_MODEL, "--lengths", str(lengths),
+            "--global-batch-size", "8", "--steps", "1"]  # fmt: skip
+    rc, out, err = _run(argv, capsys)
+    assert rc == 0, err
+    assert (
+        "training split: 3 of 33 documents are over 1024 tokens (--seq-length): split into "
+        "1024-token pieces (--hsp-overlong split)"
+    ) in err, err
+    assert "planned gain: hsp" in out, out
+
+
+def test_overlong_error_bound_by_seq_length_suggests_only_seq_length(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--hsp-overlong error`` still refuses, in one line that suggests only what can help:
+    the limit is --seq-length, so a larger memory cap or group sizes would not (issue 42)."""
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(["500"] * 30 + ["3000"] * 3) + "\n")
+    argv = ["bench", *DEFAULT_OVERLONG_MODEL, "--lengths", str(lengths),
+            "--global-batch-size", "8", "--steps", "1", "--hsp-overlong", "error"]  # fmt: skip
+    rc, _, err = _run(argv, capsys)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "3 documents are longer than the longest trainable length 1024" in err, err
+    assert "is --seq-length; a larger --seq-length" in err, err
+    assert "--hsp-memory-cap-gb" not in err and "--hsp-group-sizes" not in err, err

@@ -95,9 +95,44 @@ def test_documents_over_the_limit_follow_hsp_overlong_and_are_counted(
 
 
 def test_overlong_error_names_the_limit_and_its_flag(tmp_path, monkeypatch):
-    args, cfg = config(tmp_path, "--seq-length", "64", "--max-position-embeddings", "64")
-    with pytest.raises(InputError, match=r"2 documents are longer .* is --seq-length\)"):
+    args, cfg = config(
+        tmp_path, "--seq-length", "64", "--max-position-embeddings", "64", "--hsp-overlong", "error"
+    )
+    with pytest.raises(InputError, match=r"2 documents are longer .* is --seq-length;") as exc:
         sampler_of(args, cfg, monkeypatch)
+    # Only what can help: the limit is --seq-length, memory flags cannot lengthen it (issue 42).
+    assert "a larger --seq-length" in str(exc.value), exc.value
+    assert "--hsp-memory-cap-gb" not in str(exc.value) and "--hsp-group-sizes" not in str(exc.value)
+
+
+def test_overlong_error_bound_by_memory_suggests_memory_flags(tmp_path, monkeypatch):
+    """RoPE and --hsp-max-seq 1000: the largest group's 256 tokens bind, so the memory cap, group
+    sizes or more GPUs are what can train the 1000-token documents whole."""
+    args, cfg = config(
+        tmp_path,
+        *("--seq-length", "1000", "--max-position-embeddings", "1000"),
+        *("--position-embedding-type", "rope", "--hsp-overlong", "error"),
+    )
+    # Documents of 10/100/200/40 tokens all fit 256; make one longer through the corpus.
+    prefix = tmp_path / "docs"
+    write_indexed_dataset(prefix, [np.arange(n) % 50 for n in (10, 300, 200)])
+    with pytest.raises(InputError, match="what the largest group's memory holds;") as exc:
+        sampler_of(args, cfg, monkeypatch)
+    assert "--hsp-memory-cap-gb" in str(exc.value) and "larger --seq-length" not in str(exc.value)
+
+
+def test_default_splits_overlong_documents_at_the_limit_and_says_so(tmp_path, monkeypatch, capsys):
+    """No --hsp-overlong: documents past --seq-length are cut into --seq-length pieces, as stock
+    Megatron cuts them into --seq-length samples; the start-up line counts them (issue 42: the
+    default used to stop the run on every real corpus)."""
+    args, cfg = config(tmp_path, "--seq-length", "64", "--max-position-embeddings", "64")
+    assert cfg.overlong == "split"
+    sampler_of(args, cfg, monkeypatch)
+    line = (
+        "[megatron-hsp] training split: 2 of 4 documents are over 64 tokens (--seq-length): "
+        "split into 64-token pieces (--hsp-overlong split)\n"
+    )
+    assert line in capsys.readouterr().out
 
 
 def test_learned_positions_never_exceed_max_position_embeddings(tmp_path):
