@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_hsp.megatron import refusals
 from megatron_hsp.megatron.megatron_checks import check_as_megatron_validates
 from megatron_hsp.planner.errors import InputError
 
@@ -382,6 +383,10 @@ def _megatron_namespace(args: argparse.Namespace, notes: list[str]) -> argparse.
             raise InputError(f"{flag} must be >= 1 (got {v})")
     # The stock job as given must pass Megatron's own checks (its CP and micro-batch size).
     check_as_megatron_validates(ns, "your job as given")
+    if getattr(args, "hsp", False):  # typed: the training run's flags, refused as it refuses
+        for refuse in (refusals.refuse_micro_batch_size, refusals.refuse_context_parallel):
+            refuse(ns)
+        refusals.refuse_attention_dropout(ns)  # (without --hsp they are the stock job's: notes)
     if cp > 1:
         notes.append(
             f"--context-parallel-size {cp}: the static baseline (static-{cp}); under --hsp the "
@@ -389,8 +394,7 @@ def _megatron_namespace(args: argparse.Namespace, notes: list[str]) -> argparse.
         )
         ns.context_parallel_size = 1
     if ns.ffn_hidden_size is None and ns.hidden_size:
-        # Megatron's validate_args: SwiGLU's 8/3 x hidden rounded down to a multiple of 64.
-        h = ns.hidden_size
+        h = ns.hidden_size  # validate_args: SwiGLU's 8/3 x hidden, down to a multiple of 64
         ns.ffn_hidden_size = int((4 * h * 2 / 3) / 64) * 64 if ns.swiglu else 4 * h
     if not ns.group_query_attention:
         ns.num_query_groups = ns.num_attention_heads
@@ -417,12 +421,10 @@ def _megatron_namespace(args: argparse.Namespace, notes: list[str]) -> argparse.
         ns.attention_dropout = 0.0
     # Megatron's validate_args: virtual stages per rank, given or from layers per virtual stage.
     vpp = ns.num_virtual_stages_per_pipeline_rank
-    layers_per_vstage = ns.num_layers_per_virtual_pipeline_stage
-    if vpp is None and layers_per_vstage and ns.num_layers:
-        vpp = (ns.num_layers // pp) // layers_per_vstage
+    if vpp is None and (per_vstage := ns.num_layers_per_virtual_pipeline_stage) and ns.num_layers:
+        vpp = (ns.num_layers // pp) // per_vstage
     ns.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
-    # The same job under --hsp (CP 1, micro-batch 1: every GPU a data-parallel rank) passes
-    # Megatron's checks too, or the training run would stop where this plans.
+    # The job under --hsp passes Megatron's checks too, or the training run stops where this plans.
     check_as_megatron_validates(ns, "the same job under --hsp (CP 1, micro-batch 1)")
     return ns
 

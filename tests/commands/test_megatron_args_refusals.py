@@ -1,7 +1,8 @@
 """``plan``/``bench`` refuse what the training run or Megatron's ``validate_args`` refuses, one
 line naming the flag and what would work, exit 2; the three flags ``--hsp`` changes (CP,
-micro-batch size, attention dropout) are the stock baseline's and said in a note (issue 42,
-item 2). Megatron's checks are ``megatron/megatron_checks.py``, itself checked against
+micro-batch size, attention dropout) are the stock baseline's and said in a note, unless
+``--hsp`` is typed (then they are the training run's, refused as the launcher refuses them;
+issue 42, item 2). Megatron's checks are ``megatron/megatron_checks.py``, itself checked against
 Megatron's ``validate_args`` in ``tests/megatron/test_megatron_checks.py``."""
 
 from __future__ import annotations
@@ -87,3 +88,23 @@ def test_a_world_size_that_agrees_or_stands_alone_plans(
     for argv in ([*JOB, "--world-size", "32"], [*alone, "--world-size", "32"]):
         rc, out, err = _run(["plan", *argv], capsys)
         assert rc == 0 and "est_ms" in out, err
+
+
+@pytest.mark.parametrize("command", ["bench", "plan"])
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--micro-batch-size", "2"], "so --micro-batch-size must be 1 (got 2)"),
+        ([], "--hsp does not support --context-parallel-size 4"),  # JOB's CP 4
+        (["--attention-dropout", "0.1"], "pass --attention-dropout 0"),
+    ],
+)  # fmt: skip
+def test_flags_typed_with_hsp_are_the_training_runs_and_refused_as_it_refuses_them(
+    command: str, flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --hsp typed the flags are the training run's own, so bench/plan refuse what the
+    launcher refuses (without it CP, micro-batch size and dropout are the stock baseline's)."""
+    job = JOB if "context-parallel" in needle else [*JOB, "--context-parallel-size", "1"]
+    steps = ["--steps", "1"] if command == "bench" else []
+    rc, _, err = _run([command, *job, *steps, "--hsp", *flags], capsys)
+    assert rc == 2 and err.count("\n") == 1 and needle in err, err
