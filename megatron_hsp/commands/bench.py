@@ -17,7 +17,7 @@ from megatron_hsp.commands.megatron_args import (
     setup_from_args,
     unknown_flags_message,
 )
-from megatron_hsp.evaluation.bench import DEFAULT_METHODS, PlanFn, parse_methods, run_bench
+from megatron_hsp.evaluation.bench import DEFAULT_METHODS, parse_methods, run_bench
 from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.paths import STDOUT, atomic_write, check_output_path
 from megatron_hsp.planner.plan import Plan
@@ -52,24 +52,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _megatron_dcp(setup) -> PlanFn:
-    # Imported only here: megatron-core pulls in torch.
-    from megatron_hsp.evaluation.torch_side.dcp_baseline import megatron_dcp_plan
-
-    return lambda lengths: megatron_dcp_plan(lengths, setup.cost, setup.cluster)
-
-
-def _megatron_dcp_dev(setup) -> PlanFn:
-    # Reads the checkout named by $MEGATRON_HSP_DEV_CHECKOUT; refuses (exit 2) without one.
-    from megatron_hsp.evaluation.torch_side.dcp_dev_baseline import (
-        load_dev_scheduler,
-        megatron_dcp_dev_plan,
-    )
-
-    schedule = load_dev_scheduler()
-    return lambda lengths: megatron_dcp_dev_plan(lengths, setup.cost, setup.cluster, schedule)
-
-
 def run_from_args(
     args: argparse.Namespace,
     hsp_plans: list[Plan] | None = None,
@@ -78,6 +60,8 @@ def run_from_args(
     """Run the bench; ``hsp_plans`` / ``lengths_out`` collect hsp's plans and the batches."""
     if args.steps < 1:
         raise InputError(f"--steps must be >= 1, got {args.steps}")
+    from megatron_hsp.evaluation.torch_side.methods import torch_methods  # torch only on use
+
     setup = setup_from_args(args)
     if args.methods is None:
         args.methods = ",".join(DEFAULT_METHODS if setup.job is None else default_methods(setup))
@@ -96,10 +80,7 @@ def run_from_args(
         pipeline=setup.pipeline,
         sizes=setup.sizes,
         stock=None if setup.job is None else setup.job.stock,
-        extra_methods={
-            "megatron-dcp": lambda: _megatron_dcp(setup),
-            "megatron-dcp-dev": lambda: _megatron_dcp_dev(setup),
-        },
+        extra_methods=torch_methods(setup.cost, setup.cluster),
         plans_sink={"hsp": hsp_plans} if hsp_plans is not None else None,
         progress=(lambda m: print(f"bench: running {m} ...", file=sys.stderr))
         if not args.json

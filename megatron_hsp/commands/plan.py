@@ -16,14 +16,13 @@ from megatron_hsp.commands.megatron_args import (
 )
 from megatron_hsp.evaluation.baselines import trained_lengths
 from megatron_hsp.evaluation.bench import (
-    hsp_plan_fn,
     lower_bound_fn,
     parse_methods,
+    plan_fn,
     price_baseline,
     shortest_microbatch_ms,
 )
 from megatron_hsp.planner.cost.pipeline import pipeline_lower_bound
-from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.plan import Plan
 
 
@@ -53,51 +52,19 @@ def make_plan(args: argparse.Namespace, setup: Setup | None = None) -> Plan:
     (method,) = parse_methods(args.method)
     cost, cluster = setup.cost, setup.cluster
     t0 = time.perf_counter()
-    if method == "hsp":
-        plan = hsp_plan_fn(cost, cluster, setup.settings(args))(lengths)
-    elif method == "megatron-dcp":
-        from megatron_hsp.evaluation.torch_side.dcp_baseline import megatron_dcp_plan
+    from megatron_hsp.evaluation.torch_side.methods import torch_methods  # torch only on use
 
-        plan = megatron_dcp_plan(lengths, cost, cluster)
-    elif method == "megatron-dcp-dev":
-        from megatron_hsp.evaluation.torch_side.dcp_dev_baseline import (
-            load_dev_scheduler,
-            megatron_dcp_dev_plan,
-        )
-
-        plan = megatron_dcp_dev_plan(lengths, cost, cluster, load_dev_scheduler())
-    elif method == "batchada":
-        from megatron_hsp.evaluation.baselines import batchada_plan
-
-        plan = batchada_plan(lengths, cost, cluster, setup.sizes)
-    elif method == "flexsp-style":
-        from megatron_hsp.evaluation.baselines import flexsp_style_plan
-
-        base = setup.settings(args).solver_config()
-        plan = flexsp_style_plan(lengths, cost, cluster, base, setup.sizes)
-    elif method.startswith("static-") and method != "static-best":
-        from megatron_hsp.evaluation.baselines import static_plan
-
-        plan = static_plan(lengths, cost, cluster, int(method.split("-")[1]))
-    elif method.startswith("megatron-static-cp"):
-        from megatron_hsp.evaluation.baselines import megatron_static_plan, stock_from_name
-
-        job = getattr(setup, "job", None)
-        if job is None or job.stock is None:
-            raise InputError(
-                f"--method {method}: stock Megatron's static CP is priced from a Megatron job's "
-                "flags (--seq-length, --micro-batch-size, --cp-comm-type); drop --flexsp-harness"
-            )
-        stock = dataclasses.replace(job.stock, cp=stock_from_name(method))
-        plan = megatron_static_plan(lengths, cost, cluster, stock)
-    elif method.startswith("dp-balanced-"):
-        from megatron_hsp.evaluation.baselines import dp_balanced_plan
-
-        plan = dp_balanced_plan(lengths, cost, cluster, int(method.rsplit("-", 1)[1]))
-    else:
-        raise InputError(
-            f"--method {method} is chosen over several batches; use `megatron-hsp bench`"
-        )
+    job = getattr(setup, "job", None)
+    plan = plan_fn(
+        method,
+        cost,
+        cluster,
+        hsp=setup.settings(args),
+        sizes=setup.sizes,
+        stock=None if job is None else job.stock,
+        extra_methods=torch_methods(cost, cluster),
+        flag="--method",
+    )(lengths)
     if setup.pipeline is not None and method != "hsp":
         # Baselines run in the order their schedulers emit (evaluation/bench.py).
         plan = price_baseline(plan, cost, setup.pipeline, str(plan.extra.get("ring", "overlap")))

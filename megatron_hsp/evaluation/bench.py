@@ -76,6 +76,55 @@ def hsp_plan_fn(cost: CostModel, cluster: Cluster, settings: PlannerSettings) ->
 LP_BOUND_LIMIT_S = 2.0  # column-generation time per batch for ``lower-bound`` (docs/solver.md)
 
 
+def plan_fn(
+    name: str,
+    cost: CostModel,
+    cluster: Cluster,
+    *,
+    hsp: PlannerSettings | None = None,
+    sizes: Sequence[int] | None = None,
+    stock: StockCP | None = None,
+    extra_methods: Mapping[str, Callable[[], PlanFn]] | None = None,
+    flag: str = "--methods",
+) -> PlanFn:
+    """``lengths -> Plan`` (not yet priced) of one per-batch method: the one dispatch of method
+    names that ``bench``, ``plan`` and training's ``--hsp-plan-method``
+    (``torch_side/methods.method_plan_fn``) share. ``extra_methods``: factories of the
+    torch-based methods (``torch_side/methods.torch_methods``). The hindsight methods
+    (``static-best``, ``dp-balanced``) and ``lower-bound`` look at many batches: refused here."""
+    extra_methods = extra_methods or {}
+    if name == "hsp":
+        return hsp_plan_fn(cost, cluster, hsp or PlannerSettings())
+    if name == "batchada":
+        return lambda b: batchada_plan(b, cost, cluster, sizes)
+    if name == "flexsp-style":
+        # hsp's backend, budget and seed; FlexSP's choices on top (baselines.py)
+        base = (hsp or PlannerSettings()).solver_config()
+        return functools.partial(
+            flexsp_style_plan, cost=cost, cluster=cluster, base=base, sizes=sizes
+        )
+    if m := _STATIC.match(name):
+        degree = int(m.group(1))
+        return lambda b: static_plan(b, cost, cluster, degree)
+    if (cp := stock_from_name(name)) is not None:
+        if stock is None:
+            raise InputError(
+                f"{flag} {name}: stock Megatron's static CP is priced from a Megatron job's "
+                "flags (--seq-length, --micro-batch-size, --cp-comm-type); drop "
+                "--flexsp-harness or that method"
+            )
+        job = dataclasses.replace(stock, cp=cp)
+        return lambda b: megatron_static_plan(b, cost, cluster, job)
+    if m := _DP_BALANCED.match(name):
+        degree = int(m.group(1))
+        return lambda b: dp_balanced_plan(b, cost, cluster, degree)
+    if name in extra_methods:
+        return extra_methods[name]()
+    if name in ("static-best", "dp-balanced", "lower-bound"):
+        raise InputError(f"{flag} {name} is chosen over several batches; use `megatron-hsp bench`")
+    raise InputError(f"{flag}: {name!r} is not available in this build")
+
+
 def lower_bound_fn(
     cost: CostModel, cluster: Cluster, sizes: Sequence[int] | None
 ) -> Callable[[np.ndarray], float] | None:
@@ -291,36 +340,9 @@ def run_bench(
         if name in ("static-best", "dp-balanced"):
             results[name] = _hindsight_result(name, lengths, cost, cluster, sizes, piped)
             continue
-        fn: PlanFn
-        if name == "hsp":
-            fn = hsp_plan_fn(cost, cluster, hsp)
-        elif name == "batchada":
-            fn = lambda b: batchada_plan(b, cost, cluster, sizes)  # noqa: E731
-        elif name == "flexsp-style":
-            # hsp's backend, budget and seed; FlexSP's choices on top (baselines.py)
-            base = hsp.solver_config()
-            fn = functools.partial(
-                flexsp_style_plan, cost=cost, cluster=cluster, base=base, sizes=sizes
-            )
-        elif m := _STATIC.match(name):
-            degree = int(m.group(1))
-            fn = lambda b, d=degree: static_plan(b, cost, cluster, d)  # noqa: E731
-        elif (cp := stock_from_name(name)) is not None:
-            if stock is None:
-                raise InputError(
-                    f"--methods {name}: stock Megatron's static CP is priced from a Megatron "
-                    "job's flags (--seq-length, --micro-batch-size, --cp-comm-type); drop "
-                    "--flexsp-harness or that method"
-                )
-            job = dataclasses.replace(stock, cp=cp)
-            fn = lambda b, s=job: megatron_static_plan(b, cost, cluster, s)  # noqa: E731
-        elif m := _DP_BALANCED.match(name):
-            degree = int(m.group(1))
-            fn = lambda b, d=degree: dp_balanced_plan(b, cost, cluster, d)  # noqa: E731
-        elif name in extra_methods:
-            fn = extra_methods[name]()
-        else:
-            raise InputError(f"--methods: {name!r} is not available in this build")
+        fn = plan_fn(
+            name, cost, cluster, hsp=hsp, sizes=sizes, stock=stock, extra_methods=extra_methods
+        )
         degrees: list[int] = []
         statuses: list[str] = []
         for step, b in enumerate(lengths):

@@ -20,7 +20,29 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_hsp.planner.errors import HSPError, InputError
-from megatron_hsp.planner.run_spec import check_plan_method, static_degree
+from megatron_hsp.planner.run_spec import check_plan_method
+
+
+def torch_methods(cost: Any, cluster: Any) -> dict[str, Callable[[], Any]]:
+    """Factories of the methods that need torch or a Megatron-LM checkout (``bench.plan_fn``'s
+    ``extra_methods``): ``megatron-dcp`` runs megatron-core's own scheduler, ``megatron-dcp-dev``
+    the checkout named by ``$MEGATRON_HSP_DEV_CHECKOUT`` (refused, exit 2, without one)."""
+
+    def dcp() -> Callable[[Any], Any]:
+        from megatron_hsp.evaluation.torch_side.dcp_baseline import megatron_dcp_plan
+
+        return lambda lengths: megatron_dcp_plan(lengths, cost, cluster)
+
+    def dcp_dev() -> Callable[[Any], Any]:
+        from megatron_hsp.evaluation.torch_side.dcp_dev_baseline import (
+            load_dev_scheduler,
+            megatron_dcp_dev_plan,
+        )
+
+        schedule = load_dev_scheduler()
+        return lambda lengths: megatron_dcp_dev_plan(lengths, cost, cluster, schedule)
+
+    return {"megatron-dcp": dcp, "megatron-dcp-dev": dcp_dev}
 
 
 def method_plan_fn(
@@ -31,31 +53,28 @@ def method_plan_fn(
     sizes: Sequence[int] | None = None,
 ) -> Callable[[Sequence[int]], Any]:
     """``lengths -> Plan`` of ``method`` (not ``static-best``: resolve it first), every plan
-    priced by ``execution.price`` as ``bench`` prices it. ``sizes``: the group sizes a baseline
-    may use (the run's pre-created ones)."""
+    priced by ``execution.price`` as ``bench`` prices it; the method's plan function is
+    ``bench.plan_fn``, the dispatch ``bench`` and ``plan`` use. ``sizes``: the group sizes a
+    baseline may use (the run's pre-created ones)."""
     import numpy as np
 
-    from megatron_hsp.evaluation.baselines import batchada_plan, static_plan
-    from megatron_hsp.evaluation.bench import hsp_plan_fn
+    from megatron_hsp.evaluation.bench import plan_fn
     from megatron_hsp.planner.cost.execution import price
 
     check_plan_method(method)
-    fn: Callable[[np.ndarray], Any]
-    degree = static_degree(method)
-    if method == "hsp":
-        fn = hsp_plan_fn(cost, cluster, settings)
-    elif degree is not None:
-        fn = lambda b: static_plan(b, cost, cluster, degree)  # noqa: E731
-    elif method == "batchada":
-        fn = lambda b: batchada_plan(b, cost, cluster, sizes)  # noqa: E731
-    elif method == "megatron-dcp":
-        from megatron_hsp.evaluation.torch_side.dcp_baseline import megatron_dcp_plan
-
-        fn = lambda b: megatron_dcp_plan(b, cost, cluster)  # noqa: E731
-    else:
+    if method == "static-best":
         raise InputError(
             f"--hsp-plan-method {method}: resolve it to static-N first (resolve_static_best)"
         )
+    fn = plan_fn(
+        method,
+        cost,
+        cluster,
+        hsp=settings,
+        sizes=sizes,
+        extra_methods=torch_methods(cost, cluster),
+        flag="--hsp-plan-method",
+    )
     if method == "hsp" and getattr(settings, "pp", 1) > 1:
         return lambda lengths: fn(np.asarray(lengths, dtype=np.int64))  # priced as a pipeline
     return lambda lengths: price(fn(np.asarray(lengths, dtype=np.int64)), cost)
