@@ -80,6 +80,9 @@ class HSPRun:
     local_multiple: int = 1  # per-rank token count multiple (TP size under --sequence-parallel)
     device: torch.device | None = None
     step_overhead_ms: float = 0.0  # the cost model's per-step cost, added to each prediction
+    # How long a rank waits for its peers in HSP's own collectives after the step (the refit's
+    # gather): the plan exchange's bound, so a stopped peer ends the run in one line.
+    exchange_timeout_s: float = 600.0
     data: HSPData | None = None  # which datasets feed which split (set by ``install``)
     evaluation: dict[str, _EvalIterator] = field(default_factory=dict)  # by split
     te_layout: bool = False  # pad ring groups' documents for TE's context parallelism
@@ -193,6 +196,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         plan_timeout_s=cfg.plan_timeout_s,
     )
     planner = training.planner
+    run.exchange_timeout_s = training.exchange_timeout_s
     # Megatron's sequence parallelism splits each rank's tokens over the TP group again.
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     run.local_multiple = tp if getattr(args, "sequence_parallel", False) else 1
@@ -695,6 +699,8 @@ def refit_step(run: HSPRun) -> None:
     import torch
     import torch.distributed as dist
 
+    from megatron_hsp.runtime.agreement import bounded_all_gather
+
     plan = run.current.plan
     n = len(plan.microbatches)
     times = run.clock.read()
@@ -708,7 +714,7 @@ def refit_step(run: HSPRun) -> None:
         row[k:] = torch.tensor(times, dtype=torch.float64)
     row = row.to(run.device)
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, row)
+    bounded_all_gather(rows, row, timeout_s=run.exchange_timeout_s, what="the refit's timings")
     if run.observer is not None:
         run.predict_model = model_from_state(run.cost_model, rows[0][2:k].cpu().tolist())
     if run.refitter is None:

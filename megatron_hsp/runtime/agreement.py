@@ -82,8 +82,7 @@ def agree_on_plan(
     if mode != "verify":
         raise ValueError(f"plan agreement mode {mode!r}: use 'broadcast' or 'verify'")
     mine = plan.fingerprint() if plan is not None else "<no plan>"
-    everyone: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = _all_gather_text(mine, group, timeout_s)  # bounded, as the broadcast is
     by_print: dict[str, list[int]] = defaultdict(list)
     ranks = dist.get_process_group_ranks(group) if group is not None else range(len(everyone))
     for r, fp in zip(ranks, everyone, strict=True):
@@ -119,6 +118,19 @@ def _bounded(work: Any, timeout_s: float, what: str) -> None:
             f"rank {dist.get_rank()}: {what} did not complete within {timeout_s:.0f} s ({first}); "
             "the planning rank or a peer is stopped, wedged or gone. Stopping this rank"
         ) from None
+
+
+def bounded_all_gather(
+    out: list[torch.Tensor],
+    tensor: torch.Tensor,
+    *,
+    timeout_s: float,
+    what: str,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """``dist.all_gather`` waited for at most ``timeout_s``: past it, every waiting rank stops
+    with one line naming ``what`` instead of hanging until the distributed timeout."""
+    _bounded(dist.all_gather(out, tensor, group=group, async_op=True), timeout_s, what)
 
 
 def _broadcast_json(

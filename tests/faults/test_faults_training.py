@@ -97,6 +97,61 @@ def test_the_plan_exchange_waits_a_bounded_time():
     assert "within 3 s" in message and "\n" not in message
 
 
+def _silent_peer(rank: int, world_size: int, what: str) -> str:
+    """Rank 0 never joins; rank 1's plan check (``mode="verify"``) or the refit's gather of
+    timings must give up within its bound."""
+    import torch
+
+    from megatron_hsp.runtime.agreement import (
+        PlanningFailedError,
+        agree_on_plan,
+        bounded_all_gather,
+    )
+
+    if rank == 0:
+        time.sleep(15)
+        return "silent"
+    t0 = time.monotonic()
+    try:
+        if what == "verify":
+            agree_on_plan(None, mode="verify", timeout_s=3.0)
+        else:
+            row = torch.zeros(4, dtype=torch.float64)
+            out = [torch.empty_like(row) for _ in range(world_size)]
+            bounded_all_gather(out, row, timeout_s=3.0, what="the refit's timings")
+    except PlanningFailedError as exc:
+        return f"{time.monotonic() - t0:.1f} {exc}"
+    return f"{what} completed"
+
+
+def silent_peer_at_the_plan_check(rank: int, world_size: int) -> str:
+    return _silent_peer(rank, world_size, "verify")
+
+
+def silent_peer_at_the_refit_gather(rank: int, world_size: int) -> str:
+    return _silent_peer(rank, world_size, "gather")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("worker", "what"),
+    [
+        (silent_peer_at_the_plan_check, "the plan check"),
+        (silent_peer_at_the_refit_gather, "the refit's timings"),
+    ],
+)
+def test_the_plan_check_and_the_refit_gather_wait_a_bounded_time(worker, what):
+    """Before: an object all-gather (verify) and a plain tensor all-gather (the refit's timings,
+    hooks.refit_step), bounded only by the distributed timeout (10 min)."""
+    from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
+
+    with bounded(300):
+        out = raise_rank_errors(run_distributed(worker, 2, timeout_s=60))
+    took, message = out[1].split(" ", 1)
+    assert float(took) < 3.0 + 5.0, out[1]
+    assert f"{what} did not complete within 3 s" in message and "\n" not in message, out[1]
+
+
 @pytest.mark.dist
 def test_a_megatron_loop_with_its_planner_stopped_mid_run_equals_the_stock_path():
     """Megatron's own train_step on 4 gloo ranks, background planner, stopped after step 1:
