@@ -195,8 +195,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         sync_flag="--hsp-sync-planner",
         plan_timeout_s=cfg.plan_timeout_s,
     )
-    planner = training.planner
-    run.exchange_timeout_s = training.exchange_timeout_s
+    planner, run.exchange_timeout_s = training.planner, training.exchange_timeout_s
     # Megatron's sequence parallelism splits each rank's tokens over the TP group again.
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     run.local_multiple = tp if getattr(args, "sequence_parallel", False) else 1
