@@ -226,6 +226,9 @@ class GlobalBatchSampler(BatchSampling):
         return h.hexdigest()[:16]
 
     def _order(self, epoch: int) -> np.ndarray:
+        """Epoch ``epoch``'s permutation of the units (corpus order): ``default_rng([seed,
+        epoch])``, or ``[seed, stream, epoch]`` for a blend's dataset ``stream`` (the rule
+        docs/integration.md states and ``testing/sampler_oracle.py`` re-derives)."""
         if epoch != self._perm_epoch:
             n = self.num_sequences
             if self.config.shuffle:

@@ -470,6 +470,17 @@ def _duplicate_after_restart(fast_forward: Callable) -> Callable:
     return fast_forward_then_duplicate
 
 
+def _blend_component_not_reshuffled(order: Callable) -> Callable:
+    """A blend's datasets after the first (their own random stream) never reshuffle after
+    epoch 0: every later epoch repeats epoch 0's permutation. Each epoch still covers every
+    piece once and the deficit rule is untouched; only the order is stale."""
+
+    def stale_order(self: Any, epoch: int) -> Any:
+        return order(self, 0 if self.config.stream is not None else epoch)
+
+    return stale_order
+
+
 SAMPLER_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "blend-by-documents",
@@ -494,6 +505,12 @@ SAMPLER_MUTATIONS: tuple[Mutation, ...] = (
         "after a resume, the resumed epoch draws its first sequence again instead of its last",
         "megatron_hsp.step.sampler:BatchSampling.fast_forward",
         _duplicate_after_restart,
+    ),
+    Mutation(
+        "blend-component-not-reshuffled",
+        "a blend's second dataset repeats its epoch-0 permutation in every later epoch",
+        "megatron_hsp.step.sampler:GlobalBatchSampler._order",
+        _blend_component_not_reshuffled,
     ),
 )
 

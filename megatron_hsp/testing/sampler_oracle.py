@@ -24,6 +24,21 @@ own (document, offset, length) and from Megatron, never from the sampler's count
   datasets; for two datasets ``w_i L`` on the upper side): a deficit only grows while another
   dataset is chosen, and the chosen one has the largest deficit, which is >= 0 since deficits
   sum to 0. ``blend_deviation`` reports the worst deviation against that bound.
+* ``epoch_orders`` / ``order_failures``: the order inside each dataset, from the sampler's
+  documented rule (docs/integration.md, "Blends"), re-derived here: a dataset's pieces numbered
+  in corpus order (document, then offset), epoch ``e`` draws them in the order
+  ``numpy.random.default_rng([seed, e]).permutation(n)`` (a lone dataset, and a blend's first
+  dataset) or ``default_rng([seed, k, e])`` (a blend's dataset ``k >= 1``, counted over the
+  split's non-empty datasets of positive weight). Every epoch is checked against it, and
+  consecutive epochs must differ (unless the rule's own permutations coincide, chance
+  ``1/n!``): a dataset that stops reshuffling still covers every piece once per epoch, so
+  ``coverage_failures`` cannot see it. Megatron's ``GPTDataset`` (``_build_document_index``)
+  instead shuffles the document index of all its epochs at once with one
+  ``RandomState(seed)`` per dataset, so a document can recur before another is seen once; HSP
+  keeps Megatron's "seeded, fresh each epoch, reproducible" but draws one permutation per
+  epoch so each epoch covers every document once (the coverage check above);
+* ``resume_failures``: a run restarted from a saved position draws what the uninterrupted run
+  draws (the first difference), whichever resume path (``fast_forward``, ``load_state_dict``).
 
 Imports nothing from ``megatron_hsp``.
 """
@@ -194,3 +209,83 @@ def blend_deviation(
         ],
         "worst_over_bound": worst_ratio,
     }
+
+
+def epoch_orders(
+    units: Counter[Drawn] | Iterable[Drawn], seed: int, epochs: int, stream: int | None = None
+) -> list[list[Drawn]]:
+    """The order of a dataset's pieces in each of epochs ``0 .. epochs - 1``, by the sampler's
+    documented rule: pieces in corpus order (document, offset), permuted by
+    ``numpy.random.default_rng([seed, epoch])`` or, for a blend's dataset ``stream >= 1``,
+    ``default_rng([seed, stream, epoch])``."""
+    elements = units.elements() if isinstance(units, Counter) else units
+    pieces = sorted(tuple(int(v) for v in p) for p in elements)
+    out = []
+    for epoch in range(epochs):
+        key = [seed, epoch] if stream is None else [seed, stream, epoch]
+        perm = np.random.default_rng(key).permutation(len(pieces))
+        out.append([pieces[int(i)] for i in perm])
+    return out
+
+
+def _show(p: Drawn) -> str:
+    return f"doc {p[0]} [{p[1]}, {p[1] + p[2]})"
+
+
+def order_failures(
+    drawn: Iterable[Drawn],
+    units: Counter[Drawn],
+    seed: int,
+    stream: int | None = None,
+    what: str = "",
+) -> list[str]:
+    """Where ``drawn`` (one dataset's pieces, in draw order from its first draw) leaves the
+    rule's order (``epoch_orders``): per epoch window, the first draw that differs; and each
+    epoch that repeats the previous one's order (its complete window, or the partial last
+    window's prefix) where the rule's permutations differ (a dataset that stopped
+    reshuffling)."""
+    drawn = [tuple(int(v) for v in p) for p in drawn]
+    size = sum(units.values())
+    if size == 0 or not drawn:
+        return []
+    epochs = -(-len(drawn) // size)
+    want = epoch_orders(units, seed, epochs, stream)
+    key = "[seed, epoch]" if stream is None else f"[seed, {stream}, epoch]"
+    bad: list[str] = []
+    for epoch in range(epochs):
+        got = drawn[epoch * size : (epoch + 1) * size]
+        expected = want[epoch][: len(got)]
+        part = "complete" if len(got) == size else f"partial, {len(got)} draws"
+        if got != expected:
+            j = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
+            bad.append(
+                f"{what} epoch {epoch} ({part}): draw {j} of the epoch is {_show(got[j])}, "
+                f"the seeded permutation (default_rng({key}), seed {seed}) gives "
+                f"{_show(expected[j])}"
+            )
+        if epoch and len(got) > 1:
+            before = drawn[(epoch - 1) * size : (epoch - 1) * size + len(got)]
+            if got == before and want[epoch][: len(got)] != want[epoch - 1][: len(got)]:
+                bad.append(
+                    f"{what} epoch {epoch} ({part}): the same order as epoch {epoch - 1} "
+                    f"(not reshuffled; {size} pieces)"
+                )
+    return bad
+
+
+def resume_failures(
+    uninterrupted: Sequence[Drawn], resumed: Sequence[Drawn], what: str = ""
+) -> list[str]:
+    """Where a restarted run's draws (before and after the restart, in order) leave the
+    uninterrupted run's: the first difference, or a length mismatch."""
+    a = [tuple(int(v) for v in p) for p in uninterrupted]
+    b = [tuple(int(v) for v in p) for p in resumed]
+    for j, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return [
+                f"{what} draw {j}: the resumed run draws {_show(y)}, the uninterrupted run "
+                f"{_show(x)}"
+            ]
+    if len(a) != len(b):
+        return [f"{what}: {len(b)} draws after the restart, the uninterrupted run {len(a)}"]
+    return []

@@ -165,6 +165,7 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
     for e in entries:
         assert all(e["pieces_as_uninterrupted"].values()) and e["outside_split"] == []
         assert e["coverage"] == [] and e["worst_check"] in margins(e)
+        assert e["order"] == []  # issue 44: each dataset in its seeded order, every epoch
     # Issue 17: the HSP side ran Megatron's pipeline schedules on 2 stages (the stock side is
     # the unpipelined model), 1F1B with one chunk, interleaved with a chunk per virtual stage;
     # the interleaved schedule ran a multiple of pp micro-batches (empty ones padding the plan).
@@ -426,6 +427,7 @@ def test_every_plant_has_a_test():
         "two-token-documents-dropped",
         "split-truncated-not-rounded",
         "document-twice-after-restart",
+        "blend-component-not-reshuffled",
     }
 
 
@@ -503,14 +505,16 @@ def test_sequence_parallel_norm_marks_its_weights():
 @pytest.mark.slow
 @pytest.mark.dist
 def test_sampler_bugs_are_caught_by_the_oracle_checks():
-    """Issue 33: the four sampler plants, one spawn. The stock side reads the pieces HSP's
-    sampler chose, so loss and gradients agree under every one of them; only the checks against
-    ``testing/sampler_oracle.py`` (megatron-core's split, the pieces' own lengths) see them."""
+    """Issue 33 (and 44: the order): the five sampler plants, one spawn. The stock side reads
+    the pieces HSP's sampler chose, so loss and gradients agree under every one of them; only
+    the checks against ``testing/sampler_oracle.py`` (megatron-core's split, the pieces' own
+    lengths, the seeded order) see them."""
     names = [
         "blend-by-documents",
         "two-token-documents-dropped",
         "split-truncated-not-rounded",
         "document-twice-after-restart",
+        "blend-component-not-reshuffled",
     ]
     runs = {r["plant"]: r for r in run_megatron_plants(4, timeout_s=900, plants=names)}
     for name in names:
@@ -525,7 +529,9 @@ def test_sampler_bugs_are_caught_by_the_oracle_checks():
         # truncated split is also outside Megatron's split, now that its boundaries are not
         # integers).
         failing = {k for k, v in margins(e).items() if v >= 1}
-        assert failing <= {"once per epoch", "blend deficit rule", "blend share bound"} | (
+        sampler_checks = {"once per epoch", "epoch order", "blend deficit rule"}
+        sampler_checks.add("blend share bound")
+        assert failing <= sampler_checks | (
             {"documents in their split"} if name == "split-truncated-not-rounded" else set()
         ), failing
     by_documents = runs["blend-by-documents"]["entry"]
@@ -538,6 +544,11 @@ def test_sampler_bugs_are_caught_by_the_oracle_checks():
     assert any("twice" in f for f in twice["coverage"])
     # The batches the steps trained are an uninterrupted run's: only the oracle sees it.
     assert all(twice["pieces_as_uninterrupted"].values())
+    # Issue 44: a blend's second dataset that stops reshuffling still draws every piece once
+    # per epoch by the deficit rule; only the order check sees it.
+    stale = runs["blend-component-not-reshuffled"]["entry"]
+    assert stale["worst_check"] == "epoch order" and not stale["coverage"]
+    assert any("dataset 1" in f and "same order" in f for f in stale["order"]), stale["order"]
 
 
 def test_margin_reports_the_worst_check_evaluation_and_batch_identity_included():

@@ -17,6 +17,7 @@ from megatron_hsp.testing.megatron_loop.options import (
     EVAL_ITERS,
     EVAL_SPLIT,
     GLOBAL_BATCH,
+    MODEL_FLAGS,
     RESUME_AFTER,
     LoopOptions,
 )
@@ -24,6 +25,7 @@ from megatron_hsp.testing.sampler_oracle import (
     blend_deviation,
     coverage_failures,
     deficit_failures,
+    order_failures,
 )
 from megatron_hsp.testing.tolerances import CPU
 
@@ -126,6 +128,11 @@ def _data_checks(options: LoopOptions, hsp: dict[str, Any], ref: dict[str, Any])
       or evaluated, then more from copies of the live samplers) break "every document of
       Megatron's split with >= 2 tokens once per epoch" (``sampler_oracle.coverage_failures``
       against megatron-core's own split builder and ``IndexedDataset`` lengths);
+    * ``order``: per split and dataset, where the same pieces leave the order the sampler's
+      documented rule gives (``sampler_oracle.order_failures``: ``default_rng([seed, epoch])``,
+      ``[seed, k, epoch]`` for a blend's dataset ``k >= 1``, the seed Megatron's ``--seed``
+      the loop passes), or repeat the previous epoch's order (a dataset that stopped
+      reshuffling); across the restart too;
     * ``blend_rule``: draws of a blend that did not come from the dataset the
       deficit rule picks, re-run on the drawn pieces' lengths (``sampler_oracle``);
     * ``blend``: each dataset's share of the trained tokens, how far it is from its weight in
@@ -166,7 +173,8 @@ def _data_checks(options: LoopOptions, hsp: dict[str, Any], ref: dict[str, Any])
                 k, local = reader.locate(doc)
                 if not ranges[k][0] <= local < ranges[k][1]:
                     outside.append(f"{split}: document {doc} (dataset {k}, {local})")
-    coverage, rule = [], []
+    coverage, rule, order = [], [], []
+    seed = int(MODEL_FLAGS[MODEL_FLAGS.index("--seed") + 1])  # no --hsp-seed: Megatron's
     for split, stream in hsp["drawn"].items():
         units = reader.split_units(split_text, split)
         datasets = [reader.locate(doc)[0] for doc, _, _ in stream]
@@ -174,6 +182,8 @@ def _data_checks(options: LoopOptions, hsp: dict[str, Any], ref: dict[str, Any])
             if k == 0 or options.blend:
                 mine = [p for p, d in zip(stream, datasets, strict=True) if d == k]
                 coverage += coverage_failures(mine, expected, f"{split} dataset {k}")
+                own = None if k == 0 else k  # the blend's dataset k >= 1: its own stream
+                order += order_failures(mine, expected, seed, own, f"{split} dataset {k}")
         if options.blend:
             lengths = [n for _, _, n in stream]
             rule += [f"{split} {f}" for f in deficit_failures(datasets, lengths, BLEND_WEIGHTS)]
@@ -187,6 +197,7 @@ def _data_checks(options: LoopOptions, hsp: dict[str, Any], ref: dict[str, Any])
         "pieces_as_uninterrupted": same,
         "outside_split": outside[:5],
         "coverage": coverage,
+        "order": order,
         "blend_rule": rule,
         "blend": blend,
         "resume": _resume_checks(hsp, ref),
@@ -260,6 +271,7 @@ def check_data(entry: dict[str, Any]) -> list[str]:
                 f"had {pair[1]} when it was saved"
             )
     bad += [f"not once per epoch: {f}" for f in entry.get("coverage", [])]
+    bad += [f"not in the seeded order: {f}" for f in entry.get("order", [])]
     bad += [f"blend: {f}" for f in entry.get("blend_rule", [])]
     blend = entry.get("blend")
     if blend is not None and not blend["worst_over_bound"] <= 1.0:
@@ -358,6 +370,8 @@ def margins(entry: dict[str, Any]) -> dict[str, float]:
         exact("documents in their split", not entry["outside_split"])
     if "coverage" in entry:
         exact("once per epoch", not entry["coverage"])
+    if "order" in entry:
+        exact("epoch order", not entry["order"])
     if entry.get("blend") is not None:
         exact("blend deficit rule", not entry.get("blend_rule"))
         worst("blend share bound", entry["blend"]["worst_over_bound"])

@@ -282,4 +282,5 @@ PLANT_RUNS: dict[str, tuple[str, int]] = {
     "two-token-documents-dropped": ("ddp", 1),
     "split-truncated-not-rounded": ("distopt evaluation blend resume", 1),
     "document-twice-after-restart": ("distopt evaluation blend resume", 3),
+    "blend-component-not-reshuffled": ("distopt evaluation blend resume", 1),
 }
