@@ -181,3 +181,28 @@ def test_running_output_rounded_per_merge_is_caught(results) -> None:
         f"{_relative(results, 'fused', 'random')['out']:.3g} unplanted"
     )
     assert vs_ref["out"] > PLANT_MARGIN and vs_tiled["out"] > PLANT_MARGIN, (vs_ref, vs_tiled)
+
+
+def test_one_block_in_bf16_within_the_bound_and_the_bound_is_bf16_sized() -> None:
+    """In one process (group None: one block, its two calls merged): both rings in bf16 within
+    the bound, and the bound is u-sized (out: at most 2(u + g) P|V|), far below stock's 5%."""
+    cu = padded_cu([40, 9, 15], 1)
+    doc_all = document_of(cu)
+    held = torch.from_numpy(ring_position_tokens(cu, 1, 1, 0))
+    scale = DIM**-0.5
+    q, k, v, dout = _inputs("random", cu, 1)
+    dense = dense_forward_backward(q, k, v, dout, doc_all, scale)
+    for route, partials in ((RING_TILED, False), (RING_FUSED, True)):
+        bound = bf16_attention_bounds(dense, scale, partials, partials)
+        got = run_route(
+            lambda *a, route=route: ring.ring_attention(*a, route=route),
+            q, k, v, dout, held, doc_all[held], None, scale, dtype=torch.bfloat16,
+        )  # fmt: skip
+        ratios = _ratios(
+            [x.double() for x in got],
+            [dense[n][held] for n in NAMES],
+            [bound[n][held] for n in NAMES],
+        )
+        assert all(x <= 1.0 for x in ratios.values()), (route, ratios)
+    rel = float((bound["out"] / dense["out"].abs().max()).max())
+    assert rel < 0.05 / 4, rel
