@@ -1,5 +1,5 @@
 """The fused ring in bf16 (the tiled kernel standing in for flash on the CPU, rounding each block's
-partial output and gradients to bf16 as flash does), on a ring of 8 gloo ranks (8 ring steps,
+partial output and gradients to bf16 as flash does), on a ring of 4 gloo ranks (4 ring steps,
 documents spanning every position, skipped and unskipped blocks), judged by a bound derived from
 bf16's unit roundoff (``tolerances.bf16_attention_bounds``), not by stock's bf16 noise:
 
@@ -11,8 +11,11 @@ Two input sets: random bf16 values, and "exact partials": v constant over each r
 tokens (random q, k, dout), so every block's partial output is a bf16 number and the only
 rounding a correct ring may do to the output is the final one (bound u|O| + fp32 slack). There
 the planted ``running-output-in-input-dtype`` (``mutations.RING_MUTATIONS``: every merge rounds
-the running output to bf16, +27% attention error at a ring of 8 on random inputs, inside the GPU
-kit's 5%) must exceed the bound several times over."""
+the running output to bf16: +52% attention error on random inputs here, +63% at a ring of 8,
++27% in the audit's case, all inside the GPU kit's 5%) must exceed the bound several times over.
+A ring of 4, not 8: 8 spawned ranks did not start within the harness's 300 s on this shared
+machine (load 60); the plant's margin is about the same (7.8x against the fp64 bound, 3.9x
+against the tiled ring; 8.4x and 4.2x at a ring of 8)."""
 
 from __future__ import annotations
 
@@ -35,12 +38,12 @@ from tests.helpers.ring_setup import (
     run_route,
 )
 
-WORLD = 8
+WORLD = 4
 DIM = 16
 HEADS = 2
 DOCS = [150, 90, 9, 47]  # the first two span every ring position (zigzag: 2r chunks)
 PLANT = "running-output-in-input-dtype"
-# How far the plant must exceed the bound on the exact-partials inputs (measured: see the test).
+# How far the plant must exceed the bound on the exact-partials inputs (measured 3.9x-7.8x).
 PLANT_MARGIN = 3.0
 DATA = ("random", "exact-partials")
 NAMES = ("out", "dq", "dk", "dv")
