@@ -552,12 +552,35 @@ def _tile_accumulation_assigned(block_backward: Callable) -> Callable:
     return last_tile_only
 
 
+# A bug of the fused ring's merges that shows only in bf16 (fp32 rounds it away): caught by
+# ``tests/runtime/test_ring_bf16.py`` (bf16 ring of 8 against a bound derived from bf16's
+# precision); ``test_ring_tiles.py`` runs the tile plant alone.
+def _running_output_in_input_dtype(merge_partials: Callable) -> Callable:
+    """The fused ring's running output allocated in the input dtype (``torch.zeros(q.shape,
+    dtype=q.dtype)``): ``merge_partials`` hands back its first argument's dtype, so in bf16 every
+    merge rounds the running output to bf16. Planted as the merge rounding its result to the
+    visiting partial's dtype (the kernel's: q's); the tiled ring's partials are fp32, where it
+    changes nothing, as it does in fp32."""
+
+    def rounded(out_a, lse_a, out_b, lse_b):
+        out, lse = merge_partials(out_a, lse_a, out_b, lse_b)
+        return out.to(out_b.dtype).to(out.dtype), lse
+
+    return rounded
+
+
 RING_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "tile-accumulation-assigned",
         "the block backward assigns each query tile's dK/dV instead of accumulating them",
         "megatron_hsp.runtime.ring:_block_backward",
         _tile_accumulation_assigned,
+    ),
+    Mutation(
+        "running-output-in-input-dtype",
+        "the fused ring's running output held in the input dtype: bf16 rounds every merge",
+        "megatron_hsp.runtime.ring:merge_partials",
+        _running_output_in_input_dtype,
     ),
 )
 

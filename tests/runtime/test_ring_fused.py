@@ -15,6 +15,7 @@ from megatron_hsp.planner.routes import RING_FUSED, RING_TILED
 from megatron_hsp.runtime import ring
 from megatron_hsp.runtime.layout import ring_position_tokens
 from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
+from tests.helpers.ring_setup import dense_reference, document_of, padded_cu, run_route
 
 WORLD = 4
 DIM = 8
@@ -33,27 +34,11 @@ CASES = [
 ]
 
 
-def _cu(docs: list[int], r: int) -> np.ndarray:
-    """Document boundaries, padded with a trailing segment to a multiple of ``r`` (dispatch)."""
-    pad = -sum(docs) % r
-    return np.concatenate([[0], np.cumsum(docs + ([pad] if pad else []))]).astype(np.int64)
-
-
 def _held(cu: np.ndarray, r: int, pos: int, layout: str) -> np.ndarray:
     if layout == "zigzag":
         return ring_position_tokens(cu, 1, r, pos)
     share = int(cu[-1]) // r
     return np.arange(pos * share, (pos + 1) * share)
-
-
-def _dense_reference(q, k, v, doc, scale):
-    """float64 causal per-document attention over the whole buffer, KV head j // (h / hk)."""
-    rep = q.size(1) // k.size(1)
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    t = torch.arange(q.size(0))
-    mask = (doc[:, None] == doc[None, :]) & (t[None, :] <= t[:, None])
-    s = torch.einsum("ahd,bhd->hab", q, k) * scale
-    return torch.einsum("hab,bhd->ahd", torch.softmax(s.masked_fill(~mask, -torch.inf), -1), v)
 
 
 def _counting(kernel: ring.BlockKernel, counts: dict[str, int]) -> ring.BlockKernel:
@@ -72,14 +57,6 @@ def _counting(kernel: ring.BlockKernel, counts: dict[str, int]) -> ring.BlockKer
     return ring.BlockKernel("counting", forward, backward)
 
 
-def _run(fn, q, k, v, dout, held, doc, group, scale) -> list[torch.Tensor]:
-    """``fn`` on this position's rows in fp32: [out, dq, dk, dv]."""
-    local = [t[held].float().requires_grad_(True) for t in (q, k, v)]
-    out = fn(*local, held, doc, group, scale)
-    out.backward(dout[held].float())
-    return [out.detach(), *(t.grad for t in local)]
-
-
 def _worker(rank: int, world: int) -> dict:
     groups = {name: dist.new_group(list(members)) for name, members, *_ in CASES}
     results: dict = {}
@@ -89,7 +66,7 @@ def _worker(rank: int, world: int) -> dict:
         r, pos = len(members), members.index(rank)
         group = groups[name]
         assert dist.get_rank(group) == pos
-        cu = _cu(docs, r)
+        cu = padded_cu(docs, r)
         total = int(cu[-1])
         g = torch.Generator().manual_seed(len(name))
         q, k, v, dout = (
@@ -97,20 +74,20 @@ def _worker(rank: int, world: int) -> dict:
             for h in (heads, kv_heads, kv_heads, heads)
         )
         held = torch.from_numpy(_held(cu, r, pos, layout))
-        doc_all = torch.searchsorted(torch.from_numpy(cu), torch.arange(total), right=True)
+        doc_all = document_of(cu)
         scale = DIM**-0.5
         # Reference: float64, dense, over the whole buffer; this position's rows.
         ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        out_ref = _dense_reference(*ref, doc_all, scale)
+        out_ref = dense_reference(*ref, doc_all, scale)
         grads_ref = torch.autograd.grad(out_ref, ref, dout)
         entry = {"ref": [out_ref.detach()[held], *(x[held] for x in grads_ref)]}
 
         inputs = (q, k, v, dout, held, doc_all[held], group, scale)
-        entry["tiled"] = _run(lambda *a: ring.ring_attention(*a, route=RING_TILED), *inputs)
+        entry["tiled"] = run_route(lambda *a: ring.ring_attention(*a, route=RING_TILED), *inputs)
         for skip in (True, False):
             counts = {"forward": 0, "backward": 0, "pairs": 0}
             kernel = _counting(ring.TILED_KERNEL, counts)
-            entry[f"fused-skip-{skip}"] = _run(
+            entry[f"fused-skip-{skip}"] = run_route(
                 lambda *a, kernel=kernel, skip=skip: ring.ring_attention(
                     *a, route=RING_FUSED, block_kernel=kernel, skip_masked=skip
                 ),
@@ -119,7 +96,7 @@ def _worker(rank: int, world: int) -> dict:
             entry[f"counts-skip-{skip}"] = counts
         if layout == "zigzag":  # the plans the attention makes once per micro-batch
             plans = ring.host_ring_plans(cu, 1, group, group, torch.device("cpu"))
-            entry["fused-host-plans"] = _run(
+            entry["fused-host-plans"] = run_route(
                 lambda *a, plans=plans: ring.ring_attention(*a, plans, route=RING_FUSED), *inputs
             )
         entry["local_tokens"] = int(held.numel())
@@ -129,7 +106,7 @@ def _worker(rank: int, world: int) -> dict:
     # The host plans map ring-group ranks to ring positions as the gathered index vectors do.
     rings = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     ring_group = rings[rank % 2]
-    cu = _cu([13, 1, 8, 6, 9], 4)
+    cu = padded_cu([13, 1, 8, 6, 9], 4)
     held = ring_position_tokens(cu, 2, 2, rank // 2)
     mine = torch.from_numpy(np.stack([held, np.searchsorted(cu, held, side="right")]))
     metas = ring._gather_meta(mine, ring_group)

@@ -15,36 +15,20 @@ from megatron_hsp.runtime import ring
 from megatron_hsp.runtime.layout import ring_position_tokens
 from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 from megatron_hsp.testing.mutations import RING_MUTATIONS
+from tests.helpers.ring_setup import dense_reference, document_of, padded_cu, run_route
 
 WORLD = 3
 DIM = 8
 HEADS, KV_HEADS = 4, 2
 DOCS = [37, 5, 21, 14, 1, 9]
 ROWS_PER_TILE = 5
-
-
-def _dense_reference(q, k, v, doc, scale):
-    rep = q.size(1) // k.size(1)
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    t = torch.arange(q.size(0))
-    mask = (doc[:, None] == doc[None, :]) & (t[None, :] <= t[:, None])
-    s = torch.einsum("ahd,bhd->hab", q, k) * scale
-    return torch.einsum("hab,bhd->ahd", torch.softmax(s.masked_fill(~mask, -torch.inf), -1), v)
-
-
-def _run(fn, q, k, v, dout, held, doc, group, scale) -> list[torch.Tensor]:
-    local = [t[held].float().requires_grad_(True) for t in (q, k, v)]
-    out = fn(*local, held, doc, group, scale)
-    out.backward(dout[held].float())
-    return [out.detach(), *(t.grad for t in local)]
+# The plant of this class (``test_ring_bf16.py`` runs the bf16 one, which fp32 rounds away).
+PLANTS = [m for m in RING_MUTATIONS if m.name == "tile-accumulation-assigned"]
 
 
 def _worker(rank: int, world: int) -> dict:
-    import numpy as np
-
     group = dist.group.WORLD
-    pad = -sum(DOCS) % world
-    cu = np.concatenate([[0], np.cumsum(DOCS + ([pad] if pad else []))]).astype(np.int64)
+    cu = padded_cu(DOCS, world)
     total = int(cu[-1])
     held = torch.from_numpy(ring_position_tokens(cu, 1, world, rank))
     # Blocks of ``held`` keys: ROWS_PER_TILE query rows per tile, several tiles per block.
@@ -55,10 +39,10 @@ def _worker(rank: int, world: int) -> dict:
         torch.randn(total, h, DIM, generator=g, dtype=torch.float64)
         for h in (HEADS, KV_HEADS, KV_HEADS, HEADS)
     )
-    doc_all = torch.searchsorted(torch.from_numpy(cu), torch.arange(total), right=True)
+    doc_all = document_of(cu)
     scale = DIM**-0.5
     ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out_ref = _dense_reference(*ref, doc_all, scale)
+    out_ref = dense_reference(*ref, doc_all, scale)
     grads_ref = torch.autograd.grad(out_ref, ref, dout)
     result = {"tiles": tiles, "ref": [out_ref.detach()[held], *(x[held] for x in grads_ref)]}
     inputs = (q, k, v, dout, held, doc_all[held], group, scale)
@@ -68,11 +52,11 @@ def _worker(rank: int, world: int) -> dict:
         "fused-all": lambda *a: ring.ring_attention(*a, route=RING_FUSED, skip_masked=False),
     }
     for name, fn in routes.items():
-        result[name] = _run(fn, *inputs)
-        for mutation in RING_MUTATIONS:
+        result[name] = run_route(fn, *inputs)
+        for mutation in PLANTS:
             undo = mutation.plant()
             try:
-                result[f"{name}+{mutation.name}"] = _run(fn, *inputs)
+                result[f"{name}+{mutation.name}"] = run_route(fn, *inputs)
             finally:
                 undo()
     return result
@@ -101,7 +85,7 @@ def test_several_query_tiles_match_a_dense_reference(results, route) -> None:
 @pytest.mark.spawns
 @pytest.mark.dist
 @pytest.mark.parametrize("route", ["tiled", "fused-skip", "fused-all"])
-@pytest.mark.parametrize("mutation", [m.name for m in RING_MUTATIONS])
+@pytest.mark.parametrize("mutation", [m.name for m in PLANTS])
 def test_planted_tile_bug_is_caught(results, route, mutation) -> None:
     worst = max(_worst(e[f"{route}+{mutation}"], e["ref"]) for e in results)
     assert worst > 100 * 1e-5, (route, mutation, worst)
