@@ -206,10 +206,12 @@ def module_differences(stock: torch.nn.Module, hsp: torch.nn.Module) -> list[Dif
         return any(name == r or name.startswith(r + ".") for r in replaced)
 
     for name in sorted(stock_modules.keys() ^ hsp_modules.keys()):
-        extra = hsp_modules.get(name)
-        if extra is not None and inside_replacement(name) and not list(extra.parameters()):
-            continue  # HSP's own parameterless helpers inside its attention
-        out.append(Difference(f"{name} (module)", stock_modules.get(name), extra))
+        only = stock_modules.get(name) or hsp_modules.get(name)
+        if inside_replacement(name) and not list(only.parameters()):
+            # the replaced attention's parameterless helpers (stock's softmax and dropout,
+            # HSP's own): their parameters, none, are compared below
+            continue
+        out.append(Difference(f"{name} (module)", stock_modules.get(name), hsp_modules.get(name)))
     for name in sorted(stock_modules.keys() & hsp_modules.keys()):
         s, h = stock_modules[name], hsp_modules[name]
         if type(s) is not type(h):

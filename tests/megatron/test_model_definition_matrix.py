@@ -51,7 +51,9 @@ import pytest
 import torch
 
 from megatron_hsp.testing import model_matrix
+from megatron_hsp.testing.cpu_shims import cpu_megatron_training
 from megatron_hsp.testing.model_matrix import module_differences, spec_differences, unexpected
+from megatron_hsp.testing.mutations import MODEL_MUTATIONS
 from tests.helpers import FIXTURES
 
 MEGATRON_LM = FIXTURES / "megatron-lm"
@@ -67,6 +69,9 @@ BASE_FLAGS = [
     *("--use-cpu-initialization", "--no-gradient-accumulation-fusion"),
     *("--normalization", "RMSNorm", "--disable-bias-linear", "--swiglu"),
     *("--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1234"),
+    # what the CPU's torch modules need (the loop's MODEL_FLAGS set the same)
+    *("--no-persist-layer-norm", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion"),
+    "--no-rope-fusion",
 ]
 MOE_FLAGS = [
     *("--num-experts", "4", "--moe-router-topk", "2"),
@@ -273,13 +278,14 @@ def build_both(builder: str, flags: list[str], world_size: int, monkeypatch, *, 
 
                     with contextlib.suppress(Exception):
                         model_parallel_cuda_manual_seed(1234)
-                    model = build(
-                        args,
-                        pre,
-                        post,
-                        vp_stage=stage,
-                        pg_collection=_pg_collection(rank, args.pipeline_model_parallel_size),
-                    )
+                    with cpu_megatron_training():
+                        model = build(
+                            args,
+                            pre,
+                            post,
+                            vp_stage=stage,
+                            pg_collection=_pg_collection(rank, args.pipeline_model_parallel_size),
+                        )
             results.append((spec, model))
         (stock_spec, stock_model), (hsp_spec, hsp_model) = results
         out.append(((rank, stage), stock_spec, hsp_spec, stock_model, hsp_model))
@@ -356,3 +362,73 @@ def test_gpt_model_under_hsp_is_megatrons(megatron_lm, family, qk, impl, pipelin
             pytest.importorskip("megatron.core")
         built = build_both("gpt", flags, world, monkeypatch, instantiate=False)
     assert_same_but_attention(built)
+
+
+def _instantiated():
+    for family in FAMILIES:
+        for qk in QK:
+            for pipeline in PIPELINES:
+                if family != "dense" and PIPELINES[pipeline][1]:
+                    continue  # refused by HSP: test_moe_with_virtual_stages_is_refused
+                yield pytest.param(family, qk, pipeline)
+
+
+@pytest.mark.parametrize("megatron_lm", [CORE_R019], indirect=True)
+@pytest.mark.parametrize(("family", "qk", "pipeline"), list(_instantiated()))
+def test_local_gpt_model_instantiated_under_hsp_is_megatrons(
+    megatron_lm, family, qk, pipeline, cpu_world, monkeypatch
+):
+    """The local modules built on the CPU: every stage's model, module by module, with the same
+    initial values (same seed)."""
+    flags, world = _flags(family, qk, "local", pipeline)
+    built = build_both("gpt", flags, world, monkeypatch, instantiate=True)
+    assert_same_but_attention(built)
+
+
+def test_moe_with_virtual_stages_is_refused(capsys):
+    """The one combination of the matrix left out: HSP refuses it (Megatron builds it)."""
+    flags, world = _flags("moe", "qk-l2-norm", "local", "pp2-vpp2")
+    assert _parse(flags, world).virtual_pipeline_model_parallel_size == 2
+    with pytest.raises(SystemExit):
+        _parse([*flags, "--hsp"], world)
+    assert "virtual pipeline stages" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------- plants
+
+
+@pytest.mark.parametrize("megatron_lm", [CORE_R019], indirect=True)
+@pytest.mark.parametrize("mutation", [m.name for m in MODEL_MUTATIONS])
+@pytest.mark.parametrize(
+    ("family", "impl", "pipeline", "instantiate"),
+    [
+        ("moe", "local", "no-pp", True),
+        ("moe-mixed", "local", "pp2", True),
+        ("moe", "transformer_engine", "no-pp", False),
+    ],
+)
+def test_the_matrix_catches_the_model_definition_plants(
+    megatron_lm, mutation, family, impl, pipeline, instantiate, cpu_world, monkeypatch
+):
+    """Each plant of ``mutations.MODEL_MUTATIONS`` (the MoE spec dropping --qk-l2-norm under
+    --hsp: no parameter differs) fails the comparison, in the spec and in the built model."""
+    (planted_mutation,) = [m for m in MODEL_MUTATIONS if m.name == mutation]
+    flags, world = _flags(family, "qk-l2-norm", impl, pipeline)
+    ctx = contextlib.nullcontext() if impl == "local" else te_stand_ins()
+    planted = planted_mutation.plant()
+    try:
+        with ctx:
+            built = build_both("gpt", flags, world, monkeypatch, instantiate=instantiate)
+        assert planted.calls() > 0, "the planted code never ran"
+    finally:
+        planted()
+    with pytest.raises(AssertionError) as caught:
+        assert_same_but_attention(built)
+    assert "layernorm" in str(caught.value)
+    for stage, stock_spec, hsp_spec, stock_model, hsp_model in built:
+        paths = [d.path for d in unexpected(spec_differences(stock_spec, hsp_spec))]
+        assert any(p.endswith("q_layernorm") for p in paths), (stage, paths)
+        if instantiate:
+            mdiffs = unexpected(module_differences(stock_model, hsp_model))
+            assert any("q_layernorm (type)" in d.path for d in mdiffs), (stage, mdiffs)
+            assert not [d for d in mdiffs if "parameter" in d.path]  # same parameters
