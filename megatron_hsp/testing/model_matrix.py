@@ -40,8 +40,9 @@ def _name(value: Any) -> str:
 
 def _resolved(spec: Any) -> Any:
     """A ``layer_spec.DeferredSpec`` built (as on its first read), and a
-    ``ModuleSpec(TransformerBlock, submodules=<block submodules>)`` as those submodules: megatron-core's
-    ``TransformerBlock`` takes both forms alike (``transformer_block._get_block_submodules``)."""
+    ``ModuleSpec(TransformerBlock, submodules=<block submodules>)`` as those submodules:
+    megatron-core's ``TransformerBlock`` takes both forms alike
+    (``transformer_block._get_block_submodules``)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import (
         TransformerBlock,
@@ -82,11 +83,7 @@ def spec_differences(stock: Any, hsp: Any, path: str = "spec") -> list[Differenc
             *spec_differences(list(stock.args), list(hsp.args), f"{path}.args"),
             *spec_differences(stock.keywords, hsp.keywords, f"{path}.keywords"),
         ]
-    if (
-        dataclasses.is_dataclass(stock)
-        and not isinstance(stock, type)
-        and type(stock) is type(hsp)
-    ):
+    if dataclasses.is_dataclass(stock) and not isinstance(stock, type) and type(stock) is type(hsp):
         out: list[Difference] = []
         for field in dataclasses.fields(stock):
             out += spec_differences(
@@ -112,12 +109,14 @@ def _leaf(stock: Any, hsp: Any, path: str) -> list[Difference]:
     if stock is hsp:
         return []
     if isinstance(stock, functools.partial) or isinstance(hsp, functools.partial):
-        return spec_differences(stock, hsp, path) if type(stock) is type(hsp) else [
-            Difference(path, stock, hsp)
-        ]
+        return (
+            spec_differences(stock, hsp, path)
+            if type(stock) is type(hsp)
+            else [Difference(path, stock, hsp)]
+        )
     try:
         same = bool(stock == hsp)
-    except Exception:  # noqa: BLE001 (tensors and the like: identity only)
+    except Exception:  # tensors and the like: identity only
         same = False
     return [] if same and type(stock) is type(hsp) else [Difference(path, stock, hsp)]
 
@@ -147,8 +146,10 @@ def _core(value: Any) -> Any:
 def is_hsp_replacement(diff: Difference) -> bool:
     """Whether ``diff`` is one of the swaps ``--hsp`` makes on purpose."""
     for ending, (stock_classes, hsp_class) in hsp_replaces().items():
-        if diff.path == ending or diff.path.endswith("." + ending) or (
-            diff.path.endswith(" (type)") and diff.path[: -len(" (type)")].endswith(ending)
+        if (
+            diff.path == ending
+            or diff.path.endswith("." + ending)
+            or (diff.path.endswith(" (type)") and diff.path[: -len(" (type)")].endswith(ending))
         ):
             stock, hsp = _core(diff.stock), _core(diff.hsp)
             if hsp is hsp_class and (stock_classes is None or stock in stock_classes):
@@ -166,9 +167,7 @@ _PLAIN = (bool, int, float, str, type(None), enum.Enum)
 
 def _plain_attributes(module: torch.nn.Module) -> dict[str, Any]:
     return {
-        k: v
-        for k, v in vars(module).items()
-        if isinstance(v, _PLAIN) and k not in ("training",)
+        k: v for k, v in vars(module).items() if isinstance(v, _PLAIN) and k not in ("training",)
     }
 
 
@@ -226,7 +225,8 @@ def module_differences(stock: torch.nn.Module, hsp: torch.nn.Module) -> list[Dif
             for key in sorted(sa.keys() | ha.keys()):
                 if sa.get(key, KeyError) != ha.get(key, KeyError):
                     out.append(Difference(f"{name}.{key}", sa.get(key), ha.get(key)))
-        sc, hc = _config_flags(getattr(s, "config", None)), _config_flags(getattr(h, "config", None))
+        sc = _config_flags(getattr(s, "config", None))
+        hc = _config_flags(getattr(h, "config", None))
         for key in sorted(sc.keys() | hc.keys()):
             if sc.get(key, KeyError) != hc.get(key, KeyError):
                 out.append(Difference(f"{name}.config.{key}", sc.get(key), hc.get(key)))

@@ -39,11 +39,9 @@ Excluded, each asserted rather than skipped where someone refuses it:
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import shutil
 import sys
-import types
 import unittest.mock
 from typing import Any
 
