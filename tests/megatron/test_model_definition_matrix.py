@@ -42,6 +42,7 @@ import contextlib
 import os
 import shutil
 import sys
+import types
 import unittest.mock
 from typing import Any
 
@@ -223,24 +224,41 @@ def _stages(args: Any):
             yield rank, stage, pre, post
 
 
-def _pg_collection(rank: int, size: int) -> Any:
+def _pg_collection(rank: int, size: int, monkeypatch) -> Any:
+    """Megatron's groups with this stage's pipeline group (which torch.distributed's rank and
+    size queries answer, as HybridModel's pattern split asks them)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     pgs.pp = _PipelineGroup(rank, size)
+    for query in ("get_rank", "get_world_size"):
+        original = getattr(torch.distributed, query)
+
+        def answer(group=None, _original=original, _query=query):
+            if isinstance(group, _PipelineGroup):
+                return group.rank() if _query == "get_rank" else group.size()
+            return _original(group)
+
+        monkeypatch.setattr(torch.distributed, query, answer)
     return pgs
 
 
-def _capture(model_class_name: str, builder_module: Any, monkeypatch) -> dict[str, Any]:
-    """Record what the builder hands ``GPTModel``/``HybridModel`` instead of building it."""
-    seen: dict[str, Any] = {}
+class _Captured(Exception):
+    """Raised by the stand-in model class once the builder has handed it its arguments."""
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        super().__init__("captured")
+        self.kwargs = kwargs
+
+
+def _capture(model_class_name: str, builder_module: Any, monkeypatch) -> None:
+    """Make the builder hand its ``GPTModel``/``HybridModel`` arguments over instead of
+    building it (raises ``_Captured``)."""
 
     def record(**kwargs):
-        seen.update(kwargs)
-        return kwargs
+        raise _Captured(kwargs)
 
     monkeypatch.setattr(builder_module, model_class_name, record)
-    return seen
 
 
 def build_both(builder: str, flags: list[str], world_size: int, monkeypatch, *, instantiate: bool):
@@ -259,11 +277,12 @@ def build_both(builder: str, flags: list[str], world_size: int, monkeypatch, *, 
             with on_stage(args, rank), monkeypatch.context() as m:
                 if hsp:
                     _install_spec(args, m)
-                seen = _capture(model_class, builders, m)
-                build(args, pre, post, vp_stage=stage)
+                _capture(model_class, builders, m)
+                with pytest.raises(_Captured) as captured:
+                    build(args, pre, post, vp_stage=stage)
                 spec_key = "transformer_layer_spec" if builder == "gpt" else "hybrid_stack_spec"
                 # read here, on this rank: a DeferredSpec is built on its first read
-                spec = model_matrix._resolved(seen[spec_key])
+                spec = model_matrix._resolved(captured.value.kwargs[spec_key])
                 model = None
                 if instantiate:
                     m.undo()
@@ -282,7 +301,9 @@ def build_both(builder: str, flags: list[str], world_size: int, monkeypatch, *, 
                             pre,
                             post,
                             vp_stage=stage,
-                            pg_collection=_pg_collection(rank, args.pipeline_model_parallel_size),
+                            pg_collection=_pg_collection(
+                                rank, args.pipeline_model_parallel_size, m
+                            ),
                         )
             results.append((spec, model))
         (stock_spec, stock_model), (hsp_spec, hsp_model) = results
@@ -320,6 +341,8 @@ def _attention_layers(spec: Any) -> int:
 
 def assert_same_but_attention(built) -> None:
     """Nothing differs but what HSP swaps on purpose, and HSP swapped every attention layer."""
+    from megatron.core.transformer.attention import SelfAttention
+
     from megatron_hsp.runtime.attention import HSPCoreAttention
 
     for stage, stock_spec, hsp_spec, stock_model, hsp_model in built:
@@ -331,7 +354,7 @@ def assert_same_but_attention(built) -> None:
             mdiffs = module_differences(stock_model, hsp_model)
             assert not unexpected(mdiffs), (stage, [str(d) for d in unexpected(mdiffs)])
             cores = [m for m in hsp_model.modules() if isinstance(m, HSPCoreAttention)]
-            layers = [n for n, _ in stock_model.named_modules() if n.endswith("self_attention")]
+            layers = [m for m in stock_model.modules() if isinstance(m, SelfAttention)]
             assert len(cores) == len(layers) > 0, (stage, len(cores), len(layers))
 
 
@@ -430,3 +453,62 @@ def test_the_matrix_catches_the_model_definition_plants(
             mdiffs = unexpected(module_differences(stock_model, hsp_model))
             assert any("q_layernorm (type)" in d.path for d in mdiffs), (stage, mdiffs)
             assert not [d for d in mdiffs if "parameter" in d.path]  # same parameters
+
+
+# ---------------------------------------------------------------------------- HybridModel
+
+HYBRID_PATTERNS = ("*-*-", "**--", "*-|*-")  # attention and MLP layers; "|": a PP 2 split
+HYBRID_SPECS = {
+    # megatron-core's own (Transformer Engine modules): spec level
+    "transformer_engine": ("megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"),
+    # a user's local stack spec (what --spec is for): instantiated on the CPU
+    "local": ("hsp_matrix_user_specs", "local_hybrid_stack_spec"),
+}
+
+
+@pytest.fixture
+def local_hybrid_spec(monkeypatch):
+    """The user's ``--spec`` module: megatron-core's hybrid stack of its local modules
+    (``tests/megatron/test_hybrid_model.py``), with ``HybridStack``'s final norm, TE's
+    ``TENorm`` unconditionally, made megatron's torch norm on both sides for the CPU."""
+    import megatron.core.models.hybrid.hybrid_block as hybrid_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from tests.megatron.test_hybrid_model import _local_hybrid_stack_spec
+
+    user = types.ModuleType("hsp_matrix_user_specs")
+    user.local_hybrid_stack_spec = _local_hybrid_stack_spec()
+    monkeypatch.setitem(sys.modules, user.__name__, user)
+    monkeypatch.setattr(hybrid_block, "TENorm", WrappedTorchNorm)
+
+
+def _hybrid_flags(pattern: str, impl: str, qk: str) -> tuple[list[str], int]:
+    pp = pattern.count("|") + 1
+    flags = [*BASE_FLAGS, "--hybrid-layer-pattern", pattern, "--transformer-impl", impl]
+    flags += ["--spec", *HYBRID_SPECS[impl], *QK[qk]]
+    if pp > 1:
+        flags += ["--pipeline-model-parallel-size", str(pp)]
+    return flags, pp
+
+
+@pytest.mark.parametrize("megatron_lm", HYBRID_COMMITS, indirect=True)
+@pytest.mark.parametrize("qk", ["none", "qk-layernorm"])
+@pytest.mark.parametrize("pattern", HYBRID_PATTERNS)
+@pytest.mark.parametrize("impl", list(HYBRID_SPECS))
+def test_hybrid_model_under_hsp_is_megatrons(
+    megatron_lm, impl, pattern, qk, local_hybrid_spec, cpu_world, monkeypatch
+):
+    """``pretrain_hybrid.py``'s ``hybrid_builder`` on the user's ``--spec``: only the attention
+    layers' attention changes; the local stack is also instantiated, stage by stage."""
+    flags, world = _hybrid_flags(pattern, impl, qk)
+    built = build_both("hybrid", flags, world, monkeypatch, instantiate=impl == "local")
+    assert_same_but_attention(built)
+
+
+def test_hybrid_patterns_hsp_refuses_are_refused(capsys):
+    """Mamba layers in the pattern: HSP refuses them (so the matrix has no 'M' pattern)."""
+    flags, world = _hybrid_flags("M*-", "transformer_engine", "none")
+    _parse(flags, world)
+    with pytest.raises(SystemExit):
+        _parse([*flags, "--hsp"], world)
+    assert "'M'" in capsys.readouterr().err
