@@ -204,10 +204,15 @@ def on_stage(args: Any, pp_rank: int):
         parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
 
 
-def _install_spec(args: Any, monkeypatch) -> None:
+def _install_spec(args: Any, monkeypatch, *, checkout: bool = True) -> None:
     """What ``installer.install`` does to ``--spec`` and what importing ``layer_spec`` then
-    computes (``hsp_layer_spec = _from_megatron_args()``), on this rank's global args."""
+    computes (``hsp_layer_spec = _from_megatron_args()``), on this rank's global args.
+    ``checkout=False``: HSP's side cannot import Megatron-LM's ``gpt_builders`` (a training loop
+    of one's own), so ``layer_spec`` takes its megatron-core fallback."""
     from megatron_hsp.megatron import installer, layer_spec
+
+    if not checkout:
+        monkeypatch.setitem(sys.modules, "gpt_builders", None)
 
     if args.spec and list(args.spec) != installer.LAYER_SPEC:
         args.hsp_base_spec = list(args.spec)
@@ -261,7 +266,15 @@ def _capture(model_class_name: str, builder_module: Any, monkeypatch) -> None:
     monkeypatch.setattr(builder_module, model_class_name, record)
 
 
-def build_both(builder: str, flags: list[str], world_size: int, monkeypatch, *, instantiate: bool):
+def build_both(
+    builder: str,
+    flags: list[str],
+    world_size: int,
+    monkeypatch,
+    *,
+    instantiate: bool,
+    checkout: bool = True,
+):
     """For every pipeline stage and virtual stage: (stage, stock spec, HSP spec, stock model,
     HSP model), the models None unless ``instantiate``."""
     import importlib
@@ -276,7 +289,7 @@ def build_both(builder: str, flags: list[str], world_size: int, monkeypatch, *, 
         for args, hsp in ((stock_args, False), (hsp_args, True)):
             with on_stage(args, rank), monkeypatch.context() as m:
                 if hsp:
-                    _install_spec(args, m)
+                    _install_spec(args, m, checkout=checkout)
                 _capture(model_class, builders, m)
                 with pytest.raises(_Captured) as captured:
                     build(args, pre, post, vp_stage=stage)
@@ -287,7 +300,7 @@ def build_both(builder: str, flags: list[str], world_size: int, monkeypatch, *, 
                 if instantiate:
                     m.undo()
                     if hsp:
-                        _install_spec(args, m)
+                        _install_spec(args, m, checkout=checkout)
                     torch.manual_seed(1234)
                     from megatron.core.tensor_parallel.random import (
                         model_parallel_cuda_manual_seed,
@@ -382,6 +395,26 @@ def test_gpt_model_under_hsp_is_megatrons(megatron_lm, family, qk, impl, pipelin
         if local:
             pytest.importorskip("megatron.core")
         built = build_both("gpt", flags, world, monkeypatch, instantiate=False)
+    assert_same_but_attention(built)
+
+
+@pytest.mark.parametrize("megatron_lm", GPT_COMMITS, indirect=True)
+@pytest.mark.parametrize("qk", list(QK))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dense_gpt_model_without_a_checkout_is_megatrons(
+    megatron_lm, qk, impl, cpu_world, monkeypatch
+):
+    """A loop of one's own (``gpt_builders`` not importable): ``layer_spec``'s megatron-core
+    fallback builds what Megatron-LM's builder builds (before: with ``--transformer-impl local
+    --qk-l2-norm`` it added L2Norm on q and k, which Megatron-LM's local branch does not pass).
+    MoE takes ``get_gpt_decoder_block_spec`` with or without a checkout (the matrix above).
+    Megatron-LM main's builder passes ``GPTModel`` an argument the 0.19 wheel lacks
+    (``logit_dtype``): at main, spec level only."""
+    flags, world = _flags("dense", qk, impl, "no-pp")
+    local = impl == "local"
+    build = local and megatron_lm == CORE_R019
+    with contextlib.nullcontext() if local else te_stand_ins():
+        built = build_both("gpt", flags, world, monkeypatch, instantiate=build, checkout=False)
     assert_same_but_attention(built)
 
 
