@@ -12,10 +12,13 @@ attributes, ``TransformerConfig`` flags such as ``qk_l2_norm``/``qk_layernorm``)
 swaps on purpose may differ: the self-attention module and its core attention, and the MoE
 router (``model_matrix.hsp_replaces``).
 
-The matrix: {dense, MoE, MoE with dense layers between} x {no qk norm, --qk-layernorm,
---qk-l2-norm} x {local, transformer_engine} x {no pipeline, PP 2, PP 2 with 2 virtual stages},
-every pipeline stage and virtual stage compared; HybridModel patterns (with and without a
-pipeline) over megatron-core's own hybrid stack spec and a local one.
+The matrix (Megatron-LM core_r0.19.0's builder; main's too without a pipeline):
+{dense, MoE, MoE with dense layers between (--moe-layer-freq), MoE with shared experts} x
+{no qk norm, --qk-layernorm, --qk-l2-norm} x {local, transformer_engine} x {no pipeline, PP 2,
+PP 2 with 2 virtual stages}, every pipeline stage and virtual stage compared; the dense spec
+without a Megatron-LM checkout (``layer_spec``'s megatron-core fallback) against both builders;
+a user's own ``--spec``; HybridModel patterns ``*-*-``, ``**--``, ``*-|*-`` (PP 2) x the qk
+flags over megatron-core's own hybrid stack spec and a local one.
 
 * local: spec and instantiated model (on the CPU, one process; a pipeline stage's rank is set in
   ``parallel_state`` and in the model's pipeline group, as on that rank).
@@ -23,17 +26,24 @@ pipeline) over megatron-core's own hybrid stack spec and a local one.
   then has no TE spec provider (``TESpecProvider is None``): ``te_stand_ins`` gives it its real
   ``TESpecProvider`` with each TE module class stood in by a distinct class of the same
   name and module path, so Megatron's own TE builder runs and the trees name the TE classes.
-  Instantiating them needs TE (GPU check: docs/gpu-validation.md).
-* HybridModel: megatron-core's ``hybrid_stack_spec`` is TE-only (spec level); a local stack spec
-  given as the user's ``--spec`` (what ``pretrain_hybrid.py`` requires) is instantiated.
+  Instantiating them needs TE and a GPU (not run by this file).
+* HybridModel: megatron-core's ``hybrid_stack_spec`` is TE-only (spec level; built at its import
+  with megatron-core's TE placeholders, compared by identity); a local stack spec given as the
+  user's ``--spec`` (what ``pretrain_hybrid.py`` requires) is instantiated.
 
-Excluded, each asserted rather than skipped where someone refuses it:
+Excluded, and why:
 * MoE with virtual pipeline stages: HSP refuses it (``refusals.refuse_moe_hsp_cannot_run``: the
-  one ``--spec`` value cannot carry each chunk's virtual stage); the test asserts the refusal.
-* ``--qk-layernorm`` with ``--qk-l2-norm``: megatron-core takes L2Norm and ignores qk-layernorm;
-  the pair adds no branch (both sides would still be compared: kept out for time only).
-* HybridModel with virtual pipeline stages: ``HybridModel`` takes ``vp_stage`` but the pattern
-  decides the split; one PP case with ``|`` in the pattern is covered.
+  one ``--spec`` value cannot carry each chunk's virtual stage); a test asserts the refusal.
+* Hybrid patterns with Mamba (``M``) or other non-attention mixers: HSP refuses them (asserted).
+* ``--moe-grouped-gemm``: Megatron's ``validate_args`` reads the GPU's compute capability
+  (refused on a machine without CUDA).
+* ``--qk-layernorm`` with ``--qk-l2-norm`` together: megatron-core takes L2Norm and ignores
+  qk-layernorm; no branch of its own (left out for time).
+* HybridModel with virtual pipeline stages, ``--transformer-impl inference_optimized`` (needs
+  TE), MLA / MTP / heterogeneous / experimental attention (refused by ``validate_hsp_args``).
+* Megatron-LM main's builder is not instantiated: it passes ``GPTModel`` an argument the 0.19
+  wheel lacks (``logit_dtype``). The oldest tier (megatron-core 0.18.0) cannot import either
+  fixture builder (it needs 0.19's spec functions), so this file runs on the newest tier only.
 """
 
 from __future__ import annotations
@@ -80,6 +90,8 @@ FAMILIES = {
     "dense": [],
     "moe": MOE_FLAGS,
     "moe-mixed": [*MOE_FLAGS, "--moe-layer-freq", "([0]+[1])*{half}"],  # dense, MoE, ...
+    # (--moe-grouped-gemm: Megatron's validate_args reads the GPU's compute capability)
+    "moe-shared": [*MOE_FLAGS, "--moe-shared-expert-intermediate-size", "64"],
 }
 QK = {"none": [], "qk-layernorm": ["--qk-layernorm"], "qk-l2-norm": ["--qk-l2-norm"]}
 IMPLS = ("local", "transformer_engine")
@@ -443,6 +455,25 @@ def test_local_gpt_model_instantiated_under_hsp_is_megatrons(
     assert_same_but_attention(built)
 
 
+@pytest.mark.parametrize("megatron_lm", [CORE_R019], indirect=True)
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
+def test_gpt_model_with_the_users_spec_is_megatrons(megatron_lm, pipeline, cpu_world, monkeypatch):
+    """``--spec`` of the user's own (a local layer spec with L2Norm on q and k, RMSNorm): it
+    stays the base under ``--hsp`` (``args.hsp_base_spec``), every stage built on the CPU."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    user = types.ModuleType("hsp_matrix_user_gpt_specs")
+    user.l2 = get_gpt_layer_local_spec(qk_l2_norm=True, normalization="RMSNorm")
+    monkeypatch.setitem(sys.modules, user.__name__, user)
+    flags, world = _flags("dense", "qk-l2-norm", "local", pipeline)
+    flags += ["--spec", user.__name__, "l2"]
+    built = build_both("gpt", flags, world, monkeypatch, instantiate=True)
+    assert_same_but_attention(built)
+    from megatron.core.transformer.torch_norm import L2Norm
+
+    assert any(isinstance(m, L2Norm) for m in built[0][4].modules())
+
+
 def test_moe_with_virtual_stages_is_refused(capsys):
     """The one combination of the matrix left out: HSP refuses it (Megatron builds it)."""
     flags, world = _flags("moe", "qk-l2-norm", "local", "pp2-vpp2")
@@ -529,7 +560,7 @@ def _hybrid_flags(pattern: str, impl: str, qk: str) -> tuple[list[str], int]:
 
 
 @pytest.mark.parametrize("megatron_lm", HYBRID_COMMITS, indirect=True)
-@pytest.mark.parametrize("qk", ["none", "qk-layernorm"])
+@pytest.mark.parametrize("qk", list(QK))
 @pytest.mark.parametrize("pattern", HYBRID_PATTERNS)
 @pytest.mark.parametrize("impl", list(HYBRID_SPECS))
 def test_hybrid_model_under_hsp_is_megatrons(
