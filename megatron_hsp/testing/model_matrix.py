@@ -76,6 +76,9 @@ def spec_differences(stock: Any, hsp: Any, path: str = "spec") -> list[Differenc
             *_leaf(stock.module, hsp.module, f"{path}.module"),
             *spec_differences(stock.params, hsp.params, f"{path}.params"),
             *spec_differences(stock.submodules, hsp.submodules, f"{path}.submodules"),
+            *spec_differences(
+                getattr(stock, "metainfo", None), getattr(hsp, "metainfo", None), f"{path}.metainfo"
+            ),
         ]
     if isinstance(stock, functools.partial) and isinstance(hsp, functools.partial):
         return [
