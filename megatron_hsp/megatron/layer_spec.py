@@ -11,7 +11,8 @@ so that ``--hsp`` changes only the attention:
 * ``gpt_builders._get_transformer_layer_spec(use_te, config)`` of the running Megatron-LM checkout
   (the function its ``gpt_builder`` calls for a dense GPT: TE or local modules, qk-layernorm,
   qk-l2-norm, TE activation, kitchen options all as the flags say), else, outside a checkout,
-* megatron-core's ``get_gpt_layer_{with_transformer_engine,local}_spec`` with the same options.
+* megatron-core's ``get_gpt_layer_{with_transformer_engine,local}_spec`` with the options that
+  builder passes (its local branch ignores ``--qk-l2-norm``: so does this one).
 
 ``pretrain_hybrid.py`` requires ``--spec`` (its builder takes the hybrid stack spec from it): the
 base is then that stack spec, and ``with_hsp_attention`` rewrites its attention layers only.
@@ -62,16 +63,18 @@ def megatron_default_spec(args: Any, config: Any) -> Any:
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    common = {
-        "qk_layernorm": bool(config.qk_layernorm),
-        "qk_l2_norm": bool(getattr(config, "qk_l2_norm", False)),
-    }
+    # The options gpt_builders._get_transformer_layer_spec passes (Megatron-LM core_r0.19.0 and
+    # main): its local branch does not pass qk_l2_norm, so stock Megatron builds no L2Norm with
+    # --transformer-impl local --qk-l2-norm, and neither does --hsp (issue 44: the model HSP
+    # builds is the model Megatron builds; tests/megatron/test_model_definition_matrix.py).
+    qk_layernorm = bool(config.qk_layernorm)
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=qk_layernorm,
+            qk_l2_norm=bool(getattr(config, "qk_l2_norm", False)),
             use_te_activation_func=bool(getattr(config, "use_te_activation_func", False)),
-            **common,
         )
-    return get_gpt_layer_local_spec(normalization=config.normalization, **common)
+    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=config.normalization)
 
 
 def hsp_spec_from_args(args: Any) -> Any:

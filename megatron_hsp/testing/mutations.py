@@ -585,6 +585,36 @@ RING_MUTATIONS: tuple[Mutation, ...] = (
 )
 
 
+# ------------------------------------------------------------------ model-definition plants
+# Bugs in the model ``--hsp`` builds (the spec handed to Megatron's builder), which train a
+# different model with the same parameters, so checkpoints load and the loop (whose option sets
+# do not pass these flags) sees nothing. The model-definition matrix
+# ``tests/megatron/test_model_definition_matrix.py`` compares that model with the one Megatron's
+# own builder makes from the same flags and must catch them. Not in ``MUTATIONS``.
+
+
+def _moe_spec_without_qk_l2_norm(megatron_default_spec: Callable) -> Callable:
+    """The MoE block spec built under ``--hsp`` without ``--qk-l2-norm``: q and k go unnormed
+    (IdentityOp for megatron-core's parameterless ``L2Norm``); every parameter is the same."""
+
+    def dropped(args: Any, config: Any) -> Any:
+        if getattr(args, "num_experts", None) and getattr(args, "qk_l2_norm", False):
+            args = type(args)(**{**vars(args), "qk_l2_norm": False})
+        return megatron_default_spec(args, config)
+
+    return dropped
+
+
+MODEL_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "moe-spec-drops-qk-l2-norm",
+        "the MoE block spec built under --hsp drops --qk-l2-norm (no parameter differs)",
+        "megatron_hsp.megatron.layer_spec:megatron_default_spec",
+        _moe_spec_without_qk_l2_norm,
+    ),
+)
+
+
 def by_name(names: list[str] | None = None) -> list[Mutation]:
     """The mutations named (all when None), in table order."""
     if names is None:

@@ -76,9 +76,18 @@ def test_megatron_default_spec_is_the_checkouts_own(commit, tmp_path, monkeypatc
 
 
 def test_megatron_default_spec_without_a_checkout(monkeypatch):
+    # megatron-core's layer spec with the options Megatron-LM's builder passes: qk-layernorm
+    # and, as its local branch, not qk-l2-norm (issue 44; the whole flag matrix against the
+    # builder itself: test_model_definition_matrix.py).
     monkeypatch.setitem(sys.modules, "gpt_builders", None)  # not importable
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, qk_l2_norm=True)
-    args = types.SimpleNamespace(transformer_impl="local")
     from megatron_hsp.megatron.spec import with_hsp_attention
 
-    assert _is_hsp_with_l2norm(with_hsp_attention(megatron_default_spec(args, config)))
+    args = types.SimpleNamespace(transformer_impl="local")
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, qk_l2_norm=True)
+    attn = with_hsp_attention(megatron_default_spec(args, config)).submodules.self_attention
+    assert attn.module is HSPSelfAttention and attn.submodules.q_layernorm is IdentityOp
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, qk_layernorm=True
+    )
+    attn = with_hsp_attention(megatron_default_spec(args, config)).submodules.self_attention
+    assert attn.submodules.q_layernorm is not IdentityOp
