@@ -83,10 +83,7 @@ def load_config(path: Path = CONFIG) -> Config:
 def is_exactness_check(nodeid: str, checks: Iterable[str]) -> bool:
     """``nodeid`` (``path::name[params]``) is one of ``checks`` (``path`` or ``path::name``)."""
     base = nodeid.split("[", 1)[0]
-    for check in checks:
-        if base == check or base.startswith(check + "::"):
-            return True
-    return False
+    return any(base == check or base.startswith(check + "::") for check in checks)
 
 
 # -- naming branches ------------------------------------------------------------------------------
@@ -182,7 +179,8 @@ def name_branches(
     out = FileBranches()
     seen: dict[tuple[str, str], int] = {}
     for arc, is_missing in sorted(
-        [(tuple(a), False) for a in executed_branches] + [(tuple(a), True) for a in missing_branches]
+        [(tuple(a), False) for a in executed_branches]
+        + [(tuple(a), True) for a in missing_branches]
     ):
         src, dst = arc
         function = function_at(spans, src)
@@ -253,7 +251,7 @@ def allowlist_stub(branches: Iterable[Branch]) -> str:
     for b in branches:
         out.append(
             f"[[allow]]\nfile = {_toml_string(b.file)}\nfunction = {_toml_string(b.function)}\n"
-            f"branch = {_toml_string(b.branch)}\nreason = \"\"\n"
+            f'branch = {_toml_string(b.branch)}\nreason = ""\n'
         )
     return "\n".join(out)
 
@@ -267,17 +265,23 @@ def render(result: Result, config: Config) -> str:
     ]
     for file, fb in result.per_file.items():
         fpct = 100.0 * fb.covered / fb.total if fb.total else 100.0
-        lines.append(f"  {file}: {fb.covered}/{fb.total} ({fpct:.0f}%), {len(fb.missing)} unexecuted")
+        lines.append(
+            f"  {file}: {fb.covered}/{fb.total} ({fpct:.0f}%), {len(fb.missing)} unexecuted"
+        )
     for b in result.allowed:
         lines.append(f"  allowed  {b}\n           reason: {config.allow[b]}")
     if result.unexplained:
         lines.append(f"{len(result.unexplained)} unexecuted branch(es) not in the allowlist:")
         lines += [f"  NEW      {b}" for b in result.unexplained]
-        lines.append("make a check execute them (preferred), or add to the allowlist, with a reason:")
+        lines.append(
+            "make a check execute them (preferred), or add to the allowlist, with a reason:"
+        )
         lines.append(allowlist_stub(result.unexplained))
     if result.stale:
-        lines.append(f"{len(result.stale)} allowlist entr(y/ies) no longer name an unexecuted branch "
-                     "(executed now, or the code changed): remove or rename them:")
+        lines.append(
+            f"{len(result.stale)} allowlist entr(y/ies) no longer name an unexecuted branch "
+            "(executed now, or the code changed): remove or rename them:"
+        )
         lines += [f"  STALE    {b}" for b in result.stale]
     return "\n".join(lines)
 
