@@ -59,15 +59,9 @@ class Config:
     files: list[str]
     functions: dict[str, list[str]] = field(default_factory=dict)
     allow: dict[Branch, str] = field(default_factory=dict)
-    # (destination prefix, reason): unexecuted branches whose destination line starts so (a
-    # refusal, ``raise ...``) are listed in the report under that reason, not one by one
-    rules: list[tuple[str, str]] = field(default_factory=list)
-
-    def rule_for(self, branch: Branch) -> str | None:
-        if branch.branch == NEVER_CALLED:
-            return None
-        to = branch.branch.split(" -> ", 1)[-1]
-        return next((reason for prefix, reason in self.rules if to.startswith(prefix)), None)
+    # The reason for branches into a refusal (a block that ends by raising): listed in the report
+    # under it, not one by one. None: they are named like any other branch.
+    refusals: str | None = None
 
 
 def load_config(path: Path = CONFIG) -> Config:
@@ -86,7 +80,7 @@ def load_config(path: Path = CONFIG) -> Config:
         files=list(scope["files"]),
         functions={k: list(v) for k, v in scope.get("functions", {}).items()},
         allow=allow,
-        rules=[(r["to_startswith"], r["reason"]) for r in raw.get("rule", [])],
+        refusals=raw.get("refusals", {}).get("reason"),
     )
 
 
@@ -132,6 +126,18 @@ def function_spans(source: str) -> list[tuple[int, int, str, int]]:
     return visitor.spans
 
 
+def refusal_lines(source: str) -> set[int]:
+    """First lines of the statements of every block that ends by raising (``if bad: x = ...;
+    raise ...``): a branch into one is a refusal."""
+    out: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        for name in ("body", "orelse", "finalbody"):
+            block = getattr(node, name, None)
+            if isinstance(block, list) and block and isinstance(block[-1], ast.Raise):
+                out.update(stmt.lineno for stmt in block)
+    return out
+
+
 def function_at(spans: list[tuple[int, int, str, int]], line: int) -> str:
     best = "<module>"
     width = None
@@ -154,6 +160,7 @@ class FileBranches:
     total: int = 0
     covered: int = 0
     missing: list[Branch] = field(default_factory=list)
+    refusals: list[Branch] = field(default_factory=list)  # unexecuted branches into a refusal
 
 
 def name_branches(
@@ -168,10 +175,12 @@ def name_branches(
     the function): ``"<from line's source> -> <to line's source or exit>"`` in the innermost
     function holding the from-line; identical names in one function get ``#2``, ``#3``. A
     function none of whose body lines ran is one entry, ``<never called>``, for all of its
-    branches (and those of the functions nested in it)."""
+    branches (and those of the functions nested in it). Branches into a block that ends by
+    raising go to ``refusals``."""
     lines = source.splitlines()
     spans = function_spans(source)
     ran = set(executed_lines)
+    raising = refusal_lines(source)
 
     def text(line: int) -> str:
         return lines[line - 1].strip() if 0 < line <= len(lines) else "?"
@@ -205,7 +214,8 @@ def name_branches(
         name = f"{text(src)} -> {'exit' if dst < 0 else text(dst)}"
         count = seen.get((function, name), 0) + 1
         seen[(function, name)] = count
-        out.missing.append(Branch(file, function, name if count == 1 else f"{name} #{count}"))
+        branch = Branch(file, function, name if count == 1 else f"{name} #{count}")
+        (out.refusals if dst in raising else out.missing).append(branch)
     for function in sorted(never):
         if under_never(function) == function:
             out.missing.append(Branch(file, function, NEVER_CALLED))
@@ -241,14 +251,17 @@ def check(report: dict, config: Config, root: Path = Path()) -> Result:
             config.functions.get(file),
         )
     missing = [b for fb in per_file.values() for b in fb.missing]
-    found = set(missing)
-    by_rule = [b for b in missing if b not in config.allow and config.rule_for(b)]
+    refusals = [b for fb in per_file.values() for b in fb.refusals]
+    by_rule = [b for b in refusals if b not in config.allow] if config.refusals else []
+    if not config.refusals:
+        missing += refusals
+    found = set(missing) | set(refusals)
     return Result(
         total=sum(fb.total for fb in per_file.values()),
         covered=sum(fb.covered for fb in per_file.values()),
-        unexplained=[b for b in missing if b not in config.allow and b not in by_rule],
+        unexplained=[b for b in missing if b not in config.allow],
         stale=[b for b in config.allow if b not in found],
-        allowed=[b for b in missing if b in config.allow],
+        allowed=[b for b in missing + refusals if b in config.allow],
         per_file=per_file,
         by_rule=by_rule,
     )
@@ -275,7 +288,7 @@ def render(result: Result, config: Config) -> str:
         f"exactness coverage of the numerics: {result.covered}/{result.total} branches "
         f"({pct:.1f}%) in {len(config.files)} files; unexecuted and explained in {CONFIG}: "
         f"{len(result.allowed)} by name (a function never called counts once), "
-        f"{len(result.by_rule)} by a rule",
+        f"{len(result.by_rule)} refusals ({config.refusals})",
     ]
     for file, fb in result.per_file.items():
         fpct = 100.0 * fb.covered / fb.total if fb.total else 100.0
@@ -285,7 +298,7 @@ def render(result: Result, config: Config) -> str:
     for b in result.allowed:
         lines.append(f"  allowed  {b}\n           reason: {config.allow[b]}")
     for b in result.by_rule:
-        lines.append(f"  rule     {b}\n           reason: {config.rule_for(b)}")
+        lines.append(f"  refusal  {b}")
     if result.unexplained:
         lines.append(f"{len(result.unexplained)} unexecuted branch(es) not in the allowlist:")
         lines += [f"  NEW      {b}" for b in result.unexplained]

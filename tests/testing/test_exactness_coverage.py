@@ -152,24 +152,26 @@ def test_a_new_unexecuted_branch_fails_and_a_stale_entry_is_flagged(tree, tmp_pa
         ec.load_config(cfg)
 
 
-def test_a_rule_explains_refusals_by_their_destination(tmp_path) -> None:
-    src = "def f(a):\n    if a:\n        raise ValueError(a)\n"
+def test_branches_into_a_refusal_are_listed_under_one_reason(tmp_path) -> None:
+    src = "def f(a):\n    if a:\n        bad = a\n        raise ValueError(bad)\n"
     src += "    if a > 1:\n        return 2\n    return 3\n"
     (tmp_path / "m.py").write_text(src)
     report = {
         "files": {
             "m.py": {
-                "executed_branches": [[2, 4], [4, 6]],
-                "missing_branches": [[2, 3], [4, 5]],
-                "executed_lines": [2, 4, 6],
+                "executed_branches": [[2, 5], [5, 7]],
+                "missing_branches": [[2, 3], [5, 6]],
+                "executed_lines": [2, 5, 7],
             }
         }
     }
-    config = ec.Config(checks=[], files=["m.py"], rules=[("raise ", "a refusal")])
+    config = ec.Config(checks=[], files=["m.py"], refusals="a refusal")
     result = ec.check(report, config, root=tmp_path)
-    assert names(result.by_rule) == {"m.py::f: if a: -> raise ValueError(a)"}
+    assert names(result.by_rule) == {"m.py::f: if a: -> bad = a"}
     assert names(result.unexplained) == {"m.py::f: if a > 1: -> return 2"}
-    assert "rule     m.py::f: if a: -> raise ValueError(a)" in ec.render(result, config)
+    assert "refusal  m.py::f: if a: -> bad = a" in ec.render(result, config)
+    config.refusals = None  # without the reason, a refusal is named like any branch
+    assert len(ec.check(report, config, root=tmp_path).unexplained) == 2
 
 
 def test_identical_branch_lines_in_one_function_are_numbered(tmp_path) -> None:
