@@ -293,7 +293,8 @@ def render(result: Result, config: Config) -> str:
     for file, fb in result.per_file.items():
         fpct = 100.0 * fb.covered / fb.total if fb.total else 100.0
         lines.append(
-            f"  {file}: {fb.covered}/{fb.total} ({fpct:.0f}%), {len(fb.missing)} unexecuted"
+            f"  {file}: {fb.covered}/{fb.total} ({fpct:.0f}%), {len(fb.missing)} unexecuted, "
+            f"{len(fb.refusals)} refusals"
         )
     for b in result.allowed:
         lines.append(f"  allowed  {b}\n           reason: {config.allow[b]}")
