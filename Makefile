@@ -28,6 +28,8 @@ OLDEST_TORCH_TESTS += tests/evaluation/test_megatron_dcp_matches_scheduler.py
 # The fast tier: no test that starts a process or is marked slow (tests/conftest.py keeps the
 # `spawns` marker honest); README.md gives both tiers' durations.
 FAST_TESTS := -m "not spawns and not slow"
+EXACTNESS_RUN := $(PY) -m megatron_hsp.testing.exactness_coverage run -- -q -n 2 --dist loadgroup \
+	--durations=15
 
 # Transformer Engine's Python sources, read (never imported or built) by
 # tests/runtime/test_te_sources.py:
@@ -37,7 +39,7 @@ FAST_TESTS := -m "not spawns and not slow"
 TE_VERSIONS ?= 2.14.0 2.18.0 2.19.0 2.20.2
 TE_SOURCES ?= .te-sources
 
-.PHONY: setup demo test test-fast test-oldest-torch lint format bench clean te-sources
+.PHONY: setup demo test exactness-coverage test-fast test-oldest-torch lint format bench clean te-sources
 
 setup: $(STAMP)
 
@@ -66,8 +68,19 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# The suite in two passes, each test once: everything but the exactness checks, then the
+# exactness checks (named in tests/exactness/coverage.toml) under coverage.py in every process
+# they start, and the check that they execute every branch of the numerics not in that file's
+# allowlist (docs/exactness.md, "Branch coverage of the numerics"). Both passes run; either fails it.
 test: setup lint
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
+	status=0; \
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 -m "not exactness" || status=1; \
+	$(EXACTNESS_RUN) || status=1; \
+	exit $$status
+
+# The exactness checks alone, under coverage; report in .exactness-coverage/coverage.txt.
+exactness-coverage: setup
+	$(EXACTNESS_RUN)
 
 # The same suite less the process-spawning and slow tests: a few minutes on two cores.
 test-fast: setup lint
@@ -94,4 +107,4 @@ bench: setup
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) $(OLD_VENV) $(TE_SOURCES) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLD_VENV) $(TE_SOURCES) .exactness-coverage build *.egg-info .pytest_cache .ruff_cache

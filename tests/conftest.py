@@ -1,6 +1,9 @@
 """Shared test set-up: the ``spawns`` marker that splits the fast tier from the full suite, and
 the check that keeps that marker honest.
 
+The ``exactness`` marker: the tests named in ``tests/exactness/coverage.toml`` (the checks against
+an independent reference); ``make test`` runs them once, under coverage (docs/exactness.md).
+
 Tiers: ``make test`` runs everything; ``make test-fast`` runs ``-m "not spawns and not slow"``:
 the planner, cost model, evaluation, single-process runtime and flag tests, without starting a
 process. A test that starts one (``subprocess``, ``multiprocessing``/``torch.multiprocessing``,
@@ -23,6 +26,9 @@ from typing import Any
 
 import pytest
 
+from megatron_hsp.testing.exactness_coverage import CONFIG, MARKER, is_exactness_check, load_config
+from tests.helpers import ROOT
+
 SPAWNS = "spawns"
 
 _running: list[pytest.Item] = []  # the test whose setup, call or teardown is running
@@ -39,9 +45,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    checks = load_config(ROOT / CONFIG).checks
     for item in items:  # gloo ranks are processes
         if item.get_closest_marker("dist") is not None:
             item.add_marker(SPAWNS)
+        # the exactness checks are named in one place, tests/exactness/coverage.toml
+        if is_exactness_check(item.nodeid, checks):
+            item.add_marker(MARKER)
 
 
 # Helper programs a library runs once per process, whichever test happens to be first (argv
