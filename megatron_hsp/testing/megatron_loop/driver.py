@@ -282,7 +282,7 @@ def loop_table(entries: Sequence[dict[str, Any]]) -> str:
         "these test-only switches:",
         test_only_switches_text(),
         f"{'options':<22} {'step':>4} {'loss hsp':>11} {'loss ref':>11} {'lr':>9} "
-        f"{'samples':>11} {'grad rel':>8} {'layouts (size=ulysses x ring)'}"
+        f"{'samples':>11} {'grad rel':>8} {'layouts (size=ulysses x ring)'}",
     ]
     for e in entries:
         name = _label(e["options"])
