@@ -154,6 +154,9 @@ def _worker(
                 "token_budget": h["token_budget"],
                 "next_document_tokens": following[i][0][2] if following[i] else None,
                 "refit_on": h["refit_on"],
+                # Accepted refit updates before the step was planned (rank 0's): > 0, the plan
+                # was priced by a model refit from this machine's timings.
+                "refit_updates_before": h["refit_updates_before"],
                 "fingerprint": h["fingerprint"],
                 "plan_method": h["plan_method"],
                 "samples_megatron": m["samples"],
@@ -305,7 +308,7 @@ def loop_table(entries: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"{name:<22} weights after: {e['max_rel_weight_diff_after']:.1e} "
             f"({e['worst_weight_param']}); worst / tolerance {format_margin(e['margin'])} "
-            f"({e['worst_check']})"
+            f"({e['worst_check']}); {_refit_note(e['steps'])}"
         )
         for ev in e.get("evaluations", []):
             lines.append(
@@ -334,6 +337,14 @@ def loop_table(entries: Sequence[dict[str, Any]]) -> str:
             )
         lines.extend(f"  FAIL {name}: {f}" for f in e["failures"])
     return "\n".join(lines)
+
+
+def _refit_note(steps: Sequence[dict[str, Any]]) -> str:
+    """Whether the online refit ran, and how many steps a refit model planned."""
+    if not all(s.get("refit_on") for s in steps):
+        return "refit off (pipeline)"
+    refit = sum(bool(s.get("refit_updates_before")) for s in steps)
+    return f"refit on, {refit} of {len(steps)} steps planned by a refit model"
 
 
 def _label(options: dict[str, Any]) -> str:

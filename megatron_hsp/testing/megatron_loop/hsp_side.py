@@ -226,6 +226,11 @@ def _run_hsp(
                 resume = {**_resume_record(args, saved, chunks, scheduler), **refused}
                 train_it, valid_it, test_it = _hsp_iterators(provider, len(chunks))
                 run = hooks.active_run()
+            # Rank 0's refit updates accepted so far: the in-process planner prices this step's
+            # plan with the last of them (the report's entry is rank 0's).
+            refits = (
+                None if run.refitter is None else sum(u["accepted"] for u in run.refitter.updates)
+            )
             out = training.train_step(
                 forward_step,
                 train_it,
@@ -247,6 +252,7 @@ def _run_hsp(
             rec["tokens"] = int(sum(run.current.batch.lengths))
             rec["token_budget"] = getattr(run.config, "token_budget", None)
             rec["refit_on"] = run.clock is not None  # the online refit measures this run
+            rec["refit_updates_before"] = refits
             rec["fingerprint"] = run.current.batch.fingerprint
             rec["plan_method"] = str(plan.extra.get("method", "hsp"))
             rec["layouts"] = [
