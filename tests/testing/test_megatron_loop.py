@@ -461,6 +461,10 @@ def test_the_loop_runs_the_users_defaults_but_for_the_listed_switches():
     assert any(o.batch_unit == "tokens" for o in DEFAULT_OPTIONS)
     assert sum(o.pp == 1 for o in DEFAULT_OPTIONS) >= 10
     assert all(flag in test_only_switches_text() for flag, _ in TEST_ONLY_SWITCHES)
+    # selftest --megatron prints them at the head of its table.
+    from megatron_hsp.testing.megatron_loop import loop_table
+
+    assert test_only_switches_text() in loop_table([])
 
 
 def test_every_plant_runs_on_an_option_set_that_exists():
