@@ -94,7 +94,16 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
             assert s["consumed_samples_megatron"] == 8 * (s["step"] + 1)
             assert s["consumed_samples_hsp"] == s["consumed_samples_megatron"]
             assert s["consumed_samples_ref"] == s["consumed_samples_megatron"]
-            assert s["documents_hsp"] == s["samples_megatron"] == 8
+            if e["options"]["batch_unit"] == "documents":
+                assert s["documents_hsp"] == s["samples_megatron"] == 8
+            else:  # the users' default: whole documents up to the stock step's tokens
+                assert s["samples_megatron"] == 8 < s["documents_hsp"]
+                assert s["token_budget"] == 8 * 256 >= s["tokens_hsp"]
+                assert s["tokens_hsp"] + s["next_document_tokens"] > s["token_budget"]
+            # Issue 44: the online refit (the users' default) measured every step, except under
+            # a pipeline, where the hooks turn it off (a stage's marks would not bound a
+            # micro-batch).
+            assert s["refit_on"] is (e["options"]["pp"] == 1)
             assert abs(s["loss_hsp"] - s["loss_ref"]) <= CPU.loss * abs(s["loss_ref"])
             assert s["max_rel_grad_diff"] <= CPU.grad
             assert s["grad_norm_ref"] > 0
@@ -186,6 +195,14 @@ def test_megatron_train_step_with_hsp_matches_the_stock_path():
     assert any(s["schedule_microbatches"] > s["plan_microbatches"] for s in interleaved["steps"])
     assert "ulysses" in _kinds(one_f_one_b) and "single" in _kinds(one_f_one_b)
     assert [ev["split"] for ev in interleaved["evaluations"]] == ["valid"] * 3 + ["test"]
+    # Issue 44: the users' defaults that change what runs, each in a set of its own: the token
+    # budget, and the default overlong policy (split) on documents over the longest trainable
+    # length (sizes 1 and 2 x 64 tokens per rank: 128), whose pieces the oracle expected.
+    tokens = by["sizes 1,2 by tokens"]
+    assert tokens["options"]["batch_unit"] == "tokens" and tokens["max_length"] == 128
+    assert tokens["split_pieces"] > 0 and tokens["coverage"] == []
+    assert "--hsp-batch-unit documents" not in tokens["test_only_switches"]
+    assert all(e["split_pieces"] == 0 for e in entries if e is not tokens)
     # Issue 17: the MoE option sets ran with the experts and expert parallelism they claim.
     moe = [e for e in entries if e["options"]["num_experts"]]
     _assert_moe_sets(moe)
@@ -405,6 +422,52 @@ def test_document_expert_counts_not_reduced_over_the_group_are_caught():
     assert entry["steps"][0]["max_rel_grad_diff"] > 100 * CPU.grad
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_refit_wrapper_that_drops_the_token_count_is_caught():
+    """Issue 44: the online refit's wrapper around Megatron's finalize_model_grads (in force
+    with the refit on, the users' default) forwarding the model chunks without the global
+    token count: every gradient undivided by it (the audit's grad norm 182.9 against 0.351).
+    A loop run with --hsp-no-refit never wraps finalize and could not see it."""
+    entry = _planted("refit-finalize-drops-the-token-count")
+    s = entry["steps"][0]
+    assert s["refit_on"]
+    assert s["grad_norm_hsp"] > 100 * s["grad_norm_ref"] > 0
+    assert s["max_rel_grad_diff"] > 1e4 * CPU.grad
+    assert s["loss_hsp"] == pytest.approx(s["loss_ref"], rel=CPU.loss)  # the loss is right
+
+
+def test_the_loop_runs_the_users_defaults_but_for_the_listed_switches():
+    """Issue 44: the HSP side's flags are a user's: no --hsp-no-refit, no --hsp-overlong,
+    no --hsp-max-seq; every other ``--hsp*`` flag is the option set's own choice, the data, or
+    one of ``TEST_ONLY_SWITCHES`` (each with its reason, printed by ``selftest --megatron``);
+    at least one option set per default that changes what runs (refit: every unpipelined
+    set; token budget and overlong split: the token set)."""
+    from megatron_hsp.testing.megatron_loop.hsp_side import NO_REFIT, _hsp_argv
+    from megatron_hsp.testing.megatron_loop.options import (
+        TEST_ONLY_SWITCHES,
+        switches,
+        test_only_switches_text,
+    )
+
+    listed = {flag.split()[0] for flag, why in TEST_ONLY_SWITCHES if why}
+    own = {"--hsp-group-sizes", "--hsp-plan-method", "--hsp-plan-log"}
+    for o in DEFAULT_OPTIONS:
+        argv = _hsp_argv(o, ("a", "b"), "cost.json", 4)
+        assert NO_REFIT not in argv and "--hsp-refit-out" not in argv
+        hsp = {a for a in argv if a.startswith("--hsp")}
+        assert hsp - {"--hsp"} <= listed | own, o.label
+        assert hsp & listed == {s.split()[0] for s in switches(o)}, o.label
+        assert ("--hsp-batch-unit" in argv) is (o.batch_unit == "documents")
+    assert any(o.batch_unit == "tokens" for o in DEFAULT_OPTIONS)
+    assert sum(o.pp == 1 for o in DEFAULT_OPTIONS) >= 10
+    assert all(flag in test_only_switches_text() for flag, _ in TEST_ONLY_SWITCHES)
+    # selftest --megatron prints them at the head of its table.
+    from megatron_hsp.testing.megatron_loop import loop_table
+
+    assert test_only_switches_text() in loop_table([])
+
+
 def test_every_plant_runs_on_an_option_set_that_exists():
     labels = {o.label for o in DEFAULT_OPTIONS}
     assert set(PLANT_RUNS) == set(PLANTS)
@@ -428,6 +491,7 @@ def test_every_plant_has_a_test():
         "split-truncated-not-rounded",
         "document-twice-after-restart",
         "blend-component-not-reshuffled",
+        "refit-finalize-drops-the-token-count",
     }
 
 

@@ -8,7 +8,10 @@ and under ring groups, pure-ring and hybrid Ulysses x ring groups):
   flags a user passes plus ``--hsp ...`` (through ``hsp_extra_args_provider``); Megatron's
   ``set_global_variables``; ``megatron_hsp.megatron.install(args, ...)`` (validation, patches);
   HSP's dataset provider (indexed dataset on disk, document sampler, planner, plan agreement) and
-  ``hsp_forward_step``; the model built from the layer spec HSP's ``--spec`` loads
+  ``hsp_forward_step``, with the users' defaults (the online refit on, re-planning later steps
+  from this machine's timings; the default ``--hsp-overlong split``; ``--hsp-max-seq`` from
+  ``--seq-length``) except for ``TEST_ONLY_SWITCHES`` (``options.py``: each with its reason,
+  printed at the head of the report); the model built from the layer spec HSP's ``--spec`` loads
   (``layer_spec.hsp_spec_from_args``); megatron-core ``DistributedDataParallel``, Megatron's
   optimizer (``get_megatron_optimizer``), ``finalize_model_grads`` and opt-param scheduler
   (``get_optimizer_param_scheduler``); then ``megatron.training.training.train_step`` (patched).
@@ -35,6 +38,13 @@ buffer after ``finalize_model_grads``, cut back into parameters by the buffer's
 falls in it), the learning rate and consumed samples against Megatron's own values (above), the
 documents trained against Megatron's sample count, and the grad norm; after the steps, each
 parameter's weights.
+
+The token-budget option set (``batch_unit="tokens"``: no ``--hsp-batch-unit``, the users'
+default) trains the stock step's ``--global-batch-size x --seq-length`` tokens of whole documents
+a step; the stock side runs the same documents, one ``[1, L]`` micro-batch each, through
+Megatron's schedule with its rank's count (``stock_side._schedule_of``). Its groups hold 128
+tokens at most, so the default ``--hsp-overlong split`` cuts the longer documents into pieces,
+which the stock side reads and the sampler oracle expects (``split_units``).
 
 The evaluation option set adds, on both sides: Megatron's own ``evaluate()`` on the validation split
 after every step and on the test split at the end (HSP: planned batches of the splits' own
@@ -118,6 +128,7 @@ from megatron_hsp.testing.megatron_loop.options import (
     RESUME_AFTER,
     SP_SPEC,
     STEPS,
+    TEST_ONLY_SWITCHES,
     LoopOptions,
 )
 from megatron_hsp.testing.megatron_loop.plants import (
@@ -154,6 +165,7 @@ __all__ = [
     "RESUME_AFTER",
     "SP_SPEC",
     "STEPS",
+    "TEST_ONLY_SWITCHES",
     "LoopOptions",
     "MegatronDocuments",
     "check",

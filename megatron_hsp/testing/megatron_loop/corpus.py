@@ -80,14 +80,16 @@ class MegatronDocuments:
         ``IndexedDataset`` (``sampler_oracle.megatron_split``)."""
         return [megatron_split(ds, split_text)[which] for ds in self.datasets]
 
-    def split_units(self, split_text: str, which: str) -> list[Counter[tuple[int, int, int]]]:
+    def split_units(
+        self, split_text: str, which: str, max_length: int | None = None
+    ) -> list[Counter[tuple[int, int, int]]]:
         """Per dataset, the pieces one epoch of Megatron's ``which`` split must yield (every
-        document of >= 2 tokens whole: the loop's corpora have none over the longest trainable
-        length), in the blend's document numbering."""
+        document of >= 2 tokens whole, or cut into ``max_length`` pieces where it is longer:
+        the default ``--hsp-overlong split``), in the blend's document numbering."""
         out = []
         for k, ((lo, hi), ds) in enumerate(
             zip(self.split_ranges(split_text, which), self.datasets, strict=True)
         ):
             first = int(self.first_document[k]) + lo
-            out.append(expected_units(document_lengths(ds)[lo:hi], first))
+            out.append(expected_units(document_lengths(ds)[lo:hi], first, max_length))
         return out

@@ -27,7 +27,13 @@ from megatron_hsp.testing.megatron_loop.checks import (
 from megatron_hsp.testing.megatron_loop.corpus import BLEND_CHOICES, write_corpus
 from megatron_hsp.testing.megatron_loop.hsp_side import _run_hsp, plan_log_path
 from megatron_hsp.testing.megatron_loop.models import _initial_weights
-from megatron_hsp.testing.megatron_loop.options import DEFAULT_OPTIONS, STEPS, LoopOptions
+from megatron_hsp.testing.megatron_loop.options import (
+    DEFAULT_OPTIONS,
+    STEPS,
+    LoopOptions,
+    switches,
+    test_only_switches_text,
+)
 from megatron_hsp.testing.megatron_loop.plants import PLANT_RUNS, PLANTED, PLANTS
 from megatron_hsp.testing.megatron_loop.stock_side import _run_stock
 
@@ -121,6 +127,8 @@ def _worker(
     data = _data_checks(options, hsp, ref)
     out = []
     smallest = None
+    # The first piece each step's successor drew (the token budget's rule: it would cross it).
+    following = [*hsp["pieces"][1:], *hsp["train_next"]]
     for i in range(steps):
         h, r, m = hsp["records"][i], ref["records"][i], expected[i]
         rel, peak = per_param_diff(hsp["grads"][i], ref["grads"][i], ref["grads"][i])
@@ -142,6 +150,13 @@ def _worker(
                 "consumed_samples_ref": r["consumed_samples"],
                 "consumed_samples_megatron": m["consumed_samples"],
                 "documents_hsp": h["documents"],
+                "tokens_hsp": h["tokens"],
+                "token_budget": h["token_budget"],
+                "next_document_tokens": following[i][0][2] if following[i] else None,
+                "refit_on": h["refit_on"],
+                # Accepted refit updates before the step was planned (rank 0's): > 0, the plan
+                # was priced by a model refit from this machine's timings.
+                "refit_updates_before": h["refit_updates_before"],
                 "fingerprint": h["fingerprint"],
                 "plan_method": h["plan_method"],
                 "samples_megatron": m["samples"],
@@ -173,6 +188,10 @@ def _worker(
         "moe": hsp["moe"],
         # Expert parameters compared per parameter (each rank's own experts; 0 when dense).
         "expert_params_compared": sum(".experts." in n for n in wrel),
+        "max_length": hsp["max_length"],
+        # Trained pieces that start inside their document: the later pieces of overlong
+        # documents the default --hsp-overlong split cut.
+        "split_pieces": sum(p[1] > 0 for b in hsp["pieces"] for p in b),
     }
 
 
@@ -245,7 +264,7 @@ def _run_loops(
             run_distributed(_worker_all, nproc, prefixes, tuple(spawned), timeout_s=timeout_s)
         )
         for (opt, cost_path, _, _), result in zip(spawned, per_rank[0], strict=True):
-            entry = {"options": opt.as_dict(), **result}
+            entry = {"options": opt.as_dict(), "test_only_switches": switches(opt), **result}
             if opt.plan_log:  # the rows the last rank's observer wrote (the dir goes away)
                 log = plan_log_path(cost_path)
                 with open(log) as fh:
@@ -262,8 +281,11 @@ def _run_loops(
 def loop_table(entries: Sequence[dict[str, Any]]) -> str:
     """Human-readable ``selftest --megatron`` report: one line per option set and step."""
     lines = [
+        "HSP side: the users' defaults (online refit on, default overlong policy) except for "
+        "these test-only switches:",
+        test_only_switches_text(),
         f"{'options':<22} {'step':>4} {'loss hsp':>11} {'loss ref':>11} {'lr':>9} "
-        f"{'samples':>11} {'grad rel':>8} {'layouts (size=ulysses x ring)'}"
+        f"{'samples':>11} {'grad rel':>8} {'layouts (size=ulysses x ring)'}",
     ]
     for e in entries:
         name = _label(e["options"])
@@ -286,7 +308,7 @@ def loop_table(entries: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"{name:<22} weights after: {e['max_rel_weight_diff_after']:.1e} "
             f"({e['worst_weight_param']}); worst / tolerance {format_margin(e['margin'])} "
-            f"({e['worst_check']})"
+            f"({e['worst_check']}); {_refit_note(e['steps'])}"
         )
         for ev in e.get("evaluations", []):
             lines.append(
@@ -315,6 +337,14 @@ def loop_table(entries: Sequence[dict[str, Any]]) -> str:
             )
         lines.extend(f"  FAIL {name}: {f}" for f in e["failures"])
     return "\n".join(lines)
+
+
+def _refit_note(steps: Sequence[dict[str, Any]]) -> str:
+    """Whether the online refit ran, and how many steps a refit model planned."""
+    if not all(s.get("refit_on") for s in steps):
+        return "refit off (pipeline)"
+    refit = sum(bool(s.get("refit_updates_before")) for s in steps)
+    return f"refit on, {refit} of {len(steps)} steps planned by a refit model"
 
 
 def _label(options: dict[str, Any]) -> str:

@@ -33,7 +33,7 @@ from megatron_hsp.testing.megatron_loop.options import (
 )
 from megatron_hsp.testing.megatron_loop.plants import PLANTS
 
-NO_REFIT = "--hsp-no-refit"
+NO_REFIT = "--hsp-no-refit"  # not passed by the loop (refit on, as users run it)
 
 
 def plan_log_path(cost_path: str) -> str:
@@ -47,12 +47,12 @@ def _hsp_argv(
 ) -> list[str]:
     """What a user passes Megatron for the HSP side: the model, the option set, ``--hsp ...``
     and Megatron's data flags."""
+    # Users' defaults but for ``TEST_ONLY_SWITCHES`` (options.py, each with its reason): the
+    # online refit on (it re-plans later steps from this machine's timings; what is trained
+    # must not change), the default overlong policy, --hsp-max-seq from --seq-length, the GPUs
+    # per node from LOCAL_WORLD_SIZE (the worker sets it, as torchrun does).
     hsp_flags = [
         *("--hsp", "--hsp-solver", "greedy", "--hsp-sync-planner"),
-        # The online refit (on by default) would re-plan from this machine's timings: the loop
-        # checks exactness on reproducible plans (megatron_loop/refit.py runs the refit).
-        NO_REFIT,
-        *("--hsp-gpus-per-node", str(nproc), "--hsp-max-seq", "256"),
         *("--hsp-cost-model", cost_path),
         *options.hsp_flags(),
         *options.data_flags(prefixes),
@@ -226,6 +226,11 @@ def _run_hsp(
                 resume = {**_resume_record(args, saved, chunks, scheduler), **refused}
                 train_it, valid_it, test_it = _hsp_iterators(provider, len(chunks))
                 run = hooks.active_run()
+            # Rank 0's refit updates accepted so far: the in-process planner prices this step's
+            # plan with the last of them (the report's entry is rank 0's).
+            refits = (
+                None if run.refitter is None else sum(u["accepted"] for u in run.refitter.updates)
+            )
             out = training.train_step(
                 forward_step,
                 train_it,
@@ -244,6 +249,10 @@ def _run_hsp(
             # What the schedule ran: the plan's count, padded under interleaving (hooks._prepare)
             rec["schedule_microbatches"] = hooks.current_num_microbatches(run)
             rec["documents"] = len(run.current.batch.pieces)
+            rec["tokens"] = int(sum(run.current.batch.lengths))
+            rec["token_budget"] = getattr(run.config, "token_budget", None)
+            rec["refit_on"] = run.clock is not None  # the online refit measures this run
+            rec["refit_updates_before"] = refits
             rec["fingerprint"] = run.current.batch.fingerprint
             rec["plan_method"] = str(plan.extra.get("method", "hsp"))
             rec["layouts"] = [
@@ -278,6 +287,9 @@ def _run_hsp(
             "drawn": drawn,
             "resume": resume,
             "moe": moe,
+            # The longest trainable length: longer documents are cut into pieces of it (the
+            # default --hsp-overlong split); the sampler oracle expects those pieces.
+            "max_length": int(run.pipeline.sampler.config.max_length),
         }
 
 

@@ -27,6 +27,47 @@ KV_GROUPS = 2
 SP_SPEC = ("megatron_hsp.testing.sp_spec", "local_sp_block_spec")
 PIPELINE_LAYERS = 4  # layers of the pipeline option sets: 2 per stage, 1 per virtual stage
 
+# The HSP side runs the user-facing defaults (the online refit on, the default overlong policy,
+# the default planner process) except for these switches, the only ones the loop adds beyond
+# ``--hsp``, the data flags and an option set's own choice (group sizes, plan method, plan log).
+# Each with why it is there; ``selftest --megatron`` prints them (``driver.loop_table``).
+TEST_ONLY_SWITCHES: tuple[tuple[str, str], ...] = (
+    (
+        "--hsp-solver greedy",
+        "the default solver (highs) searches up to --hsp-time-budget-s (5 s) a plan on a "
+        "shared CPU; the comparison holds for any plan (the planner's tests cover the solvers)",
+    ),
+    (
+        "--hsp-sync-planner",
+        "plans in the training process: no planner process started per option set; the "
+        "background planner runs in megatron_loop/refit.py (tests/megatron/test_megatron_refit.py)",
+    ),
+    (
+        "--hsp-cost-model FILE",
+        "the default cost model prices a GPU from first principles; the loop's file (per option "
+        "set) decides which group kinds (ring, hybrid, groups on padding) this tiny model runs",
+    ),
+    (
+        "--hsp-batch-unit documents",
+        "all but the token-budget option sets: Megatron's evaluate() and the checks of the "
+        "evaluation, resume and blend sets count --global-batch-size documents per batch, and "
+        "the default budget (8 x 256 tokens, ~40 of the loop's documents) trains ~5x the "
+        "tokens of 8 documents a step; the token-budget set runs the default",
+    ),
+)
+
+
+def switches(options: LoopOptions) -> list[str]:
+    """The ``TEST_ONLY_SWITCHES`` an option set's HSP side runs with."""
+    flags = [flag for flag, _ in TEST_ONLY_SWITCHES]
+    return [f for f in flags if options.batch_unit != "tokens" or "batch-unit" not in f]
+
+
+def test_only_switches_text() -> str:
+    """``TEST_ONLY_SWITCHES`` as lines (``selftest --megatron`` prints them)."""
+    return "\n".join(f"  {flag}: {why}" for flag, why in TEST_ONLY_SWITCHES)
+
+
 # What a user would pass Megatron for this tiny fp32 model (local modules, no fusions on CPU);
 # heads, hidden size and parallelism come from ``LoopOptions.flags``.
 MODEL_FLAGS = [
@@ -96,6 +137,10 @@ class LoopOptions:
     # ``megatron-hsp compare``.
     plan_method: str = "hsp"
     plan_log: bool = False
+    # What a global batch counts (--hsp-batch-unit): "documents" (--global-batch-size of
+    # them, a test-only switch: ``TEST_ONLY_SWITCHES``) or "tokens", the users' default (the
+    # stock step's --global-batch-size x --seq-length tokens of whole documents).
+    batch_unit: str = "documents"
 
     def moe_flags(self) -> list[str]:
         """Megatron's MoE flags of this option set (none for a dense model)."""
@@ -150,11 +195,9 @@ class LoopOptions:
     def hsp_flags(self) -> list[str]:
         """``--hsp*`` flags beyond the data and cost model (HSP side only).
 
-        ``--hsp-batch-unit documents``: the stock side trains each document as its own
-        micro-batch, ``--global-batch-size`` of them per step, a count Megatron fixes; with the
-        default token budget the documents per step vary (the sampler and config tests cover
-        that rule; the runtime the loop checks is the same for both)."""
-        out = ["--hsp-batch-unit", "documents"]
+        ``--hsp-batch-unit documents`` unless ``batch_unit`` is "tokens" (the default: no
+        flag): ``TEST_ONLY_SWITCHES`` says why most option sets count documents."""
+        out = [] if self.batch_unit == "tokens" else ["--hsp-batch-unit", self.batch_unit]
         if self.plan_method != "hsp":
             out += ["--hsp-plan-method", self.plan_method]
         if self.group_sizes is None:
@@ -218,6 +261,7 @@ class LoopOptions:
             "z_loss": self.z_loss,
             "plan_method": self.plan_method,
             "plan_log": self.plan_log,
+            "batch_unit": self.batch_unit,
         }
 
     @property
@@ -246,6 +290,8 @@ class LoopOptions:
                 parts.append(f"z {self.z_loss:g}")
         if self.plan_method != "hsp":
             parts.append(f"plan {self.plan_method}")
+        if self.batch_unit != "documents":
+            parts.append(f"by {self.batch_unit}")
         return " ".join(parts) or "ddp"
 
 
@@ -300,4 +346,9 @@ DEFAULT_OPTIONS = (
     ),
     # The allgather dispatcher (EP 1: HSP refuses it under EP > 1, megatron/refusals.py says why).
     LoopOptions(num_experts=4, moe_dispatcher="allgather", seq_aux_loss=0.1, z_loss=0.01),
+    # The users' batch default, --hsp-batch-unit tokens (no flag): the stock step's 8 x 256
+    # tokens of whole documents a step, as many as fit, while Megatron counts 8 samples. Sizes
+    # 1 and 2 at 64 tokens per rank hold 128 tokens at most, so the default overlong policy
+    # (split) cuts the longer documents into pieces of 128 that the stock side reads too.
+    LoopOptions(batch_unit="tokens", group_sizes=(1, 2), tokens_per_rank=64),
 )

@@ -233,6 +233,32 @@ def _plant_document_expert_counts_not_reduced(stack: contextlib.ExitStack) -> No
     stack.callback(setattr, moe, "tokens_per_expert_per_document", original)
 
 
+def _plant_refit_finalize_drops_the_token_count(stack: contextlib.ExitStack) -> None:
+    """PLANTED BUG (issue 44's audit): the online refit's wrapper around Megatron's
+    ``config.finalize_model_grads_func`` (``hooks.around_finalize``, in force only with the
+    refit on, the users' default) forwards the model chunks and keywords but drops the global
+    token count the schedule passes second: under ``--calculate-per-token-loss`` every
+    gradient is left undivided by the step's token count."""
+    from megatron_hsp.megatron import hooks
+
+    original = hooks.around_finalize
+
+    def around_finalize(run: Any, config: Any) -> Any:
+        finalize = getattr(config, "finalize_model_grads_func", None)
+        if run.clock is None or finalize is None:
+            return lambda: None
+
+        def finalize_after_marking(*a: Any, **kw: Any) -> Any:
+            hooks.end_microbatches(run)
+            return finalize(a[0], **kw)  # the bug: a[1], the token count, is lost
+
+        config.finalize_model_grads_func = finalize_after_marking
+        return lambda: setattr(config, "finalize_model_grads_func", finalize)
+
+    hooks.around_finalize = around_finalize
+    stack.callback(setattr, hooks, "around_finalize", original)
+
+
 PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
     "plan-count-in-lr-increment": _plant_plan_count_everywhere_in_train_step,
     "smallest-gradient-scaled-1.0001": _plant_smallest_gradient_scaled,
@@ -244,6 +270,7 @@ PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
     "stage-boundary-tokens-rolled": _plant_stage_boundary_tokens_rolled,
     "expert-grads-not-reduced": _plant_expert_grads_not_reduced,
     "document-expert-counts-not-reduced": _plant_document_expert_counts_not_reduced,
+    "refit-finalize-drops-the-token-count": _plant_refit_finalize_drops_the_token_count,
 }
 
 
@@ -276,6 +303,8 @@ PLANT_RUNS: dict[str, tuple[str, int]] = {
     "stage-boundary-tokens-rolled": ("pp2", 1),
     "expert-grads-not-reduced": ("moe4 ep2 alltoall seqaux 0.1 z 0.01", 1),
     "document-expert-counts-not-reduced": ("moe4 ep2 alltoall seqaux 0.1 z 0.01", 1),
+    # On the users' default (the refit on), which every option set without a pipeline runs.
+    "refit-finalize-drops-the-token-count": ("ddp", 1),
     # The sampler's own bugs, one step each (the once-per-epoch check draws on from
     # copies of the live samplers) except the restart's.
     "blend-by-documents": ("distopt evaluation blend resume", 1),

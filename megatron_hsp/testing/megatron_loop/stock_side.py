@@ -57,6 +57,27 @@ def stock_sample(tokens: np.ndarray, multiple: int = 1) -> dict[str, torch.Tenso
     return sample
 
 
+def _schedule_of(count: int) -> Any:
+    """Megatron's own schedule run on ``count`` micro-batches: under the token budget a step's
+    documents, one ``[1, L]`` sample each, are not ``--global-batch-size`` of them, so this
+    rank's share of them is passed as the schedule's ``num_microbatches`` (an argument
+    ``train_step`` passes, the function unpatched; its learning-rate increment and Megatron's
+    consumed samples still count ``--global-batch-size`` samples a step, as under ``--hsp``).
+    Under ``--calculate-per-token-loss`` the gradients are divided by the tokens of every
+    rank's micro-batches together, however many each rank ran."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if count < 1:
+        raise RuntimeError("a data-parallel rank got no document of the step")
+    schedule = get_forward_backward_func()
+
+    def forward_backward_func(*a: Any, **kw: Any) -> Any:
+        kw["num_microbatches"] = count
+        return schedule(*a, **kw)
+
+    return forward_backward_func
+
+
 def _run_stock(
     options: LoopOptions,
     prefixes: Sequence[str],
@@ -88,8 +109,9 @@ def _run_stock(
     longest = -(-max(len(d) for d in every) // multiple) * multiple
     cpu_attention_scores_buffer(args.num_attention_heads * longest * longest)
     records, grads, evals = [], [], []
+    by_tokens = options.batch_unit == "tokens"
     for it, docs in enumerate(documents):
-        if len(docs) != args.global_batch_size:
+        if not by_tokens and len(docs) != args.global_batch_size:
             raise RuntimeError(
                 f"step {it}: {len(docs)} documents, the stock run needs --global-batch-size "
                 f"{args.global_batch_size} samples"
@@ -102,7 +124,7 @@ def _run_stock(
             optimizer,
             scheduler,
             config,
-            get_forward_backward_func(),
+            _schedule_of(len(mine)) if by_tokens else get_forward_backward_func(),
             iteration=it,
         )
         grads.append(param_grads(model, options.distributed_optimizer))
