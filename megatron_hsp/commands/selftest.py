@@ -37,8 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "gloo ranks (plain DDP, distributed optimizer, overlapped grad reduce, TP 2 with "
         "--sequence-parallel, pure-ring and hybrid Ulysses x ring groups, evaluation, a blend "
         "and a restart through Megatron's checkpointing, pipeline parallel 1F1B and "
-        "interleaved, dropless MoE at EP 1 and 2; "
-        "megatron_hsp/testing/megatron_loop/) and compare loss, every parameter's gradient "
+        "interleaved, dropless MoE at EP 1 and 2, a set whose steps hold a token budget; "
+        "megatron_hsp/testing/megatron_loop/) with your defaults (online refit on, overlong "
+        "documents split) but for the switches its table lists, and compare loss, every "
+        "parameter's gradient "
         "and final weights, grad norm, and lr / consumed samples against Megatron's own "
         "scheduler and sampler",
     )
