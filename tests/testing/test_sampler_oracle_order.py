@@ -12,10 +12,8 @@ how the audit's bug survived; the order check catches it.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections import Counter
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -26,7 +24,6 @@ from megatron_hsp.step.sampler import (
     GlobalBatchSampler,
     SamplerConfig,
 )
-from megatron_hsp.testing.mutations import SAMPLER_MUTATIONS
 from megatron_hsp.testing.sampler_oracle import (
     coverage_failures,
     deficit_failures,
@@ -35,8 +32,8 @@ from megatron_hsp.testing.sampler_oracle import (
     order_failures,
     resume_failures,
 )
+from tests.testing.test_sampler_oracle import planted
 
-PLANTS = {m.name: m for m in SAMPLER_MUTATIONS}
 SEED = 5
 CAP = 50
 # Three datasets: short documents (0 and 1 token ones never trained), long ones (some over the
@@ -75,15 +72,6 @@ def _stream(sampler, steps: int) -> list[tuple[int, int, int]]:
 
 def _dataset(p: tuple[int, int, int]) -> int:
     return int(np.searchsorted(BASES, p[0], side="right")) - 1
-
-
-@contextlib.contextmanager
-def planted(name: str) -> Iterator[None]:
-    undo = PLANTS[name].plant()
-    try:
-        yield
-    finally:
-        undo()
 
 
 def blend_failures(drawn: list[tuple[int, int, int]]) -> dict[str, list[str]]:
