@@ -27,6 +27,7 @@ import ast
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -34,6 +35,9 @@ import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from megatron_hsp.planner.paths import atomic_write
+from megatron_hsp.runtime.lifetime import stop_tree
 
 CONFIG = Path("tests/exactness/coverage.toml")
 DATA_DIR = Path(".exactness-coverage")
@@ -357,23 +361,42 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _run_owned(argv: list[str], env: dict[str, str]) -> int:
+    """``argv``'s exit code; the pytest run and every process below it (spawned ranks, their
+    planners) end with this command, also when it is stopped (SIGTERM, Ctrl-C)."""
+    proc = subprocess.Popen(argv, env=env)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:
+            stop_tree([proc.pid])
+
+
 def run(pytest_args: list[str], config_path: Path = CONFIG, data_dir: Path = DATA_DIR) -> int:
     config = load_config(config_path)
     shutil.rmtree(data_dir, ignore_errors=True)
     data_dir.mkdir(parents=True)
     rc_file = (data_dir / "coveragerc").resolve()
-    rc_file.write_text(coveragerc(config, data_dir))
+    atomic_write(rc_file, coveragerc(config, data_dir))
     env = dict(os.environ, COVERAGE_PROCESS_START=str(rc_file))
     start, before = time.monotonic(), _children_cpu()
-    tests = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", MARKER, *pytest_args], env=env, check=False
-    ).returncode
+    tests = _run_owned([sys.executable, "-m", "pytest", "-m", MARKER, *pytest_args], env)
     elapsed, cpu = time.monotonic() - start, _children_cpu() - before
     report_path = data_dir / "coverage.json"
-    subprocess.run(
+    made = subprocess.run(
         [sys.executable, "-c", _JSON_REPORT, str(rc_file), str(report_path), *config.files],
-        check=True,
-    )
+        check=False,
+    ).returncode
+    if made != 0:  # coverage's own message is printed above it
+        print(
+            f"exactness coverage: no report (coverage exit code {made}): the tests run (pytest "
+            f"exit code {tests}) recorded no data of the numerics' scope; run every check "
+            "(`make exactness-coverage`)",
+            file=sys.stderr,
+        )
+        return 1
     code = report(report_path, config)
     print(
         f"exactness checks under coverage: {elapsed:.0f} s wall, {cpu:.0f} s CPU (every process "
@@ -397,7 +420,7 @@ def report(report_path: Path, config: Config | None = None) -> int:
     result = check(data, config)
     text = render(result, config)
     print(text)
-    Path(report_path).with_suffix(".txt").write_text(text + "\n")
+    atomic_write(Path(report_path).with_suffix(".txt"), text + "\n")
     return 1 if result.unexplained or result.stale else 0
 
 
