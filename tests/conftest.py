@@ -11,6 +11,10 @@ torchrun, the planner service's process, the demo's ranks) must carry ``@pytest.
 (``dist``, several gloo ranks, implies it); one that does so unmarked fails, naming what it
 started, so the fast tier stays process-free.
 
+Every command a test starts with ``subprocess`` from the main thread dies with the test process
+(``lifetime.die_with_parent_preexec``, as ``selftest`` ties its launcher): a pytest stopped with
+SIGKILL (a CI time limit) leaves no ``selftest`` or torchrun behind.
+
 Importable helpers live in ``tests/helpers`` (``from tests.helpers.solver import toy_cost``);
 ``tests`` is a package, so pytest puts the repository root on ``sys.path`` and a spawned planner
 process imports ``tests.helpers.planners`` the same way.
@@ -21,11 +25,13 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from megatron_hsp.runtime.lifetime import die_with_parent_preexec
 from megatron_hsp.testing.exactness_coverage import CONFIG, MARKER, is_exactness_check, load_config
 from tests.helpers import ROOT
 
@@ -87,8 +93,30 @@ def _wrap(owner: Any, name: str, describe: Callable[..., str]) -> None:
     setattr(owner, name, watched)
 
 
+def _tie_commands_to_the_test() -> None:
+    """``subprocess.Popen`` from the main thread, with no ``preexec_fn`` of its own, gets
+    ``lifetime.die_with_parent_preexec``. Only the main thread: the kernel's signal follows the
+    thread that forked, and a helper thread may end before its child."""
+    original = subprocess.Popen.__init__
+    if getattr(original, "_hsp_tied", False):
+        return
+    tied = die_with_parent_preexec()
+
+    def init(self: subprocess.Popen, *args: Any, **kwargs: Any) -> None:
+        if (
+            kwargs.get("preexec_fn") is None
+            and threading.current_thread() is threading.main_thread()
+        ):
+            kwargs["preexec_fn"] = tied
+        original(self, *args, **kwargs)
+
+    init._hsp_tied = True  # type: ignore[attr-defined]
+    subprocess.Popen.__init__ = init  # type: ignore[method-assign]
+
+
 def _watch_process_starts() -> None:
     """Every way a test here starts a process goes through one of these."""
+    _tie_commands_to_the_test()
     _wrap(subprocess.Popen, "__init__", lambda self, args, *a, **k: _command(args))
     _wrap(multiprocessing.process.BaseProcess, "start", lambda self: f"process {self.name}")
     _wrap(os, "fork", lambda: "os.fork()")

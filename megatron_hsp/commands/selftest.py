@@ -219,12 +219,11 @@ def _launch_kit(args: argparse.Namespace) -> int:
     by torchrun's own launcher (``torch.distributed.run --standalone``), exactly as a user would
     start it, so there is one kit and one way its ranks start. The launcher dies with this
     command (``lifetime.die_with_parent``'s signal), and takes its ranks with it."""
-    import functools
     import os
     import subprocess
 
     from megatron_hsp.planner.errors import InputError
-    from megatron_hsp.runtime.lifetime import die_with_parent
+    from megatron_hsp.runtime.lifetime import die_with_parent_preexec
 
     if args.nproc < 1:
         raise InputError(f"--nproc {args.nproc}: the kit needs at least one rank")
@@ -238,8 +237,7 @@ def _launch_kit(args: argparse.Namespace) -> int:
     cmd += ["--json"] if args.json else []
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.pop("TORCHELASTIC_RUN_ID", None)
-    tied = functools.partial(die_with_parent, watchdog=False)  # prctl only: no thread in a fork
-    return subprocess.run(cmd, env=env, preexec_fn=tied).returncode
+    return subprocess.run(cmd, env=env, preexec_fn=die_with_parent_preexec()).returncode
 
 
 def _finite(value: Any) -> Any:

@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
 
@@ -61,6 +62,27 @@ def die_with_parent(
         os._exit(1)
 
     threading.Thread(target=watch, name="hsp-die-with-parent", daemon=True).start()
+
+
+def die_with_parent_preexec() -> Callable[[], None]:
+    """A ``preexec_fn`` for ``subprocess`` that ties the command to this process (prctl only).
+
+    libc is loaded here, in the parent: the forked child of a threaded process (torch's pools,
+    gloo) must not ``dlopen``, whose loader lock another thread may have held at the fork; it
+    runs the one ``prctl`` call, then exits at once if this process is already gone."""
+    parent = os.getpid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: nothing to set
+        prctl = None
+
+    def tie() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return tie
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
