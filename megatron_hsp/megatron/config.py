@@ -40,10 +40,12 @@ from megatron_hsp.planner.groupspace import DEFAULT_MAX_COMMUNICATORS, HeadSpace
 from megatron_hsp.planner.run_spec import (
     DEFAULT_OVERLONG,
     MEGATRON_FLAGS,
+    RING_ONLY_METHODS,
     GroupSizeRequest,
     ParallelDims,
     check_plan_method,
     check_time_budget,
+    method_heads,
     static_degree,
 )
 from megatron_hsp.planner.search.settings import (
@@ -324,11 +326,12 @@ def validate_hsp_args(
         sizes = list(request.resolve(layout.cluster(), "--hsp-group-sizes"))
     except InputError as exc:
         raise HSPArgsError(str(exc)) from None
+    method = _plan_method(args)
     heads, space = _head_space(args, layout.tp, sizes, notes)
+    space = method_heads(space, method)  # the splits this method's groups run
     _settings_hsp_needs(args, notes)
     _check_planner_budgets(args)
     gbs, token_budget = _global_batch(args, early, notes)
-    method = _plan_method(args)
     max_seq = _max_seq(args, early, notes)
     if args.hsp_log_interval < 0:
         raise HSPArgsError(f"--hsp-log-interval must be >= 0 (got {args.hsp_log_interval})")
@@ -349,7 +352,7 @@ def validate_hsp_args(
     )
     # Said once the sizes are final, so notes never contradict each other.
     _note_ring_sizes(space, sizes, heads, layout.tp, notes)
-    _check_method_sizes(method, sizes, layout.slots, space)
+    _check_method_sizes(method, sizes, layout.slots, space, cost)
     seed = args.hsp_seed if args.hsp_seed is not None else int(arg_value(args, "seed", 1234))
     planner = _planner_settings(args, sizes, cost, pp, seed, notes)
     run = RunSpec(
@@ -553,23 +556,37 @@ def _plan_method(args: argparse.Namespace) -> str:
 
 
 def _check_method_sizes(
-    method: str, sizes: list[int], slots: int, space: HeadSpace | None = None
+    method: str,
+    sizes: list[int],
+    slots: int,
+    space: HeadSpace | None = None,
+    cost: Any = None,
 ) -> None:
     """A ``static-N`` plan needs groups of N that the run pre-creates and that tile the slots;
-    a ``megatron-dcp`` plan needs pure-ring groups.
+    a ring-only method (``megatron-dcp``) needs every size to run, and be priced, as pure ring.
 
-    Why the second: Megatron's dynamic CP runs ring attention (split 1 x d), and the runtime
-    pre-creates one split per group size, from the model's heads; a size whose heads split over
-    Ulysses would stop the run at its first plan, so it is refused before training starts."""
-    if method == "megatron-dcp" and space is not None:
-        ulysses = {d: space.split(d) for d in sizes if d > 1 and space.split(d)[0] > 1}
-        if ulysses:
-            splits = ", ".join(f"{d} = {u} x {r}" for d, (u, r) in sorted(ulysses.items()))
+    Why the second: Megatron's dynamic CP runs ring attention (split 1 x d) at every size, and
+    such a run pre-creates pure-ring groups (``run_spec.method_heads``); a size whose ring
+    the runtime cannot run (``HeadSpace.split_problem``), or whose ring steps the cost model
+    cannot price, would stop the run at its first plan, so it is refused before training."""
+    if method in RING_ONLY_METHODS:
+        bad = {} if space is None else {d: space.split_problem(d, *space.split(d)) for d in sizes}
+        bad = {d: why for d, why in bad.items() if why}
+        if bad:
+            ok = [d for d in sizes if d not in bad]
             raise HSPArgsError(
-                "--hsp-plan-method megatron-dcp: Megatron's dynamic CP runs pure ring groups, "
-                f"and this model's heads run group sizes {sorted(ulysses)} as Ulysses x ring "
-                f"({splits}); train it with --hsp-group-sizes of ring-only sizes, or compare "
-                "it offline with `megatron-hsp bench --methods megatron-dcp`"
+                f"--hsp-plan-method {method} runs every group as pure ring, and group sizes "
+                f"{sorted(bad)} cannot run so ({next(iter(bad.values()))}); train it with "
+                f"--hsp-group-sizes {','.join(map(str, ok)) or '1'}"
+            )
+        priced = set(cost.ring_step_ms_per_token) if cost is not None else set(sizes)
+        unpriced = [d for d in sizes if d > 1 and d not in priced]
+        if unpriced:
+            raise HSPArgsError(
+                f"--hsp-plan-method {method} runs every group as pure ring, and cost model "
+                f"{cost.name!r} has no ring_step_ms_per_token for group sizes {unpriced}; give "
+                "--hsp-cost-model a model with coefficients.ring_step_ms_per_token for every "
+                "size > 1, or leave those sizes out of --hsp-group-sizes"
             )
     degree = static_degree(method)
     if degree is None:
@@ -649,11 +666,17 @@ def _cost_model_spec(
 def _note_ring_sizes(
     space: HeadSpace | None, sizes: list[int], heads: int | None, tp: int, notes: list[str]
 ) -> None:
-    """Note the group sizes whose heads do not split over them: they run Ulysses x ring."""
+    """Note the group sizes whose heads do not split over them: they run Ulysses x ring (every
+    size > 1 of a ring-only run: pure ring, whatever the heads)."""
     if space is None:
         return
     ringed = [d for d in sizes if space.split(d)[1] > 1]
-    if ringed:
+    if ringed and space.ring_only:
+        notes.append(
+            f"group sizes {ringed} run pure ring attention (1 x d), as Megatron's dynamic "
+            "context parallelism runs them (--hsp-plan-method)"
+        )
+    elif ringed:
         assert heads is not None  # a head space comes from the heads
         notes.append(
             f"group sizes {ringed} run Ulysses x ring attention: {heads // tp} attention "

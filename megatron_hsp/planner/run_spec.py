@@ -16,12 +16,13 @@ On the planner's ground floor (no torch, nothing above ``groupspace``): the cost
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.groupspace import Cluster
+from megatron_hsp.planner.groupspace import Cluster, HeadSpace
 from megatron_hsp.planner.units import check_range
 
 
@@ -104,6 +105,24 @@ def check_plan_method(text: str, flag: str = "--hsp-plan-method") -> str:
         f"{flag} {text!r}: choose hsp, static-N (e.g. static-4), static-best, batchada or "
         "megatron-dcp"
     )
+
+
+# Methods whose groups run pure ring attention (split 1 x d) at every size: Megatron's dynamic
+# context parallelism runs ring attention only (``hybrid_cp_schedule``; docs/baselines.md).
+RING_ONLY_METHODS: frozenset[str] = frozenset({"megatron-dcp"})
+
+
+def method_heads(heads: HeadSpace | None, method: str) -> HeadSpace | None:
+    """The model's ``heads`` with the split policy a run of ``method`` trains with: pure ring
+    for ``RING_ONLY_METHODS``, else as given (the largest Ulysses degree the heads allow).
+
+    The one place a plan method chooses its splits: the run's flags (``megatron/config.py``:
+    communicators, notes, refusals) and its runtime (``megatron/hooks.py``: the registry's
+    pre-created sub-groups, the attention routes the planner prices) both take their heads
+    from here, so the plan's recorded splits, the registry's and the agreement check agree."""
+    if heads is None or method not in RING_ONLY_METHODS:
+        return heads
+    return dataclasses.replace(heads, ring_only=True)
 
 
 def static_degree(method: str) -> int | None:
