@@ -16,6 +16,7 @@ import pytest
 
 from megatron_hsp.megatron.config import _check_method_sizes, validate_hsp_args
 from megatron_hsp.megatron.refusals import HSPArgsError
+from megatron_hsp.planner import run_spec
 from megatron_hsp.planner.cost.costmodel import load_cost_model
 from megatron_hsp.planner.groupspace import (
     Cluster,
@@ -24,6 +25,7 @@ from megatron_hsp.planner.groupspace import (
     group_families,
 )
 from megatron_hsp.planner.run_spec import method_heads
+from megatron_hsp.testing.mutations import SPLIT_MUTATIONS
 from tests.helpers.megatron_args import parse
 
 BASE = [
@@ -112,9 +114,10 @@ def _registry(heads: HeadSpace, sizes: tuple[int, ...]):
     )
 
 
-def test_the_plan_the_pricing_and_the_agreement_agree_on_pure_ring():
-    """megatron-core's scheduler's plan records 1 x d; the agreement accepts it against a
-    megatron-dcp registry and refuses it against hsp's, naming the splits."""
+def _check_plan_registry_and_agreement() -> None:
+    """megatron-core's scheduler's plan records 1 x d; the agreement accepts it against the
+    registry a megatron-dcp run makes (``run_spec.method_heads``, read through its module so a
+    plant of it is seen) and refuses it against hsp's, naming the splits."""
     from megatron_hsp.evaluation.torch_side.dcp_baseline import megatron_dcp_plan
     from megatron_hsp.runtime.agreement import executable_problems
 
@@ -124,15 +127,33 @@ def test_the_plan_the_pricing_and_the_agreement_agree_on_pure_ring():
     lengths = np.array([200, 120, 60, 60, 30, 12, 7])
     plan = megatron_dcp_plan(lengths, cost, Cluster(4, 4))
     model = HeadSpace.from_model(8, 8, 1)
-    dcp = method_heads(model, "megatron-dcp")
+    dcp = run_spec.method_heads(model, "megatron-dcp")
     groups = [g for mb in plan.microbatches for g in mb.groups]
     assert {g.size for g in groups} >= {1, 4}
-    assert all((g.ulysses, g.ring) == dcp.split(g.size) == (1, g.size) for g in groups)
+    assert all((g.ulysses, g.ring) == (1, g.size) for g in groups)
     sizes = (1, 2, 4)
     ok = executable_problems(plan, _registry(dcp, sizes), num_attention_heads=8)
     assert ok == [], ok
     bad = executable_problems(plan, _registry(model, sizes), num_attention_heads=8)
     assert any("(4, 1, 4)" in p and "pre-created" in p for p in bad), bad
+
+
+def test_the_plan_the_pricing_and_the_agreement_agree_on_pure_ring():
+    _check_plan_registry_and_agreement()
+
+
+def test_a_registry_made_with_hsps_split_is_caught():
+    """The plant ``method-heads-ignore-the-method`` (``mutations.SPLIT_MUTATIONS``: the old
+    runtime's one split per size from the heads) fails the check above."""
+    (mutation,) = SPLIT_MUTATIONS
+    planted = mutation.plant()
+    try:
+        with pytest.raises(AssertionError, match="differ from the splits"):
+            _check_plan_registry_and_agreement()
+        assert planted.calls() > 0
+    finally:
+        planted.undo()
+    _check_plan_registry_and_agreement()  # undone
 
 
 @pytest.mark.slow
