@@ -568,7 +568,26 @@ def _check_method_sizes(
     Why the second: Megatron's dynamic CP runs ring attention (split 1 x d) at every size, and
     such a run pre-creates pure-ring groups (``run_spec.method_heads``); a size whose ring
     the runtime cannot run (``HeadSpace.split_problem``), or whose ring steps the cost model
-    cannot price, would stop the run at its first plan, so it is refused before training."""
+    cannot price, would stop the run at its first plan, so it is refused before training; so
+    would a megatron-dcp plan's group of a power of two the run does not pre-create
+    (``dcp_baseline.scheduler_sizes``: megatron-core's scheduler may use every one)."""
+    if method == "megatron-dcp":
+        from megatron_hsp.evaluation.torch_side.dcp_baseline import scheduler_sizes
+
+        try:
+            needed = scheduler_sizes(slots, "the sequence-parallel slot count (world / tp x pp)")
+        except InputError as exc:
+            why = str(exc).removeprefix(f"{method}: ")
+            raise HSPArgsError(f"--hsp-plan-method {method}: {why}") from None
+        missing = [d for d in needed if d not in sizes]
+        if missing:
+            raise HSPArgsError(
+                f"--hsp-plan-method {method}: megatron-core's scheduler may use CP groups of "
+                f"every power of two up to the {slots} sequence-parallel slots, and the run has "
+                f"no groups of {missing} (group sizes {sorted(sizes)}); train it with "
+                "--hsp-group-sizes pow2 (or a list holding them) and enough "
+                "--hsp-max-communicators"
+            )
     if method in RING_ONLY_METHODS:
         bad = {} if space is None else {d: space.split_problem(d, *space.split(d)) for d in sizes}
         bad = {d: why for d, why in bad.items() if why}

@@ -268,7 +268,10 @@ def test_plan_method_flag():
     # 8 heads would split over groups of 2 and 4 as Ulysses; Megatron's DCP trains them as
     # pure ring (tests/megatron/test_megatron_dcp_sizes.py).
     dcp = validate_hsp_args(
-        parse([*BASE, "--hsp", "--hsp-plan-method", "megatron-dcp", "--hsp-group-sizes", "1,2,4"]),
+        parse(
+            [*BASE, "--hsp", "--hsp-plan-method", "megatron-dcp", "--hsp-group-sizes", "1,2,4"],
+            world_size=4,
+        ),
         env={},
     )
     assert dcp.plan_method == "megatron-dcp" and dcp.group_sizes == (1, 2, 4)

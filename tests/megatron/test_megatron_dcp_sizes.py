@@ -68,13 +68,13 @@ def test_the_method_chooses_the_split_in_one_place():
 def test_flags_accept_megatron_dcp_at_ulysses_sizes_and_note_the_ring():
     """8 heads over sizes 2 and 4 (Ulysses sizes): accepted, noted as pure ring; hsp's run of
     the same flags notes no ring (its groups are Ulysses)."""
+    argv = [*BASE, "--hsp-group-sizes", "1,2,4"]
     dcp = validate_hsp_args(
-        parse([*BASE, "--hsp-plan-method", "megatron-dcp", "--hsp-group-sizes", "1,2,4"]),
-        env={},
+        parse([*argv, "--hsp-plan-method", "megatron-dcp"], world_size=4), env={}
     )
     assert dcp.group_sizes == (1, 2, 4)
     assert any("group sizes [2, 4] run pure ring attention" in n for n in dcp.notes), dcp.notes
-    hsp = validate_hsp_args(parse([*BASE, "--hsp-group-sizes", "1,2,4"]), env={})
+    hsp = validate_hsp_args(parse(argv, world_size=4), env={})
     assert not any("ring attention" in n for n in hsp.notes), hsp.notes
 
 
@@ -95,13 +95,25 @@ def test_refused_only_where_the_ring_cannot_run_or_be_priced(tmp_path):
     space = method_heads(HeadSpace(8, 8, max_ring=2), "megatron-dcp")
     with pytest.raises(HSPArgsError, match=r"group sizes \[4\] .* --hsp-group-sizes 1,2$"):
         _check_method_sizes("megatron-dcp", [1, 2, 4], 4, space)
-    _check_method_sizes("megatron-dcp", [1, 2], 4, space)  # runs: no refusal
+    _check_method_sizes("megatron-dcp", [1, 2], 2, space)  # runs: no refusal
     path = tmp_path / "cost.json"
     path.write_text(json.dumps(TINY))
     argv = [*BASE, "--hsp-group-sizes", "1,2,4", "--hsp-cost-model", str(path)]
     with pytest.raises(HSPArgsError, match=r"ring_step_ms_per_token for group sizes \[2, 4\]"):
-        validate_hsp_args(parse([*argv, "--hsp-plan-method", "megatron-dcp"]), env={})
-    validate_hsp_args(parse(argv), env={})  # hsp prices these sizes as Ulysses: fine
+        validate_hsp_args(parse([*argv, "--hsp-plan-method", "megatron-dcp"], world_size=4), {})
+    validate_hsp_args(parse(argv, world_size=4), env={})  # hsp prices them as Ulysses: fine
+
+
+def test_refused_where_megatron_cores_scheduler_has_no_group():
+    """megatron-core's scheduler may use every power of two up to the slots
+    (``dcp_baseline.scheduler_sizes``): a run missing one, or whose slots are no power of two,
+    would stop at a plan using it, so it is refused at start-up, naming what works."""
+    argv = [*BASE, "--hsp-plan-method", "megatron-dcp"]
+    with pytest.raises(HSPArgsError, match=r"no groups of \[8\] .* --hsp-group-sizes pow2"):
+        validate_hsp_args(parse([*argv, "--hsp-group-sizes", "1,2,4"]), env={})
+    with pytest.raises(HSPArgsError, match=r"megatron-dcp: megatron-core's scheduler .* 6 is"):
+        validate_hsp_args(parse(argv, world_size=6), env={})
+    assert validate_hsp_args(parse(argv), env={}).group_sizes == (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 def _registry(heads: HeadSpace, sizes: tuple[int, ...]):

@@ -53,6 +53,19 @@ class _WorldSizeOnly:
         return self._size
 
 
+def scheduler_sizes(n: int, what: str = "--gpus") -> list[int]:
+    """The CP group sizes megatron-core's scheduler may use on ``n`` ranks: every power of two
+    up to ``n`` (``gpus_needed`` rounds a sequence's up to one, and ``fill_empty_gpus`` grows
+    groups to the next, up to the whole DPxCP group), so ``n`` must be one (``what`` names it
+    in the error)."""
+    if n < 1 or n & (n - 1):
+        raise InputError(
+            f"megatron-dcp: megatron-core's scheduler uses power-of-two CP groups; {what} {n} "
+            "is not a power of two"
+        )
+    return [1 << k for k in range(n.bit_length())]
+
+
 def megatron_dcp_plan(
     lengths: Sequence[int] | np.ndarray,
     cost: CostModel,
@@ -64,11 +77,7 @@ def megatron_dcp_plan(
     if lens.size == 0:
         raise InputError("the global batch is empty; nothing to plan")
     n = cluster.world_size
-    if n & (n - 1):
-        raise InputError(
-            f"megatron-dcp: megatron-core's scheduler uses power-of-two CP groups; --gpus {n} "
-            "is not a power of two"
-        )
+    scheduler_sizes(n)
     longest = int(lens.max())
     need = 2 ** math.ceil(math.log2(max(1.0, longest / cost.tokens_per_rank)))
     if need > n:
