@@ -571,6 +571,7 @@ def _check_method_sizes(
     cannot price, would stop the run at its first plan, so it is refused before training; so
     would a megatron-dcp plan's group of a power of two the run does not pre-create
     (``dcp_baseline.scheduler_sizes``: megatron-core's scheduler may use every one)."""
+    used = sizes  # the sizes the method's plans may use
     if method == "megatron-dcp":
         from megatron_hsp.evaluation.torch_side.dcp_baseline import scheduler_sizes
 
@@ -588,8 +589,9 @@ def _check_method_sizes(
                 "--hsp-group-sizes pow2 (or a list holding them) and enough "
                 "--hsp-max-communicators"
             )
+        used = needed
     if method in RING_ONLY_METHODS:
-        bad = {} if space is None else {d: space.split_problem(d, *space.split(d)) for d in sizes}
+        bad = {} if space is None else {d: space.split_problem(d, *space.split(d)) for d in used}
         bad = {d: why for d, why in bad.items() if why}
         if bad:
             ok = [d for d in sizes if d not in bad]
@@ -598,14 +600,14 @@ def _check_method_sizes(
                 f"{sorted(bad)} cannot run so ({next(iter(bad.values()))}); train it with "
                 f"--hsp-group-sizes {','.join(map(str, ok)) or '1'}"
             )
-        priced = set(cost.ring_step_ms_per_token) if cost is not None else set(sizes)
-        unpriced = [d for d in sizes if d > 1 and d not in priced]
+        priced = set(cost.ring_step_ms_per_token) if cost is not None else set(used)
+        unpriced = [d for d in used if d > 1 and d not in priced]
         if unpriced:
             raise HSPArgsError(
                 f"--hsp-plan-method {method} runs every group as pure ring, and cost model "
                 f"{cost.name!r} has no ring_step_ms_per_token for group sizes {unpriced}; give "
-                "--hsp-cost-model a model with coefficients.ring_step_ms_per_token for every "
-                "size > 1, or leave those sizes out of --hsp-group-sizes"
+                "--hsp-cost-model a model with coefficients.ring_step_ms_per_token for them "
+                "(the default first-principles model prices every size)"
             )
     degree = static_degree(method)
     if degree is None:
