@@ -148,6 +148,10 @@ def _check_plan_registry_and_agreement() -> None:
     assert ok == [], ok
     bad = executable_problems(plan, _registry(model, sizes), num_attention_heads=8)
     assert any("(4, 1, 4)" in p and "pre-created" in p for p in bad), bad
+    # 6 heads: hsp would run 4 as 2 x 2; the ring-only registry was still made for these heads.
+    six = run_spec.method_heads(HeadSpace.from_model(6, 6, 1), "megatron-dcp")
+    ok = executable_problems(plan, _registry(six, sizes), num_attention_heads=6)
+    assert ok == [], ok
 
 
 def test_the_plan_the_pricing_and_the_agreement_agree_on_pure_ring():
