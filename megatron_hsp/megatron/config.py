@@ -40,13 +40,12 @@ from megatron_hsp.planner.groupspace import DEFAULT_MAX_COMMUNICATORS, HeadSpace
 from megatron_hsp.planner.run_spec import (
     DEFAULT_OVERLONG,
     MEGATRON_FLAGS,
-    RING_ONLY_METHODS,
     GroupSizeRequest,
     ParallelDims,
+    check_method_sizes,
     check_plan_method,
     check_time_budget,
     method_heads,
-    static_degree,
 )
 from megatron_hsp.planner.search.settings import (
     DEFAULT_PLAN_TIMEOUT_S,
@@ -352,7 +351,12 @@ def validate_hsp_args(
     )
     # Said once the sizes are final, so notes never contradict each other.
     _note_ring_sizes(space, sizes, heads, layout.tp, notes)
-    _check_method_sizes(method, sizes, layout.slots, space, cost)
+    try:
+        check_method_sizes(
+            method, sizes, layout.slots, space, cost.ring_step_ms_per_token, cost.name
+        )
+    except InputError as exc:
+        raise HSPArgsError(str(exc)) from None
     seed = args.hsp_seed if args.hsp_seed is not None else int(arg_value(args, "seed", 1234))
     planner = _planner_settings(args, sizes, cost, pp, seed, notes)
     run = RunSpec(
@@ -553,72 +557,6 @@ def _plan_method(args: argparse.Namespace) -> str:
         return check_plan_method(getattr(args, "hsp_plan_method", None) or "hsp")
     except InputError as exc:
         raise HSPArgsError(str(exc)) from None
-
-
-def _check_method_sizes(
-    method: str,
-    sizes: list[int],
-    slots: int,
-    space: HeadSpace | None = None,
-    cost: Any = None,
-) -> None:
-    """A ``static-N`` plan needs groups of N that the run pre-creates and that tile the slots;
-    a ring-only method (``megatron-dcp``) needs every size to run, and be priced, as pure ring.
-
-    Why the second: Megatron's dynamic CP runs ring attention (split 1 x d) at every size, and
-    such a run pre-creates pure-ring groups (``run_spec.method_heads``); a size whose ring
-    the runtime cannot run (``HeadSpace.split_problem``), or whose ring steps the cost model
-    cannot price, would stop the run at its first plan, so it is refused before training; so
-    would a megatron-dcp plan's group of a power of two the run does not pre-create
-    (``dcp_baseline.scheduler_sizes``: megatron-core's scheduler may use every one)."""
-    used = sizes  # the sizes the method's plans may use
-    if method == "megatron-dcp":
-        from megatron_hsp.evaluation.torch_side.dcp_baseline import scheduler_sizes
-
-        try:
-            needed = scheduler_sizes(slots, "the sequence-parallel slot count (world / tp x pp)")
-        except InputError as exc:
-            why = str(exc).removeprefix(f"{method}: ")
-            raise HSPArgsError(f"--hsp-plan-method {method}: {why}") from None
-        missing = [d for d in needed if d not in sizes]
-        if missing:
-            raise HSPArgsError(
-                f"--hsp-plan-method {method}: megatron-core's scheduler may use CP groups of "
-                f"every power of two up to the {slots} sequence-parallel slots, and the run has "
-                f"no groups of {missing} (group sizes {sorted(sizes)}); train it with "
-                "--hsp-group-sizes pow2 (or a list holding them) and enough "
-                "--hsp-max-communicators"
-            )
-        used = needed
-    if method in RING_ONLY_METHODS:
-        bad = {} if space is None else {d: space.split_problem(d, *space.split(d)) for d in used}
-        bad = {d: why for d, why in bad.items() if why}
-        if bad:
-            ok = [d for d in sizes if d not in bad]
-            raise HSPArgsError(
-                f"--hsp-plan-method {method} runs every group as pure ring, and group sizes "
-                f"{sorted(bad)} cannot run so ({next(iter(bad.values()))}); train it with "
-                f"--hsp-group-sizes {','.join(map(str, ok)) or '1'}"
-            )
-        priced = set(cost.ring_step_ms_per_token) if cost is not None else set(used)
-        unpriced = [d for d in used if d > 1 and d not in priced]
-        if unpriced:
-            raise HSPArgsError(
-                f"--hsp-plan-method {method} runs every group as pure ring, and cost model "
-                f"{cost.name!r} has no ring_step_ms_per_token for group sizes {unpriced}; give "
-                "--hsp-cost-model a model with coefficients.ring_step_ms_per_token for them "
-                "(the default first-principles model prices every size)"
-            )
-    degree = static_degree(method)
-    if degree is None:
-        return
-    if degree not in sizes or slots % degree:
-        fit = [d for d in sizes if slots % d == 0]
-        raise HSPArgsError(
-            f"--hsp-plan-method {method}: groups of {degree} must be among the run's group "
-            f"sizes {sorted(sizes)} and divide its {slots} sequence-parallel slots; choose "
-            f"static-N with N in {fit}"
-        )
 
 
 def _max_seq(args: argparse.Namespace, early: bool, notes: list[str]) -> int | None:

@@ -14,17 +14,18 @@ import json
 import numpy as np
 import pytest
 
-from megatron_hsp.megatron.config import _check_method_sizes, validate_hsp_args
+from megatron_hsp.megatron.config import validate_hsp_args
 from megatron_hsp.megatron.refusals import HSPArgsError
 from megatron_hsp.planner import run_spec
 from megatron_hsp.planner.cost.costmodel import load_cost_model
+from megatron_hsp.planner.errors import InputError
 from megatron_hsp.planner.groupspace import (
     Cluster,
     HeadSpace,
     communicators_per_rank,
     group_families,
 )
-from megatron_hsp.planner.run_spec import method_heads
+from megatron_hsp.planner.run_spec import check_method_sizes, method_heads
 from megatron_hsp.testing.mutations import SPLIT_MUTATIONS
 from tests.helpers.megatron_args import parse
 
@@ -93,9 +94,9 @@ def test_refused_only_where_the_ring_cannot_run_or_be_priced(tmp_path):
     """A ring degree past the runtime's support, and a cost model without ring-step figures,
     are refused in one line naming the flag and what works."""
     space = method_heads(HeadSpace(8, 8, max_ring=2), "megatron-dcp")
-    with pytest.raises(HSPArgsError, match=r"group sizes \[4\] .* --hsp-group-sizes 1,2$"):
-        _check_method_sizes("megatron-dcp", [1, 2, 4], 4, space)
-    _check_method_sizes("megatron-dcp", [1, 2], 2, space)  # runs: no refusal
+    with pytest.raises(InputError, match=r"group sizes \[4\] .* --hsp-group-sizes 1,2$"):
+        check_method_sizes("megatron-dcp", [1, 2, 4], 4, space)
+    check_method_sizes("megatron-dcp", [1, 2], 2, space)  # runs: no refusal
     path = tmp_path / "cost.json"
     path.write_text(json.dumps(TINY))
     argv = [*BASE, "--hsp-group-sizes", "1,2,4", "--hsp-cost-model", str(path)]
@@ -106,7 +107,7 @@ def test_refused_only_where_the_ring_cannot_run_or_be_priced(tmp_path):
 
 def test_refused_where_megatron_cores_scheduler_has_no_group():
     """megatron-core's scheduler may use every power of two up to the slots
-    (``dcp_baseline.scheduler_sizes``): a run missing one, or whose slots are no power of two,
+    (``run_spec.megatron_dcp_sizes``): a run missing one, or whose slots are no power of two,
     would stop at a plan using it, so it is refused at start-up, naming what works."""
     argv = [*BASE, "--hsp-plan-method", "megatron-dcp"]
     with pytest.raises(HSPArgsError, match=r"no groups of \[8\] .* --hsp-group-sizes pow2"):

@@ -40,6 +40,7 @@ from megatron_hsp.evaluation.baselines import RingAssumptions, plan_from_schedul
 from megatron_hsp.planner.cost.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.plan import Plan
+from megatron_hsp.planner.run_spec import megatron_dcp_sizes
 from megatron_hsp.planner.topology import Cluster
 
 
@@ -53,19 +54,6 @@ class _WorldSizeOnly:
         return self._size
 
 
-def scheduler_sizes(n: int, what: str = "--gpus") -> list[int]:
-    """The CP group sizes megatron-core's scheduler may use on ``n`` ranks: every power of two
-    up to ``n`` (``gpus_needed`` rounds a sequence's up to one, and ``fill_empty_gpus`` grows
-    groups to the next, up to the whole DPxCP group), so ``n`` must be one (``what`` names it
-    in the error)."""
-    if n < 1 or n & (n - 1):
-        raise InputError(
-            f"megatron-dcp: megatron-core's scheduler uses power-of-two CP groups; {what} {n} "
-            "is not a power of two"
-        )
-    return [1 << k for k in range(n.bit_length())]
-
-
 def megatron_dcp_plan(
     lengths: Sequence[int] | np.ndarray,
     cost: CostModel,
@@ -77,7 +65,7 @@ def megatron_dcp_plan(
     if lens.size == 0:
         raise InputError("the global batch is empty; nothing to plan")
     n = cluster.world_size
-    scheduler_sizes(n)
+    megatron_dcp_sizes(n)
     longest = int(lens.max())
     need = 2 ** math.ceil(math.log2(max(1.0, longest / cost.tokens_per_rank)))
     if need > n:
