@@ -42,9 +42,10 @@ from megatron_hsp.planner.run_spec import (
     MEGATRON_FLAGS,
     GroupSizeRequest,
     ParallelDims,
+    check_method_sizes,
     check_plan_method,
     check_time_budget,
-    static_degree,
+    method_heads,
 )
 from megatron_hsp.planner.search.settings import (
     DEFAULT_PLAN_TIMEOUT_S,
@@ -324,11 +325,12 @@ def validate_hsp_args(
         sizes = list(request.resolve(layout.cluster(), "--hsp-group-sizes"))
     except InputError as exc:
         raise HSPArgsError(str(exc)) from None
+    method = _plan_method(args)
     heads, space = _head_space(args, layout.tp, sizes, notes)
+    space = method_heads(space, method)  # the splits this method's groups run
     _settings_hsp_needs(args, notes)
     _check_planner_budgets(args)
     gbs, token_budget = _global_batch(args, early, notes)
-    method = _plan_method(args)
     max_seq = _max_seq(args, early, notes)
     if args.hsp_log_interval < 0:
         raise HSPArgsError(f"--hsp-log-interval must be >= 0 (got {args.hsp_log_interval})")
@@ -349,7 +351,12 @@ def validate_hsp_args(
     )
     # Said once the sizes are final, so notes never contradict each other.
     _note_ring_sizes(space, sizes, heads, layout.tp, notes)
-    _check_method_sizes(method, sizes, layout.slots, space)
+    try:
+        check_method_sizes(
+            method, sizes, layout.slots, space, cost.ring_step_ms_per_token, cost.name
+        )
+    except InputError as exc:
+        raise HSPArgsError(str(exc)) from None
     seed = args.hsp_seed if args.hsp_seed is not None else int(arg_value(args, "seed", 1234))
     planner = _planner_settings(args, sizes, cost, pp, seed, notes)
     run = RunSpec(
@@ -552,37 +559,6 @@ def _plan_method(args: argparse.Namespace) -> str:
         raise HSPArgsError(str(exc)) from None
 
 
-def _check_method_sizes(
-    method: str, sizes: list[int], slots: int, space: HeadSpace | None = None
-) -> None:
-    """A ``static-N`` plan needs groups of N that the run pre-creates and that tile the slots;
-    a ``megatron-dcp`` plan needs pure-ring groups.
-
-    Why the second: Megatron's dynamic CP runs ring attention (split 1 x d), and the runtime
-    pre-creates one split per group size, from the model's heads; a size whose heads split over
-    Ulysses would stop the run at its first plan, so it is refused before training starts."""
-    if method == "megatron-dcp" and space is not None:
-        ulysses = {d: space.split(d) for d in sizes if d > 1 and space.split(d)[0] > 1}
-        if ulysses:
-            splits = ", ".join(f"{d} = {u} x {r}" for d, (u, r) in sorted(ulysses.items()))
-            raise HSPArgsError(
-                "--hsp-plan-method megatron-dcp: Megatron's dynamic CP runs pure ring groups, "
-                f"and this model's heads run group sizes {sorted(ulysses)} as Ulysses x ring "
-                f"({splits}); train it with --hsp-group-sizes of ring-only sizes, or compare "
-                "it offline with `megatron-hsp bench --methods megatron-dcp`"
-            )
-    degree = static_degree(method)
-    if degree is None:
-        return
-    if degree not in sizes or slots % degree:
-        fit = [d for d in sizes if slots % d == 0]
-        raise HSPArgsError(
-            f"--hsp-plan-method {method}: groups of {degree} must be among the run's group "
-            f"sizes {sorted(sizes)} and divide its {slots} sequence-parallel slots; choose "
-            f"static-N with N in {fit}"
-        )
-
-
 def _max_seq(args: argparse.Namespace, early: bool, notes: list[str]) -> int | None:
     """The longest document the cost model is sized for: ``--hsp-max-seq``, else
     ``--seq-length`` (which Megatron's validate_args may derive: required on the full call
@@ -649,11 +625,17 @@ def _cost_model_spec(
 def _note_ring_sizes(
     space: HeadSpace | None, sizes: list[int], heads: int | None, tp: int, notes: list[str]
 ) -> None:
-    """Note the group sizes whose heads do not split over them: they run Ulysses x ring."""
+    """Note the group sizes whose heads do not split over them: they run Ulysses x ring (every
+    size > 1 of a ring-only run: pure ring, whatever the heads)."""
     if space is None:
         return
     ringed = [d for d in sizes if space.split(d)[1] > 1]
-    if ringed:
+    if ringed and space.ring_only:
+        notes.append(
+            f"group sizes {ringed} run pure ring attention (1 x d), as Megatron's dynamic "
+            "context parallelism runs them (--hsp-plan-method)"
+        )
+    elif ringed:
         assert heads is not None  # a head space comes from the heads
         notes.append(
             f"group sizes {ringed} run Ulysses x ring attention: {heads // tp} attention "

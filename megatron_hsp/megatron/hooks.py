@@ -143,7 +143,7 @@ def build_pipeline(run: HSPRun, args: Any) -> StepPipeline:
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
-    heads = _head_space()
+    heads = _head_space(cfg.plan_method)
     # The route each ring or hybrid group's attention will take (the layer spec's "auto"
     # backend): the planner prices each route by its own coefficient (planner/routes.py).
     splits = {} if heads is None else {d: heads.split(d) for d in cfg.group_sizes}
@@ -519,17 +519,20 @@ def hsp_datasets_provider(train_val_test_num_samples: Any, vp_stage: Any = None)
 hsp_datasets_provider.is_distributed = True  # every rank builds it: group creation is collective
 
 
-def _head_space():
-    """The model's heads per TP rank (``groupspace.HeadSpace``) from Megatron's args, so the
-    registry pre-creates each block's Ulysses/ring sub-groups."""
+def _head_space(method: str):
+    """The model's heads per TP rank (``groupspace.HeadSpace``) from Megatron's args, with the
+    split policy of the run's plan ``method`` (``run_spec.method_heads``: pure ring for
+    megatron-dcp), so the registry pre-creates each block's Ulysses/ring sub-groups as that
+    method's plans run them."""
     from megatron.core import parallel_state as ps
     from megatron.training import get_args
 
     from megatron_hsp.planner.groupspace import HeadSpace
+    from megatron_hsp.planner.run_spec import method_heads
 
     args = get_args()
     tp = ps.get_tensor_model_parallel_world_size()
-    return HeadSpace.from_model(args.num_attention_heads, kv_heads(args), tp)
+    return method_heads(HeadSpace.from_model(args.num_attention_heads, kv_heads(args), tp), method)
 
 
 def _prepare(run: HSPRun, pipeline: StepPipeline) -> tuple[PreparedStep, list[ModelInputs | None]]:

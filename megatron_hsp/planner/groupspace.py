@@ -379,12 +379,17 @@ RUNTIME_MAX_RING = 1 << 30
 class HeadSpace:
     """Query and KV heads on one tensor-parallel rank: what Ulysses can split.
 
-    ``max_ring`` is the largest ring degree the executing runtime supports.
+    ``max_ring`` is the largest ring degree the executing runtime supports. ``ring_only``: the
+    run's groups use no Ulysses at all (split 1 x d at every size), as Megatron's dynamic
+    context parallelism runs them; ``run_spec.method_heads`` sets it for the plan methods
+    that train that way. Every split the runtime pre-creates, plans record and the cost model
+    prices comes from ``split``, so this one field decides them all.
     """
 
     q_heads: int
     kv_heads: int
     max_ring: int = RUNTIME_MAX_RING
+    ring_only: bool = False
 
     def __post_init__(self) -> None:
         if self.q_heads < 1 or self.kv_heads < 1 or self.q_heads % self.kv_heads:
@@ -409,10 +414,11 @@ class HeadSpace:
     def split(self, size: int, ulysses: int | None = None) -> tuple[int, int]:
         """(Ulysses degree u, ring degree r) for a group of ``size``: u * r = size.
 
-        Default: the largest u the query heads allow. A chosen ``ulysses`` must divide both.
+        Default: the largest u the query heads allow (1 for a ``ring_only`` space). A chosen
+        ``ulysses`` must divide both.
         """
         if ulysses is None:
-            u = largest_ulysses(size, self.q_heads)
+            u = 1 if self.ring_only else largest_ulysses(size, self.q_heads)
         else:
             u = int(ulysses)
             if u < 1 or size % u or self.q_heads % u:
@@ -430,6 +436,11 @@ class HeadSpace:
         """Why (``ulysses``, ``ring``) cannot run a group of ``size``; None when it can."""
         if ulysses < 1 or ring < 1 or ulysses * ring != size:
             return f"split ulysses {ulysses} x ring {ring} does not multiply to group size {size}"
+        if self.ring_only and ulysses > 1:
+            return (
+                f"split ulysses {ulysses} x ring {ring}: this run's groups are pure ring "
+                f"(1 x {size}), as Megatron's dynamic context parallelism runs them"
+            )
         if self.q_heads % ulysses:
             return (
                 f"Ulysses degree {ulysses} does not divide the {self.q_heads} query heads per "
@@ -437,10 +448,15 @@ class HeadSpace:
                 f"{largest_ulysses(size, self.q_heads)})"
             )
         if ring > self.max_ring:
+            allowed = (
+                f"groups of up to {self.max_ring} ranks run pure ring"
+                if self.ring_only
+                else f"the {self.q_heads} query heads per tensor-parallel rank allow Ulysses "
+                f"groups of {self.ulysses_sizes()}"
+            )
             return (
                 f"ring degree {ring} (group {size} = ulysses {ulysses} x ring {ring}) exceeds the "
-                f"runtime's ring support ({self.max_ring}); the {self.q_heads} query heads per "
-                f"tensor-parallel rank allow Ulysses groups of {self.ulysses_sizes()}"
+                f"runtime's ring support ({self.max_ring}); {allowed}"
             )
         return None
 
@@ -448,6 +464,11 @@ class HeadSpace:
         """Whether the default split of ``size`` runs on this runtime."""
         u, r = self.split(size)
         return self.split_problem(size, u, r) is None
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """(query heads, KV heads) per tensor-parallel rank, whatever the split policy."""
+        return self.q_heads, self.kv_heads
 
     def ulysses_sizes(self) -> list[int]:
         """Group sizes pure Ulysses can run: divisors of the query heads."""

@@ -16,12 +16,14 @@ On the planner's ground floor (no torch, nothing above ``groupspace``): the cost
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from megatron_hsp.planner.errors import InputError
-from megatron_hsp.planner.groupspace import Cluster
+from megatron_hsp.planner.groupspace import Cluster, HeadSpace
 from megatron_hsp.planner.units import check_range
 
 
@@ -106,10 +108,100 @@ def check_plan_method(text: str, flag: str = "--hsp-plan-method") -> str:
     )
 
 
+# Methods whose groups run pure ring attention (split 1 x d) at every size: Megatron's dynamic
+# context parallelism runs ring attention only (``hybrid_cp_schedule``; docs/baselines.md).
+RING_ONLY_METHODS: frozenset[str] = frozenset({"megatron-dcp"})
+
+
+def method_heads(heads: HeadSpace | None, method: str) -> HeadSpace | None:
+    """The model's ``heads`` with the split policy a run of ``method`` trains with: pure ring
+    for ``RING_ONLY_METHODS``, else as given (the largest Ulysses degree the heads allow).
+
+    The one place a plan method chooses its splits: the run's flags (``megatron/config.py``:
+    communicators, notes, refusals) and its runtime (``megatron/hooks.py``: the registry's
+    pre-created sub-groups, the attention routes the planner prices) both take their heads
+    from here, so the plan's recorded splits, the registry's and the agreement check agree."""
+    if heads is None or method not in RING_ONLY_METHODS:
+        return heads
+    return dataclasses.replace(heads, ring_only=True)
+
+
 def static_degree(method: str) -> int | None:
     """N of ``static-N``, else None."""
     m = _STATIC_METHOD.match(method)
     return int(m.group(1)) if m else None
+
+
+def megatron_dcp_sizes(n: int, what: str = "--gpus") -> list[int]:
+    """The CP group sizes megatron-core's dynamic-CP scheduler may use on ``n`` ranks: every
+    power of two up to ``n`` (``BalancedCPScheduler.gpus_needed`` rounds a sequence's up to
+    one, and ``fill_empty_gpus`` grows groups to the next, up to the whole DPxCP group), so
+    ``n`` must be one (``what`` names it in the error)."""
+    if n < 1 or n & (n - 1):
+        raise InputError(
+            f"megatron-dcp: megatron-core's scheduler uses power-of-two CP groups; {what} {n} "
+            "is not a power of two"
+        )
+    return [1 << k for k in range(n.bit_length())]
+
+
+def check_method_sizes(
+    method: str,
+    sizes: Sequence[int],
+    slots: int,
+    heads: HeadSpace | None = None,
+    ring_priced: Collection[int] | None = None,
+    cost_name: str = "",
+) -> None:
+    """Refuse, before training, a plan ``method`` the run's group ``sizes`` cannot train.
+
+    ``static-N`` needs groups of N that the run pre-creates and that tile the ``slots``. A
+    ring-only method needs every size its plans may use to run as pure ring for ``heads``
+    (``method_heads``; ``HeadSpace.split_problem``: the ring degree the runtime supports) and
+    be priced as one (``ring_priced``: the cost model's ``ring_step_ms_per_token`` sizes);
+    megatron-dcp's plans may use every size of ``megatron_dcp_sizes``, which the run must
+    pre-create. Each would otherwise stop the run at a plan that uses it."""
+    used = list(sizes)  # the sizes the method's plans may use
+    if method == "megatron-dcp":
+        try:
+            used = megatron_dcp_sizes(slots, "the sequence-parallel slot count (world / tp x pp)")
+        except InputError as exc:
+            raise InputError(f"--hsp-plan-method {exc}") from None
+        missing = [d for d in used if d not in sizes]
+        if missing:
+            raise InputError(
+                f"--hsp-plan-method {method}: megatron-core's scheduler may use CP groups of "
+                f"every power of two up to the {slots} sequence-parallel slots, and the run has "
+                f"no groups of {missing} (group sizes {sorted(sizes)}); train it with "
+                "--hsp-group-sizes pow2 (or a list holding them) and enough "
+                "--hsp-max-communicators"
+            )
+    if method in RING_ONLY_METHODS:
+        heads = method_heads(heads, method)
+        why = {d: heads.split_problem(d, *heads.split(d)) for d in used} if heads else {}
+        bad = {d: w for d, w in why.items() if w}
+        if bad:
+            raise InputError(
+                f"--hsp-plan-method {method} runs every group as pure ring, and group sizes "
+                f"{sorted(bad)} cannot run so ({next(iter(bad.values()))}); train it with "
+                f"--hsp-group-sizes {','.join(str(d) for d in sizes if d not in bad) or '1'}"
+            )
+        unpriced = [d for d in used if d > 1 and ring_priced is not None and d not in ring_priced]
+        if unpriced:
+            raise InputError(
+                f"--hsp-plan-method {method} runs every group as pure ring, and cost model "
+                f"{cost_name!r} has no ring_step_ms_per_token for group sizes {unpriced}; give "
+                "--hsp-cost-model a model with coefficients.ring_step_ms_per_token for them "
+                "(the default first-principles model prices every size)"
+            )
+    degree = static_degree(method)
+    if degree is not None and (degree not in sizes or slots % degree):
+        fit = [d for d in sizes if slots % d == 0]
+        raise InputError(
+            f"--hsp-plan-method {method}: groups of {degree} must be among the run's group "
+            f"sizes {sorted(sizes)} and divide its {slots} sequence-parallel slots; choose "
+            f"static-N with N in {fit}"
+        )
 
 
 def check_time_budget(seconds: float, flag: str) -> float:

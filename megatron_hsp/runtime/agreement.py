@@ -294,7 +294,8 @@ def executable_problems(
         except InputError:  # head_problems above already says why
             model = None
         ringed = [d for d in plan.group_sizes_used if model and model.split(d)[1] > 1]
-        if model is not None and ringed and registry.heads != model:
+        made_for = registry.heads.heads if registry.heads is not None else None
+        if model is not None and ringed and made_for != model.heads:
             problems.append(
                 f"group sizes {ringed} run ring attention for this model ({model.q_heads} query "
                 f"heads per tensor-parallel rank) but the process groups were created for "

@@ -615,6 +615,29 @@ MODEL_MUTATIONS: tuple[Mutation, ...] = (
 )
 
 
+# A split-policy plant: a megatron-dcp run's registry made with hsp's split (the old runtime:
+# one split per size from the heads), so Megatron's pure-ring plans no longer agree with the
+# pre-created groups. ``tests/megatron/test_megatron_dcp_sizes.py`` must catch it. Not in
+# ``MUTATIONS``.
+def _method_heads_ignore_the_method(method_heads: Callable) -> Callable:
+    """``run_spec.method_heads`` returning the heads as given, whatever the plan method."""
+
+    def ignored(heads: Any, method: str) -> Any:
+        return method_heads(heads, "hsp")
+
+    return ignored
+
+
+SPLIT_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "method-heads-ignore-the-method",
+        "a megatron-dcp run pre-creates hsp's Ulysses split, not Megatron's pure ring",
+        "megatron_hsp.planner.run_spec:method_heads",
+        _method_heads_ignore_the_method,
+    ),
+)
+
+
 def by_name(names: list[str] | None = None) -> list[Mutation]:
     """The mutations named (all when None), in table order."""
     if names is None:

@@ -50,7 +50,7 @@ def sampler_of(args, cfg, monkeypatch):
     class Built(Exception):
         pass
 
-    monkeypatch.setattr(hooks, "_head_space", lambda: None)
+    monkeypatch.setattr(hooks, "_head_space", lambda method: None)
     monkeypatch.setattr(
         "megatron_hsp.runtime.groups.create_groups_from_megatron", lambda *a, **k: None
     )

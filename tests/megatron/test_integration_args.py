@@ -265,14 +265,16 @@ def test_plan_method_flag():
     assert validate_hsp_args(parse([*BASE, "--hsp"]), env={}).planner_spec().options == {}
     with pytest.raises(SystemExit):
         parse([*BASE, "--hsp", "--hsp-plan-method", "static"])
-    # 8 heads split over groups of 2 and 4 as Ulysses: Megatron's ring-only DCP cannot run there.
-    with pytest.raises(HSPArgsError, match=r"megatron-dcp: .* group sizes \[2, 4\]"):
-        validate_hsp_args(
-            parse(
-                [*BASE, "--hsp", "--hsp-plan-method", "megatron-dcp", "--hsp-group-sizes", "1,2,4"]
-            ),
-            env={},
-        )
+    # 8 heads would split over groups of 2 and 4 as Ulysses; Megatron's DCP trains them as
+    # pure ring (tests/megatron/test_megatron_dcp_sizes.py).
+    dcp = validate_hsp_args(
+        parse(
+            [*BASE, "--hsp", "--hsp-plan-method", "megatron-dcp", "--hsp-group-sizes", "1,2,4"],
+            world_size=4,
+        ),
+        env={},
+    )
+    assert dcp.plan_method == "megatron-dcp" and dcp.group_sizes == (1, 2, 4)
     with pytest.raises(HSPArgsError, match="--hsp-plan-method static-3: groups of 3"):
         validate_hsp_args(
             parse([*BASE, "--hsp", "--hsp-plan-method", "static-3", "--hsp-group-sizes", "1,2"]),

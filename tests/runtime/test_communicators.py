@@ -21,6 +21,7 @@ from megatron_hsp.planner.groupspace import (
     communicators_per_rank,
     sizes_within_communicator_budget,
 )
+from megatron_hsp.planner.run_spec import method_heads
 from tests.helpers import ROOT
 from tests.helpers.megatron_args import parse
 
@@ -106,10 +107,10 @@ def test_communicator_memory_is_charged_to_the_planner_cap():
     assert any("communicators" in n and "memory cap" in n for n in cfg.notes)
 
 
-def _groups_worker(rank: int, world: int, q_heads: int) -> dict:
+def _groups_worker(rank: int, world: int, q_heads: int, method: str) -> dict:
     from megatron_hsp.runtime.groups import create_groups
 
-    heads = HeadSpace.from_model(q_heads, 2, 1)
+    heads = method_heads(HeadSpace.from_model(q_heads, 2, 1), method)
     reg = create_groups(world, heads=heads)
     pure_ring = {
         key: sub_r is reg.groups[key]
@@ -122,18 +123,20 @@ def _groups_worker(rank: int, world: int, q_heads: int) -> dict:
         "communicators": reg.communicators,
         "predicted": communicators_per_rank(reg.sizes, heads),
         "pure_ring_reuses_block": pure_ring,
+        "splits": {d: reg.split(d) for d in reg.sizes},
     }
 
 
 @pytest.mark.spawns
 @pytest.mark.dist
-@pytest.mark.parametrize("q_heads", [8, 6])
-def test_created_groups_match_the_pure_count_and_pure_ring_reuses_its_block(q_heads):
+@pytest.mark.parametrize(("q_heads", "method"), [(8, "hsp"), (6, "hsp"), (8, "megatron-dcp")])
+def test_created_groups_match_the_pure_count_and_pure_ring_reuses_its_block(q_heads, method):
     """4 gloo ranks. 8 heads: a group of 3 is pure ring, which used to get a second, identical
-    group (created = count + 1); 6 heads: a group of 4 is hybrid (block + 2 sub-groups)."""
+    group (created = count + 1); 6 heads: a group of 4 is hybrid (block + 2 sub-groups);
+    megatron-dcp's registry (``run_spec.method_heads``): every size pure ring, on its block."""
     from megatron_hsp.testing.dist import raise_rank_errors, run_distributed
 
-    out = raise_rank_errors(run_distributed(_groups_worker, 4, q_heads, timeout_s=120))
+    out = raise_rank_errors(run_distributed(_groups_worker, 4, q_heads, method, timeout_s=120))
     for r in out:
         assert r["created"] == r["expected"], r
         assert r["communicators"] <= r["predicted"]
@@ -142,3 +145,7 @@ def test_created_groups_match_the_pure_count_and_pure_ring_reuses_its_block(q_he
     assert out[0]["communicators"] == out[0]["predicted"]
     if q_heads == 8:
         assert out[0]["pure_ring_reuses_block"]  # the size-3 block ran pure ring
+    ring_only = {d: (1, d) for d in (1, 2, 3, 4)}
+    assert (out[0]["splits"] == ring_only) is (method == "megatron-dcp"), out[0]["splits"]
+    if method == "megatron-dcp":  # sizes 2, 3 and 4 each on their block, no sub-group
+        assert set(out[0]["pure_ring_reuses_block"]) == {(2, 0), (3, 0), (4, 0)}

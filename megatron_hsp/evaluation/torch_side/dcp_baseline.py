@@ -40,6 +40,7 @@ from megatron_hsp.evaluation.baselines import RingAssumptions, plan_from_schedul
 from megatron_hsp.planner.cost.costmodel import CostModel
 from megatron_hsp.planner.errors import InfeasibleError, InputError
 from megatron_hsp.planner.plan import Plan
+from megatron_hsp.planner.run_spec import megatron_dcp_sizes
 from megatron_hsp.planner.topology import Cluster
 
 
@@ -64,11 +65,7 @@ def megatron_dcp_plan(
     if lens.size == 0:
         raise InputError("the global batch is empty; nothing to plan")
     n = cluster.world_size
-    if n & (n - 1):
-        raise InputError(
-            f"megatron-dcp: megatron-core's scheduler uses power-of-two CP groups; --gpus {n} "
-            "is not a power of two"
-        )
+    megatron_dcp_sizes(n)
     longest = int(lens.max())
     need = 2 ** math.ceil(math.log2(max(1.0, longest / cost.tokens_per_rank)))
     if need > n:

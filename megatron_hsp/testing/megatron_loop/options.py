@@ -223,7 +223,8 @@ class LoopOptions:
     def cost_model(self) -> dict[str, Any]:
         """The loop's cost model (a file, passed with ``--hsp-cost-model`` as a user's fit
         would be): every size > 1 of ``group_sizes`` (default 2 and 4) priced, ring steps
-        priced for the sizes that run ring attention, and the heads per TP rank, so the plans
+        priced for pure ring at every size (as the first-principles model prices them: a
+        megatron-dcp run's groups are pure ring), and the heads per TP rank, so the plans
         record each group's Ulysses x ring split."""
         heads = self.heads()
         sizes = [d for d in (self.group_sizes or (2, 4)) if d > 1]
@@ -234,7 +235,7 @@ class LoopOptions:
                 "linear_ms_per_token": 0.12,
                 "group_fixed_ms": 30.0,
                 "a2a_ms_per_token": {d: 0.02 + 0.005 * d for d in sizes},
-                "ring_step_ms_per_token": {d: 0.02 for d in sizes if heads.split(d)[1] > 1},
+                "ring_step_ms_per_token": {d: 0.02 for d in sizes},
                 "tokens_per_rank": self.tokens_per_rank,
                 "heads": [heads.q_heads, heads.kv_heads],
             },
