@@ -5,8 +5,8 @@ provider hands Megatron no validation or test iterator, and Megatron's own
 ``build_train_valid_test_data_iterators`` still sets ``do_valid`` (its validation loaders are a
 list, ``[None]``, which is not None; ``do_test`` stays off), so ``train()`` calls ``evaluate()``
 with no iterator every ``--eval-interval`` steps (and ``pretrain()`` the test split where
-``do_test`` is on: evaluated here too when Megatron sets it). The patched ``get_forward_backward_func``
-(``megatron/patches.py``) then runs nothing and returns no loss.
+``do_test`` is on: evaluated here too when Megatron sets it). The patched
+``get_forward_backward_func`` (``megatron/patches.py``) then runs nothing and returns no loss.
 
 On 2 gloo CPU ranks, through Megatron's own parser, ``install``, HSP's provider, Megatron's
 iterator builder and Megatron's ``evaluate()`` (the patched schedule), against the stock side:
