@@ -304,8 +304,10 @@ def apply_training_patches() -> None:
                     and hooks.active_run() is not None
                 ):
                     # evaluate() on a split without documents (HSP's provider said so): no
-                    # batch to plan, no loss; Megatron reports nothing for it.
-                    return []
+                    # batch to plan, no loss; Megatron reports nothing for it. One loss dict
+                    # without keys, not none: megatron-core < 0.19's evaluate() reads
+                    # loss_dicts[0] on the last stage (0.19 skips an empty list).
+                    return [{}]
                 if evaluation is not None:
                     if fkw.get("collect_non_loss_data"):
                         # evaluate() makes this call on the last rank only; planning a batch is

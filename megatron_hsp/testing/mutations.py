@@ -652,3 +652,36 @@ def by_name(names: list[str] | None = None) -> list[Mutation]:
 def margin(loss_rel: float, grad_rel: float, loss_tol: float, grad_tol: float) -> float:
     """How many times the worse of the two differences exceeds its tolerance."""
     return max(loss_rel / loss_tol, grad_rel / grad_tol)
+
+
+# ------------------------------------------------------------------ evaluation plants
+# Bugs of ``evaluate()`` under ``--hsp`` on a split without documents (``--split`` giving it no
+# share: HSP's provider hands Megatron no iterator, Megatron still evaluates it). Caught by
+# ``tests/megatron/test_evaluate_empty_split.py`` against stock's ``evaluate()`` with zero
+# evaluation iterations. Not in ``MUTATIONS``.
+
+
+def _empty_split_evaluates_training_data(eval_iterator_of: Callable) -> Callable:
+    """An evaluation call without an iterator (a split without documents) taken for one of the
+    training data: the training pipeline's next batch is planned and the schedule runs."""
+
+    def training_data_instead(data_iterator: Any) -> Any:
+        from megatron_hsp.megatron import hooks
+
+        found = eval_iterator_of(data_iterator)
+        run = hooks.active_run()
+        if found is None and data_iterator is None and run is not None and run.pipeline:
+            return hooks._EvalIterator(run, "valid", run.pipeline)
+        return found
+
+    return training_data_instead
+
+
+EVALUATION_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "empty-split-evaluates-training-data",
+        "evaluate() on a split without documents plans and runs the next training batch",
+        "megatron_hsp.megatron.hooks:eval_iterator_of",
+        _empty_split_evaluates_training_data,
+    ),
+)

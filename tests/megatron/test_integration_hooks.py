@@ -238,7 +238,7 @@ def test_evaluation_schedule_runs_the_plans_count_only_for_hsp_eval_iterators(
     schedule = training.get_forward_backward_func()
     schedule(data_iterator=RerunDataIterator(evaluation), num_microbatches=4, forward_only=True)
     schedule(data_iterator=iter([]), num_microbatches=4, forward_only=True)
-    assert schedule(data_iterator=None, num_microbatches=4, forward_only=True) == []
+    assert schedule(data_iterator=None, num_microbatches=4, forward_only=True) == [{}]
     assert calls == [("eval schedule", 2), ("eval schedule", 4)]
     assert evaluation.batches == ["batch"] and began == [1]
     with pytest.raises(HSPError, match="process_non_loss_data_func"):

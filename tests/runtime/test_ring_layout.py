@@ -133,3 +133,43 @@ def test_swapped_chunk_mutation_really_swaps() -> None:
     # d = 2 ranks, 4 chunks of 4: rank 0 holds chunks 0 and 3; the mutation reads 3 first.
     assert ring_position_tokens([0, 16], 1, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert swapped([0, 16], 1, 2, 0).tolist() == [12, 13, 14, 15, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("pad_empty", [False, True])
+def test_every_ring_position_the_model_runs_holds_query_rows(pad_empty: bool) -> None:
+    """Why no ring rank ever plans zero query rows (``ring._runs``' and ``plan_ring_step``'s
+    empty cases, allowlisted in tests/exactness/coverage.toml): a pack the model runs holds
+    documents (>= 1 token), or is an empty group's padding segment under expert parallelism
+    (``pad_empty``); an empty group without it is not run (``schedule.step_inputs``: None).
+    Every ring position of a run pack then holds the same number (> 0) of rows, so the fused
+    ring's step 0 plans at least one call on every position."""
+    import torch
+
+    from megatron_hsp.runtime.dispatch import pack_group_slice
+    from megatron_hsp.runtime.ring import plan_ring
+
+    rng = np.random.default_rng(0)
+    checked = 0
+    for trial in range(60):
+        d = int(rng.choice([2, 3, 4, 6, 8]))
+        r = int(rng.choice([x for x in range(2, d + 1) if d % x == 0]))
+        n_docs = int(rng.integers(0, 4))
+        lengths = [int(x) for x in rng.integers(1, 40, n_docs)]
+        batch = GlobalBatch.from_documents([np.arange(1, n + 1) for n in lengths] or [[1]])
+        group = Group(ranks=tuple(range(d)), seq_ids=tuple(range(n_docs)), lengths=tuple(lengths))
+        multiple = int(rng.choice([1, 2]))
+        packs = [
+            pack_group_slice(batch, group, s, ring=r, pad_empty=pad_empty, local_multiple=multiple)
+            for s in range(d)
+        ]
+        if packs[0].empty and not pad_empty:
+            assert all(p.num_local_tokens == 0 for p in packs)  # not run: step_inputs gives None
+            continue
+        cu = packs[0].cu_seqlens
+        held = [ring_position_tokens(cu, d // r, r, j) for j in range(r)]
+        assert len({h.size for h in held}) == 1 and held[0].size > 0, (trial, cu, d, r)
+        metas = [np.stack([h, np.searchsorted(cu, h, side="right")]) for h in held]
+        for j in range(r):
+            assert plan_ring(metas, j, torch.device("cpu"))[0], (trial, cu, d, r, j)
+        checked += 1
+    assert checked > 10
