@@ -38,10 +38,10 @@ ONE_PROCESS = [o for o in DEFAULT_OPTIONS if o.tp == o.ep == o.pp == 1]
 @pytest.fixture(scope="module")
 def cpu_world():
     """A one-process gloo world with megatron's groups, in the loop's CPU training context."""
+    from megatron.training import global_vars
+
     from megatron_hsp.testing.cpu_shims import cpu_device_arch_version, cpu_megatron_training
     from megatron_hsp.testing.dist import destroy_cpu_megatron, init_single_process_megatron
-
-    from megatron.training import global_vars
 
     init_single_process_megatron()
     with cpu_megatron_training(), cpu_device_arch_version():
