@@ -296,6 +296,13 @@ def test_dropless_moe_at_ep_1_and_2_matches_the_stock_path():
         assert e["ok"], e["failures"]
         assert e["margin"] < 0.5
     _assert_moe_sets(entries)
+    # The stock side is the model Megatron's own builder builds (the wheel's from megatron-core
+    # 0.19; the oldest tier's 0.18 ships none: megatron-core's spec functions).
+    import importlib.util
+
+    wheel = importlib.util.find_spec("megatron.training.models.gpt") is not None
+    builder = "megatron.training.models.gpt.GPTModelBuilder" if wheel else "megatron-core's spec"
+    assert all(e["stock_builder"].startswith(builder) for e in entries)
 
 
 def _planted(plant: str) -> dict:
