@@ -29,12 +29,26 @@ heterogeneous layers, hybrid layers other than attention and MLP) are refused ea
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 
 from megatron_hsp.megatron.spec import hsp_gpt_layer_spec, with_hsp_attention
+
+
+def megatron_lm_gpt_builders() -> ModuleType | None:
+    """The running Megatron-LM checkout's own ``gpt_builders`` module (the sibling of
+    ``pretrain_gpt.py`` that builds the GPT model from the flags), or None outside a checkout
+    (a training loop of one's own, ``selftest --megatron``) or where it does not import against
+    the installed megatron-core. The one place that looks for Megatron-LM's builder: HSP's base
+    spec here and the loop's stock model (``testing/megatron_loop/models.py``) both ask it."""
+    try:
+        import gpt_builders
+    except ImportError:
+        return None
+    return gpt_builders
 
 
 def megatron_default_spec(args: Any, config: Any) -> Any:
@@ -52,12 +66,9 @@ def megatron_default_spec(args: Any, config: Any) -> Any:
             normalization=args.normalization,
             qk_l2_norm=bool(getattr(args, "qk_l2_norm", False)),
         )
-    try:
-        from gpt_builders import _get_transformer_layer_spec  # the checkout's own builder
-    except ImportError:
-        _get_transformer_layer_spec = None
-    if _get_transformer_layer_spec is not None:
-        return _get_transformer_layer_spec(use_te, config)
+    builders = megatron_lm_gpt_builders()
+    if builders is not None and hasattr(builders, "_get_transformer_layer_spec"):
+        return builders._get_transformer_layer_spec(use_te, config)
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,

@@ -233,7 +233,9 @@ def _assert_moe_sets(moe: list[dict]) -> None:
         (2, "alltoall"),
         (2, "alltoall"),
         (1, "allgather"),
+        (1, "alltoall"),
     ]
+    assert [e["options"]["qk_norm"] for e in moe] == [None] * 4 + ["l2-norm"]
     for e in moe:
         _assert_moe_ran_as_claimed(e)
     assert any(e["options"]["seq_aux_loss"] > 0 and e["options"]["ep"] == 2 for e in moe)
@@ -294,6 +296,13 @@ def test_dropless_moe_at_ep_1_and_2_matches_the_stock_path():
         assert e["ok"], e["failures"]
         assert e["margin"] < 0.5
     _assert_moe_sets(entries)
+    # The stock side is the model Megatron's own builder builds (the wheel's from megatron-core
+    # 0.19; the oldest tier's 0.18 ships none: megatron-core's spec functions).
+    import importlib.util
+
+    wheel = importlib.util.find_spec("megatron.training.models.gpt") is not None
+    builder = "megatron.training.models.gpt.GPTModelBuilder" if wheel else "megatron-core's spec"
+    assert all(e["stock_builder"].startswith(builder) for e in entries)
 
 
 def _planted(plant: str) -> dict:
@@ -437,6 +446,21 @@ def test_a_refit_wrapper_that_drops_the_token_count_is_caught():
     assert s["loss_hsp"] == pytest.approx(s["loss_ref"], rel=CPU.loss)  # the loss is right
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_moe_spec_that_drops_qk_l2_norm_is_caught():
+    """Issue 44, class 5: the MoE spec built under --hsp without --qk-l2-norm (no parameter
+    differs, so the weights load) on the MoE set with --qk-l2-norm. The stock side is the model
+    Megatron's own builder makes from the flags (``models.stock_builder``), L2Norm on q and k
+    included, so the loss and every gradient show that HSP trains another model."""
+    entry = _planted("moe-spec-drops-qk-l2-norm")
+    assert entry["options"]["qk_norm"] == "l2-norm" and entry["moe"]["moe_layers"] == 2
+    s = entry["steps"][0]
+    assert abs(s["loss_hsp"] - s["loss_ref"]) > 10 * CPU.loss * abs(s["loss_ref"])
+    assert s["max_rel_grad_diff"] > 1000 * CPU.grad
+    assert entry["margin"] > 100
+
+
 def test_the_loop_runs_the_users_defaults_but_for_the_listed_switches():
     """Issue 44: the HSP side's flags are a user's: no --hsp-no-refit, no --hsp-overlong,
     no --hsp-max-seq; every other ``--hsp*`` flag is the option set's own choice, the data, or
@@ -492,6 +516,7 @@ def test_every_plant_has_a_test():
         "document-twice-after-restart",
         "blend-component-not-reshuffled",
         "refit-finalize-drops-the-token-count",
+        "moe-spec-drops-qk-l2-norm",
     }
 
 

@@ -26,7 +26,7 @@ from megatron_hsp.testing.megatron_loop.checks import (
 )
 from megatron_hsp.testing.megatron_loop.corpus import BLEND_CHOICES, write_corpus
 from megatron_hsp.testing.megatron_loop.hsp_side import _run_hsp, plan_log_path
-from megatron_hsp.testing.megatron_loop.models import _initial_weights
+from megatron_hsp.testing.megatron_loop.models import _initial_weights, stock_builder
 from megatron_hsp.testing.megatron_loop.options import (
     DEFAULT_OPTIONS,
     STEPS,
@@ -183,6 +183,7 @@ def _worker(
         "max_rel_weight_diff_after": wworst,
         "worst_weight_param": wname,
         "planted_param": PLANTED.get("param"),
+        "stock_builder": stock_builder()[1],  # which of Megatron's builders built the stock side
         "faults": PLANTED.get("faults"),  # megatron_loop/faults.py
         "pipeline": hsp["pipeline"],
         "moe": hsp["moe"],
@@ -284,6 +285,10 @@ def loop_table(entries: Sequence[dict[str, Any]]) -> str:
         "HSP side: the users' defaults (online refit on, default overlong policy) except for "
         "these test-only switches:",
         test_only_switches_text(),
+        *[
+            f"stock side: the model {b} builds"
+            for b in sorted({e["stock_builder"] for e in entries})
+        ],
         f"{'options':<22} {'step':>4} {'loss hsp':>11} {'loss ref':>11} {'lr':>9} "
         f"{'samples':>11} {'grad rel':>8} {'layouts (size=ulysses x ring)'}",
     ]

@@ -6,7 +6,7 @@ weight copy by unpipelined parameter name (``global_names``), DDP, optimizer and
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,27 +37,85 @@ def _set_megatron_globals(args: Any) -> None:
     global_vars.set_global_variables(args, build_tokenizer=True)  # sets padded_vocab_size
 
 
-def _stock_model(args: Any) -> torch.nn.Module:
-    """Stock megatron-core GPTModel from the flags, with megatron-core's local layer spec and its
-    own ``RotaryEmbedding`` (no CPU subclass: the loop runs inside ``cpu_megatron_training``,
-    whose device placement keeps megatron's "move the table to the GPU" on the CPU)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def stock_builder() -> tuple[Callable[[Any], torch.nn.Module], str]:
+    """Megatron's own GPT model builder, as a function of the parsed flags, and what it is.
+
+    * Megatron-LM's ``gpt_builders.gpt_builder`` where a checkout is importable (found by
+      ``layer_spec.megatron_lm_gpt_builders``, the one place that looks for it; HSP's base spec
+      comes from the same module there);
+    * else the megatron-core wheel's own builder (0.19 on): ``argument_utils.
+      gpt_config_from_args`` then ``models.gpt.GPTModelBuilder.build_model``, the flags-to-model
+      path the wheel ships for ``megatron/training``;
+    * else (megatron-core 0.18, which ships neither) megatron-core's spec functions called
+      with the options every Megatron-LM ``gpt_builder`` passes for the loop's flags (``--spec``,
+      the MoE block spec with ``--qk-l2-norm``, the local layer spec): ``_spec_function_model``,
+      checked against the wheel's builder on every option set by
+      ``tests/testing/test_megatron_loop_models.py``.
+
+    Each builds the whole unpipelined model (embedding and output layer: ``pre_process`` and
+    ``post_process``); the CPU constraints stay the flags' (``--transformer-impl local``) and
+    ``cpu_megatron_training``'s (megatron's own ``RotaryEmbedding``, its table kept on the CPU).
+    """
+    from megatron_hsp.megatron.layer_spec import megatron_lm_gpt_builders
+
+    builders = megatron_lm_gpt_builders()
+    if builders is not None and hasattr(builders, "gpt_builder"):
+
+        def checkout(args: Any) -> torch.nn.Module:
+            return builders.gpt_builder(args, True, True)
+
+        return checkout, "Megatron-LM's gpt_builders.gpt_builder"
+    try:
+        from megatron.training.argument_utils import gpt_config_from_args
+        from megatron.training.models.gpt import GPTModelBuilder
+    except ImportError:
+        return _spec_function_model, "megatron-core's spec functions (no builder in this wheel)"
+
+    def wheel(args: Any) -> torch.nn.Module:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+        builder = GPTModelBuilder(gpt_config_from_args(args))
+        return builder.build_model(groups, pre_process=True, post_process=True)
+
+    return wheel, "megatron.training.models.gpt.GPTModelBuilder"
+
+
+def _spec_function_model(args: Any) -> torch.nn.Module:
+    """Where megatron-core ships no model builder (0.18): the stock GPTModel from megatron-core's
+    spec functions with the options Megatron-LM's ``gpt_builder`` passes for these flags (a
+    user's ``--spec``; with ``--num-experts`` the decoder block spec, ``--qk-l2-norm`` included;
+    else the local layer spec, which takes no qk-l2-norm)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.spec_utils import import_module
     from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
-    torch.manual_seed(args.seed)
-    if args.spec:  # a user's --spec, as Megatron-LM's gpt_builder takes it
-        from megatron.core.transformer.spec_utils import import_module
-
+    if args.transformer_impl != "local":
+        raise RuntimeError("the loop's stock side runs --transformer-impl local only")
+    if args.spec:
         spec = import_module(tuple(args.spec))
-    elif args.num_experts:  # gpt_builder's MoE branch: megatron-core's decoder block spec
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-        spec = get_gpt_decoder_block_spec(config, False, normalization=args.normalization)
+    elif args.num_experts:
+        spec = get_gpt_decoder_block_spec(
+            config, False, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm
+        )
     else:
-        spec = get_gpt_layer_local_spec(normalization=args.normalization)
+        spec = get_gpt_layer_local_spec(
+            qk_layernorm=config.qk_layernorm, normalization=args.normalization
+        )
     return _gpt(GPTModel, config, spec, args)
+
+
+def _stock_model(args: Any) -> torch.nn.Module:
+    """Stock megatron-core GPTModel from the flags, built by Megatron's own builder
+    (``stock_builder``), seeded with ``--seed``."""
+    build, _ = stock_builder()
+    torch.manual_seed(args.seed)
+    return build(args)
 
 
 def _hsp_model(args: Any) -> list[torch.nn.Module]:

@@ -26,6 +26,7 @@ MOE_TOPK = 2  # --moe-router-topk of the MoE option sets
 KV_GROUPS = 2
 SP_SPEC = ("megatron_hsp.testing.sp_spec", "local_sp_block_spec")
 PIPELINE_LAYERS = 4  # layers of the pipeline option sets: 2 per stage, 1 per virtual stage
+QK_NORM_FLAGS = {"l2-norm": "--qk-l2-norm", "layernorm": "--qk-layernorm"}
 
 # The HSP side runs the user-facing defaults (the online refit on, the default overlong policy,
 # the default planner process) except for these switches, the only ones the loop adds beyond
@@ -131,6 +132,10 @@ class LoopOptions:
     moe_dispatcher: str = "alltoall"
     seq_aux_loss: float = 0.0
     z_loss: float = 0.0
+    # Normalization of queries and keys (a model-definition flag: ``QK_NORM_FLAGS``), which
+    # changes the model but no parameter name (L2Norm has no weights): None, "l2-norm" or
+    # "layernorm".
+    qk_norm: str | None = None
     # Whose plan the HSP side trains (--hsp-plan-method: hsp or a baseline on the same
     # batches); an A/B of two option sets differing only here trains identical batches, and
     # their plan logs (``plan_log``: --hsp-plan-log, returned in the entry) feed
@@ -158,6 +163,10 @@ class LoopOptions:
             out += ["--moe-z-loss-coeff", str(self.z_loss)]
         return out
 
+    def qk_flags(self) -> list[str]:
+        """Megatron's flag normalizing queries and keys (none when ``qk_norm`` is None)."""
+        return [QK_NORM_FLAGS[self.qk_norm]] if self.qk_norm else []
+
     def flags(self) -> list[str]:
         """Megatron flags of this option set (both sides)."""
         out = [
@@ -178,7 +187,7 @@ class LoopOptions:
             out += ["--eval-iters", str(EVAL_ITERS), "--eval-interval", str(EVAL_INTERVAL)]
         if self.pp > 1:
             out += ["--num-layers", str(PIPELINE_LAYERS)]
-        return out + self.moe_flags()
+        return out + self.moe_flags() + self.qk_flags()
 
     def pipeline_flags(self) -> list[str]:
         """Megatron's pipeline flags (HSP side only: the stock reference is unpipelined).
@@ -260,6 +269,7 @@ class LoopOptions:
             "moe_dispatcher": self.moe_dispatcher if self.num_experts else None,
             "seq_aux_loss": self.seq_aux_loss,
             "z_loss": self.z_loss,
+            "qk_norm": self.qk_norm,
             "plan_method": self.plan_method,
             "plan_log": self.plan_log,
             "batch_unit": self.batch_unit,
@@ -289,6 +299,8 @@ class LoopOptions:
                 parts.append(f"seqaux {self.seq_aux_loss:g}")
             if self.z_loss:
                 parts.append(f"z {self.z_loss:g}")
+        if self.qk_norm:
+            parts.append(f"qk-{self.qk_norm}")
         if self.plan_method != "hsp":
             parts.append(f"plan {self.plan_method}")
         if self.batch_unit != "documents":
@@ -347,6 +359,11 @@ DEFAULT_OPTIONS = (
     ),
     # The allgather dispatcher (EP 1: HSP refuses it under EP > 1, megatron/refusals.py says why).
     LoopOptions(num_experts=4, moe_dispatcher="allgather", seq_aux_loss=0.1, z_loss=0.01),
+    # MoE with --qk-l2-norm (issue 44): Megatron's builder gives the MoE block spec L2Norm on
+    # queries and keys (its local dense spec takes no qk-l2-norm); a spec built under --hsp
+    # that dropped it trains another model with the same parameters, which only the loss and
+    # gradients show (the ``moe-spec-drops-qk-l2-norm`` plant).
+    LoopOptions(num_experts=4, qk_norm="l2-norm"),
     # The users' batch default, --hsp-batch-unit tokens (no flag): the stock step's 8 x 256
     # tokens of whole documents a step, as many as fit, while Megatron counts 8 samples. Sizes
     # 1 and 2 at 64 tokens per rank hold 128 tokens at most, so the default overlong policy

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_hsp.testing.mutations import SAMPLER_MUTATIONS
+from megatron_hsp.testing.mutations import MODEL_MUTATIONS, SAMPLER_MUTATIONS
 
 # Each plant is called on the HSP side before the run with an ExitStack (register the undo on
 # it) and may return a hook ``(model_chunks, optimizer, config) -> None`` run after DDP and the
@@ -274,8 +274,9 @@ PLANTS: dict[str, Callable[[contextlib.ExitStack], Any]] = {
 }
 
 
-def _sampler_plant(mutation: Any) -> Callable[[contextlib.ExitStack], None]:
-    """A sampler bug of ``mutations.SAMPLER_MUTATIONS`` as a plant of this loop."""
+def _mutation_plant(mutation: Any) -> Callable[[contextlib.ExitStack], None]:
+    """A sampler (or model-definition) bug of ``testing/mutations.py`` as a plant of this
+    loop."""
 
     def plant(stack: contextlib.ExitStack) -> None:
         stack.callback(mutation.plant())
@@ -286,7 +287,11 @@ def _sampler_plant(mutation: Any) -> Callable[[contextlib.ExitStack], None]:
 
 # Which documents are drawn. The stock side reads the pieces HSP's sampler chose, so
 # only the sampler checks against ``testing/sampler_oracle.py`` can see these.
-PLANTS.update({m.name: _sampler_plant(m) for m in SAMPLER_MUTATIONS})
+PLANTS.update({m.name: _mutation_plant(m) for m in SAMPLER_MUTATIONS})
+# The model the HSP side builds (the spec under --hsp): the stock side is built by Megatron's own
+# builder (``models.stock_builder``), so a spec that drops a model-definition flag trains another
+# model than stock's from the same weights, which the loss and gradients show.
+PLANTS.update({m.name: _mutation_plant(m) for m in MODEL_MUTATIONS})
 
 
 # Where each plant runs (an option set's label in DEFAULT_OPTIONS) and for how many steps: the
@@ -312,4 +317,6 @@ PLANT_RUNS: dict[str, tuple[str, int]] = {
     "split-truncated-not-rounded": ("distopt evaluation blend resume", 1),
     "document-twice-after-restart": ("distopt evaluation blend resume", 3),
     "blend-component-not-reshuffled": ("distopt evaluation blend resume", 1),
+    # The model-definition bug (issue 44): on the MoE set with --qk-l2-norm.
+    "moe-spec-drops-qk-l2-norm": ("moe4 ep1 alltoall qk-l2-norm", 1),
 }

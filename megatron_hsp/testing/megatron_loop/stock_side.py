@@ -1,7 +1,8 @@
-"""The stock side: the same flags without ``--hsp``, megatron-core's local spec, each document
-its own ``[1, L]`` sample read with megatron-core's ``IndexedDataset``, a
-``pretrain_gpt.py``-style forward step and per-token loss written from Megatron's documented
-contract (no HSP code) and Megatron's unpatched ``train_step``."""
+"""The stock side: the same flags without ``--hsp``, the model Megatron's own builder builds
+from them (``models.stock_builder``), each document its own ``[1, L]`` sample read with
+megatron-core's ``IndexedDataset``, a ``pretrain_gpt.py``-style forward step and per-token loss
+written from Megatron's documented contract (no HSP code) and Megatron's unpatched
+``train_step``."""
 
 from __future__ import annotations
 
