@@ -1,4 +1,6 @@
-"""``evaluate()`` under ``--hsp`` on a split without documents gives what stock Megatron gives.
+"""``evaluate()`` under ``--hsp`` on a split without documents gives what stock ``evaluate()``
+gives on zero iterations (stock itself, on the same flags, would call ``pretrain_gpt.py``'s
+``get_batch`` on no iterator: not run here, that script is not installed).
 
 A user's ``--split 100,0,0`` (or no ``--valid-data-path``) with ``--eval-iters`` > 0: HSP's
 provider hands Megatron no validation or test iterator, and Megatron's own
